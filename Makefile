@@ -1,0 +1,36 @@
+# Every target sets up what it needs, idempotently: a fresh machine runs `make demo` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: venv demo test test-slow bench clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first (the local CPU build), then the project with a torch range 2.13.0 satisfies,
+# so pip never pulls a newer CUDA wheel.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# Each demo run gets its own folder, so nothing from an earlier run is overwritten.
+DEMO_OUT := runs/demo-$(shell date +%Y%m%d-%H%M%S)
+demo: venv
+	$(VENV)/bin/meshtrain train configs/shakespeare_char.toml --nproc 2 --out $(DEMO_OUT)
+	$(VENV)/bin/meshtrain generate --checkpoint $(DEMO_OUT) --prompt "ROMEO:" --max-new-tokens 300
+
+test: venv
+	$(PY) -m pytest -q
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+bench: venv
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) runs out .pytest_cache

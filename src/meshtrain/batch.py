@@ -1,0 +1,184 @@
+"""Batch arithmetic: global batch, tokens per step, steps per epoch, total training time.
+
+The general form (DESIGN.md, "The seeds' formulas")::
+
+    dp                = world_size / (tp * pp * sp)
+    global_batch_size = micro_batch_size * gradient_accumulation_steps * dp      [samples / step]
+    tokens_per_step   = global_batch_size * seq_len                             [tokens / step]
+    steps_per_epoch   = ceil(num_samples / global_batch_size)                   [optimizer steps]
+    total_time_s      = total_steps * time_per_step_s                           [seconds]
+
+Only the dp factor multiplies the batch: tp, pp and sp ranks work on the *same* samples. The
+"sp_size" seed (``(num_gpus / sp_size) * train_sp_batch_size * GA``) and the "training time" seed
+(``GA * nnodes * nproc_per_node * micro_batch_size``) are the cases tp=pp=1 and tp=pp=sp=1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshtrain.config import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch arithmetic of one layout; optional fields are None when their input was not given."""
+
+    world_size: int
+    tp: int
+    pp: int
+    sp: int
+    dp: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    seq_len: int | None = None
+    tokens_per_step: int | None = None
+    num_samples: int | None = None
+    steps_per_epoch: int | None = None
+    micro_steps_per_epoch: int | None = None
+    epochs: float | None = None
+    total_steps: int | None = None
+    time_per_step_s: float | None = None
+    total_time_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -> int:
+    """dp = world_size / (tp * pp * sp).
+
+    Raises:
+        ConfigError: a degree < 1, or world_size not divisible by tp*pp*sp.
+    """
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("sp", sp)):
+        if value < 1:
+            raise ConfigError(f"{name} = {value} must be >= 1")
+    inner = tp * pp * sp
+    if world_size % inner:
+        raise ConfigError(f"world_size = {world_size} is not divisible by tp*pp*sp = {tp}*{pp}*{sp} = {inner}: "
+                          f"use a world size that is a multiple of {inner}")
+    return world_size // inner
+
+
+def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, dp: int) -> int:
+    """Samples per optimizer step = micro_batch_size * gradient_accumulation_steps * dp."""
+    if micro_batch_size < 1:
+        raise ConfigError(f"micro_batch_size = {micro_batch_size} must be >= 1")
+    if gradient_accumulation_steps < 1:
+        raise ConfigError(f"gradient_accumulation_steps = {gradient_accumulation_steps} must be >= 1")
+    return micro_batch_size * gradient_accumulation_steps * dp
+
+
+def gradient_accumulation_for(global_batch: int, micro_batch_size: int, dp: int) -> int:
+    """The gradient_accumulation_steps that gives ``global_batch`` samples per step.
+
+    Raises:
+        ConfigError: ``global_batch`` is not a positive multiple of ``micro_batch_size * dp``.
+    """
+    unit = micro_batch_size * dp
+    if global_batch < 1 or global_batch % unit:
+        raise ConfigError(f"global_batch_size = {global_batch} is not a multiple of micro_batch_size*dp = "
+                          f"{micro_batch_size}*{dp} = {unit}: use a multiple of {unit}")
+    return global_batch // unit
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Optimizer steps to see ``num_samples`` once: ceil(num_samples / global_batch) (last step may be partial)."""
+    if num_samples < 1:
+        raise ConfigError(f"num_samples = {num_samples} must be >= 1")
+    return math.ceil(num_samples / global_batch)
+
+
+def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_steps: int = 1, *,
+               tp: int = 1, pp: int = 1, sp: int = 1, seq_len: int | None = None,
+               num_samples: int | None = None, epochs: float | None = None, total_steps: int | None = None,
+               time_per_step_s: float | None = None) -> BatchPlan:
+    """Derive the whole :class:`BatchPlan` of a layout.
+
+    Give ``num_samples`` with ``epochs`` (-> total_steps = ceil(epochs * steps_per_epoch)) or with
+    ``total_steps`` (-> epochs = total_steps / steps_per_epoch). ``time_per_step_s`` (seconds) gives
+    ``total_time_s = total_steps * time_per_step_s``. ``micro_steps_per_epoch`` counts the forward/backward
+    passes one dp replica runs per epoch (steps_per_epoch * gradient_accumulation_steps).
+
+    Raises:
+        ConfigError: non-divisible world size, non-positive sizes, or epochs and total_steps both given.
+    """
+    dp = data_parallel_size(world_size, tp, pp, sp)
+    gbs = global_batch_size(micro_batch_size, gradient_accumulation_steps, dp)
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len = {seq_len} must be >= 1")
+    if epochs is not None and total_steps is not None:
+        raise ConfigError("give epochs or total_steps, not both")
+    if epochs is not None and epochs <= 0:
+        raise ConfigError(f"epochs = {epochs} must be > 0")
+    if total_steps is not None and total_steps < 1:
+        raise ConfigError(f"total_steps = {total_steps} must be >= 1")
+    if time_per_step_s is not None and time_per_step_s <= 0:
+        raise ConfigError(f"time_per_step = {time_per_step_s} must be > 0 seconds")
+    spe = mspe = None
+    if num_samples is not None:
+        spe = steps_per_epoch(num_samples, gbs)
+        mspe = spe * gradient_accumulation_steps
+        if epochs is not None:
+            total_steps = math.ceil(epochs * spe)
+        elif total_steps is not None:
+            epochs = total_steps / spe
+        else:
+            epochs, total_steps = 1.0, spe
+    elif epochs is not None:
+        raise ConfigError("epochs needs num_samples: give --num-samples too")
+    total_time = total_steps * time_per_step_s if (total_steps and time_per_step_s) else None
+    return BatchPlan(world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
+                     gradient_accumulation_steps=gradient_accumulation_steps, global_batch_size=gbs,
+                     seq_len=seq_len, tokens_per_step=gbs * seq_len if seq_len else None,
+                     num_samples=num_samples, steps_per_epoch=spe, micro_steps_per_epoch=mspe,
+                     epochs=float(epochs) if epochs is not None else None, total_steps=total_steps,
+                     time_per_step_s=time_per_step_s, total_time_s=total_time)
+
+
+@dataclass(frozen=True)
+class OpenSoraLog:
+    """What Open-Sora-Plan's ``train_t2v_diffusers.py`` logs for an sp layout, next to the real numbers.
+
+    In that code every rank loads ``loader_batch_size`` (b) samples; an all-to-all gives each sp group
+    ``sp*b`` samples, run as ``b*sp/train_sp_batch_size`` micro-steps that all count toward gradient
+    accumulation (DESIGN.md). The real samples per optimizer step are
+    ``(world/sp) * train_sp_batch_size * GA``; the log prints ``b * world * GA / sp * train_sp_batch_size``
+    (a factor b too large) and counts ``len(dataloader) / GA`` updates per epoch, ignoring the inner loop.
+    """
+
+    real_global_batch_size: int
+    logged_global_batch_size: int
+    real_steps_per_epoch: int | None
+    logged_steps_per_epoch: int | None
+    inner_micro_steps: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def open_sora_log(world_size: int, sp: int, train_sp_batch_size: int, gradient_accumulation_steps: int,
+                  loader_batch_size: int, num_samples: int | None = None) -> OpenSoraLog:
+    """Compare the real batch arithmetic of an Open-Sora-Plan sp run with what its log prints.
+
+    Raises:
+        ConfigError: ``sp * loader_batch_size`` not divisible by ``train_sp_batch_size``, or bad sizes.
+    """
+    dp = data_parallel_size(world_size, sp=sp)
+    if loader_batch_size < 1:
+        raise ConfigError(f"loader_batch_size = {loader_batch_size} must be >= 1")
+    if (sp * loader_batch_size) % train_sp_batch_size:
+        raise ConfigError(f"sp*loader_batch_size = {sp * loader_batch_size} is not divisible by "
+                          f"train_sp_batch_size = {train_sp_batch_size}")
+    real = global_batch_size(train_sp_batch_size, gradient_accumulation_steps, dp)
+    logged = loader_batch_size * world_size * gradient_accumulation_steps // sp * train_sp_batch_size
+    real_spe = steps_per_epoch(num_samples, real) if num_samples else None
+    # len(dataloader) per rank = num_samples / (world * b); the code divides that by GA.
+    logged_spe = math.ceil(num_samples / (world_size * loader_batch_size) / gradient_accumulation_steps) \
+        if num_samples else None
+    return OpenSoraLog(real_global_batch_size=real, logged_global_batch_size=logged,
+                       real_steps_per_epoch=real_spe, logged_steps_per_epoch=logged_spe,
+                       inner_micro_steps=sp * loader_batch_size // train_sp_batch_size)

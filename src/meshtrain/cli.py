@@ -1,0 +1,119 @@
+"""``meshtrain train | plan | batch | generate | bench``.
+
+Each subcommand lives next to what it drives and registers itself through ``add_parser(subparsers)``;
+this module only dispatches and turns user errors (:class:`ConfigError`) into one line on stderr
+and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshtrain.config import ConfigError
+
+
+def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="batch arithmetic of a layout: global batch, tokens, steps, time",
+                       description="Global batch = micro_batch_size * grad_accum * world_size / (tp*pp*sp). "
+                                   "Only the dp factor multiplies the batch.")
+    p.add_argument("--world-size", type=int, required=True, help="ranks = nnodes * nproc_per_node")
+    p.add_argument("--micro-batch-size", type=int, required=True,
+                   help="samples per dp replica per micro-step (Open-Sora-Plan's train_sp_batch_size when sp > 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (default 1)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--seq-len", type=int, help="tokens per sample, for tokens_per_step")
+    p.add_argument("--num-samples", type=int, help="samples in one epoch of the dataset")
+    p.add_argument("--epochs", type=float, help="epochs to train (needs --num-samples; default 1)")
+    p.add_argument("--steps", type=int, help="optimizer steps to train, instead of --epochs")
+    p.add_argument("--time-per-step", type=float, help="seconds per optimizer step, for total_time_s")
+    p.add_argument("--loader-batch-size", type=int,
+                   help="Open-Sora-Plan's per-rank train_batch_size (b): also show what its log would print")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from meshtrain.batch import open_sora_log, plan_batch
+
+    plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, tp=args.tp, pp=args.pp, sp=args.sp,
+                      seq_len=args.seq_len, num_samples=args.num_samples, epochs=args.epochs,
+                      total_steps=args.steps, time_per_step_s=args.time_per_step)
+    osl = None
+    if args.loader_batch_size is not None:
+        osl = open_sora_log(args.world_size, args.sp, args.micro_batch_size, args.grad_accum,
+                            args.loader_batch_size, args.num_samples)
+    if args.json:
+        out = plan.to_dict()
+        if osl is not None:
+            out["open_sora_log"] = osl.to_dict()
+        print(json.dumps(out))
+        return 0
+    _print_batch_table(plan, osl)
+    return 0
+
+
+def _print_batch_table(plan, osl) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="meshtrain batch", show_header=True)
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_column("how")
+    rows = [
+        ("world_size", plan.world_size, "ranks = nnodes * nproc_per_node"),
+        ("tp * pp * sp", plan.tp * plan.pp * plan.sp, f"{plan.tp} * {plan.pp} * {plan.sp}: ranks sharing each sample"),
+        ("dp", plan.dp, "world_size / (tp*pp*sp): the only factor that multiplies the batch"),
+        ("micro_batch_size", plan.micro_batch_size, "per dp replica, per micro-step"),
+        ("gradient_accumulation_steps", plan.gradient_accumulation_steps, "micro-steps per optimizer step"),
+        ("global_batch_size", plan.global_batch_size, "micro_batch_size * GA * dp  [samples/step]"),
+        ("tokens_per_step", plan.tokens_per_step, "global_batch_size * seq_len"),
+        ("num_samples", plan.num_samples, "one epoch"),
+        ("steps_per_epoch", plan.steps_per_epoch, "ceil(num_samples / global_batch_size)  [optimizer steps]"),
+        ("micro_steps_per_epoch", plan.micro_steps_per_epoch, "steps_per_epoch * GA, per dp replica"),
+        ("epochs", plan.epochs, ""),
+        ("total_steps", plan.total_steps, "optimizer steps"),
+        ("time_per_step_s", plan.time_per_step_s, "seconds"),
+        ("total_time_s", plan.total_time_s, "total_steps * time_per_step_s"),
+    ]
+    for name, value, how in rows:
+        if value is not None:
+            t.add_row(name, f"{value:,.4g}" if isinstance(value, float) else f"{value:,}", how)
+    console = Console()
+    console.print(t)
+    if osl is not None:
+        console.print(f"Open-Sora-Plan's log would print global batch {osl.logged_global_batch_size:,} "
+                      f"(real {osl.real_global_batch_size:,}) and {osl.logged_steps_per_epoch} updates/epoch "
+                      f"(real {osl.real_steps_per_epoch}): each loader step runs {osl.inner_micro_steps} "
+                      "micro-steps that all count toward gradient accumulation.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from meshtrain import generate, launch
+    from meshtrain.planner import cli as plan_cli
+
+    parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate}")
+    launch.add_parser(sub)
+    plan_cli.add_parser(sub)
+    _add_batch_parser(sub)
+    generate.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"meshtrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Typed run configuration: TOML file + CLI overrides, validated before any process starts.
+
+Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp --pp --sp --steps
+--seed --out``)::
+
+    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size
+    [data]       path, val_fraction
+    [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel
+    [batch]      micro_batch_size, gradient_accumulation_steps
+    [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2
+    [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir
+    [checkpoint] interval, keep, resume
+
+Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
+key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
+
+DTYPES = ("float32", "bfloat16")
+ZERO_STAGES = (0, 2, 3)  # 1 is rejected as "not supported yet"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one actionable line."""
+
+
+@dataclass
+class ModelConfig:
+    type: str = "gpt"
+    """Model family; only "gpt" (decoder-only transformer) is built so far."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 128
+    """Hidden size (embedding width)."""
+    block_size: int = 64
+    """Context length in tokens (the ``seq_len`` of the batch arithmetic)."""
+    dropout: float = 0.0
+    """Dropout probability in [0, 1)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 means "take it from the tokenizer of the corpus"."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """UTF-8 text file to train on; empty means the bundled Tiny Shakespeare corpus."""
+    val_fraction: float = 0.1
+    """Fraction of the text (taken from its end) held out for validation, in (0, 1)."""
+
+    def resolved_path(self) -> Path:
+        return Path(self.path).expanduser() if self.path else BUNDLED_CORPUS
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1
+    """Data-parallel degree; -1 fills the ranks left over: world_size / (pp * sp * tp)."""
+    tp: int = 1
+    """Tensor-parallel degree (not supported yet: must be 1)."""
+    pp: int = 1
+    """Pipeline-parallel degree (not supported yet: must be 1)."""
+    sp: int = 1
+    """Sequence-parallel degree (not supported yet: must be 1)."""
+    zero_stage: int = 0
+    """0 = DDP (replicated); 2 = FSDP2 without resharding after forward; 3 = FSDP2 ``fully_shard``."""
+    sp_mode: str = "ulysses"
+    """Sequence-parallel flavour, "ulysses" or "ring" (not supported yet)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (not supported yet)."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank for interleaved schedules (not supported yet)."""
+    tp_sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP regions (not supported yet)."""
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 12
+    """Samples one dp replica processes in one forward/backward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW, reached after ``warmup_steps``."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay; <= lr."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to ``lr``."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (across all ranks) to this value; 0 disables clipping."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    """Optimizer steps to train for."""
+    seed: int = 1337
+    """Seed for weights, data order and dropout."""
+    eval_interval: int = 250
+    """Evaluate on the val split every this many steps (and at the last step); 0 = only at the end."""
+    eval_steps: int = 20
+    """Micro-batches (of ``micro_batch_size`` per dp rank) averaged for one val loss."""
+    log_interval: int = 10
+    """Write a metrics record every this many steps (and at the last step)."""
+    dtype: str = "float32"
+    """Compute dtype: "float32" or "bfloat16" (autocast; master weights stay fp32)."""
+    out_dir: str = "out"
+    """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500
+    """Save every this many steps (and at the last step); 0 = only at the last step."""
+    keep: int = 2
+    """Number of most recent checkpoints kept on disk (>= 1)."""
+    resume: str = ""
+    """Checkpoint to resume from: a step folder, a run folder (its latest step), or "" for none."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SHORT_FLAGS = {
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "sp": "parallel.sp",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "out": "train.out_dir",
+}
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _sections() -> dict[str, type]:
+    return _field_types(Config)
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Convert ``value`` (from TOML or a CLI string) to ``typ``, or raise ConfigError naming ``key``."""
+    if isinstance(typ, types.UnionType):  # pragma: no cover - no union fields today
+        typ = typing.get_args(typ)[0]
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes")
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r} is not a valid bool (use true or false)")
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} = {value!r} is not a valid int")
+    if not isinstance(value, typ):
+        raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
+    return value
+
+
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``section.key`` on ``cfg`` from a TOML value or CLI string.
+
+    Raises:
+        ConfigError: unknown section/key (with the closest valid name) or a value of the wrong type.
+    """
+    sections = _sections()
+    if "." not in dotted:
+        raise ConfigError(f"'{dotted}' is not a config key: use section.key, e.g. parallel.dp")
+    section, key = dotted.split(".", 1)
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}': {_suggest(section, list(sections))}"
+                          f"valid sections are {', '.join(sections)}")
+    obj = getattr(cfg, section)
+    ftypes = _field_types(type(obj))
+    if key not in ftypes:
+        raise ConfigError(f"unknown config key '{dotted}': {_suggest(key, list(ftypes))}"
+                          f"valid keys of [{section}] are {', '.join(ftypes)}")
+    setattr(obj, key, _coerce(dotted, value, ftypes[key]))
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build a :class:`Config` from an optional TOML file, then apply ``overrides`` (``"section.key" -> value``).
+
+    Raises:
+        ConfigError: missing/unparsable file, unknown keys, wrong types or impossible values
+            (see :func:`validate`).
+    """
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"'{section}' in {p} must be a [section] table, got {table!r}")
+            for key, value in table.items():
+                set_key(cfg, f"{section}.{key}", value)
+    for dotted, value in (overrides or {}).items():
+        set_key(cfg, dotted, value)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and cross-field rule that needs no process group; return ``cfg``.
+
+    Raises:
+        ConfigError: the first violated rule, naming the key, the value and what is valid.
+    """
+    m, d, p, b, o, t, c = cfg.model, cfg.data, cfg.parallel, cfg.batch, cfg.optim, cfg.train, cfg.checkpoint
+    _require(m.type == "gpt", f"model.type = {m.type!r} is not supported: valid is 'gpt'")
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        _require(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
+    _require(m.n_embd % m.n_head == 0,
+             f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
+    _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
+
+    path = d.resolved_path()
+    _require(path.is_file(), f"data.path = {d.path!r} does not exist: give a UTF-8 text file or leave it empty")
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+
+    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp = {p.dp} must be >= 1, or -1 to fill the remaining ranks")
+    for key in ("tp", "pp", "sp"):
+        _require(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
+        _require(getattr(p, key) == 1, f"parallel.{key} = {getattr(p, key)} is not supported yet: use 1")
+    _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be one of 0, 2, 3")
+    _require(p.zero_stage != 1, "parallel.zero_stage = 1 is not supported yet: use 0 (DDP), 2 or 3 (FSDP2)")
+    _require(p.sp_mode == "ulysses", f"parallel.sp_mode = {p.sp_mode!r} is not supported yet: leave it 'ulysses'")
+    _require(p.pp_schedule == "1f1b", f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
+    _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} is not supported yet: use 1")
+    _require(not p.tp_sequence_parallel, "parallel.tp_sequence_parallel = true is not supported yet: use false")
+
+    _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
+    _require(b.gradient_accumulation_steps >= 1,
+             f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
+
+    _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
+    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must be >= 0")
+    _require(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    _require(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
+    for key in ("beta1", "beta2"):
+        _require(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
+
+    _require(t.steps >= 1, f"train.steps = {t.steps} must be >= 1")
+    _require(o.warmup_steps <= t.steps,
+             f"optim.warmup_steps = {o.warmup_steps} must be <= train.steps = {t.steps}")
+    _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
+    _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
+    _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
+    _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
+    _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
+
+    _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
+    _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    return cfg
+
+
+def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
+    """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config).
+
+    ``world_size = pp * dp * sp * tp`` (DESIGN.md, mesh). With ``dp = -1``, dp fills the ranks left.
+
+    Raises:
+        ConfigError: nproc is not divisible by ``pp*sp*tp``, or disagrees with an explicit dp.
+    """
+    p = cfg.parallel
+    inner = p.pp * p.sp * p.tp
+    if nproc is None:
+        dp = 1 if p.dp == -1 else p.dp
+        return dp * inner, dp
+    _require(nproc >= 1, f"--nproc = {nproc} must be >= 1")
+    _require(nproc % inner == 0,
+             f"--nproc = {nproc} is not divisible by pp*sp*tp = {inner}: use a multiple of {inner}")
+    dp = nproc // inner
+    _require(p.dp in (-1, dp),
+             f"parallel.dp = {p.dp} does not match --nproc = {nproc} (pp*sp*tp = {inner} gives dp = {dp}): "
+             f"set --dp {dp} or --nproc {p.dp * inner}")
+    return nproc, dp

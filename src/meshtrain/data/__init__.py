@@ -1,0 +1,1 @@
+"""Corpus, tokenizer and the resumable sharded sampler."""

@@ -1,0 +1,114 @@
+"""The device mesh: one validated object owns the parallel degrees and the ``DeviceMesh``.
+
+Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")`` (DESIGN.md): tp is innermost so its
+ranks are neighbours (inside one node), pp outermost so stages cross nodes. Rank ``r`` has the
+coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshtrain.config import ConfigError
+
+
+class Axis(StrEnum):
+    """Mesh axis names, outer to inner."""
+
+    PP = "pp"
+    DP = "dp"
+    SP = "sp"
+    TP = "tp"
+
+
+AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of a run, checked when built; ``build_mesh`` makes the ``DeviceMesh``.
+
+    Raises:
+        ConfigError: a degree < 1 or ``pp*dp*sp*tp != world_size``.
+    """
+
+    pp: int
+    dp: int
+    sp: int
+    tp: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            if self.degree(axis) < 1:
+                raise ConfigError(f"parallel.{axis} = {self.degree(axis)} must be >= 1")
+        product = self.pp * self.dp * self.sp * self.tp
+        if product != self.world_size:
+            raise ConfigError(f"pp*dp*sp*tp = {self.pp}*{self.dp}*{self.sp}*{self.tp} = {product} "
+                              f"must equal world_size = {self.world_size}")
+
+    def degree(self, axis: Axis | str) -> int:
+        return getattr(self, str(axis))
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank (row-major over AXES)."""
+        coords = {}
+        for axis in reversed(AXES):
+            coords[str(axis)] = rank % self.degree(axis)
+            rank //= self.degree(axis)
+        return {str(a): coords[str(a)] for a in AXES}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create (once) the 4-D ``DeviceMesh`` over all ranks of the default process group."""
+        if self.mesh is None:
+            self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
+                                         mesh_dim_names=tuple(str(a) for a in AXES))
+        return self.mesh
+
+    def get_mesh(self, axis: Axis | str) -> DeviceMesh:
+        """The 1-D sub-mesh of ``axis``. Raises RuntimeError before ``build_mesh``, KeyError for an unknown axis."""
+        if self.mesh is None:
+            raise RuntimeError("build_mesh() must be called before get_mesh()")
+        if str(axis) not in {str(a) for a in AXES}:
+            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}")
+        return self.mesh[str(axis)]
+
+    def rank_of(self, axis: Axis | str) -> int:
+        """This process's coordinate on ``axis`` (0 without a process group)."""
+        if self.mesh is None:
+            return self.coordinates(dist.get_rank() if dist.is_initialized() else 0)[str(axis)]
+        return self.get_mesh(axis).get_local_rank()
+
+
+def device_and_backend() -> tuple[torch.device, str]:
+    """(device, backend): ``cuda:LOCAL_RANK`` with nccl when CUDA is present, else ``cpu`` with gloo."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(backend: str) -> tuple[int, int]:
+    """Join the process group torchrun set up (``RANK``/``WORLD_SIZE`` env), or make a 1-rank group.
+
+    Returns ``(rank, world_size)``. A single process without torchrun gets a world of one through an
+    in-memory store, so the same trainer code runs with and without a launcher.
+    """
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()

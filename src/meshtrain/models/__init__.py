@@ -1,0 +1,1 @@
+"""Models: decoder-only GPT (``gpt.py``)."""
