@@ -79,6 +79,8 @@ def gradient_accumulation_for(global_batch: int, micro_batch_size: int, dp: int)
         ConfigError: ``global_batch`` is not a positive multiple of ``micro_batch_size * dp``.
     """
     unit = micro_batch_size * dp
+    if micro_batch_size < 1 or dp < 1:
+        raise ConfigError(f"micro_batch_size = {micro_batch_size} and dp = {dp} must both be >= 1")
     if global_batch < 1 or global_batch % unit:
         raise ConfigError(f"global_batch_size = {global_batch} is not a multiple of micro_batch_size*dp = "
                           f"{micro_batch_size}*{dp} = {unit}: use a multiple of {unit}")
@@ -89,6 +91,8 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     """Optimizer steps to see ``num_samples`` once: ceil(num_samples / global_batch) (last step may be partial)."""
     if num_samples < 1:
         raise ConfigError(f"num_samples = {num_samples} must be >= 1")
+    if global_batch < 1:
+        raise ConfigError(f"global_batch_size = {global_batch} must be >= 1")
     return math.ceil(num_samples / global_batch)
 
 
@@ -123,7 +127,7 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
         spe = steps_per_epoch(num_samples, gbs)
         mspe = spe * gradient_accumulation_steps
         if epochs is not None:
-            total_steps = math.ceil(epochs * spe)
+            total_steps = max(1, math.ceil(round(epochs * spe, 9)))  # 1.1 * 100 = 110.00000000000001 in floats
         elif total_steps is not None:
             epochs = total_steps / spe
         else:
@@ -170,10 +174,10 @@ def open_sora_log(world_size: int, sp: int, train_sp_batch_size: int, gradient_a
     dp = data_parallel_size(world_size, sp=sp)
     if loader_batch_size < 1:
         raise ConfigError(f"loader_batch_size = {loader_batch_size} must be >= 1")
+    real = global_batch_size(train_sp_batch_size, gradient_accumulation_steps, dp)  # checks the sizes first
     if (sp * loader_batch_size) % train_sp_batch_size:
         raise ConfigError(f"sp*loader_batch_size = {sp * loader_batch_size} is not divisible by "
                           f"train_sp_batch_size = {train_sp_batch_size}")
-    real = global_batch_size(train_sp_batch_size, gradient_accumulation_steps, dp)
     logged = loader_batch_size * world_size * gradient_accumulation_steps // sp * train_sp_batch_size
     real_spe = steps_per_epoch(num_samples, real) if num_samples else None
     # len(dataloader) per rank = num_samples / (world * b); the code divides that by GA.

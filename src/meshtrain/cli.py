@@ -107,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     try:
+        if getattr(args, "accepts_overrides", False):
+            return int(args.func(args, extra) or 0)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"meshtrain {args.command}: error: {e}", file=sys.stderr)

@@ -304,8 +304,6 @@ def validate(cfg: Config) -> Config:
         _require(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
 
     _require(t.steps >= 1, f"train.steps = {t.steps} must be >= 1")
-    _require(o.warmup_steps <= t.steps,
-             f"optim.warmup_steps = {o.warmup_steps} must be <= train.steps = {t.steps}")
     _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
     _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
@@ -338,3 +336,34 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} (pp*sp*tp = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
     return nproc, dp
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, str]:
+    """``["--parallel.dp", "2", "--steps=10"]`` -> ``{"parallel.dp": "2", "train.steps": "10"}``.
+
+    Accepts ``--section.key VALUE``, ``--section.key=VALUE`` and the short flags of ``SHORT_FLAGS``.
+
+    Raises:
+        ConfigError: a token that is not such a flag, or a flag without a value.
+    """
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"unexpected argument '{token}': overrides look like --section.key VALUE")
+        name, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(tokens) or (tokens[i + 1].startswith("--") and len(tokens[i + 1]) > 2):
+                raise ConfigError(f"--{name} needs a value, e.g. --{name} VALUE")
+            value = tokens[i + 1]
+            i += 1
+        if "." not in name:
+            if name not in SHORT_FLAGS:
+                short = ", ".join(f"--{s}" for s in SHORT_FLAGS)
+                raise ConfigError(f"unknown option --{name}: {_suggest(name, list(SHORT_FLAGS))}"
+                                  f"use --section.key VALUE or one of {short}")
+            name = SHORT_FLAGS[name]
+        out[name] = value
+        i += 1
+    return out

@@ -1,6 +1,130 @@
-"""``meshtrain train`` (stub until the trainer lands)."""
+"""``meshtrain train CONFIG [--nproc N] [overrides]``: validate, then start the ranks with torchrun's engine.
+
+Everything that can be checked without a process group is checked here, before any process is
+spawned: the config, the layout against ``--nproc``, the corpus, the output folder (never reuse a
+folder that holds another run) and the checkpoint to resume. Then ``torch.distributed.run`` starts
+``nproc`` ranks of ``python -m meshtrain.train`` (the elastic agent, so ``--max-restarts`` and
+multi-node rendezvous work exactly as with ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshtrain.config import Config, ConfigError, load_config, parse_overrides, resolve_world
+
+SHORT = ("dp", "tp", "pp", "sp", "steps", "seed")
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train on the device mesh")
-    p.set_defaults(func=lambda args: print("not built yet") or 1)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", allow_abbrev=False, help="train a model on the device mesh (starts the ranks through torchrun)",
+        description="Train CONFIG (TOML) on N local ranks, or on several nodes with --nnodes/--rdzv-endpoint. "
+                    "Any config key can be overridden as --section.key VALUE, e.g. --parallel.zero_stage 3 "
+                    "--train.dtype bfloat16.",
+        epilog="Equivalent without meshtrain's checks: torchrun --nproc-per-node N -m meshtrain.train CONFIG [overrides]")
+    p.add_argument("config", help="TOML config, e.g. configs/shakespeare_char.toml")
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: pp*dp*sp*tp of the config)")
+    for name in SHORT:
+        p.add_argument(f"--{name}", type=str, help=f"short for --{'parallel' if len(name) == 2 else 'train'}.{name}")
+    p.add_argument("--out", help="output folder (short for --train.out_dir); must not hold another run")
+    p.add_argument("--resume", nargs="?", const="@out", metavar="PATH",
+                   help="continue from a checkpoint: a step folder or a run folder (its latest); "
+                        "without PATH, the latest checkpoint in the output folder")
+    p.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4 for elastic)")
+    p.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
+    p.add_argument("--rdzv-endpoint", default="", help="torchrun --rdzv-endpoint HOST:PORT for multi-node")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all ranks this often after a failure; they resume from the latest checkpoint")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
+    """The validated config of a ``train`` command line. Raises ConfigError."""
+    overrides = parse_overrides(extra)
+    for name in SHORT:
+        if getattr(args, name) is not None:
+            overrides[f"{'parallel' if len(name) == 2 else 'train'}.{name}"] = getattr(args, name)
+    if args.out is not None:
+        overrides["train.out_dir"] = args.out
+    if args.resume is not None:
+        overrides["checkpoint.resume"] = args.resume
+    cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.resume == "@out":
+        cfg.checkpoint.resume = cfg.train.out_dir
+    return cfg
+
+
+def preflight(cfg: Config, nproc_total: int) -> None:
+    """Checks that need no process group. Raises ConfigError with one actionable line."""
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.data.corpus import load_corpus
+    from meshtrain.metrics import METRICS_FILE
+
+    resolve_world(cfg, nproc_total)
+    load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    out = Path(cfg.train.out_dir)
+    resume = cfg.checkpoint.resume
+    if resume:
+        found = ckpt.resolve_checkpoint(resume)
+        meta = ckpt.read_meta(found)
+        if meta["step"] >= cfg.train.steps:
+            raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
+                              f"{meta['step']}: give --steps larger than {meta['step']}")
+    resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
+    if (out / METRICS_FILE).exists() and not resuming_here:
+        raise ConfigError(f"train.out_dir = '{out}' already holds a run ({METRICS_FILE}): choose another --out, "
+                          f"or continue it with --resume")
+
+
+def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int) -> list[str]:
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
+    if args.rdzv_endpoint:
+        argv += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    else:
+        argv += ["--standalone"]
+    argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
+             "--parallel.dp", str(resolve_world(cfg, nproc * _nnodes_max(args.nnodes))[1])]
+    for name in ("steps", "seed", "tp", "pp", "sp"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name}", getattr(args, name)]
+    if cfg.checkpoint.resume:
+        argv += ["--checkpoint.resume", cfg.checkpoint.resume]
+    return argv
+
+
+def _nnodes_max(nnodes: str) -> int:
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        raise ConfigError(f"--nnodes = {nnodes!r} is not valid: use N or MIN:MAX") from None
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    extra = list(extra or [])
+    cfg = build_config(args, extra)
+    nnodes = _nnodes_max(args.nnodes)
+    if args.nproc is None:
+        world, _ = resolve_world(cfg, None)
+        if world % nnodes:
+            raise ConfigError(f"world size {world} is not divisible by --nnodes {nnodes}: give --nproc")
+        nproc = world // nnodes
+    else:
+        nproc = args.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc = {nproc} must be >= 1")
+    preflight(cfg, nproc * nnodes)
+
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc))
+    try:
+        torchrun(torch_args)
+    except ChildFailedError as e:
+        print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
+        return 1
+    return 0

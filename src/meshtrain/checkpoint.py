@@ -1,0 +1,119 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): sharded save, atomic commit, resharding load.
+
+Layout of a run folder::
+
+    OUT/checkpoints/step_000500/   committed checkpoint (DCP shards + .metadata + meta.json)
+    OUT/checkpoints/step_000500.tmp/   being written; never read, removed by the next save
+
+A step folder is written under ``.tmp`` and renamed by rank 0 only after every rank finished and
+``meta.json`` is on disk, so a crash never leaves a half-written checkpoint under a real name, and an
+existing checkpoint is never overwritten. Model and optimizer state go through
+``get_state_dict``/``set_state_dict``, which name tensors by their unwrapped parameter names, so a
+checkpoint saved with DDP loads into FSDP2 at another dp size and the other way round (DCP reshards
+from its global metadata). ``meta.json`` holds the step, config, tokenizer, sampler and LR-schedule state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from meshtrain.config import ConfigError
+
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+META = "meta.json"
+
+
+def step_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Committed step folders of a run, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume") -> Path:
+    """A committed step folder from a step folder or a run folder (its latest checkpoint).
+
+    Raises:
+        ConfigError: nothing committed there.
+    """
+    p = Path(path).expanduser()
+    if (p / META).is_file():
+        return p
+    found = list_checkpoints(p)
+    if not found:
+        raise ConfigError(f"{key} = '{path}' holds no checkpoint: give a run folder with "
+                          "checkpoints/step_* or a step folder with meta.json")
+    return found[-1]
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    return json.loads((Path(ckpt) / META).read_text())
+
+
+def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any],
+         keep: int) -> Path:
+    """Collectively save model + optimizer state and ``meta``; commit atomically; keep the newest ``keep``.
+
+    Every rank must call this. Returns the committed step folder.
+
+    Raises:
+        FileExistsError: that step is already committed (nothing is overwritten).
+    """
+    final = step_dir(out_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if rank == 0:
+        _write_json_atomic(tmp / META, {"step": step, **meta})
+        os.replace(tmp, final)
+        for old in list_checkpoints(out_dir)[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    """Collectively load a committed checkpoint into ``model`` (and ``optimizer``), resharding as needed.
+
+    Returns the checkpoint's ``meta.json`` contents.
+    """
+    if optimizer is None:
+        model_sd = {k: v for k, v in model.state_dict().items()}
+        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+        model.load_state_dict(model_sd)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return read_meta(ckpt)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

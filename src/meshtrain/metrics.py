@@ -1,0 +1,107 @@
+"""Run metrics from one rank: a live rich progress bar, ``OUT/metrics.jsonl`` and a loss-curve PNG.
+
+``metrics.jsonl`` holds one JSON object per line: train records ``{"step", "loss", "lr",
+"tokens_per_s", "grad_norm", "step_time_s"}`` every ``log_interval`` steps, and eval records
+``{"step", "val_loss"}``. On resume into the same folder, records after the resumed step are dropped
+(the file is rewritten atomically), so the file always describes one consistent run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+logger = logging.getLogger("meshtrain")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Writes metrics and shows progress; every method is a no-op unless ``enabled`` (rank 0)."""
+
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int) -> None:
+        self.out_dir, self.enabled = Path(out_dir), enabled
+        self.console = Console(stderr=True)
+        self.progress: Progress | None = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.out_dir) if r["step"] <= start_step]
+        tmp = self.out_dir / (METRICS_FILE + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.out_dir / METRICS_FILE)
+        self.file = open(self.out_dir / METRICS_FILE, "a")
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), console=self.console, transient=False)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        self.progress.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def step(self, step: int, record: dict[str, Any] | None) -> None:
+        """Advance the bar to ``step``; write ``record`` (a train record) if given."""
+        if not self.enabled:
+            return
+        if record is not None:
+            self.write(record)
+            self.progress.update(self.task, stats=f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                                                  f"{record['tokens_per_s']:,.0f} tok/s")
+        self.progress.update(self.task, completed=step)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        if self.enabled:
+            self.write({"step": step, "val_loss": val_loss})
+            self.progress.console.print(f"step {step}: val_loss {val_loss:.4f}")
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            (self.progress.console if self.progress else self.console).print(text)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()
+            self.file.close()
+
+
+def plot_loss(out_dir: Path) -> Path | None:
+    """Write ``OUT/loss.png`` (train loss and val loss against step) from metrics.jsonl; None if no records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(out_dir)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not val:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(out_dir) / "loss.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,196 @@
+"""Decoder-only GPT: the GPT-2 architecture as laid out in karpathy/nanoGPT, without biases.
+
+Sources: the transformer decoder of Vaswani et al. 2017 ("Attention Is All You Need",
+arXiv:1706.03762, Sec. 3.2 scaled dot-product attention), with GPT-2's pre-norm residual blocks and
+scaled residual init (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
+Sec. 2.3). Shape legend: B batch, T sequence length, C = n_embd, nh = n_head, hs = C // nh head size,
+V vocabulary size.
+
+Parameter count (tied head, no biases), used by the planner::
+
+    N = V*C + block_size*C + n_layer*(12*C**2 + 2*C) + C
+
+The embedding, the blocks, the final norm and the head are separate submodules so a pipeline stage
+can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
+returns hidden states), and a TP plan can name ``blocks.i.attn.qkv`` etc.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.config import ModelConfig
+
+INIT_STD = 0.02
+"""Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (Vaswani et al. 2017, Sec. 3.2.2) with a fused qkv projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        hs = C // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network, width 4C with GELU (Vaswani et al. 2017, Sec. 3.3; GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C); the hidden activation is (B, T, 4C)."""
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (GPT-2): ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model returning logits; the loss is computed by the caller.
+
+    Args:
+        cfg: model shape (``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``).
+        vocab_size: V, number of token ids.
+
+    Weights are drawn from a seed taken from the global torch RNG at construction, so
+    ``torch.manual_seed(s); GPT(cfg, V)`` is deterministic, and a model built on the meta device then
+    ``to_empty(device=...)`` + :meth:`init_weights` gets the same weights as a normal build after the
+    same ``torch.manual_seed(s)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head != 0:
+            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
+        # Drawn first, on the CPU, so a meta-device build consumes the same RNG as a normal one.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.block_size = cfg.block_size
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, cfg.n_embd)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017; GPT-2)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter from ``self.init_seed``; idempotent and device independent.
+
+        normal(0, 0.02) for Linear and Embedding weights, with the residual output projections
+        (``attn.proj``, ``mlp.proj``) scaled by ``1/sqrt(2*n_layer)`` (GPT-2, Sec. 2.3: two residual
+        additions per block); LayerNorm weights 1. Values are drawn on the CPU from a private generator
+        in module order, then copied, so CPU, GPU and meta->``to_empty`` builds agree bit for bit.
+        Re-ties ``lm_head.weight`` to ``tok_emb.weight`` (``to_empty`` may have untied them); does
+        nothing else while parameters are on the meta device.
+        """
+        if self.tok_emb is not None and self.lm_head is not None:
+            self.lm_head.weight = self.tok_emb.weight
+        if any(p.is_meta for p in self.parameters()):
+            return  # nothing to fill yet: call again after ``to_empty``
+        gen = torch.Generator(device="cpu").manual_seed(self.init_seed)
+        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and module is not self.lm_head):
+                std = resid_std if name.endswith(("attn.proj", "mlp.proj")) else INIT_STD
+                w = module.weight
+                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, the tied ``tok_emb``/``lm_head`` weight counted once.
+
+        ``exclude_embeddings=True`` leaves out the token and position embeddings (V*C + block_size*C),
+        the N of Kaplan et al. 2020 (arXiv:2001.08361, Sec. 2.1) used in ``6*N`` FLOP estimates.
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        if exclude_embeddings:
+            n -= sum(e.weight.numel() for e in (self.tok_emb, self.pos_emb) if e is not None)
+        return n
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
+
+        A pipeline stage without ``tok_emb`` takes hidden states (B, T, C) instead; one without
+        ``lm_head`` returns hidden states (B, T, C).
+
+        Raises:
+            ValueError: T > block_size.
+        """
+        T = idx.size(1)
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds model.block_size = {self.block_size}")
+        if self.tok_emb is not None:
+            pos = torch.arange(T, device=idx.device)  # (T,)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        else:
+            x = idx  # (B, T, C) hidden states from the previous stage
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        if self.lm_head is None:
+            return x
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
+
+        The context fed to the model is cropped to the last ``block_size`` tokens. Logits of the last
+        position are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest,
+        and sampled with ``torch.multinomial`` from ``generator`` (same device as ``idx``) if given.
+        """
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.block_size:]  # (B, <= block_size)
+            logits = self(ctx)[:, -1, :] / temperature  # (B, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)  # (B, V)
+            nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
+        return idx

@@ -1,0 +1,235 @@
+"""Model shapes the planner understands: presets, a TOML ``[model]`` table, or a training config.
+
+A :class:`ModelSpec` describes a decoder-only transformer by the numbers the cost model needs:
+``layers`` (L), ``hidden`` (h), ``heads`` (a), ``kv_heads`` (grouped-query attention), ``ffn_hidden``
+(f), ``vocab`` (V), ``seq_len`` (s) and the MLP ``activation`` ("gelu": two matrices, "swiglu": three).
+
+Parameter count (weights only, biases and norms included)::
+
+    per layer = h*(q + 2*kv) + q*h              attention (q = a*d, kv = kv_heads*d, d = h/a)
+              + m*h*f                           MLP, m = 2 (GELU) or 3 (SwiGLU)
+              + norms (2h, or 4h with biases) + biases (q + 2kv + h + f + h)
+    total     = L*per layer + V*h (+ V*h if the head is untied) + s*h (learned positions) + final norm
+
+For the GPT configs of Narayanan et al. 2021 (biases, tied head, learned positions, no final norm)
+this is their Eq. 2 exactly: ``12*L*h**2 * (1 + 13/(12h) + (V+s)/(12*L*h))``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import Config, ConfigError
+
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer. Sizes are counts (not bytes).
+
+    Raises (in ``__post_init__``):
+        ConfigError: a size < 1, heads not dividing hidden, kv_heads not dividing heads, or an
+            unknown activation.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: int = 0
+    """MLP width f; 0 means 4*hidden."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means ``heads`` (multi-head attention)."""
+    activation: str = "gelu"
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    biases: bool = False
+    dropout: bool = False
+    """Whether dropout layers run (their masks cost activation memory: Korthikanti et al. 2022, Sec. 4.1)."""
+    final_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden == 0:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for key in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_hidden", "kv_heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model {key} = {getattr(self, key)} must be >= 1")
+        if self.hidden % self.heads:
+            raise ConfigError(f"model hidden = {self.hidden} must be divisible by heads = {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"model heads = {self.heads} must be divisible by kv_heads = {self.kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"model activation = {self.activation!r} is not valid: use one of {', '.join(ACTIVATIONS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
+        return 3 if self.activation == "swiglu" else 2
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (weights, biases, norm scales)."""
+        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
+        n = h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f
+        n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
+        if self.biases:
+            n += (h + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
+        return n
+
+    def embedding_params(self) -> int:
+        """Token embedding (+ learned position embedding) parameters: V*h (+ s*h)."""
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    def head_params(self) -> int:
+        """Output layer: final norm plus the V*h head if it is not tied to the embedding."""
+        norm = (2 if self.biases else 1) * self.hidden if self.final_norm else 0
+        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        """Total parameters N (the tied head counted once)."""
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """GPT-2 (Radford et al. 2019, Table 2): biases, tied head, learned positions, V=50257, s=1024."""
+    return ModelSpec(name, layers, hidden, heads, vocab=50257, seq_len=1024, biases=True, dropout=True)
+
+
+def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    """Llama 3 (Dubey et al. 2024, Table 3): GQA with 8 kv heads, SwiGLU, RoPE, V=128256, s=8192."""
+    return ModelSpec(name, layers, hidden, heads, vocab=128256, seq_len=8192, ffn_hidden=ffn, kv_heads=8,
+                     activation="swiglu", tied_embeddings=False, learned_positions=False)
+
+
+def _megatron(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """GPT configs of Narayanan et al. 2021, Table 1: V=51200, s=2048, f=4h, biases, dropout, tied head."""
+    return ModelSpec(name, layers, hidden, heads, vocab=51200, seq_len=2048, biases=True, dropout=True,
+                     final_norm=False)
+
+
+PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
+    _gpt2("gpt2-small", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
+    _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
+    _llama3("llama3-8b", 32, 4096, 32, 14336), _llama3("llama3-70b", 80, 8192, 64, 28672),
+    _llama3("llama3-405b", 126, 16384, 128, 53248),
+    _megatron("megatron-1.7b", 24, 2304, 24), _megatron("megatron-3.6b", 30, 3072, 32),
+    _megatron("megatron-7.5b", 36, 4096, 32), _megatron("megatron-18.4b", 40, 6144, 48),
+    _megatron("megatron-39.1b", 48, 8192, 64), _megatron("megatron-76.1b", 60, 10240, 80),
+    _megatron("megatron-145.6b", 80, 12288, 96), _megatron("megatron-310.1b", 96, 16384, 128),
+    _megatron("megatron-529.6b", 105, 20480, 128), _megatron("megatron-1t", 128, 25600, 160),
+)}
+
+
+def preset(name: str) -> ModelSpec:
+    """The preset called ``name`` (case-insensitive).
+
+    Raises:
+        ConfigError: unknown name, with the closest preset and the full list.
+    """
+    key = name.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    close = difflib.get_close_matches(key, list(PRESETS), n=1, cutoff=0.4)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(f"unknown model preset '{name}': {hint}valid presets are {', '.join(PRESETS)}")
+
+
+PLANNER_KEYS = {"name", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "activation",
+                "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm"}
+
+
+def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:
+    """A spec from a planner-style table (``layers, hidden, heads, vocab, seq_len`` [+ optional keys]).
+
+    Raises:
+        ConfigError: a missing or unknown key, or an invalid value.
+    """
+    unknown = set(table) - PLANNER_KEYS
+    if unknown:
+        key = sorted(unknown)[0]
+        close = difflib.get_close_matches(key, sorted(PLANNER_KEYS), n=1, cutoff=0.5)
+        raise ConfigError(f"unknown model key '{key}': {'did you mean ' + repr(close[0]) + '? ' if close else ''}"
+                          f"valid keys are {', '.join(sorted(PLANNER_KEYS))}")
+    missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len") if k not in table]
+    if missing:
+        raise ConfigError(f"model table lacks {', '.join(missing)}: give layers, hidden, heads, vocab and seq_len")
+    fields = {"name": name, **table}
+    if isinstance(fields.get("activation"), str):
+        fields["activation"] = fields["activation"].lower()
+    return ModelSpec(**fields)
+
+
+def corpus_vocab_size(cfg: Config) -> int:
+    """Distinct characters of the corpus at ``cfg.data.resolved_path()`` (the trainer's char tokenizer)."""
+    path = cfg.data.resolved_path()
+    try:
+        return len(set(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.path = '{path}' cannot be read as UTF-8 text: {e}") from None
+
+
+def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
+    """The spec of the trainer's GPT (``meshtrain.models.gpt``) for a training config.
+
+    Maps ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C, no biases,
+    LayerNorm scales only, tied head, learned positions. ``vocab_size`` overrides the config; with
+    neither, the vocabulary is the number of distinct characters of the corpus (char tokenizer).
+    """
+    m = cfg.model
+    vocab = vocab_size or m.vocab_size or corpus_vocab_size(cfg)
+    return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
+                     seq_len=m.block_size, dropout=m.dropout > 0)
+
+
+def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
+    """Resolve ``--model``: a preset name, or a TOML file with a ``[model]`` table.
+
+    The table is either planner style (``layers, hidden, heads, ...``) or a training config's
+    (``n_layer, n_head, n_embd, block_size``). ``seq_len`` overrides the model's sequence length.
+
+    Raises:
+        ConfigError: unknown preset, unreadable file, or a bad table.
+    """
+    path = Path(spec)
+    if spec.endswith(".toml") or path.is_file():
+        model = model_from_toml(path)
+    else:
+        model = preset(spec)
+    return replace(model, seq_len=seq_len) if seq_len else model
+
+
+def model_from_toml(path: Path) -> ModelSpec:
+    """Read the ``[model]`` table of ``path`` (planner style or training-config style). Raises ConfigError."""
+    if not path.is_file():
+        raise ConfigError(f"model file '{path}' does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"model file '{path}' is not valid TOML: {e}") from None
+    table = data.get("model")
+    if not isinstance(table, dict):
+        raise ConfigError(f"'{path}' has no [model] table")
+    if "n_layer" in table or "n_embd" in table:
+        from meshtrain.config import load_config
+        return from_config(load_config(path))
+    return from_table(table, name=path.stem)

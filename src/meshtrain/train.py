@@ -1,0 +1,257 @@
+"""The training loop; run on every rank (``torchrun ... -m meshtrain.train CONFIG [--section.key VALUE ...]``).
+
+One optimizer step = ``gradient_accumulation_steps`` forward/backward passes of ``micro_batch_size``
+samples per dp rank, gradient sync on the last one only, global-norm clipping, AdamW, LR schedule
+(linear warmup, cosine decay to ``min_lr``). The parallel wrappers are composed in one fixed order,
+pp split -> tp -> sp -> dp (DESIGN.md); only dp exists so far.
+
+Determinism: weights come from ``train.seed``; data order from the sampler (layout-free state);
+dropout masks from a generator reseeded every step from (seed, step, rank), so a resumed run
+draws exactly what the uninterrupted run would have drawn without saving RNG state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from meshtrain import checkpoint as ckpt
+from meshtrain.config import Config, ConfigError, OptimConfig, load_config, parse_overrides, resolve_world
+from meshtrain.data.corpus import load_corpus
+from meshtrain.data.sampler import ShardedSampler, eval_batches
+from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distributed
+from meshtrain.metrics import MetricsLog, plot_loss
+from meshtrain.models.gpt import GPT
+from meshtrain.parallel.data import apply_dp, gradient_sync
+
+TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr``.
+
+    Warmup ``lr * (step+1) / (warmup_steps+1)``; cosine decay (Loshchilov & Hutter 2017, SGDR, Eq. 5,
+    one cycle without restarts) from ``lr`` at ``warmup_steps`` to ``min_lr`` at ``total_steps``.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW with weight decay on matrices only (norm weights and biases undecayed), and its schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+    scheduler = LambdaLR(optimizer, lambda s: lr_at(s, cfg.optim, cfg.train.steps) / cfg.optim.lr)
+    return optimizer, scheduler
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Clip to the global L2 norm over all ranks' gradients (0 = no clipping); return the norm before."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def dp_mean(value: torch.Tensor, dims: ParallelDims) -> float:
+    """Mean of a scalar over the dp ranks (gloo has no AVG, so SUM / dp)."""
+    if dims.dp > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(Axis.DP).get_group())
+    return float(value) / dims.dp
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+class Trainer:
+    """Builds the mesh, model, optimizer and data for ``cfg`` on this rank and runs the loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device, backend = device_and_backend()
+        self.rank, world = init_distributed(backend)
+        _, dp = resolve_world(cfg, world)
+        self.dims = ParallelDims(pp=cfg.parallel.pp, dp=dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, world_size=world)
+        self.dims.build_mesh(self.device.type)
+        self.corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+        self.vocab_size = cfg.model.vocab_size or self.corpus.tokenizer.vocab_size
+        if self.vocab_size < self.corpus.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size = {self.vocab_size} is smaller than the corpus vocabulary "
+                              f"({self.corpus.tokenizer.vocab_size}): use 0 or >= that")
+        torch.manual_seed(cfg.train.seed)
+        model = GPT(cfg.model, self.vocab_size).to(self.device)
+        self.model = apply_dp(model, self.dims.get_mesh(Axis.DP), cfg.parallel.zero_stage)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        dp_rank = self.dims.rank_of(Axis.DP)
+        b = cfg.batch
+        self.sampler = ShardedSampler(self.corpus.train, cfg.model.block_size, b.micro_batch_size,
+                                      b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
+        self.val = eval_batches(self.corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
+                                dp, dp_rank, cfg.train.seed)
+        self.out_dir = Path(cfg.train.out_dir)
+        self.start_step = self._maybe_resume()
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                         if cfg.train.dtype == "bfloat16" else nullcontext())
+
+    def _maybe_resume(self) -> int:
+        resume = self.cfg.checkpoint.resume
+        if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            resume = str(self.out_dir) if ckpt.list_checkpoints(self.out_dir) else ""  # elastic restart
+        if not resume:
+            return 0
+        meta = ckpt.load(ckpt.resolve_checkpoint(resume), self.model, self.optimizer)
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        return int(meta["step"])
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor)."""
+        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.device), y.to(self.device)  # (mbs, T) each
+            with gradient_sync(self.model, enabled=i == n - 1):
+                with self.autocast:
+                    logits = self.model(x)  # (mbs, T, V)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                (loss / n).backward()
+            total += loss.detach()
+        return total / n
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in self.val:
+            with self.autocast:
+                logits = self.model(x.to(self.device))
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+        self.model.train()
+        return dp_mean(total / len(self.val), self.dims)
+
+    def save(self, step: int) -> None:
+        meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
+                "vocab_size": self.vocab_size, "sampler": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
+                "dp": self.dims.dp, "global_batch_size": self.sampler.global_batch_size}
+        ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
+
+    def run(self) -> dict[str, Any]:
+        """Train from ``start_step`` to ``train.steps``; return a summary (rank 0's view)."""
+        t, c = self.cfg.train, self.cfg.checkpoint
+        log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps)
+        tokens_per_step = self.sampler.global_batch_size * self.cfg.model.block_size
+        step_times: list[float] = []
+        val_loss = None
+        try:
+            for step in range(self.start_step + 1, t.steps + 1):
+                t0 = time.perf_counter()
+                torch.manual_seed(step_seed(t.seed, step, self.rank))
+                lr = self.scheduler.get_last_lr()[0]
+                local_loss = self.forward_backward(self.sampler.next_step())
+                grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                loss = dp_mean(local_loss, self.dims)
+                dt = time.perf_counter() - t0
+                if step > self.start_step + TIMING_WARMUP_STEPS:
+                    step_times.append(dt)
+                last = step == t.steps
+                record = None
+                if step % t.log_interval == 0 or last:
+                    record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                              "grad_norm": grad_norm, "step_time_s": dt}
+                log.step(step, record)
+                if last or (t.eval_interval and step % t.eval_interval == 0):
+                    val_loss = self.evaluate()
+                    log.eval(step, val_loss)
+                if last or (c.interval and step % c.interval == 0):
+                    self.save(step)
+        finally:
+            log.close()
+        return self._finish(step_times, val_loss, tokens_per_step)
+
+    def _finish(self, step_times: list[float], val_loss: float | None, tokens_per_step: int) -> dict[str, Any]:
+        peak = torch.tensor([_peak_memory_bytes(self.device)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        summary = {"val_loss": val_loss, "step_time_s": statistics.median(step_times) if step_times else None,
+                   "peak_memory_bytes": int(peak.item()), "world_size": self.dims.world_size, "dp": self.dims.dp}
+        if summary["step_time_s"]:
+            summary["tokens_per_s"] = tokens_per_step / summary["step_time_s"]
+        if self.rank == 0:
+            plot_loss(self.out_dir)
+            _report_plan_vs_actual(self, summary)
+        return summary
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA allocator peak on GPU, peak resident set size (ru_maxrss, KiB) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _report_plan_vs_actual(trainer: Trainer, summary: dict[str, Any]) -> None:
+    """Print and save the planner's prediction for this layout next to what was measured."""
+    try:
+        from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
+    except ImportError:
+        return
+    if summary["step_time_s"] is None:
+        return
+    predicted = predict_for_run(trainer.cfg, trainer.dims.world_size, trainer.vocab_size, trainer.device.type)
+    measured = {"step_time_s": summary["step_time_s"], "peak_memory_bytes": summary["peak_memory_bytes"]}
+    result = write_plan_vs_actual(predicted, measured, trainer.out_dir)
+    err = result.get("relative_error", {})
+    print(f"plan vs actual: step time predicted {predicted['step_time_s']:.4f} s, measured "
+          f"{measured['step_time_s']:.4f} s ({err.get('step_time_s', float('nan')):+.1%}); peak memory/rank "
+          f"predicted {predicted['peak_memory_bytes'] / 2**20:.0f} MiB, measured "
+          f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', float('nan')):+.1%})",
+          file=sys.stderr)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun)."""
+    try:
+        return Trainer(cfg).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m meshtrain.train CONFIG [--section.key VALUE ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(argv[0], parse_overrides(argv[1:]))
+    except ConfigError as e:
+        print(f"meshtrain train: error: {e}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Shared helpers: tiny model settings, the real CLI in a subprocess, and the trainer in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "shakespeare_char.toml"
+
+# A model small enough that a 2-rank, 10-step run costs ~1 s of compute on 2 cores.
+TINY = {
+    "model.n_layer": "2", "model.n_head": "2", "model.n_embd": "32", "model.block_size": "32",
+    "optim.warmup_steps": "2", "optim.lr": "3e-3", "train.steps": "10", "train.log_interval": "1",
+    "train.eval_interval": "0", "train.eval_steps": "2", "checkpoint.interval": "0",
+}
+
+
+def override_args(overrides: dict[str, str]) -> list[str]:
+    return [tok for key, value in overrides.items() for tok in (f"--{key}", str(value))]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``meshtrain ARGS`` in a fresh interpreter (the installed console script's entry point)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "meshtrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def train_cli(out: Path, nproc: int, **overrides: str) -> list[dict]:
+    """Train through ``meshtrain train`` on ``nproc`` gloo ranks; return the metrics records."""
+    args = {**TINY, **overrides, "train.out_dir": str(out)}
+    proc = run_cli("train", str(CONFIG), "--nproc", str(nproc), *override_args(args))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return read_records(out)
+
+
+def train_here(out: Path, **overrides: str) -> list[dict]:
+    """Train in this process (a 1-rank group, no launcher); return the metrics records."""
+    from meshtrain.config import load_config
+    from meshtrain.train import train
+
+    train(load_config(CONFIG, {**TINY, **overrides, "train.out_dir": str(out)}))
+    return read_records(out)
+
+
+def read_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def assert_close_losses(got: dict[int, float], want: dict[int, float], rel: float = 1e-5) -> None:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=rel), f"step {step}: {got[step]} vs {want[step]}"
+
+
+def final_params(out: Path) -> dict:
+    """Parameters of the run's latest checkpoint, loaded into a plain single-process model."""
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.gpt import GPT
+
+    path = ckpt.resolve_checkpoint(out)
+    meta = ckpt.read_meta(path)
+    model = GPT(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    ckpt.load(path, model, None)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close_params(got: dict, want: dict, rel: float = 1e-5) -> None:
+    import torch
+
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rel, atol=rel * float(want[name].abs().max()),
+                                   msg=lambda m, n=name: f"{n}: {m}")

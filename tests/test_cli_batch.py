@@ -1,0 +1,97 @@
+"""``meshtrain batch`` through the installed console script, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).with_name("meshtrain")
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "meshtrain.cli"]
+
+
+def meshtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=60)
+
+
+def batch_json(*args: str) -> dict:
+    result = meshtrain("batch", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_json_has_the_whole_plan():
+    # 16 ranks, tp 2, sp 2 -> dp 4; 4 * 3 * 2 = 24 samples/step; 1000 samples -> ceil(1000/24) = 42 steps.
+    out = batch_json("--world-size", "16", "--tp", "2", "--sp", "2", "--micro-batch-size", "3",
+                     "--grad-accum", "2", "--seq-len", "64", "--num-samples", "1000", "--epochs", "2",
+                     "--time-per-step", "0.5")
+    assert out["dp"] == 4
+    assert out["global_batch_size"] == 24
+    assert out["tokens_per_step"] == 24 * 64
+    assert out["steps_per_epoch"] == 42
+    assert out["micro_steps_per_epoch"] == 42 * 2
+    assert out["total_steps"] == 84
+    assert out["total_time_s"] == pytest.approx(84 * 0.5)
+
+
+def test_json_sp_seed_example():
+    out = batch_json("--world-size", "8", "--sp", "4", "--micro-batch-size", "1")
+    assert (out["dp"], out["global_batch_size"]) == (2, 2)
+
+
+def test_json_steps_instead_of_epochs():
+    out = batch_json("--world-size", "2", "--micro-batch-size", "12", "--num-samples", "240", "--steps", "25")
+    assert out["steps_per_epoch"] == 10
+    assert out["total_steps"] == 25
+    assert out["epochs"] == pytest.approx(2.5)
+
+
+def test_json_open_sora_log_fields():
+    out = batch_json("--world-size", "8", "--sp", "4", "--micro-batch-size", "1", "--loader-batch-size", "2",
+                     "--num-samples", "1000")
+    osl = out["open_sora_log"]
+    assert osl["real_global_batch_size"] == out["global_batch_size"] == 2
+    assert osl["logged_global_batch_size"] == 2 * 2  # a factor b = 2 too large
+    assert osl["real_steps_per_epoch"] == out["steps_per_epoch"]
+
+
+def test_table_names_dp_and_the_formula():
+    result = meshtrain("batch", "--world-size", "8", "--tp", "2", "--micro-batch-size", "4")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    dp_row = next(line for line in lines if line.strip("│┃ ").startswith("dp "))
+    assert " 4 " in dp_row  # 8 / 2
+    gbs_row = next(line for line in lines if "global_batch_size" in line)
+    assert " 16 " in gbs_row  # 4 * 1 * 4
+
+
+def test_table_with_loader_batch_size_explains_the_open_sora_log():
+    result = meshtrain("batch", "--world-size", "8", "--sp", "4", "--micro-batch-size", "1",
+                       "--loader-batch-size", "2", "--num-samples", "1000")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "Open-Sora-Plan's log would print global batch 4 (real 2)" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "6", "--sp", "4", "--micro-batch-size", "1"], "world_size = 6 is not divisible"),
+    (["--world-size", "4", "--micro-batch-size", "0"], "micro_batch_size = 0"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--epochs", "2"], "epochs needs num_samples"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--num-samples", "9", "--epochs", "1", "--steps", "3"],
+     "not both"),
+    (["--world-size", "8", "--sp", "4", "--micro-batch-size", "3", "--loader-batch-size", "1"],
+     "not divisible by train_sp_batch_size = 3"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bad_layout_exits_2_with_one_line(args, message, as_json):
+    result = meshtrain("batch", *args, *(["--json"] if as_json else []))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("meshtrain batch: error: ")
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,63 @@
+"""``meshtrain train`` / ``generate`` end to end through the real CLI, and its errors before any spawn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import CONFIG, TINY, losses, override_args, read_records, run_cli
+
+
+def test_train_two_ranks_then_generate(tmp_path):
+    out = tmp_path / "run"
+    args = override_args({**TINY, "train.steps": "30", "train.log_interval": "5", "train.eval_interval": "10",
+                          "checkpoint.interval": "10", "checkpoint.keep": "2", "train.dtype": "bfloat16"})
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out), *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = read_records(out)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    for r in train:
+        assert set(r) >= {"step", "loss", "lr", "tokens_per_s", "grad_norm"}
+        assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
+    assert losses(records)[30] < losses(records)[5]  # it learns something in 30 steps at lr 3e-3
+    assert (out / "loss.png").stat().st_size > 1000
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["step_000020", "step_000030"]  # keep = 2, nothing half-written left behind
+    meta = json.loads((out / "checkpoints" / "step_000030" / "meta.json").read_text())
+    assert meta["step"] == 30 and meta["dp"] == 2
+
+    gen = run_cli("generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "40")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.rstrip("\n")) == len("ROMEO:") + 40
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--nproc", "3", "--tp", "1", "--dp", "2"], "parallel.dp = 2 does not match --nproc = 3"),
+    (["--parallel.tp", "2"], "parallel.tp = 2 is not supported yet"),
+    (["--model.n_layers", "2"], "did you mean 'n_layer'"),
+    (["--batch.micro_batch_size", "twelve"], "batch.micro_batch_size"),
+    (["--frobnicate", "1"], "unknown option --frobnicate"),
+    (["--resume", "/nonexistent/run"], "checkpoint.resume = '/nonexistent/run' holds no checkpoint"),
+    (["--data.path", "/nonexistent.txt"], "data.path"),
+])
+def test_bad_train_commands_fail_fast_with_one_line(tmp_path, args, needle):
+    proc = run_cli("train", str(CONFIG), "--out", str(tmp_path / "o"), *args, timeout=60)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing was started
+
+
+def test_out_dir_with_a_run_is_never_reused(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    proc = run_cli("train", str(CONFIG), "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
+
+
+def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
+    proc = run_cli("generate", "--checkpoint", str(tmp_path), "--prompt", "x", timeout=60)
+    assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,46 @@
+"""Resume continues exactly: train 10 steps with a checkpoint at 5, resume from 5, compare steps 6-10."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import (CONFIG, TINY, assert_close_losses, assert_close_params, final_params, losses, override_args,
+                      read_records, run_cli, train_cli, train_here)
+
+GLOBAL8 = {"batch.micro_batch_size": "8", "checkpoint.interval": "5", "checkpoint.keep": "3"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    records = train_here(out, **GLOBAL8)
+    return out, losses(records), final_params(out)
+
+
+def test_resume_same_layout_is_exact(uninterrupted, tmp_path):
+    full_dir, full_losses, full_params = uninterrupted
+    records = train_here(tmp_path, **GLOBAL8, **{"checkpoint.resume": str(full_dir / "checkpoints" / "step_000005")})
+    got = losses(records)
+    assert sorted(got) == list(range(6, 11))
+    assert got == {s: full_losses[s] for s in range(6, 11)}  # same process, same layout: bit-exact
+    assert_close_params(final_params(tmp_path), full_params, rel=0)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3], ids=["ddp", "fsdp2"])
+def test_resume_on_two_ranks_from_one_rank_checkpoint(uninterrupted, tmp_path, zero_stage):
+    full_dir, full_losses, full_params = uninterrupted
+    records = train_cli(tmp_path, 2, **{"batch.micro_batch_size": "4", "parallel.zero_stage": str(zero_stage),
+                                        "checkpoint.interval": "5",
+                                        "checkpoint.resume": str(full_dir / "checkpoints" / "step_000005")})
+    assert_close_losses(losses(records), {s: full_losses[s] for s in range(6, 11)})
+    assert_close_params(final_params(tmp_path), full_params)
+
+
+def test_resume_into_same_folder_keeps_one_consistent_history(tmp_path):
+    """--resume without a path continues the run in --out; metrics.jsonl then holds steps 1..7 once each."""
+    first = train_here(tmp_path, **GLOBAL8, **{"train.steps": "5"})
+    assert max(losses(first)) == 5
+    args = override_args({**TINY, **GLOBAL8, "train.steps": "7"})
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(tmp_path), "--resume", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_records(tmp_path) if "loss" in r] == list(range(1, 8))
