@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,9 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str,
     """
     if optimizer is None:
         model_sd = {k: v for k, v in model.state_dict().items()}
-        dcp.load({"model": model_sd}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model_sd}, checkpoint_id=str(ckpt))
         model.load_state_dict(model_sd)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
