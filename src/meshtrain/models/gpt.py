@@ -125,9 +125,10 @@ class GPT(nn.Module):
         additions per block); LayerNorm weights 1. Values are drawn on the CPU from a private generator
         in module order, then copied, so CPU, GPU and meta->``to_empty`` builds agree bit for bit.
         Re-ties ``lm_head.weight`` to ``tok_emb.weight`` (``to_empty`` may have untied them); does
-        nothing else while parameters are on the meta device.
+        nothing else while parameters are on the meta device. Build the optimizer after this call.
         """
-        if self.tok_emb is not None and self.lm_head is not None:
+        tied = self.tok_emb is not None and self.lm_head is not None
+        if tied:
             self.lm_head.weight = self.tok_emb.weight
         if any(p.is_meta for p in self.parameters()):
             return  # nothing to fill yet: call again after ``to_empty``
@@ -136,7 +137,7 @@ class GPT(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)
-            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and module is not self.lm_head):
+            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is self.lm_head)):
                 std = resid_std if name.endswith(("attn.proj", "mlp.proj")) else INIT_STD
                 w = module.weight
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
