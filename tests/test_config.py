@@ -86,6 +86,12 @@ def test_overrides_apply_after_the_file():
     assert cfg.model.n_embd == 128  # untouched keys keep the file's values
 
 
+def test_short_run_of_the_main_config_is_valid():
+    # bench/bench_train.py and quick checks run the main config for a few dozen steps, inside its LR warmup.
+    cfg = load_config(SHAKESPEARE, overrides={"train.steps": "20"})
+    assert cfg.train.steps == 20 and cfg.optim.warmup_steps == 100
+
+
 def test_parse_overrides_reads_long_short_and_equals_forms():
     tokens = ["--parallel.zero_stage", "3", "--train.dtype=bfloat16", "--steps", "60", "--dp", "2",
               "--out", "runs/x", "--optim.min_lr", "-0"]

@@ -284,8 +284,8 @@ def validate(cfg: Config) -> Config:
     for key in ("tp", "pp", "sp"):
         _require(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
         _require(getattr(p, key) == 1, f"parallel.{key} = {getattr(p, key)} is not supported yet: use 1")
-    _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be one of 0, 2, 3")
     _require(p.zero_stage != 1, "parallel.zero_stage = 1 is not supported yet: use 0 (DDP), 2 or 3 (FSDP2)")
+    _require(p.zero_stage in ZERO_STAGES, f"parallel.zero_stage = {p.zero_stage} must be one of 0, 2, 3")
     _require(p.sp_mode == "ulysses", f"parallel.sp_mode = {p.sp_mode!r} is not supported yet: leave it 'ulysses'")
     _require(p.pp_schedule == "1f1b", f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
     _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} is not supported yet: use 1")

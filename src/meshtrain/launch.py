@@ -59,11 +59,11 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
 
 def preflight(cfg: Config, nproc_total: int) -> None:
     """Checks that need no process group. Raises ConfigError with one actionable line."""
+    resolve_world(cfg, nproc_total)  # before importing torch: layout mistakes are reported at once
     from meshtrain import checkpoint as ckpt
     from meshtrain.data.corpus import load_corpus
     from meshtrain.metrics import METRICS_FILE
 
-    resolve_world(cfg, nproc_total)
     load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
