@@ -1,6 +1,194 @@
-"""``meshtrain plan`` (stub until the planner lands)."""
+"""``meshtrain plan``: predict memory, step time, MFU and total time of layouts, and pick the best.
+
+Modes: search (default), ``--explain LAYOUT``, ``--validate FILE``, ``--calibrate``. Every user mistake
+raises :class:`meshtrain.config.ConfigError` (one line, exit code 2 from ``meshtrain.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshtrain.config import ConfigError
+
+EPILOG = """examples:
+  meshtrain plan --model llama3-70b --gpu H100-SXM-80GB --num-gpus 512 --global-batch-size 1024 --seq-len 8192
+  meshtrain plan --model llama3-405b --gpu H100 --num-gpus 16384 --global-batch-tokens 16777216 --top 5 --json
+  meshtrain plan --model gpt2-xl --gpu A100-80GB --num-gpus 16 --global-batch-size 512 --explain zero_stage=2,micro_batch_size=4
+  meshtrain plan configs/shakespeare_char.toml            (the trainer's model and layout, on this CPU)
+  meshtrain plan --validate ../shared/validation/published_runs.toml --json
+  meshtrain plan --calibrate                              (measure this machine, save a cpu profile)"""
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="predict memory, step time, MFU and total time of layouts")
-    p.set_defaults(func=lambda args: print("not built yet") or 1)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``plan`` on the ``meshtrain`` subparsers and set ``func``."""
+    p = sub.add_parser("plan", help="predict memory, step time, MFU and total time of layouts; pick the best",
+                       description="Enumerate every valid (dp, tp, pp, sp, zero_stage, micro_batch_size, "
+                                   "gradient_accumulation_steps, recompute, pp_schedule) layout of a job, drop those "
+                                   "that break a divisibility rule or do not fit in memory, rank the rest by time "
+                                   "per step. Formulas and their sources: docs/planner.md.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch")
+    g = p.add_argument_group("model and hardware")
+    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t) or a TOML "
+                                   "file with a [model] table")
+    g.add_argument("--seq-len", type=int, help="tokens per sample (overrides the model's)")
+    g.add_argument("--gpu", help="device type, e.g. H100-SXM-80GB, A100-80GB, MI300X, cpu (default: cpu for a "
+                                 "config, else required)")
+    g.add_argument("--hardware", type=Path, help="TOML with extra [[device]] tables and a [network] table")
+    g.add_argument("--profile", type=Path, help="calibrated profile to read/write (default "
+                                                "~/.cache/meshtrain/hardware_profile.toml)")
+    g.add_argument("--devices-per-node", type=int, help="override the node size of the device's network")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "bf16-autocast"),
+                   help="precision (default: the framework's mixed precision; a config's train.dtype)")
+    g.add_argument("--framework", choices=("meshtrain", "megatron-core", "megatron-2021", "fsdp"),
+                   default=None, help="software whose overlaps and features to model (default meshtrain)")
+    j = p.add_argument_group("job")
+    j.add_argument("--num-gpus", type=int, help="devices in the job (world_size)")
+    j.add_argument("--global-batch-size", type=int, help="samples per optimizer step")
+    j.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (instead of samples)")
+    j.add_argument("--dataset-samples", type=int, help="samples in one epoch")
+    j.add_argument("--dataset-tokens", type=float, help="tokens in one epoch")
+    j.add_argument("--epochs", type=float, help="epochs over the dataset (default 1)")
+    j.add_argument("--token-budget", type=float, help="tokens to train on (instead of a dataset)")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    o.add_argument("--fix", default="", help="pin layout fields in the search, e.g. tp=8,pp=4,recompute=full")
+    o.add_argument("--explain", metavar="LAYOUT", help="explain one layout, e.g. tp=8,pp=4,zero_stage=1,"
+                                                       "micro_batch_size=2,recompute=selective")
+    o.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    o.add_argument("--markdown", action="store_true", help="with --validate: print the Markdown table of docs/planner.md")
+    o.add_argument("--plot", type=Path, metavar="PNG", help="write memory and step-time breakdowns of the top layouts")
+    o.add_argument("--validate", type=Path, metavar="FILE", help="predict published runs and report the errors")
+    o.add_argument("--calibrate", action="store_true", help="measure this machine and save a cpu profile")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch the ``plan`` modes. Raises ConfigError for any user mistake."""
+    from meshtrain.planner import report
+
+    if args.calibrate:
+        from meshtrain.planner.calibrate import calibrate
+        path = calibrate(args.profile)
+        print(json.dumps({"profile": str(path)}) if args.json else f"saved hardware profile to {path}")
+        return 0
+    if args.validate is not None:
+        from meshtrain.planner.validate import validate_file
+        result = validate_file(args.validate, args.profile)
+        if args.json:
+            print(json.dumps(result, indent=1))
+        elif args.markdown:
+            print(report.validation_markdown(result))
+        else:
+            report.print_validation(result)
+        return 0
+    ctx = build_context(args)
+    if args.explain is not None:
+        from meshtrain.planner.layout import parse_layout
+        layout = parse_layout(args.explain, ctx.job.num_devices, ctx.job.global_batch_size)
+        return report.explain(ctx, layout, as_json=args.json)
+    from meshtrain.planner.search import search
+    fixed = parse_fix(args.fix)
+    fitting = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed)
+    smallest = None
+    if not fitting:
+        unfit = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
+        if not unfit:
+            raise ConfigError(f"no layout of {ctx.model.name} on {ctx.job.num_devices} devices meets the divisibility "
+                              f"rules with global_batch_size = {ctx.job.global_batch_size}: try another batch or --fix")
+        smallest = min(unfit, key=lambda e: e.memory.total)
+    if args.plot is not None:
+        from meshtrain.planner.plot import plot_breakdowns
+        plot_breakdowns(fitting[: args.top] or [smallest], args.plot, ctx.hw.device.memory_bytes)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in fitting[: args.top]], indent=1))
+    else:
+        report.print_search(ctx, fitting, smallest, args.top, args.plot)
+    return 0
+
+
+def parse_fix(text: str) -> dict:
+    """``"tp=8,recompute=full"`` -> ``{"tp": 8, "recompute": "full"}`` (ints where the Layout field is int).
+
+    Raises:
+        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage not valid.
+    """
+    from meshtrain.planner.layout import PP_SCHEDULES, RECOMPUTE, ZERO_STAGES, Layout
+    kinds = dict(Layout.__annotations__)
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in kinds:
+            raise ConfigError(f"--fix item '{item}' is not key=value with a key among {', '.join(kinds)}")
+        try:
+            out[key] = int(value) if kinds[key] == "int" else (value.lower() in ("1", "true", "yes")
+                                                                 if kinds[key] == "bool" else value)
+        except ValueError:
+            raise ConfigError(f"--fix {key} = {value!r} is not a valid {kinds[key]}") from None
+    for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES)):
+        if key in out and out[key] not in valid:
+            raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
+    return out
+
+
+def build_context(args: argparse.Namespace):
+    """Resolve model, hardware, precision, framework and job from the arguments (and a config)."""
+    from meshtrain.planner.report import Context
+    from meshtrain.planner.estimate import Job
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import FRAMEWORKS
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config, load_model
+
+    cfg = None
+    if args.config:
+        from meshtrain.config import load_config, resolve_world
+        cfg = load_config(args.config)
+    if args.model:
+        model = load_model(args.model, args.seq_len)
+    elif cfg is not None:
+        model = from_config(cfg)
+        if args.seq_len:
+            raise ConfigError("--seq-len cannot change a config's model: set model.block_size in the config")
+    else:
+        raise ConfigError("give --model (a preset or a TOML file) or a training config")
+    framework = FRAMEWORKS[args.framework or "meshtrain"]
+    gpu = args.gpu or ("cpu" if cfg is not None else None)
+    if gpu is None:
+        raise ConfigError("give --gpu, e.g. --gpu H100-SXM-80GB (or cpu)")
+    if cfg is not None and args.gpu is None:
+        import os
+        from meshtrain.planner.actual import hardware_for_run
+        from meshtrain.planner.hardware import DEFAULT_PROFILE
+        ranks = resolve_world(cfg, args.num_gpus)[0]
+        hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if ranks == 1 else 1)
+    else:
+        hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node)
+    dtype = args.dtype or (("bf16-autocast" if cfg.train.dtype == "bfloat16" else "fp32") if cfg is not None
+                           else framework.mixed_precision)
+    world = args.num_gpus
+    gbs = args.global_batch_size
+    config_layout = None
+    if cfg is not None:
+        world_cfg, dp = resolve_world(cfg, args.num_gpus)
+        world = world_cfg
+        gbs = gbs or cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * dp
+        from meshtrain.planner.actual import layout_from_config
+        config_layout = layout_from_config(cfg, world)
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % model.seq_len:
+            raise ConfigError(f"--global-batch-tokens = {args.global_batch_tokens} is not a multiple of "
+                              f"seq_len = {model.seq_len}")
+        gbs = args.global_batch_tokens // model.seq_len
+    if not world or world < 1:
+        raise ConfigError("give --num-gpus N (>= 1)")
+    if not gbs or gbs < 1:
+        raise ConfigError("give --global-batch-size N or --global-batch-tokens N (>= 1)")
+    samples = args.dataset_samples
+    if args.dataset_tokens:
+        samples = int(args.dataset_tokens // model.seq_len)
+    steps = cfg.train.steps if cfg is not None and not (samples or args.token_budget) else None
+    job = Job(world, gbs, num_samples=samples, epochs=args.epochs, token_budget=args.token_budget, total_steps=steps)
+    return Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)

@@ -6,10 +6,12 @@ type and link type (see docs/planner.md, "Constants"):
 
 - ``matmul_efficiency``: fraction of peak FLOP/s that training GEMMs reach on that device;
 - ``memory_efficiency``: fraction of the HBM bandwidth that fused element-wise kernels reach;
-- ``Network.efficiency``: NCCL bus bandwidth / link bandwidth (nccl-tests' "busbw").
+- ``Network.intra_node_efficiency`` / ``inter_node_efficiency``: NCCL bus bandwidth / link bandwidth
+  (nccl-tests' "busbw": about 0.8 on NVLink, 0.9 on InfiniBand).
 
 Users add devices in TOML (``[[device]]`` and ``[network]`` tables, see :func:`load_hardware_file`);
-``meshtrain plan --calibrate`` measures this machine and saves a ``cpu`` profile (:func:`load_profile`).
+``meshtrain plan --calibrate`` measures this machine and saves ``cpu`` profiles in the same format
+(:data:`DEFAULT_PROFILE`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,27 @@ class Device:
     memory_efficiency: float = 0.8
     framework_overhead_bytes: float = 3 * GiB
     """Memory the runtime takes before any tensor: CUDA context, NCCL buffers, allocator slack."""
-    op_overhead_s: float = 0.0
-    """Host time per launched operator that is *not* hidden (0 on GPUs, whose launches run ahead)."""
+    layer_host_s: float = 0.0
+    """Host time per layer and micro-step (forward + backward operator dispatch, autograd) that is not
+    hidden behind kernels: measured on CPU, 0 on GPUs, whose host runs ahead of the kernels."""
+    microstep_host_s: float = 0.0
+    """Host time per micro-step outside the layers (embeddings, head, loss, the training loop)."""
+    tensor_update_host_s: float = 0.0
+    """Host time of the optimizer step (AdamW, gradient-norm clipping) per parameter tensor."""
+    sharded_tensor_update_host_s: float = 0.0
+    """The same for a parameter sharded by FSDP2 (a DTensor: every operator goes through its dispatch)."""
+    fsdp_unit_overhead_s: float = 0.0
+    """Host time FSDP spends per unit collective beyond the transfer (copy-in/out, hooks, DTensor
+    dispatch) that is not hidden: measured on CPU, 0 on GPUs whose host runs ahead of the kernels."""
+    comm_overlap: bool = True
+    """Whether collectives can run during compute (GPUs: copy engines / NCCL kernels beside the GEMMs;
+    a CPU rank's gloo thread competes with its own compute for the same core, so no)."""
     matmul_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    """Measured GEMM FLOP/s by inner size k, per dtype (from ``--calibrate``); overrides the constant."""
+    """Measured FLOP/s of a Linear forward + backward by inner size k, per dtype (``--calibrate``);
+    overrides ``peak * matmul_efficiency``."""
+    attention_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Measured FLOP/s (causal FLOPs executed) of fused attention forward + backward by sequence length,
+    per dtype (``--calibrate``); without it attention runs at the GEMM rate."""
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype``. Raises ConfigError for a dtype the device does not list."""
@@ -53,22 +72,31 @@ class Device:
         return self.peak_flops[dtype]
 
     def matmul_flops(self, dtype: str, k: int) -> float:
-        """Achievable GEMM FLOP/s for inner dimension ``k``: measured table (log-interpolated) or peak*efficiency."""
+        """Achievable GEMM FLOP/s for inner dimension ``k``: measured table (interpolated) or peak*efficiency."""
         table = self.matmul_table.get(dtype)
-        if not table:
-            return self.peak(dtype) * self.matmul_efficiency
-        sizes = [s for s, _ in table]
-        i = bisect_left(sizes, k)
-        if i == 0:
-            return table[0][1] * min(1.0, k / sizes[0])
-        if i == len(table):
-            return table[-1][1]
-        (k0, f0), (k1, f1) = table[i - 1], table[i]
-        return f0 + (f1 - f0) * (k - k0) / (k1 - k0)
+        return _interpolate(table, k) if table else self.peak(dtype) * self.matmul_efficiency
+
+    def attention_flops(self, dtype: str, seq_len: int, k: int) -> float:
+        """Achievable FLOP/s of fused attention at ``seq_len``: measured table, else the GEMM rate at ``k``."""
+        table = self.attention_table.get(dtype)
+        return _interpolate(table, seq_len) if table else self.matmul_flops(dtype, k)
 
     def bandwidth(self) -> float:
         """Achievable memory bandwidth for element-wise kernels, bytes/s."""
         return self.memory_bandwidth * self.memory_efficiency
+
+
+def _interpolate(table: list[tuple[int, float]], x: int) -> float:
+    """Linear interpolation in a table sorted by size; below the first size it scales down
+    proportionally (fixed costs dominate), above the last it stays flat."""
+    sizes = [s for s, _ in table]
+    i = bisect_left(sizes, x)
+    if i == 0:
+        return table[0][1] * min(1.0, x / sizes[0])
+    if i == len(table):
+        return table[-1][1]
+    (x0, f0), (x1, f1) = table[i - 1], table[i]
+    return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
@@ -80,13 +108,19 @@ class Network:
     inter_node_bandwidth: float
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 10e-6
-    efficiency: float = 0.8
+    intra_node_efficiency: float = 0.8
+    inter_node_efficiency: float = 0.9
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured (bandwidth, latency per ring step) of each collective inside a node (``--calibrate``);
+    overrides the link's numbers for that kind."""
 
-    def link(self, spans_nodes: bool) -> tuple[float, float]:
-        """(achievable bandwidth bytes/s, latency s) of the slowest link a group uses."""
+    def link(self, spans_nodes: bool, kind: str | None = None) -> tuple[float, float]:
+        """(achievable bandwidth bytes/s, latency s) of the slowest link a group uses (for ``kind``)."""
+        if not spans_nodes and kind in self.collectives:
+            return self.collectives[kind]
         if spans_nodes:
-            return self.inter_node_bandwidth * self.efficiency, self.inter_node_latency_s
-        return self.intra_node_bandwidth * self.efficiency, self.intra_node_latency_s
+            return self.inter_node_bandwidth * self.inter_node_efficiency, self.inter_node_latency_s
+        return self.intra_node_bandwidth * self.intra_node_efficiency, self.intra_node_latency_s
 
 
 @dataclass(frozen=True)
@@ -106,13 +140,13 @@ _MI300X = Network(8, 448e9, 50e9)     # Infinity Fabric, 7 links x 64 GB/s per G
 
 # name: (bf16 FLOP/s, fp32 FLOP/s, memory bytes, HBM bytes/s, matmul_efficiency, network)
 _CATALOG: dict[str, tuple[float, float, float, float, float, Network]] = {
-    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.70, _DGX_A100),
-    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.70, _DGX_A100),
-    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.60, _DGX_H100),
-    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.60, _PCIE5),
-    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.60, _DGX_H100),
-    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.60, _DGX_B200),
-    "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.45, _MI300X),
+    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.66, _DGX_A100),
+    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.66, _DGX_A100),
+    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.47, _DGX_H100),
+    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.47, _PCIE5),
+    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.47, _DGX_H100),
+    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.47, _DGX_B200),
+    "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.35, _MI300X),
 }
 ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "A100-SXM-80GB",
            "H100": "H100-SXM-80GB", "H100-SXM": "H100-SXM-80GB", "H100-PCIe": "H100-PCIe-80GB",
@@ -121,9 +155,11 @@ ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "
 # An uncalibrated CPU process: one core of a recent x86 server (AVX2/AVX-512 FMA), DDR4/5 share.
 CPU_DEFAULT = Hardware(
     Device("cpu", {"float32": 50e9, "bfloat16": 25e9}, memory_bytes=16 * GiB, memory_bandwidth=10e9,
-           matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=350 * 2**20, op_overhead_s=10e-6),
+           matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=350 * 2**20, layer_host_s=1e-3,
+           microstep_host_s=2e-3, tensor_update_host_s=50e-6, sharded_tensor_update_host_s=1e-3, comm_overlap=False),
     Network(devices_per_node=2, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
-            intra_node_latency_s=50e-6, inter_node_latency_s=100e-6, efficiency=1.0))
+            intra_node_latency_s=50e-6, inter_node_latency_s=100e-6, intra_node_efficiency=1.0,
+            inter_node_efficiency=1.0))
 
 
 def catalog() -> dict[str, Hardware]:
@@ -163,6 +199,10 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
     return hw
 
 
+HOST_KEYS = ("layer_host_s", "microstep_host_s", "tensor_update_host_s", "sharded_tensor_update_host_s",
+             "fsdp_unit_overhead_s")
+
+
 def _number(table: dict[str, Any], key: str, where: str) -> float:
     value = table.get(key)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -177,15 +217,20 @@ def _device_from_table(t: dict[str, Any], where: str) -> Device:
     peaks = {"bfloat16": _number(t, "peak_bf16_flops", where), "float32": _number(t, "peak_fp32_flops", where)}
     kw = {k: _number(t, k, where) for k in ("matmul_efficiency", "memory_efficiency", "framework_overhead_bytes")
           if k in t}
-    if "op_overhead_s" in t:
-        kw["op_overhead_s"] = float(t["op_overhead_s"])
-    table = {dtype: [(int(k), float(f)) for k, f in rows] for dtype, rows in t.get("matmul_table", {}).items()}
-    return Device(name, peaks, _number(t, "memory_bytes", where), _number(t, "memory_bandwidth", where),
-                  matmul_table=table, **kw)
+    for key in HOST_KEYS:
+        if key in t:
+            kw[key] = float(t[key])
+    if "comm_overlap" in t:
+        kw["comm_overlap"] = bool(t["comm_overlap"])
+    for key in ("matmul_table", "attention_table"):
+        kw[key] = {dtype: [(int(k), float(f)) for k, f in rows] for dtype, rows in t.get(key, {}).items()}
+    return Device(name, peaks, _number(t, "memory_bytes", where), _number(t, "memory_bandwidth", where), **kw)
 
 
 def _network_from_table(t: dict[str, Any], where: str) -> Network:
-    kw = {k: _number(t, k, where) for k in ("intra_node_latency_s", "inter_node_latency_s", "efficiency") if k in t}
+    keys = ("intra_node_latency_s", "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
+    kw: dict[str, Any] = {k: _number(t, k, where) for k in keys if k in t}
+    kw["collectives"] = {kind: (float(b), float(a)) for kind, (b, a) in t.get("collectives", {}).items()}
     return Network(int(_number(t, "devices_per_node", where)), _number(t, "intra_node_bandwidth", where),
                    _number(t, "inter_node_bandwidth", where), **kw)
 
@@ -200,8 +245,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def load_hardware_file(path: Path) -> dict[str, Hardware]:
-    """Devices of a user file or of a calibrated profile: ``[[device]]`` tables (name, peak_bf16_flops, peak_fp32_flops, memory_bytes,
-    memory_bandwidth, optional efficiencies) and one ``[network]`` table shared by them.
+    """Devices of a user file or of a calibrated profile.
+
+    Format: ``[[device]]`` tables (name, peak_bf16_flops, peak_fp32_flops, memory_bytes, memory_bandwidth,
+    optional matmul_efficiency, memory_efficiency, framework_overhead_bytes, the host times of
+    :data:`HOST_KEYS`, comm_overlap,
+    matmul_table, attention_table)
+    and one ``[network]`` table shared by them (devices_per_node, intra_node_bandwidth,
+    inter_node_bandwidth, optional latencies, efficiencies and measured ``collectives``).
 
     Raises:
         ConfigError: missing file, bad TOML, or a missing/non-positive number (named).

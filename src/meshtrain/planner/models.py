@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import tomllib
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class ModelSpec:
         """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
         return 3 if self.activation == "swiglu" else 2
 
+    @cache  # noqa: B019  (specs are few, frozen and hashable; the search asks this 10^5 times)
     def layer_params(self) -> int:
         """Parameters of one transformer block (weights, biases, norm scales)."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
@@ -92,6 +94,15 @@ class ModelSpec:
         if self.biases:
             n += (h + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
         return n
+
+    def param_tensors(self) -> int:
+        """Number of parameter tensors (fused qkv counted as one), which sets per-tensor optimizer work."""
+        per_layer = 2 + self.mlp_matrices + 2  # qkv, out-proj, MLP matrices, two norm scales
+        if self.biases:
+            per_layer += 2 + self.mlp_matrices + 2
+        ends = 1 + int(self.learned_positions) + int(not self.tied_embeddings)
+        ends += (2 if self.biases else 1) if self.final_norm else 0
+        return self.layers * per_layer + ends
 
     def embedding_params(self) -> int:
         """Token embedding (+ learned position embedding) parameters: V*h (+ s*h)."""

@@ -1,0 +1,89 @@
+"""Search time of ``meshtrain plan``: the whole command line, as a user runs it, for jobs up to Llama 3
+405B on 16,384 GPUs (the issue's bound: under 2 s).
+
+    python bench/bench_planner.py [--repeats 3]      # ~20 s
+
+Each job is one real command line ``meshtrain plan --model M --gpu H100-SXM-80GB --num-gpus N
+--global-batch-size B --seq-len S --json``, timed end to end (interpreter start-up included), and the
+same search timed in-process (``meshtrain.planner.search.search``). Writes ``bench/results/planner.md``
+and ``planner.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, meshtrain_command, write_results  # noqa: E402
+
+JOBS = [  # (model, num_gpus, global_batch_size, seq_len)
+    ("llama3-8b", 64, 512, 8192),
+    ("llama3-70b", 512, 1024, 8192),
+    ("llama3-405b", 16384, 2048, 8192),
+]
+
+
+def time_cli(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, dict]:
+    """Seconds of one ``meshtrain plan ... --json`` and its best layout."""
+    cmd = [*meshtrain_command(), "plan", "--model", model, "--gpu", "H100-SXM-80GB", "--num-gpus", str(gpus),
+           "--global-batch-size", str(gbs), "--seq-len", str(seq), "--top", "1", "--json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    return time.perf_counter() - t0, json.loads(proc.stdout)[0]
+
+
+def time_search(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, int]:
+    """Seconds of the in-process search and the number of layouts it ranked."""
+    from dataclasses import replace
+
+    from meshtrain.planner.estimate import Job
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import FRAMEWORKS
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import preset
+    from meshtrain.planner.search import search
+
+    m = replace(preset(model), seq_len=seq)
+    t0 = time.perf_counter()
+    ranked = search(m, get_hardware("H100-SXM-80GB"), PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], Job(gpus, gbs),
+                    keep_unfit=True)
+    return time.perf_counter() - t0, len(ranked)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows, data = [], []
+    for model, gpus, gbs, seq in JOBS:
+        cli = [time_cli(model, gpus, gbs, seq) for _ in range(args.repeats)]
+        inproc = [time_search(model, gpus, gbs, seq) for _ in range(args.repeats)]
+        best = cli[0][1]
+        record = {"model": model, "num_gpus": gpus, "global_batch_size": gbs, "seq_len": seq,
+                  "cli_s": [c[0] for c in cli], "search_s": [s[0] for s in inproc], "layouts": inproc[0][1],
+                  "best": best}
+        data.append(record)
+        label = (f"dp{best['dp']} tp{best['tp']} pp{best['pp']} sp{best['sp']} z{best['zero_stage']} "
+                 f"mbs{best['micro_batch_size']} ga{best['gradient_accumulation_steps']}")
+        rows.append([model, f"{gpus:,}", gbs, seq, f"{record['layouts']:,}",
+                     f"{statistics.median(record['search_s']):.2f}",
+                     f"{statistics.median(record['cli_s']):.2f} ({', '.join(f'{t:.2f}' for t in record['cli_s'])})",
+                     label, f"{best['mfu']:.1%}"])
+    path = write_results("planner", "meshtrain plan: search time", [
+        "model", "GPUs", "global batch", "seq_len", "layouts ranked", "search s (median)",
+        "whole CLI s (median; each run)", "best layout", "MFU"], rows,
+        ["`whole CLI` is the wall time of the command line including interpreter start-up; `search` is the "
+         "enumeration, memory check and ranking alone.",
+         "layouts ranked: valid layouts after divisibility rules, with dominated recompute modes skipped, "
+         "fitting or not."], {"jobs": data})
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Planner vs trainer on this machine: predicted and measured time per step and peak memory per rank
+for layouts of ``configs/shakespeare_char.toml`` (dp 1/2, zero_stage 0/2/3, micro batch and
+accumulation splits, widths, fp32/bf16).
+
+    python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate]   # ~4 min per round on 2 CPU cores
+
+Each run waits until the machine is idle (under 10% of the cores busy over 2 s) so that other work
+does not slow the measurement.
+
+Each layout is one real ``meshtrain train`` command line; the trainer itself writes
+``OUT/plan_vs_actual.json`` (prediction from the profile of ``meshtrain plan --calibrate``, measured
+median step time excluding the first steps, peak RSS of the busiest rank). ``--calibrate`` first
+(re)measures the machine into the default profile. Writes ``bench/results/plan_vs_actual.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, meshtrain_command, write_results  # noqa: E402
+
+CONFIG = "configs/shakespeare_char.toml"
+LAYOUTS = [  # (name, nproc, overrides)
+    ("dp1 z0 mbs12", 1, {}),
+    ("dp2 z0 mbs12", 2, {}),
+    ("dp2 z2 mbs12", 2, {"parallel.zero_stage": 2}),
+    ("dp2 z3 mbs12", 2, {"parallel.zero_stage": 3}),
+    ("dp2 z0 mbs6 ga2", 2, {"batch.micro_batch_size": 6, "batch.gradient_accumulation_steps": 2}),
+    ("dp2 z3 mbs4 ga3", 2, {"parallel.zero_stage": 3, "batch.micro_batch_size": 4,
+                            "batch.gradient_accumulation_steps": 3}),
+    ("dp2 z0 C256", 2, {"model.n_embd": 256}),
+    ("dp1 C256 mbs8 ga2", 1, {"model.n_embd": 256, "batch.micro_batch_size": 8, "batch.gradient_accumulation_steps": 2}),
+    ("dp2 z2 C384 T128 mbs8", 2, {"parallel.zero_stage": 2, "model.n_embd": 384, "model.n_head": 6,
+                                  "model.block_size": 128, "batch.micro_batch_size": 8}),
+    ("dp2 z0 bf16", 2, {"train.dtype": "bfloat16"}),
+]
+
+
+def busy_fraction(seconds: float = 2.0) -> float:
+    """Fraction of all cores busy over the next ``seconds`` (from /proc/stat; 0.0 where it is absent)."""
+    def sample() -> tuple[int, int]:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(limit_s: float = 900.0) -> float:
+    """Wait (up to ``limit_s``) until under 10% of the cores are busy: other work on the machine would
+    slow the measured run and not the prediction. Returns the busy fraction when starting."""
+    start = time.monotonic()
+    busy = busy_fraction()
+    while busy > 0.10 and time.monotonic() - start < limit_s:
+        time.sleep(5)
+        busy = busy_fraction()
+    return busy
+
+
+def run_layout(nproc: int, overrides: dict, steps: int) -> dict:
+    """Train one layout (once the machine is idle); return its ``plan_vs_actual.json`` with the busy
+    fraction of the cores at the start added under ``"busy_at_start"``."""
+    busy = wait_for_idle()
+    with tempfile.TemporaryDirectory(prefix="meshtrain-pva-") as tmp:
+        out = Path(tmp) / "run"
+        args = {"optim.warmup_steps": 5, "train.eval_steps": 2, **overrides}
+        cmd = [*meshtrain_command(), "train", CONFIG, "--nproc", str(nproc), "--steps", str(steps), "--out", str(out)]
+        cmd += [tok for key, value in args.items() for tok in (f"--{key}", str(value))]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        return {**json.loads((out / "plan_vs_actual.json").read_text()), "busy_at_start": busy}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
+    parser.add_argument("--calibrate", action="store_true", help="measure the machine into the default profile first")
+    args = parser.parse_args()
+    if args.calibrate:
+        wait_for_idle()
+        subprocess.run([*meshtrain_command(), "plan", "--calibrate"], check=True, cwd=REPO)
+    rounds = [[run_layout(n, o, args.steps) for _, n, o in LAYOUTS] for _ in range(args.repeats)]
+    rows, records, time_errors, memory_errors, spreads = [], [], [], [], []
+    for i, (name, nproc, overrides) in enumerate(LAYOUTS):
+        runs = [r[i] for r in rounds]
+        predicted = runs[0]["predicted"]
+        step = statistics.median(r["measured"]["step_time_s"] for r in runs)
+        spreads.append([r["measured"]["step_time_s"] for r in runs])
+        peak = statistics.median(r["measured"]["peak_memory_bytes"] for r in runs)
+        t_err = (predicted["step_time_s"] - step) / step
+        m_err = (predicted["peak_memory_bytes"] - peak) / peak
+        time_errors.append(t_err)
+        memory_errors.append(m_err)
+        records.append({"name": name, "nproc": nproc, "overrides": overrides, "runs": runs})
+        rows.append([name, predicted.get("threads_per_rank", "?"), f"{predicted['step_time_s'] * 1e3:.1f}",
+                     f"{step * 1e3:.1f}", f"{t_err:+.1%}", f"{predicted['peak_memory_bytes'] / 2**20:.0f}",
+                     f"{peak / 2**20:.0f}", f"{m_err:+.1%}"])
+    summary = {kind: {"median_abs_error": statistics.median(abs(e) for e in errs),
+                      "max_abs_error": max(abs(e) for e in errs)}
+               for kind, errs in (("step_time_s", time_errors), ("peak_memory_bytes", memory_errors))}
+    busy = [r[i]["busy_at_start"] for r in rounds for i in range(len(LAYOUTS))]
+    notes = [f"{len(LAYOUTS)} layouts of {CONFIG}, {args.steps} steps each, {args.repeats} round(s); measured step "
+             "time = median seconds per optimizer step without the first 3 steps; peak = max over ranks of ru_maxrss.",
+             f"step time: median |error| {summary['step_time_s']['median_abs_error']:.1%}, "
+             f"max {summary['step_time_s']['max_abs_error']:.1%}",
+             f"peak memory: median |error| {summary['peak_memory_bytes']['median_abs_error']:.1%}, "
+             f"max {summary['peak_memory_bytes']['max_abs_error']:.1%}",
+             f"profile: {rounds[0][0]['predicted']['profile']}; cores busy at the runs' start: "
+             f"{min(busy):.0%} to {max(busy):.0%}",
+             "spread between rounds (max/min measured step time of a layout): "
+             + ", ".join(f"{max(t) / min(t):.2f}" for t in spreads)]
+    path = write_results("plan_vs_actual", "meshtrain plan vs meshtrain train on this machine",
+                         ["layout", "threads/rank", "predicted ms/step", "measured ms/step", "error",
+                          "predicted MiB/rank", "measured MiB/rank", "error"], rows, notes,
+                         {"layouts": records, "summary": summary})
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Plan vs actual: the planner's prediction for the layout a ``meshtrain train`` run uses, and the
+comparison with what the run measured (``OUT/plan_vs_actual.json``).
+
+The trainer calls :func:`predict_for_run` and :func:`write_plan_vs_actual` at the end of a run with
+the median seconds per optimizer step and the peak memory of the busiest rank (peak RSS on CPU, the
+CUDA allocator's peak on GPU). On CPU the prediction uses the profile of ``meshtrain plan --calibrate``
+(default ``~/.cache/meshtrain/hardware_profile.toml``), whose measured runtime overhead (Python, torch,
+the trainer's imports, gloo) is part of the RSS a rank reaches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.planner.cost import step_time
+from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
+from meshtrain.planner.layout import FRAMEWORKS, Layout
+from meshtrain.planner.memory import PRECISIONS, memory_breakdown
+from meshtrain.planner.models import from_config
+
+CORPUS_BYTES_PER_CHAR = 18.0
+"""RSS the trainer's corpus loading adds per character when no profile measured it: the text (1 byte),
+the list of ids (8-byte pointers) and the int64 tensor (8 bytes)."""
+GPU_NAMES = (("H200", "H200-SXM-141GB"), ("H100 PCIe", "H100-PCIe-80GB"), ("H100", "H100-SXM-80GB"),
+             ("B200", "B200-SXM-180GB"), ("MI300X", "MI300X-192GB"), ("A100-SXM4-40GB", "A100-SXM-40GB"),
+             ("A100", "A100-SXM-80GB"))
+
+
+def layout_from_config(cfg: Config, world_size: int) -> Layout:
+    """The :class:`Layout` a training config runs with on ``world_size`` ranks. Raises ConfigError."""
+    p, b = cfg.parallel, cfg.batch
+    _, dp = resolve_world(cfg, world_size)
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, sp=p.sp, zero_stage=p.zero_stage, micro_batch_size=b.micro_batch_size,
+                  gradient_accumulation_steps=b.gradient_accumulation_steps, pp_schedule=p.pp_schedule,
+                  virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel)
+
+
+def _torch_threads() -> int:
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 1
+
+
+def _cuda_name() -> str:
+    torch = sys.modules.get("torch")
+    return torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else ""
+
+
+def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware, str]:
+    """(hardware, description) for the trainer's device: the calibrated ``cpu`` (one thread per rank)
+    or ``cpu-<n>threads`` profile, else the uncalibrated default; on CUDA the catalog entry of the GPU."""
+    if device == "cuda":
+        name = _cuda_name()
+        entry = next((c for key, c in GPU_NAMES if key.lower() in name.lower()), None)
+        if entry is None:
+            raise ConfigError(f"GPU '{name}' is not in the planner's catalog: add it with --hardware")
+        return get_hardware(entry), f"catalog {entry}"
+    calibrated = profile.expanduser().is_file()
+    name = f"cpu-{threads}threads" if threads > 1 else "cpu"
+    try:
+        hw = get_hardware(name, profile=profile)
+    except ConfigError:
+        hw, name = get_hardware("cpu", profile=profile), "cpu"
+    return hw, (f"{profile} [{name}]" if calibrated else "uncalibrated cpu defaults (run meshtrain plan --calibrate)")
+
+
+def _corpus_bytes(cfg: Config, profile: Path) -> float:
+    per_char = CORPUS_BYTES_PER_CHAR
+    path = profile.expanduser()
+    if path.is_file():
+        per_char = float(tomllib.loads(path.read_text()).get("trainer", {}).get("corpus_bytes_per_char", per_char))
+    return per_char * cfg.data.resolved_path().stat().st_size
+
+
+def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
+                    profile: Path = DEFAULT_PROFILE, threads: int | None = None) -> dict[str, Any]:
+    """Predicted ``step_time_s`` (seconds per optimizer step), ``peak_memory_bytes`` (per rank) and the
+    ``profile`` used, for the trainer's GPT and layout of ``cfg`` on ``world_size`` ranks.
+
+    ``threads`` defaults to torch's thread count in this process (torchrun gives each rank 1 thread
+    when it starts more than one). On CPU the peak adds the corpus the rank holds; with an unknown
+    GPU both predictions are NaN (the run's end must not fail on the planner).
+    """
+    threads = threads or _torch_threads()
+    try:
+        hw, description = hardware_for_run(device, profile, threads)
+    except ConfigError as e:
+        return {"step_time_s": math.nan, "peak_memory_bytes": math.nan, "profile": str(e)}
+    model = from_config(cfg, vocab_size)
+    layout = layout_from_config(cfg, world_size)
+    precision = PRECISIONS["bf16-autocast" if cfg.train.dtype == "bfloat16" else "fp32"]
+    framework = FRAMEWORKS["meshtrain"]
+    memory = memory_breakdown(model, layout, hw, precision, framework)
+    time = step_time(model, layout, hw, precision, framework)
+    peak = memory.total + (_corpus_bytes(cfg, profile) if device == "cpu" else 0.0)
+    return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description,
+            "threads_per_rank": threads, "layout": layout.label(),
+            "memory_breakdown_bytes": {k: int(v) for k, v in memory.to_dict().items()},
+            "time_breakdown_s": time.to_dict()}
+
+
+def write_plan_vs_actual(predicted: dict[str, Any], measured: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Write ``out_dir/plan_vs_actual.json`` atomically (temporary file + ``os.replace``) and return it.
+
+    ``relative_error[k] = (predicted[k] - measured[k]) / measured[k]`` for every numeric key both have
+    (a signed fraction: +0.1 means the plan predicted 10% more than measured).
+    """
+    errors = {}
+    for key, value in measured.items():
+        p = predicted.get(key)
+        if isinstance(p, (int, float)) and isinstance(value, (int, float)) and value and not math.isnan(p):
+            errors[key] = (p - value) / value
+    result = {"predicted": predicted, "measured": measured, "relative_error": errors}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".plan_vs_actual.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out_dir / "plan_vs_actual.json")
+    return result

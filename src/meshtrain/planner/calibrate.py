@@ -1,0 +1,374 @@
+"""``meshtrain plan --calibrate``: measure this machine and save a hardware profile (TOML).
+
+Measured, per process, while ``ranks`` processes (one per core, one thread each, as torchrun runs them)
+work at the same time:
+
+- GEMM, attention and element-wise rates, and the host time per operator (:func:`measure_compute`);
+- gloo collectives between the processes: all-reduce, all-gather, all-to-all and p2p times by size,
+  fitted to ``t = alpha*steps + bytes*factor/B`` with the ring factors of :func:`cost.ring_time`;
+- host time that kernels cannot hide: per layer and per micro-step of the trainer's GPT, per parameter
+  tensor of the optimizer step, plain and FSDP2-sharded, and per FSDP2 unit collective;
+- runtime memory: peak RSS of a rank after importing the trainer, joining the process group and
+  training a tiny GPT for a few steps (the fixed ``framework_overhead_bytes``), and the RSS the
+  trainer's corpus loading adds per character of text.
+
+One process using all cores is measured too (``cpu-<n>threads``, for a single-rank run). torch is
+imported only here, so ``meshtrain plan`` itself stays fast.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshtrain.planner.hardware import DEFAULT_PROFILE, HOST_KEYS
+
+GEMM_SIZES = (32, 64, 128, 256, 384, 512, 768, 1024)
+ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024)
+COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
+COLLECTIVE_REPEATS = 7
+
+
+def _timed(fn, min_time: float, repeats: int | None = None) -> float:
+    """Seconds of one call of ``fn``: the median over as many calls as last ``min_time`` (at least 3),
+    or, for collectives (every rank must make the same number of calls), the fastest of ``repeats``
+    (a collective waits for the slowest rank, so any hiccup on either side only adds)."""
+    fn()
+    times, start = [], time.perf_counter()
+    while (len(times) < repeats) if repeats else (time.perf_counter() - start < min_time or len(times) < 3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) if repeats else statistics.median(times)
+
+
+def _autocast(dtype_name: str):
+    import contextlib
+
+    import torch
+    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype_name == "bfloat16" else contextlib.nullcontext()
+
+
+def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_SIZES,
+                    attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> dict:
+    """This process's rates, measured the way the trainer runs (fp32 weights, bf16 under autocast):
+
+    - ``matmul_table``: FLOP/s of a Linear ``(1024 x k) -> (1024 x 4k)`` forward + backward (6*M*K*N FLOPs);
+    - ``attention_table``: FLOP/s of causal ``scaled_dot_product_attention`` forward + backward,
+      batch 8 x 4 heads x head size 32, by sequence length T (6*T^2*d FLOPs per head: causal half);
+    - ``bandwidth``: bytes/s of LayerNorm + residual add on (1024 x 256) and GELU on (1024 x 1024),
+      forward + backward, counted as the cost model counts element-wise work: 3 x the forward bytes;
+    and the host times of :func:`measure_host`.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def train_step(fn, *leaves):
+        def run():
+            for leaf in leaves:
+                leaf.grad = None
+            fn().sum().backward()
+        return run
+
+    matmul, attention = {}, {}
+    for name in ("float32", "bfloat16"):
+        rows = []
+        for k in gemm_sizes:
+            x, w = torch.randn(1024, k, requires_grad=True), torch.randn(4 * k, k, requires_grad=True)
+            with _autocast(name):
+                seconds = _timed(train_step(lambda: F.linear(x, w), x, w), min_time)
+            rows.append([k, 6.0 * 1024 * k * 4 * k / seconds])
+        matmul[name] = rows
+        rows = []
+        for T in attention_lengths:
+            q, k_, v = (torch.randn(8, 4, T, 32, requires_grad=True) for _ in range(3))
+            with _autocast(name):
+                seconds = _timed(train_step(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
+                                            q, k_, v), min_time)
+            rows.append([T, 6.0 * T * T * 32 * 8 * 4 / seconds])
+        attention[name] = rows
+    x, h = torch.randn(1024, 256, requires_grad=True), torch.randn(1024, 1024, requires_grad=True)
+    seconds = _timed(train_step(lambda: (F.layer_norm(x, (256,)) + x).sum() + F.gelu(h).sum(), x, h), min_time)
+    forward_bytes = (2 + 3 + 8) * 1024 * 256 * 4  # norm read+write, add 2 reads + write, GELU on 4x the width
+    return {"matmul_table": matmul, "attention_table": attention, "bandwidth": 3 * forward_bytes / seconds,
+            **measure_host(min_time)}
+
+
+def _tiny_model(n_layer: int, width: int = 8):
+    """The trainer's GPT at a tiny width (or, without it, a stand-in of the same structure)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    try:
+        from meshtrain.config import ModelConfig
+        from meshtrain.models.gpt import GPT
+        return GPT(ModelConfig(n_layer=n_layer, n_head=1, n_embd=width, block_size=8), 65)
+    except ImportError:
+        blocks = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                  for _ in range(n_layer)]
+        return nn.Sequential(nn.Embedding(65, width), *blocks, nn.Linear(width, 65))
+
+
+def measure_host(min_time: float = 0.05) -> dict:
+    """Host seconds that kernels cannot hide, from runs whose arithmetic is negligible:
+
+    - ``layer_host_s`` and ``microstep_host_s``: forward + backward of the trainer's GPT at width 8 with
+      1 and 5 layers (per layer = the difference / 4, per micro-step = the rest);
+    - ``tensor_update_host_s``: gradient-norm clipping + AdamW step over 32 tiny tensors, per tensor.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def micro_step(n_layer: int) -> float:
+        model = _tiny_model(n_layer)
+        x = torch.randint(0, 65, (1, 8))
+        return _timed(lambda: F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward(), min_time)
+
+    one, five = micro_step(1), micro_step(5)
+    layer = max(0.0, (five - one) / 4)
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(32)]
+    for p in params:
+        p.grad = torch.randn(8, 8)
+    return {"layer_host_s": layer, "microstep_host_s": max(0.0, one - layer),
+            "tensor_update_host_s": _update_time(params, min_time) / len(params)}
+
+
+def _update_time(params: list, min_time: float) -> float:
+    """Seconds of one gradient-norm clip + AdamW step over ``params`` (their gradients already set)."""
+    import torch
+
+    optimizer = torch.optim.AdamW(params)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return _timed(update, min_time)
+
+
+def _fit(sizes: list[float], times: list[float], factor: float, steps: float) -> tuple[float, float]:
+    """``t = steps*alpha + factor*S/B`` -> (B bytes/s, alpha s): alpha from the smallest message, B from
+    the largest (a least-squares line lets the large sizes swamp the latency)."""
+    alpha = times[0] / max(steps, 1)
+    transfer = max(times[-1] - steps * alpha, 1e-9)
+    return factor * sizes[-1] / transfer, alpha
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p")
+
+
+def _collective_call(kind: str, rank: int, world: int, n: int):
+    """A zero-argument call running one ``kind`` collective on ``n`` fp32 elements (the full buffer),
+    with the single-tensor APIs FSDP2 uses (``all_gather_single``, ``reduce_scatter_single``)."""
+    import torch
+    import torch.distributed as dist
+
+    full, shard = torch.ones(n), torch.ones(n // world)
+    if kind == "all-reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "all-gather":
+        return lambda: dist.all_gather_single(full, shard)
+    if kind == "reduce-scatter":
+        return lambda: dist.reduce_scatter_single(shard, full)
+    if kind == "all-to-all":
+        out = torch.empty(n)
+        return lambda: dist.all_to_all_single(out, full)
+    return lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None
+
+
+def _collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
+    """(bandwidth bytes/s, latency s per ring step) of each collective, fitted with the ring factors."""
+    import torch.distributed as dist
+
+    out = {}
+    for kind in COLLECTIVES:
+        times = []
+        for nbytes in sizes:
+            fn = _collective_call(kind, rank, world, nbytes // 4 // world * world)
+            dist.barrier()
+            times.append(_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS))
+        factor = {"all-reduce": 2 * (world - 1) / world, "p2p": 1.0}.get(kind, (world - 1) / world)
+        steps = {"all-reduce": 2 * (world - 1), "p2p": 1}.get(kind, world - 1)
+        out[kind] = _fit([float(s) for s in sizes], times, factor, steps)
+    return out
+
+
+def _tiny_training_step() -> None:
+    """Train a tiny GPT for a few steps: the first use of the CPU kernels, autograd and AdamW allocates
+    runtime memory that every training process carries."""
+    import torch
+    import torch.nn.functional as F
+
+    model = _tiny_model(1, width=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 65, (4, 8))
+    for _ in range(3):
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _fsdp_host(world: int, comm: dict, units: int = 8, width: int = 64) -> dict:
+    """FSDP2's host costs: fully-shard ``units`` blocks shaped like a transformer block's parameters
+    (two norms, four matrices) and the root; time forward + backward (3 collectives per unit: gather,
+    gather, reduce-scatter) against the unsharded model and subtract the collectives' modeled ring
+    time -> ``fsdp_unit_overhead_s`` per unit collective; time the clip + AdamW step over the sharded
+    parameters -> ``sharded_tensor_update_host_s`` per parameter tensor."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from meshtrain.planner.cost import ring_time
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(width, bias=False), nn.Linear(width, 3 * width, bias=False),
+                             nn.Linear(3 * width, width, bias=False), nn.LayerNorm(width, bias=False),
+                             nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(block() for _ in range(units)))
+
+    x = torch.randn(16, width)
+    plain, sharded = make(), make()
+    for block in sharded:
+        fully_shard(block)
+    fully_shard(sharded)
+    step = lambda m: m(x).sum().backward()  # noqa: E731
+    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS)
+    fsdp = _timed(lambda: step(sharded), 0.0, repeats=COLLECTIVE_REPEATS)
+    unit_bytes = 4 * (14 * width * width + 2 * width)
+    count = 3 * (units + 1)
+    wire = units * (2 * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
+                    + ring_time("reduce-scatter", world, unit_bytes, *comm["reduce-scatter"]))
+    params = list(sharded.parameters())
+    return {"fsdp_unit_overhead_s": max(0.0, (fsdp - base - wire) / count),
+            "sharded_tensor_update_host_s": _update_time(params, 0.0) / len(params)}
+
+
+def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict, queue) -> None:
+    """One calibration rank: 1 thread, trainer imports, gloo group, measurements; rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        import meshtrain.train  # noqa: F401  (the trainer's imports count toward the runtime overhead)
+    except ImportError:
+        pass
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    _tiny_training_step()
+    w = torch.ones(4)
+    dist.all_reduce(w)
+    overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    per_char = _corpus_bytes_per_char()  # before the big measurement tensors raise the peak
+    compute = measure_compute(min_time, sizes["gemm"], sizes["attention"])
+    comm = _collectives(rank, world, sizes["collective"])
+    fsdp = _fsdp_host(world, comm)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "fsdp": fsdp})
+
+
+def _corpus_bytes_per_char() -> float:
+    """Peak-RSS growth per character while the trainer loads the bundled corpus (0 if unavailable)."""
+    try:
+        from meshtrain.config import BUNDLED_CORPUS
+        from meshtrain.data.corpus import load_corpus
+    except ImportError:
+        return 0.0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    corpus = load_corpus(BUNDLED_CORPUS, 0.1, 8)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    return grown / (len(corpus.train) + len(corpus.val))
+
+
+def _total_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _device_toml(name: str, compute: dict, memory: float, overhead: float, fsdp: dict) -> list[str]:
+    peak32 = max(f for _, f in compute["matmul_table"]["float32"])
+    peak16 = max(f for _, f in compute["matmul_table"]["bfloat16"])
+    lines = ["[[device]]", f'name = "{name}"', f"peak_fp32_flops = {peak32:.6g}", f"peak_bf16_flops = {peak16:.6g}",
+             f"memory_bytes = {memory:.6g}", f"memory_bandwidth = {compute['bandwidth']:.6g}",
+             "matmul_efficiency = 1.0", "memory_efficiency = 1.0", f"framework_overhead_bytes = {overhead:.6g}",
+             "comm_overlap = false"]
+    lines += [f"{key} = {value:.6g}" for key, value in {**fsdp, **{k: compute[k] for k in HOST_KEYS if k in compute}}.items()]
+    for key in ("matmul_table", "attention_table"):
+        for dtype, rows in compute[key].items():
+            lines.append(f"{key}.{dtype} = [{', '.join(f'[{k}, {f:.6g}]' for k, f in rows)}]")
+    return lines + [""]
+
+
+def _wait(queue, procs) -> dict:
+    """Rank 0's result; raises RuntimeError as soon as a calibration process dies without one."""
+    import queue as queue_mod
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("a calibration process failed; see its output above") from None
+
+
+def calibrate(path: Path | None = None, ranks: int | None = None, min_time: float = 0.05,
+              gemm_sizes: tuple[int, ...] = GEMM_SIZES, attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS,
+              collective_bytes: tuple[int, ...] = COLLECTIVE_BYTES) -> Path:
+    """Measure this machine; write the profile to ``path`` (default :data:`DEFAULT_PROFILE`); return it.
+
+    ``ranks`` processes (default: one per core, at least 2) measure at once; ``min_time`` seconds per
+    compute measurement; ``gemm_sizes``, ``attention_lengths`` and ``collective_bytes`` (at least two,
+    increasing) choose the points measured.
+
+    Raises:
+        RuntimeError: a calibration process failed.
+    """
+    import torch
+
+    path = (path or DEFAULT_PROFILE).expanduser()
+    ranks = ranks or max(2, os.cpu_count() or 2)
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other work competes with the "
+              "measurement and the profile will be too slow; calibrate on an idle machine", file=sys.stderr)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        sizes = {"gemm": gemm_sizes, "attention": attention_lengths, "collective": collective_bytes}
+        procs = [ctx.Process(target=_worker, args=(r, ranks, store, min_time, sizes, queue)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        result = _wait(queue, procs)
+        for p in procs:
+            p.join()
+    threads = torch.get_num_threads()
+    whole = measure_compute(min_time, gemm_sizes, attention_lengths)
+    bw, alpha = result["comm"]["all-reduce"]
+    memory = _total_memory()
+    lines = ["# meshtrain hardware profile, written by `meshtrain plan --calibrate` on "
+             f"{time.strftime('%Y-%m-%d %H:%M')}; {ranks} ranks x 1 thread, and 1 rank x {threads} threads.", ""]
+    lines += _device_toml("cpu", result["compute"], memory / ranks, result["overhead"], result["fsdp"])
+    lines += _device_toml(f"cpu-{threads}threads", whole, memory, result["overhead"], result["fsdp"])
+    lines += ["[network]", f"devices_per_node = {ranks}", f"intra_node_bandwidth = {bw:.6g}",
+              f"inter_node_bandwidth = {bw:.6g}", f"intra_node_latency_s = {alpha:.6g}",
+              f"inter_node_latency_s = {alpha:.6g}", "intra_node_efficiency = 1.0", "inter_node_efficiency = 1.0",
+              "# gloo per collective: [bandwidth bytes/s, latency s per ring step]"]
+    lines += [f'collectives."{kind}" = [{b:.6g}, {a:.6g}]' for kind, (b, a) in result["comm"].items()]
+    lines += ["", "[trainer]", f"corpus_bytes_per_char = {result['per_char']:.6g}", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(".tmp")
+    tmp_path.write_text("\n".join(lines))
+    os.replace(tmp_path, path)
+    return path

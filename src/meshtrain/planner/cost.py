@@ -1,0 +1,265 @@
+"""FLOPs, communication, pipeline bubble and time per step of one layout.
+
+Notation: B global batch (samples), b micro_batch_size, s seq_len, L layers, h hidden, q = a*d query
+width (= h), kv key/value width, f MLP width, m = 2 (GELU) or 3 (SwiGLU) MLP matrices, V vocab.
+
+FLOPs (a multiply-add is 2 FLOPs), forward, per token and layer::
+
+    dense     2*(h*(q + 2kv) + q*h + m*h*f)      = 24h^2 for MHA, f = 4h, GELU
+    attention 4*s*q                              QK^T and AV over the full s x s (non-causal)
+    logits    2*h*V                              once per token
+
+Model FLOPs per step = 3 * B*s * (L*(dense + attention) + logits) (forward + 2x backward): Korthikanti
+et al. 2022, Eq. 7, ``72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h))``, generalised as Megatron-LM's
+``num_floating_point_operations`` does. Hardware FLOPs add the recomputed forward: full adds
+``B*s*L*(dense + attention)`` (Narayanan et al. 2021, Eq. 3, factor 96), selective adds
+``B*s*L*attention``. Attention is counted non-causal (the convention of these papers and of MFU as
+Megatron and MosaicML report it); FlashAttention *executes* only the causal half, which the time model uses.
+
+Time is a roofline per kernel class on the busiest stage: GEMMs at the device's achievable FLOP/s,
+element-wise kernels (norms, residual adds, activation functions, softmax, cross-entropy) at its
+achievable memory bandwidth, plus ring collectives on the link their mesh axis uses (:func:`ring_time`).
+Takeaway: compute sets the step time until tp leaves the node (4-6 collectives per layer on the slow
+link), a pipeline runs short of micro-batches (bubble (pp-1)/(v*GA)), or data-parallel traffic
+outgrows what backward hides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.layout import Framework, Layout
+from meshtrain.planner.memory import Precision, stage_layers, stage_params
+from meshtrain.planner.models import ModelSpec
+
+
+CE_BYTES_PER_LOGIT = 24
+"""Cross-entropy traffic per logit: six passes over fp32 values (cast, max, exp-sum, loss; backward 2)."""
+
+
+def dense_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    return 2.0 * (h * (h + 2 * kv) + h * h + model.mlp_matrices * h * f)
+
+
+def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
+    """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
+    return 4.0 * model.seq_len * model.hidden * (0.5 if causal else 1.0)
+
+
+def model_flops(model: ModelSpec, samples: int) -> float:
+    """Model FLOPs of forward + backward over ``samples`` sequences (Korthikanti et al. 2022, Eq. 7)."""
+    per_token = model.layers * (dense_flops_per_token(model) + attention_flops_per_token(model))
+    per_token += 2.0 * model.hidden * model.vocab
+    return 3.0 * samples * model.seq_len * per_token
+
+
+def hardware_flops(model: ModelSpec, samples: int, recompute: str) -> float:
+    """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``)."""
+    tokens = samples * model.seq_len
+    extra = {"none": 0.0, "selective": attention_flops_per_token(model),
+             "full": dense_flops_per_token(model) + attention_flops_per_token(model)}[recompute]
+    return model_flops(model, samples) + tokens * model.layers * extra
+
+
+def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes: bool) -> float:
+    """:func:`ring_time` on the link a group uses (measured per-kind numbers inside a node when calibrated)."""
+    bandwidth, latency = hw.network.link(spans_nodes, kind)
+    return ring_time(kind, n, nbytes, bandwidth, latency)
+
+
+def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Seconds for one ring collective of ``nbytes`` (the full buffer) over ``n`` ranks.
+
+    all-reduce ``2(n-1)/n * S/B + 2(n-1)*alpha``; all-gather, reduce-scatter and all-to-all
+    ``(n-1)/n * S/B + (n-1)*alpha``; p2p ``S/B + alpha`` (Patarasuk & Yuan 2009; Thakur et al. 2005).
+    """
+    if n <= 1 and kind != "p2p":
+        return 0.0
+    if kind == "p2p":
+        return nbytes / bandwidth + latency
+    steps = 2 if kind == "all-reduce" else 1
+    return steps * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the busiest stage, by cause; ``total`` is the step time."""
+
+    compute: float
+    tp_comm: float
+    sp_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.sp_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self) | {"total": self.total}
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    forward: float
+    backward: float  # includes recomputation
+    tp: float
+    sp: float
+    p2p: float
+
+
+def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, materialized: bool) -> tuple[float, float]:
+    """(layer, attention-core) HBM bytes of one layer's forward element-wise kernels per token.
+
+    Norms read+write h twice; two residual adds read 2h, write h; activation function reads m-1 of f
+    and writes f; attention reads Q, K, V and writes O; dropout masks 1 byte. Materialized attention
+    also writes scores, reads/writes them in the fused softmax (and dropout), reads them for AV.
+    """
+    h, f, t, seq = model.hidden, model.ffn_hidden, layout.tp, (layout.tp if layout.tp_sequence_parallel else 1)
+    replicated = e * (4 * h + 6 * h) + (2 * h if model.dropout else 0)
+    sharded = e * ((model.mlp_matrices - 1) * f + f + 2 * h + 2 * model.kv_dim)
+    core = 0.0
+    if materialized:
+        per_score = 4 * e + (2 * e + 1 if model.dropout else 0)
+        core = model.heads * model.seq_len * per_score / (t * layout.sp)
+    return replicated / seq + sharded / t, core
+
+
+def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> tuple[float, float, float]:
+    """(forward, backward incl. recomputation, weight-GEMM time of both) of one micro-batch on the
+    busiest stage: GEMMs at the GEMM rate, attention at the attention rate (or, materialized, the
+    slower of its FLOPs and its score traffic), element-wise kernels at the memory bandwidth, the
+    head's logits GEMM and cross-entropy, and the host time not hidden behind kernels. Backward = 2x forward."""
+    dev, n, t = hw.device, stage_layers(model, layout), layout.tp
+    tokens = layout.micro_batch_size * model.seq_len / layout.sp
+    k = max(1, model.hidden // t)
+    rate, bw = dev.matmul_flops(prec.compute_dtype, k), dev.bandwidth()
+    materialized = fw.attention == "materialized"
+    dense = tokens * n * dense_flops_per_token(model) / t / rate
+    attn_flops = tokens * n * attention_flops_per_token(model, causal=not materialized) / t
+    layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized)
+    core = tokens * n * core_bytes / bw
+    if materialized:
+        score_io = tokens * n * model.heads * model.seq_len * 2 * prec.activation_bytes / (t * layout.sp)
+        attn = max(attn_flops / rate, score_io / bw)
+    else:
+        attn = attn_flops / dev.attention_flops(prec.compute_dtype, model.seq_len, k)
+    elementwise = tokens * n * layer_bytes / bw
+    # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
+    head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * CE_BYTES_PER_LOGIT / 3 / bw)
+    ops = (dev.layer_host_s * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
+    forward = dense + attn + core + elementwise + head + ops
+    recompute = {"none": 0.0, "selective": attn + core, "full": dense + attn + core + elementwise}[layout.recompute]
+    gemm = 3 * dense + (dense if layout.recompute == "full" else 0.0)
+    return forward, 2 * forward + recompute, gemm
+
+
+def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> _MicroBatch:
+    """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
+    forward, backward, gemm = _compute(model, layout, hw, prec, fw)
+    net, n, t = hw.network, stage_layers(model, layout), layout.tp
+    tokens = layout.micro_batch_size * model.seq_len / layout.sp
+    act = tokens * model.hidden * prec.activation_bytes
+    # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
+    # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is a reduce-scatter + all-gather pair
+    # of the same ring time. Overlapped, they hide behind the GEMMs they feed.
+    per_ar = collective_time(hw, "all-reduce", t, act, layout.spans_nodes("tp", net.devices_per_node))
+    tp = n * (4 + (2 if layout.recompute == "full" else 0)) * per_ar
+    if fw.tp_comm_overlap:
+        tp = max(0.0, tp - gemm)
+    # Ulysses: all-to-all of Q, K, V in and of the output back, forward and backward (Jacobs et al.
+    # 2023, Sec. 3.1): 2h + 2kv values per token each way.
+    a2a = tokens * (2 * model.hidden + 2 * model.kv_dim) * prec.activation_bytes / t
+    sp_spans = layout.spans_nodes("sp", net.devices_per_node)
+    sp = n * (2 + (1 if layout.recompute == "full" else 0)) * collective_time(hw, "all-to-all", layout.sp, a2a, sp_spans)
+    # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
+    # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
+    p2p = 0.0
+    if layout.pp > 1:
+        pp_spans = layout.spans_nodes("pp", net.devices_per_node)
+        p2p = 2 * layout.virtual_stages * collective_time(hw, "p2p", 2, act / t, pp_spans)
+    return _MicroBatch(forward, backward, tp, sp, p2p)
+
+
+def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
+    """Idle time of the pipeline per step: ``(pp-1)/v`` micro-batch times for GPipe, 1F1B and interleaved
+    1F1B (Narayanan et al. 2021, Sec. 2.2); ZB-H1 leaves ``(pp-1)`` forward times (Qi et al. 2023, Sec. 3)."""
+    if layout.pp == 1:
+        return 0.0
+    if layout.pp_schedule == "zero-bubble":
+        return (layout.pp - 1) * (mb.forward + mb.tp / 3)
+    whole = mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p
+    return (layout.pp - 1) / layout.virtual_stages * whole
+
+
+def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: _MicroBatch) -> float:
+    """Exposed seconds of data-parallel communication per step, over the dp*sp ranks holding a replica.
+
+    Stage 0 all-reduces gradients in the framework's buckets; 1 reduce-scatters gradients and all-gathers
+    weights after the step; 2 (FSDP2, no reshard after forward) all-gathers weights once per
+    micro-step and reduce-scatters once per step; 3 all-gathers before forward and before backward of
+    every micro-step (Rajbhandari et al. 2020, Sec. 7: 1.5x the traffic of stage 0); FSDP issues one
+    collective per block and one for the root, each paying the link latency. Gradient reduction hides
+    behind the last micro-batch's backward, weight gathers behind forward/backward compute, when the
+    framework overlaps and the device can; FSDP's host time per unit collective
+    (``Device.fsdp_unit_overhead_s``) is never hidden. Two scalar all-reduces per step (loss mean,
+    gradient norm) add their latency.
+    """
+    n = layout.dp * layout.sp
+    if n == 1:
+        return 0.0
+    net = hw.network
+    spans = layout.spans_nodes("dp", net.devices_per_node) or (layout.sp > 1 and layout.spans_nodes("sp", net.devices_per_node))
+    scalars = 2 * collective_time(hw, "all-reduce", n, 8, spans)  # loss mean and gradient norm, every step
+    p = stage_params(model, layout)
+    grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
+    m, z = layout.gradient_accumulation_steps, layout.zero_stage
+    overlap = fw.dp_comm_overlap and hw.device.comm_overlap
+    units = stage_layers(model, layout) + 1  # FSDP wraps every block and the root: one collective each
+
+    def exposed(comm: float, window: float) -> float:
+        return max(0.0, comm - window) if overlap else comm
+
+    def collective(kind: str, nbytes: float, count: int) -> float:
+        return count * collective_time(hw, kind, n, nbytes / count, spans)
+
+    if z == 0:
+        buckets = max(1, math.ceil(grads / fw.grad_bucket_bytes))
+        return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward)
+    count = 1 if z == 1 else units
+    host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden
+    reduce = exposed(collective("reduce-scatter", grads, count), mb.backward) + host
+    if fw.grad_sync_every_microstep:
+        reduce *= m
+    gather = collective("all-gather", weights, count)
+    if z == 1:
+        return scalars + reduce + exposed(gather, mb.forward)
+    per_micro = exposed(gather, mb.forward) + host + ((exposed(gather, mb.backward) + host) if z == 3 else 0.0)
+    return scalars + reduce + m * per_micro
+
+
+def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+    """AdamW step, memory-bound: read and write weights and states, read gradients 3x (norm, clip,
+    update) for each parameter this device updates (1/(dp*sp) of its stage with ZeRO >= 1), plus the
+    host time per parameter tensor (FSDP2's sharded DTensor parameters at zero_stage >= 2 cost more)."""
+    p = stage_params(model, layout) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)
+    nbytes = p * (2 * (prec.weight_bytes + prec.optimizer_bytes) + 3 * prec.grad_bytes)
+    dev = hw.device
+    per_tensor = dev.sharded_tensor_update_host_s if layout.zero_stage >= 2 else dev.tensor_update_host_s
+    return nbytes / dev.bandwidth() + per_tensor * model.param_tensors() / layout.pp
+
+
+def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> StepTime:
+    """Seconds per optimizer step, by cause (see the module docstring for the model of each part)."""
+    mb = _micro_batch(model, layout, hw, prec, fw)
+    m = layout.gradient_accumulation_steps
+    return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp, sp_comm=m * mb.sp,
+                    pp_comm=m * mb.p2p, bubble=bubble_time(layout, mb),
+                    dp_comm=dp_time(model, layout, hw, prec, fw, mb), optimizer=optimizer_time(model, layout, hw, prec))

@@ -1,0 +1,104 @@
+"""One layout's full prediction: memory, step time, tokens/s, MFU, total training time, batch arithmetic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.batch import steps_per_epoch
+from meshtrain.config import ConfigError
+from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
+from meshtrain.planner.memory import MemoryBreakdown, Precision, memory_breakdown
+from meshtrain.planner.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to train: samples per step and how much. Give ``num_samples`` (+ ``epochs``), a
+    ``token_budget`` (tokens to train on) or ``total_steps``; with none, no total time is predicted."""
+
+    num_devices: int
+    global_batch_size: int
+    num_samples: int | None = None
+    epochs: float | None = None
+    token_budget: float | None = None
+    total_steps: int | None = None
+
+    def steps(self, seq_len: int) -> int | None:
+        """Optimizer steps of the job, or None without a data size. Raises ConfigError for bad sizes.
+
+        ``ceil(token_budget / (global_batch_size * seq_len))``, or ``ceil(epochs * ceil(num_samples /
+        global_batch_size))`` (the "training time" seed of DESIGN.md, via :mod:`meshtrain.batch`).
+        """
+        if self.total_steps is not None:
+            return self.total_steps
+        if self.token_budget is not None:
+            if self.token_budget <= 0:
+                raise ConfigError(f"token budget = {self.token_budget} must be > 0")
+            return math.ceil(self.token_budget / (self.global_batch_size * seq_len))
+        if self.num_samples is None:
+            return None
+        per_epoch = steps_per_epoch(self.num_samples, self.global_batch_size)
+        epochs = self.epochs if self.epochs is not None else 1.0
+        if epochs <= 0:
+            raise ConfigError(f"epochs = {epochs} must be > 0")
+        return max(1, math.ceil(round(epochs * per_epoch, 9)))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The prediction for one layout on one device type (per-device figures are for the busiest stage)."""
+
+    model: ModelSpec
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+    hardware_tflops_per_device: float
+    model_tflops_per_device: float
+    total_steps: int | None
+    total_time_s: float | None
+
+    def to_dict(self) -> dict:
+        """The JSON record of ``meshtrain plan --json``."""
+        b = self.layout
+        return {**b.to_dict(), "world_size": b.world_size, "global_batch_size": b.global_batch_size,
+                "tokens_per_step": b.global_batch_size * self.model.seq_len,
+                "memory_per_device_bytes": int(self.memory.total), "fits": self.fits,
+                "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "model_tflops_per_device": self.model_tflops_per_device,
+                "hardware_tflops_per_device": self.hardware_tflops_per_device,
+                "total_steps": self.total_steps, "total_time_s": self.total_time_s,
+                "memory_breakdown_bytes": {k: int(v) for k, v in self.memory.to_dict().items()},
+                "time_breakdown_s": self.time.to_dict()}
+
+
+def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
+             job: Job | None = None) -> Estimate:
+    """Predict ``layout``. MFU = model FLOPs per second / (world_size * peak FLOP/s of the compute dtype).
+
+    Raises:
+        ConfigError: the layout breaks a divisibility rule or needs a feature the framework lacks
+            (all of them listed in one line).
+    """
+    errors = divisibility_errors(model, layout, job.global_batch_size if job else None)
+    errors += framework_errors(framework, layout)
+    if errors:
+        raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
+    mem = memory_breakdown(model, layout, hw, precision, framework)
+    t = step_time(model, layout, hw, precision, framework)
+    seconds = t.total
+    samples = layout.global_batch_size
+    world = layout.world_size
+    mflops = model_flops(model, samples)
+    steps = job.steps(model.seq_len) if job else None
+    return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
+                    tokens_per_s=samples * model.seq_len / seconds,
+                    mfu=mflops / seconds / (world * hw.device.peak(precision.compute_dtype)),
+                    hardware_tflops_per_device=hardware_flops(model, samples, layout.recompute) / seconds / world / 1e12,
+                    model_tflops_per_device=mflops / seconds / world / 1e12,
+                    total_steps=steps, total_time_s=steps * seconds if steps else None)

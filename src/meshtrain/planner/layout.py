@@ -1,0 +1,207 @@
+"""A parallel layout (the degrees, batch split and schedule of one run), the software it runs on, and
+the divisibility rules a layout must meet.
+
+Terms as in DESIGN.md: ``world_size = dp * tp * pp * sp``, ``global_batch_size = micro_batch_size *
+gradient_accumulation_steps * dp``. Mesh axes are ordered outer to inner ``(pp, dp, sp, tp)``, so a
+group of axis X holds ranks ``stride(X)`` apart, and spans nodes when its extent exceeds a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.models import ModelSpec
+
+RECOMPUTE = ("none", "selective", "full")
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a job. Degrees and sizes are counts; see DESIGN.md for the terms."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    recompute: str = "none"
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (Narayanan et al. 2021, Sec. 2.2.2); > 1 only for interleaved-1f1b."""
+    tp_sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tp regions (Korthikanti et al. 2022, Sec. 4.2.2)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.dp
+
+    def spans_nodes(self, axis: str, devices_per_node: int) -> bool:
+        """Whether a group along ``axis`` crosses a node boundary (axes outer to inner: pp, dp, sp, tp)."""
+        inner = {"tp": 1, "sp": self.tp, "dp": self.tp * self.sp, "pp": self.tp * self.sp * self.dp}[axis]
+        extent = inner * getattr(self, axis)
+        return extent > devices_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def label(self) -> str:
+        """Short text such as ``dp8 tp8 pp2 z1 mbs1 ga4 full 1f1b``."""
+        sched = ""
+        if self.pp > 1:
+            sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        seqp = "+sp" if self.tp_sequence_parallel else ""
+        return (f"dp{self.dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp} z{self.zero_stage} "
+                f"mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} {self.recompute}{sched}")
+
+
+@dataclass(frozen=True)
+class Framework:
+    """What the training software does, which the cost model depends on (facts, not fitted constants).
+
+    - ``attention``: "flash" (scores never reach HBM; Dao et al. 2022) or "materialized" (the s x s
+      scores are written, soft-maxed and read back: Megatron-LM's fused softmax, 2021).
+    - ``tp_comm_overlap``: tp collectives hidden behind the GEMMs they feed (Megatron-Core
+      ``--tp-comm-overlap``; Wang et al. 2023, "Overlap communication with dependent computation").
+    - ``dp_comm_overlap``: gradient reduction overlapped with backward and weight gathers with compute
+      (PyTorch DDP buckets, Li et al. 2020, Sec. 3.2.3; FSDP prefetch; Megatron-Core ``--overlap-grad-reduce``).
+    - ``sequence_parallel``: Megatron sequence parallelism exists (Korthikanti et al. 2022; not in 2021).
+    - ``mixed_precision``: the precision of a "16-bit" run (see :data:`memory.PRECISIONS`).
+    - ``zero_stages`` and ``pp_schedules``: what the software can run.
+    - ``torch_buffers``: PyTorch DDP's gradient bucket copy (``gradient_as_bucket_view=False``) and the
+      foreach AdamW temporaries exist.
+    - ``grad_bucket_bytes``: gradients per data-parallel all-reduce at zero_stage 0 (PyTorch DDP
+      ``bucket_cap_mb=25``; Megatron-Core buckets of 40M parameters; Megatron-LM 2021 one contiguous buffer).
+    - ``grad_sync_every_microstep``: gradients are reduced after every micro-batch (FSDP in Composer) instead
+      of only the last (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
+    """
+
+    name: str
+    attention: str = "flash"
+    tp_comm_overlap: bool = False
+    dp_comm_overlap: bool = True
+    sequence_parallel: bool = True
+    mixed_precision: str = "bf16"
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    torch_buffers: bool = False
+    grad_bucket_bytes: float = 25 * 2**20
+    grad_sync_every_microstep: bool = False
+
+
+FRAMEWORKS = {f.name: f for f in (
+    Framework("meshtrain", zero_stages=(0, 2, 3), torch_buffers=True),
+    Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
+              grad_bucket_bytes=40e6 * 4),
+    Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
+              mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
+              grad_bucket_bytes=float("inf")),
+    Framework("fsdp", zero_stages=(0, 2, 3), pp_schedules=("1f1b",), grad_sync_every_microstep=True),
+)}
+
+
+def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int | None = None) -> list[str]:
+    """Every rule ``layout`` breaks for ``model``, as one line each (empty list: the layout is valid).
+
+    Rules: Megatron tensor parallelism splits heads, kv heads (or replicates them) and the MLP width
+    (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
+    2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
+    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2).
+    """
+    L, e = layout, []
+    for key in ("dp", "tp", "pp", "sp", "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
+        if getattr(L, key) < 1:
+            e.append(f"{key} = {getattr(L, key)} must be >= 1")
+    if e:
+        return e
+    if model.heads % L.tp:
+        e.append(f"tp = {L.tp} does not divide heads = {model.heads}")
+    if model.kv_heads % L.tp and L.tp % model.kv_heads:
+        e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
+    if model.ffn_hidden % L.tp:
+        e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
+    if (model.heads // max(1, L.tp)) % L.sp:
+        e.append(f"sp = {L.sp} does not divide heads per tp rank = {model.heads // L.tp} (Ulysses splits heads)")
+    seq_split = L.sp * (L.tp if L.tp_sequence_parallel else 1)
+    if model.seq_len % seq_split:
+        e.append(f"seq_len = {model.seq_len} is not divisible by sp{'*tp' if L.tp_sequence_parallel else ''} = {seq_split}")
+    if L.tp_sequence_parallel and L.tp == 1:
+        e.append("tp_sequence_parallel needs tp > 1")
+    if L.pp * L.virtual_stages > model.layers:
+        e.append(f"pp*virtual_stages = {L.pp * L.virtual_stages} exceeds layers = {model.layers}")
+    if L.pp_schedule not in PP_SCHEDULES:
+        e.append(f"pp_schedule = {L.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+    if L.virtual_stages > 1 and L.pp_schedule != "interleaved-1f1b":
+        e.append(f"virtual_stages = {L.virtual_stages} needs pp_schedule = 'interleaved-1f1b'")
+    if L.pp_schedule == "interleaved-1f1b" and L.pp > 1 and L.gradient_accumulation_steps % L.pp:
+        e.append(f"interleaved-1f1b needs gradient_accumulation_steps = {L.gradient_accumulation_steps} "
+                 f"to be a multiple of pp = {L.pp}")
+    if L.recompute not in RECOMPUTE:
+        e.append(f"recompute = {L.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if L.zero_stage not in ZERO_STAGES:
+        e.append(f"zero_stage = {L.zero_stage} is not one of 0, 1, 2, 3")
+    if global_batch_size is not None and L.global_batch_size != global_batch_size:
+        e.append(f"micro_batch_size*gradient_accumulation_steps*dp = {L.micro_batch_size}*"
+                 f"{L.gradient_accumulation_steps}*{L.dp} = {L.global_batch_size} != global_batch_size = {global_batch_size}")
+    return e
+
+
+def framework_errors(framework: Framework, layout: Layout) -> list[str]:
+    """Features ``layout`` needs that ``framework`` does not have, one line each."""
+    e = []
+    if layout.zero_stage not in framework.zero_stages:
+        e.append(f"zero_stage = {layout.zero_stage} is not available in {framework.name} "
+                 f"(it has {', '.join(map(str, framework.zero_stages))})")
+    if layout.pp > 1 and layout.pp_schedule not in framework.pp_schedules:
+        e.append(f"pp_schedule = {layout.pp_schedule!r} is not available in {framework.name} "
+                 f"(it has {', '.join(framework.pp_schedules) or 'no pipeline parallelism'})")
+    if layout.tp_sequence_parallel and not framework.sequence_parallel:
+        e.append(f"tp_sequence_parallel is not available in {framework.name}")
+    return e
+
+
+def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
+    """``"tp=8,pp=4,zero_stage=1,micro_batch_size=2,recompute=full"`` -> :class:`Layout`.
+
+    Unnamed degrees default to 1 (dp to world_size / (tp*pp*sp)), micro_batch_size to 1, and
+    gradient_accumulation_steps to global_batch_size / (micro_batch_size * dp).
+
+    Raises:
+        ConfigError: unknown key (with the valid ones), bad value, or sizes that do not divide.
+    """
+    fields = {f: t for f, t in Layout.__annotations__.items()}
+    values: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ConfigError(f"--explain item '{item}' is not key=value with a key among {', '.join(fields)}")
+        kind = fields[key]
+        try:
+            values[key] = (value in ("1", "true", "True", "yes") if kind == "bool"
+                           else int(value) if kind == "int" else value)
+        except ValueError:
+            raise ConfigError(f"--explain {key} = {value!r} is not a valid {kind}") from None
+    inner = values.get("tp", 1) * values.get("pp", 1) * values.get("sp", 1)
+    if "dp" not in values:
+        if world_size % inner:
+            raise ConfigError(f"num_gpus = {world_size} is not divisible by tp*pp*sp = {inner}")
+        values["dp"] = world_size // inner
+    if values["dp"] * inner != world_size:
+        raise ConfigError(f"dp*tp*pp*sp = {values['dp'] * inner} != num_gpus = {world_size}")
+    if "gradient_accumulation_steps" not in values:
+        unit = values.get("micro_batch_size", 1) * values["dp"]
+        if unit < 1 or global_batch_size % unit:
+            raise ConfigError(f"global_batch_size = {global_batch_size} is not a multiple of "
+                              f"micro_batch_size*dp = {unit}")
+        values["gradient_accumulation_steps"] = global_batch_size // unit
+    return Layout(**values)

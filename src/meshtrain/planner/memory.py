@@ -1,0 +1,174 @@
+"""Memory per device: parameters, gradients, optimizer states, activations, buffers, runtime overhead.
+
+Notation: L layers (``ceil(L/pp)`` on the busiest stage), s sequence length, b micro_batch_size,
+h hidden, a heads, f MLP width, t = tp, V vocabulary. All results are bytes on one device.
+
+Model states (Rajbhandari et al. 2020, ZeRO, Sec. 3.1 and 5): each parameter costs weight + gradient +
+optimizer bytes (bf16 mixed precision 2 + 4 + 12, fp16 2 + 2 + 12, fp32 4 + 4 + 8).
+The bf16 row keeps fp32 main gradients (Megatron-LM reduces bf16 gradients in fp32), the fp16 row is
+ZeRO's K = 12 with 2-byte gradients. ZeRO stage 1 shards the optimizer states, 2 also the gradients, 3 also the weights, over the dp*sp
+ranks that hold the same parameters.
+
+Activations (Korthikanti et al. 2022, Sec. 4 and Table 2), per layer and micro-batch::
+
+    no parallelism          s*b*h*(34 + 5*a*s/h)        (2-byte activations, dropout, f = 4h, MHA)
+    tp                      s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    tp + sequence parallel  s*b*h*(34/t + 5*a*s/(h*t))
+    selective recompute     drops the 5*a*s/h attention-score term
+    full recompute          2*s*b*h (the layer input only; /t with sequence parallelism)
+
+generalised below to grouped-query attention, SwiGLU, other f, no dropout, FlashAttention (which keeps
+no s x s scores) and sp (every term /sp). Pipeline stages hold several micro-batches at once: 1F1B
+``min(pp, GA)``, GPipe ``GA``, interleaved ``pp + (pp-1)/v`` (Korthikanti et al. 2022, Sec. 4.2.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.layout import Framework, Layout
+from meshtrain.planner.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter for weights, gradients, optimizer states; bytes per activation element."""
+
+    name: str
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    compute_dtype: str
+    weight_cast_bytes: int = 0
+    """Per-parameter cache of low-precision weight copies during forward/backward (torch autocast)."""
+
+
+PRECISIONS = {p.name: p for p in (
+    Precision("bf16", 2, 4, 12, 2, "bfloat16"),            # Megatron-LM bf16: fp32 main grads, reduced in fp32
+    Precision("fp16", 2, 2, 12, 2, "bfloat16"),            # ZeRO's K=12 (fp16 grads); fp16 peak = bf16 peak
+    Precision("fp32", 4, 4, 8, 4, "float32"),              # the trainer without autocast
+    Precision("bf16-autocast", 4, 4, 8, 2, "bfloat16", 2),  # the trainer with bf16 autocast, fp32 master
+)}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device on the busiest pipeline stage; ``total`` is the predicted peak."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self) | {"total": self.total}
+
+
+def stage_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers on the busiest pipeline stage: ``ceil(L / pp)`` (uneven splits put fewer on the ends)."""
+    return math.ceil(model.layers / layout.pp)
+
+
+def stage_params(model: ModelSpec, layout: Layout) -> float:
+    """Parameters on one device of the busiest stage before ZeRO sharding: its layers plus the
+    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding)."""
+    return _stage_params(model, layout.pp, layout.tp)
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(model: ModelSpec, pp: int, tp: int) -> float:
+    ends = model.embedding_params() + model.head_params()
+    if pp > 1:
+        ends = max(model.embedding_params(), model.head_params() + (model.vocab * model.hidden
+                                                                     if model.tied_embeddings else 0))
+    return (math.ceil(model.layers / pp) * model.layer_params() + ends) / tp
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
+                           recompute: str | None = None) -> float:
+    """Activation bytes one layer keeps for backward, per micro-batch, on one device.
+
+    Korthikanti et al. 2022, Sec. 4.1 split into tp-replicated parts (norm inputs 4sbh, qkv and fc1
+    inputs 2sbh each, two dropout masks sbh each) and tp-sharded parts (Q, K, V, out-proj input, MLP
+    hidden 2x f, and with materialized attention the scores 2as^2b + softmax mask as^2b + dropout out
+    2as^2b). Element size ``precision.activation_bytes``; masks 1 byte.
+    """
+    recompute = recompute or layout.recompute
+    b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.ffn_hidden
+    t, e = layout.tp, precision.activation_bytes
+    sharded_seq = t if layout.tp_sequence_parallel else 1
+    if recompute == "full":
+        return s * b * h * e / sharded_seq
+    masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
+    replicated = s * b * (h * e * 4 + masks * h)  # 2 norm inputs + qkv input + fc1 input, masks
+    mlp_hidden = (3 if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input; SwiGLU: gate, up, product
+    sharded = s * b * e * (2 * h + 2 * model.kv_dim + mlp_hidden)  # Q, K, V, out-proj input + MLP
+    if framework.attention == "materialized" and recompute == "none":
+        per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
+        sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
+    return replicated / sharded_seq + sharded / t
+
+
+def in_flight_microbatches(layout: Layout) -> float:
+    """Micro-batches whose activations the first (fullest) stage holds at its peak."""
+    if layout.pp == 1:
+        return 1.0
+    m = layout.gradient_accumulation_steps
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "interleaved-1f1b":
+        return min(m, layout.pp + (layout.pp - 1) / layout.virtual_stages)
+    return float(min(m, layout.pp))  # 1f1b and zero-bubble (ZB-H1 keeps 1F1B's memory, Qi et al. 2023)
+
+
+def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:
+    """Peak activation bytes: stored layers x in-flight micro-batches, one layer being recomputed or
+    back-propagated (its full activations), and the logits with their fp32 cross-entropy copy (last stage)."""
+    n = stage_layers(model, layout)
+    stored = n * in_flight_microbatches(layout) * layer_activation_bytes(model, layout, precision, framework)
+    working = layer_activation_bytes(model, layout, precision, framework, recompute="none")
+    tokens = layout.micro_batch_size * model.seq_len / layout.sp
+    logits = tokens * model.vocab / layout.tp * (precision.activation_bytes + 4 + 4)  # logits, fp32 softmax, grad
+    return stored + working + logits
+
+
+def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
+                     framework: Framework) -> MemoryBreakdown:
+    """Predicted peak bytes per device, by part.
+
+    ZeRO sharding over ``dp*sp`` (Rajbhandari et al. 2020, Sec. 5). Gradients stay unsharded while
+    gradient accumulation skips synchronisation (FSDP2 ``set_requires_gradient_sync(False)``; Megatron's
+    distributed optimizer, stage 1, keeps a full gradient buffer anyway). Stage 2 as FSDP2 with
+    ``reshard_after_forward=False`` holds unsharded weights through the step next to the shards; stage 3
+    gathers two blocks at a time (current + prefetched). The peak is the larger of the forward/backward
+    peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
+    temporary per parameter), on top of the model states and the runtime's fixed overhead.
+    """
+    p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
+    weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
+    grads_sharded = z >= 2 and (layout.gradient_accumulation_steps == 1 or framework.grad_sync_every_microstep)
+    grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
+    optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
+    block = model.layer_params() / layout.tp
+    gathered = 0.0
+    if z == 2:
+        gathered = p * precision.weight_bytes
+    elif z == 3:
+        gathered = 2 * block * (precision.weight_bytes + precision.grad_bytes)
+    if z == 0 and shard > 1 and framework.torch_buffers:
+        gathered += p * precision.grad_bytes
+    step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)
+    optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
+    acts = max(step_peak, optimizer_peak)
+    return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer, activations=acts - gathered,
+                           buffers=gathered, overhead=hw.device.framework_overhead_bytes)

@@ -1,0 +1,105 @@
+"""Enumerate every valid layout of a job, predict each, rank by time per step.
+
+A layout is (dp, tp, pp, sp, zero_stage, micro_batch_size, gradient_accumulation_steps, recompute,
+pp_schedule, virtual_stages, tp_sequence_parallel) with ``dp*tp*pp*sp = num_devices`` and
+``micro_batch_size*gradient_accumulation_steps*dp = global_batch_size``. Candidates that break a
+divisibility rule (:func:`meshtrain.planner.layout.divisibility_errors`) are never generated; those
+that do not fit in memory are dropped (or kept, flagged, with ``keep_unfit``). Layouts that are
+dominated by construction are skipped: for a given rest of the layout a recompute mode is tried only
+if the cheaper ones do not fit, and tp without sequence parallelism only where sequence parallelism
+is not possible, since both only ever add time (Korthikanti et al. 2022, Sec. 5).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from collections.abc import Iterator
+from typing import Any
+
+from meshtrain.planner.estimate import Estimate, Job, estimate
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors
+from meshtrain.planner.memory import Precision, memory_breakdown
+from meshtrain.planner.models import ModelSpec
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...]) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield from ((s, 1) for s in ("1f1b", "gpipe", "zero-bubble") if s in allowed)
+    if ga % pp == 0 and "interleaved-1f1b" in allowed:
+        per_stage = -(-model.layers // pp)
+        yield from (("interleaved-1f1b", v) for v in divisors(per_stage) if v > 1 and pp * v <= model.layers)
+
+
+def _choices(fixed: dict[str, Any], key: str, options: list[Any]) -> list[Any]:
+    return [fixed[key]] if key in fixed else options
+
+
+def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
+                      fixed: dict[str, Any] | None = None) -> Iterator[tuple[Layout, list[str]]]:
+    """Valid layouts the framework can run, as ``(layout, recompute modes)``: the layout holds the
+    cheapest mode, the list every mode to try, cheapest first. ``fixed`` pins any Layout field (e.g.
+    ``{"tp": 8, "recompute": "full"}``). The model's divisibility rules are checked once per
+    (tp, sp, pp, tp_sequence_parallel); batch and schedule rules hold by construction.
+    """
+    fixed = fixed or {}
+    world, gbs = job.num_devices, job.global_batch_size
+    degrees = divisors(world)
+    modes = _choices(fixed, "recompute", list(RECOMPUTE))
+    zeros = _choices(fixed, "zero_stage", list(framework.zero_stages))
+    for tp, sp, pp in itertools.product(_choices(fixed, "tp", degrees), _choices(fixed, "sp", degrees),
+                                        _choices(fixed, "pp", degrees)):
+        if world % (tp * sp * pp) or pp > model.layers or (pp > 1 and not framework.pp_schedules):
+            continue
+        dp = world // (tp * sp * pp)
+        if fixed.get("dp", dp) != dp or gbs % dp:
+            continue
+        seqp = tp > 1 and model.seq_len % (sp * tp) == 0
+        for seqp in [fixed["tp_sequence_parallel"]] if "tp_sequence_parallel" in fixed else [seqp]:
+            if divisibility_errors(model, Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp)):
+                continue
+            for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
+                ga = gbs // (dp * mbs)
+                if (gbs // dp) % mbs or fixed.get("gradient_accumulation_steps", ga) != ga:
+                    continue
+                for sched, v in _schedules(model, pp, ga, framework.pp_schedules):
+                    if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
+                        continue
+                    for zero in zeros:
+                        yield Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp), modes
+
+
+def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
+           fixed: dict[str, Any] | None = None, keep_unfit: bool = False) -> list[Estimate]:
+    """Predict every candidate; return them fastest first (fitting ones first when ``keep_unfit``).
+
+    For each candidate the first recompute mode that fits is kept (later ones are slower by
+    construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged.
+    """
+    fixed = dict(fixed or {})
+    if not framework.sequence_parallel:
+        fixed["tp_sequence_parallel"] = False
+    out = []
+    for base, modes in candidate_layouts(model, job, framework, fixed):
+        chosen = None
+        for rc in modes:
+            layout = base if rc == base.recompute else replace(base, recompute=rc)
+            if memory_breakdown(model, layout, hw, precision, framework).total <= hw.device.memory_bytes:
+                chosen = layout
+                break
+        if chosen is None:
+            if not keep_unfit:
+                continue
+            chosen = layout
+        out.append(estimate(model, chosen, hw, precision, framework, job))
+    out.sort(key=lambda e: (not e.fits, e.time.total))
+    return out

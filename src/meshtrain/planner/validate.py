@@ -1,0 +1,173 @@
+"""Predict published training runs from their configuration and compare with what they measured.
+
+Input schema (``shared/validation/published_runs.toml``): ``[[run]]`` tables with ``name``, ``source``,
+``gpu``, ``num_gpus``, ``model = {layers, hidden, heads, vocab, seq_len, [ffn_hidden, kv_heads]}``,
+``layout = {tp, pp, dp, global_batch_size, [micro_batch_size, gradient_accumulation_steps, recompute,
+zero_stage, pp_schedule]}`` and ``measured = {...}`` with any of ``tflops_per_gpu`` (+
+``tflops_per_gpu_kind`` "hardware" or "model"), ``percent_of_peak``, ``mfu_percent``,
+``tokens_per_s_per_gpu``.
+
+Uniform rules for what a run does not state (docs/planner.md, "Validation"):
+
+- layout fields a run leaves out are chosen by the planner's own search: the fastest layout that fits,
+  with every stated field fixed (what a user of ``meshtrain plan`` would get);
+- ``tflops_per_gpu`` without a kind is model FLOPs (Megatron-LM's ``num_floating_point_operations``
+  counts no recomputation); ``percent_of_peak`` uses the same kind as ``tflops_per_gpu``;
+- the software stack is read from the source: Narayanan et al. 2021 -> ``megatron-2021``,
+  Megatron-Core -> ``megatron-core``, llm-foundry (FSDP) -> ``fsdp``; a run may name ``framework``;
+- mixed precision is the framework's: fp16 with fp16 gradients for ``megatron-2021`` (Narayanan et al.
+  trained in fp16), bf16 with fp32 gradients otherwise; Adam states in fp32.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.estimate import Estimate, Job, estimate
+from meshtrain.planner.hardware import get_hardware
+from meshtrain.planner.layout import FRAMEWORKS, Framework
+from meshtrain.planner.memory import PRECISIONS
+from meshtrain.planner.models import from_table
+from meshtrain.planner.search import search
+
+SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
+                     ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
+FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
+           "pp_schedule", "virtual_stages", "tp_sequence_parallel")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One published run: what was predicted, what was measured, signed relative errors (fractions)."""
+
+    name: str
+    layout: str
+    fits: bool
+    predicted: dict[str, float]
+    measured: dict[str, float]
+    relative_error: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layout": self.layout, "fits": self.fits, "predicted": self.predicted,
+                "measured": self.measured, "relative_error": self.relative_error}
+
+
+def framework_for(run: dict[str, Any]) -> Framework:
+    """The software stack of ``run``: its ``framework`` key, else the first keyword of its source."""
+    name = run.get("framework")
+    if name is None:
+        source = str(run.get("source", "")).lower()
+        name = next((fw for key, fw in SOURCE_FRAMEWORKS if key in source), "megatron-core")
+    if name not in FRAMEWORKS:
+        raise ConfigError(f"run {run.get('name')!r}: framework {name!r} is not one of {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[name]
+
+
+def predict_run(run: dict[str, Any], profile: Path | None = None,
+                matmul_efficiency: float | None = None) -> tuple[Estimate, dict[str, float]]:
+    """The estimate for one run and the predicted value of each measured field it has.
+
+    ``matmul_efficiency`` replaces the catalog's constant for the run's device (for cross-validation).
+
+    Raises:
+        ConfigError: a run without model/layout/gpu, or an unknown gpu.
+    """
+    for key in ("name", "gpu", "num_gpus", "model", "layout", "measured"):
+        if key not in run:
+            raise ConfigError(f"validation run {run.get('name', '?')!r} lacks '{key}'")
+    model = from_table(dict(run["model"]), name=run["name"])
+    hw = get_hardware(run["gpu"], profile=profile)
+    if matmul_efficiency is not None:
+        hw = replace(hw, device=replace(hw.device, matmul_efficiency=matmul_efficiency))
+    lay = dict(run["layout"])
+    gbs = int(lay.pop("global_batch_size"))
+    fixed = {k: v for k, v in lay.items() if k in FIXABLE}
+    if "pp_schedule" in fixed and fixed.get("pp", 1) == 1:
+        fixed.pop("pp_schedule")
+    job = Job(num_devices=int(run["num_gpus"]), global_batch_size=gbs)
+    fw = framework_for(run)
+    prec = PRECISIONS[fw.mixed_precision]
+    ranked = search(model, hw, prec, fw, job, fixed=fixed, keep_unfit=True)
+    if not ranked:
+        raise ConfigError(f"run {run['name']!r}: no valid layout matches its stated fields {fixed}")
+    fitting = [r for r in ranked if r.fits]
+    best = (fitting or ranked)[0]
+    measured = run["measured"]
+    kind = measured.get("tflops_per_gpu_kind", "model")
+    tflops = best.hardware_tflops_per_device if kind == "hardware" else best.model_tflops_per_device
+    predicted = {"tflops_per_gpu": tflops, "percent_of_peak": 100 * tflops * 1e12 / hw.device.peak("bfloat16"),
+                 "mfu_percent": 100 * best.mfu, "tokens_per_s_per_gpu": best.tokens_per_s / job.num_devices}
+    return best, {k: v for k, v in predicted.items() if k in measured}
+
+
+def _ratio(run: dict[str, Any], profile: Path | None, efficiency: float) -> float:
+    """measured / predicted for ``run`` (mean over its measured fields) at a given matmul efficiency."""
+    _, predicted = predict_run(run, profile, efficiency)
+    return statistics.mean(float(run["measured"][k]) / v for k, v in predicted.items())
+
+
+def fit_matmul_efficiency(runs: list[dict[str, Any]], start: float, profile: Path | None = None) -> float:
+    """The matmul efficiency of one device type that makes the median measured/predicted ratio of
+    ``runs`` equal to 1 (fixed-point iteration: throughput is nearly proportional to it)."""
+    efficiency = start
+    for _ in range(4):
+        efficiency *= statistics.median(_ratio(r, profile, efficiency) for r in runs)
+    return efficiency
+
+
+def cross_validate(runs: list[dict[str, Any]], profile: Path | None = None) -> dict[str, dict[str, float]]:
+    """Leave-one-out errors: each run is predicted with its device's matmul efficiency fitted on the
+    *other* runs of that device (the catalog value when it is the only one). ``{name: {field: error}}``."""
+    out = {}
+    for i, run in enumerate(runs):
+        others = [r for j, r in enumerate(runs) if j != i and r["gpu"] == run["gpu"]]
+        start = get_hardware(run["gpu"], profile=profile).device.matmul_efficiency
+        eff = fit_matmul_efficiency(others, start, profile) if others else start
+        _, predicted = predict_run(run, profile, eff)
+        out[run["name"]] = {k: (v - float(run["measured"][k])) / float(run["measured"][k]) for k, v in predicted.items()}
+    return out
+
+
+def _summary(errors: list[float]) -> tuple[float | None, float | None]:
+    return (statistics.median(errors), max(errors)) if errors else (None, None)
+
+
+def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -> dict[str, Any]:
+    """Predict every run of ``path``; return ``{"runs": [...], "median_abs_error", "max_abs_error"}``.
+
+    Errors are signed fractions ``(predicted - measured) / measured``; the median and max are over the
+    absolute errors of every measured field of every run. With ``cross``, also the leave-one-out
+    errors (:func:`cross_validate`) per run and their median and max under ``"leave_one_out"``.
+
+    Raises:
+        ConfigError: missing file, bad TOML, or a malformed run.
+    """
+    if not path.is_file():
+        raise ConfigError(f"validation file '{path}' does not exist")
+    try:
+        runs = tomllib.loads(path.read_text()).get("run", [])
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"validation file '{path}' is not valid TOML: {e}") from None
+    if not runs:
+        raise ConfigError(f"validation file '{path}' has no [[run]] tables")
+    results = []
+    for run in runs:
+        best, predicted = predict_run(run, profile)
+        measured = {k: float(run["measured"][k]) for k in predicted}
+        errors = {k: (predicted[k] - measured[k]) / measured[k] for k in predicted}
+        results.append(RunResult(run["name"], best.layout.label(), best.fits, predicted, measured, errors))
+    median, worst = _summary([abs(e) for r in results for e in r.relative_error.values()])
+    out = {"runs": [r.to_dict() for r in results], "median_abs_error": median, "max_abs_error": worst}
+    if cross:
+        loo = cross_validate(runs, profile)
+        for record in out["runs"]:
+            record["leave_one_out_relative_error"] = loo[record["name"]]
+        median, worst = _summary([abs(e) for errs in loo.values() for e in errs.values()])
+        out["leave_one_out"] = {"median_abs_error": median, "max_abs_error": worst}
+    return out
+

@@ -1,0 +1,210 @@
+"""Planner formulas against the published equations they implement (no process group, no torch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.cost import (attention_flops_per_token, bubble_time, hardware_flops, model_flops,
+                                    ring_time, step_time)
+from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardware
+from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
+from meshtrain.planner.memory import (PRECISIONS, in_flight_microbatches, layer_activation_bytes,
+                                      memory_breakdown)
+from meshtrain.planner.models import ModelSpec, preset
+
+MEGATRON_2021 = FRAMEWORKS["megatron-2021"]
+MESHTRAIN = FRAMEWORKS["meshtrain"]
+BF16 = PRECISIONS["bf16"]
+
+
+def ideal_hardware(**device) -> Hardware:
+    """A device with exact numbers and a network with no cost, so single terms can be isolated."""
+    dev = Device("ideal", {"bfloat16": 1e15, "float32": 1e14}, memory_bytes=1e12, memory_bandwidth=1e30,
+                 matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=0.0, **device)
+    return Hardware(dev, Network(8, 1e30, 1e30, 0.0, 0.0, 1.0, 1.0))
+
+
+# ---- parameter counts: published totals ---------------------------------------------------------
+
+@pytest.mark.parametrize("name, params", [
+    ("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
+    ("gpt2-xl", 1_557_611_200),  # Hugging Face model cards
+    ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800),
+])
+def test_preset_parameter_counts_match_the_released_models(name, params):
+    assert preset(name).num_params() == params
+
+
+@pytest.mark.parametrize("name, billions", [("megatron-1.7b", 1.7), ("megatron-7.5b", 7.5), ("megatron-39.1b", 39.1),
+                                            ("megatron-145.6b", 145.6), ("megatron-529.6b", 529.6),
+                                            ("megatron-1t", 1008.0)])
+def test_megatron_configs_match_narayanan_table_1(name, billions):
+    m = preset(name)
+    L, h, V, s = m.layers, m.hidden, m.vocab, m.seq_len
+    eq2 = 12 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))  # Narayanan et al. 2021, Eq. 2
+    assert m.num_params() == pytest.approx(eq2, rel=1e-12)
+    assert m.num_params() / 1e9 == pytest.approx(billions, abs=0.05)
+
+
+def test_unknown_preset_names_the_closest_one():
+    with pytest.raises(ConfigError, match="did you mean 'llama3-70b'"):
+        preset("llama3-70")
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------
+
+def test_model_flops_is_korthikanti_eq_7_and_hardware_flops_is_narayanan_eq_3():
+    m = preset("megatron-145.6b")
+    B, s, L, h, V = 2304, m.seq_len, m.layers, m.hidden, m.vocab
+    assert model_flops(m, B) == pytest.approx(72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-12)
+    assert hardware_flops(m, B, "full") == pytest.approx(96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)),
+                                                         rel=1e-12)
+
+
+def test_model_flops_with_gqa_and_swiglu_is_megatrons_count():
+    m = preset("llama3-70b")
+    B, s, L, h, f, V = 8, m.seq_len, m.layers, m.hidden, m.ffn_hidden, m.vocab
+    # Megatron-LM num_floating_point_operations: 12 B s L h^2 (1 + kv/a + s/h + 3/2 f/h + V/(2 L h))
+    megatron = 12 * B * s * L * h**2 * (1 + m.kv_heads / m.heads + s / h + 1.5 * f / h + V / (2 * L * h))
+    assert model_flops(m, B) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_causal_attention_executes_half_the_scores():
+    m = preset("gpt2-small")
+    assert attention_flops_per_token(m, causal=True) * 2 == attention_flops_per_token(m) == 4 * m.seq_len * m.hidden
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+def test_activations_reproduce_korthikanti_table_2():
+    m = preset("megatron-145.6b")  # MHA, GELU, f = 4h, dropout: the paper's model
+    s, b, h, a, t = m.seq_len, 2, m.hidden, m.heads, 8
+    L = Layout(dp=1, tp=t, micro_batch_size=b)
+    act = lambda layout: layer_activation_bytes(m, layout, BF16, MEGATRON_2021)  # noqa: E731
+    assert act(replace(L, tp=1)) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert act(L) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    sp = replace(L, tp_sequence_parallel=True)
+    assert act(sp) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert act(replace(sp, recompute="selective")) == pytest.approx(34 * s * b * h / t)
+    assert act(replace(L, recompute="full")) == pytest.approx(2 * s * b * h)
+
+
+def test_flash_attention_keeps_no_scores():
+    m = preset("megatron-7.5b")
+    L = Layout(dp=1)
+    assert layer_activation_bytes(m, L, BF16, MESHTRAIN) == layer_activation_bytes(
+        m, replace(L, recompute="selective"), BF16, MEGATRON_2021)
+
+
+def test_zero_stages_reproduce_the_zero_paper_figure_1():
+    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, K = 12 -> 120, 31.4, 16.6, 1.9 GB.
+    m, hw, prec = preset("megatron-7.5b"), ideal_hardware(), PRECISIONS["fp16"]
+    scale = 7.5e9 / m.num_params()
+    for zero, gb in ((0, 120), (1, 31.4), (2, 16.6), (3, 1.88)):
+        mem = memory_breakdown(m, Layout(dp=64, zero_stage=zero), hw, prec, MEGATRON_2021)
+        states = (mem.weights + mem.gradients + mem.optimizer) * scale / 1e9
+        assert states == pytest.approx(gb, rel=0.02), zero
+
+
+def test_pipeline_in_flight_microbatches_per_schedule():
+    assert in_flight_microbatches(Layout(dp=1, pp=4, gradient_accumulation_steps=8)) == 4
+    assert in_flight_microbatches(Layout(dp=1, pp=4, gradient_accumulation_steps=2)) == 2
+    assert in_flight_microbatches(Layout(dp=1, pp=4, gradient_accumulation_steps=8, pp_schedule="gpipe")) == 8
+    inter = Layout(dp=1, pp=4, gradient_accumulation_steps=8, pp_schedule="interleaved-1f1b", virtual_stages=2)
+    assert in_flight_microbatches(inter) == pytest.approx(4 + 3 / 2)  # Korthikanti et al. 2022, Sec. 4.2.3
+
+
+def test_memory_falls_with_recompute_zero_stage_and_tp():
+    m, hw = preset("llama3-8b"), get_hardware("H100")
+    total = lambda **kw: memory_breakdown(m, Layout(**{"dp": 8, **kw}), hw, BF16, MESHTRAIN).total  # noqa: E731
+    assert total(recompute="none") == total(recompute="selective") > total(recompute="full")  # flash: no scores
+    materialized = lambda rc: memory_breakdown(m, Layout(dp=8, recompute=rc), hw, BF16, MEGATRON_2021).total  # noqa: E731
+    assert materialized("none") > materialized("selective") > materialized("full")
+    assert total(zero_stage=0) > total(zero_stage=2) > total(zero_stage=3)
+    assert total(tp=1) > total(tp=2) > total(tp=4)
+
+
+# ---- communication and time -------------------------------------------------------------------------
+
+def test_ring_collective_times():
+    S, B, a = 1e9, 1e10, 1e-5
+    assert ring_time("all-reduce", 8, S, B, a) == pytest.approx(2 * 7 / 8 * S / B + 2 * 7 * a)
+    assert ring_time("all-gather", 8, S, B, a) == pytest.approx(7 / 8 * S / B + 7 * a)
+    assert ring_time("p2p", 2, S, B, a) == pytest.approx(S / B + a)
+    assert ring_time("all-reduce", 1, S, B, a) == 0.0
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_bubble_is_pp_minus_1_over_v_m(schedule, v):
+    # Narayanan et al. 2021, Sec. 2.2: bubble / ideal time = (p - 1) / (v * m) without communication.
+    m, hw = preset("megatron-39.1b"), ideal_hardware()
+    layout = Layout(dp=1, pp=4, gradient_accumulation_steps=16, pp_schedule=schedule, virtual_stages=v)
+    t = step_time(m, layout, hw, BF16, MEGATRON_2021)
+    assert t.bubble / t.compute == pytest.approx(3 / (v * 16), rel=1e-9)
+
+
+def test_zero_bubble_leaves_forward_times_only():
+    m, hw = preset("megatron-39.1b"), ideal_hardware()
+    base = Layout(dp=1, pp=4, gradient_accumulation_steps=16)
+    one = step_time(m, base, hw, BF16, MESHTRAIN)
+    zb = step_time(m, replace(base, pp_schedule="zero-bubble"), hw, BF16, MESHTRAIN)
+    assert zb.bubble == pytest.approx(one.bubble / 3, rel=1e-6)  # backward = 2 x forward without recompute
+
+
+def test_unoverlapped_dp_all_reduce_is_the_ring_formula():
+    m, hw, prec = preset("gpt2-small"), get_hardware("A100-80GB"), PRECISIONS["fp16"]
+    layout = Layout(dp=32, gradient_accumulation_steps=4)
+    torch_ddp = replace(MEGATRON_2021, grad_bucket_bytes=25 * 2**20)  # no overlap, PyTorch DDP buckets
+    t = step_time(m, layout, hw, prec, torch_ddp)
+    bw, lat = hw.network.link(True)  # 32 ranks span 4 nodes of 8
+    grads = m.num_params() * 2  # fp16 gradients: 249 MB -> 10 DDP buckets of at most 25 MiB
+    buckets = math.ceil(grads / (25 * 2**20))
+    assert buckets == 10
+    scalars = 2 * ring_time("all-reduce", 32, 8, bw, lat)
+    expected = buckets * ring_time("all-reduce", 32, grads / buckets, bw, lat) + scalars
+    assert t.dp_comm == pytest.approx(expected, rel=1e-9)
+    one_buffer = step_time(m, layout, hw, prec, MEGATRON_2021).dp_comm  # Megatron 2021: one contiguous buffer
+    assert one_buffer == pytest.approx(ring_time("all-reduce", 32, grads, bw, lat) + scalars, rel=1e-9)
+
+
+def test_compute_time_scales_with_matmul_efficiency():
+    m = preset("llama3-8b")
+    slow = step_time(m, Layout(dp=1), ideal_hardware(), BF16, MESHTRAIN)
+    fast_hw = ideal_hardware()
+    fast_hw = replace(fast_hw, device=replace(fast_hw.device, matmul_efficiency=0.5))
+    assert step_time(m, Layout(dp=1), fast_hw, BF16, MESHTRAIN).compute == pytest.approx(2 * slow.compute, rel=1e-9)
+
+
+def test_tp_beyond_a_node_pays_the_inter_node_link():
+    m, hw = preset("llama3-70b"), get_hardware("H100")
+    inside = step_time(m, Layout(dp=2, tp=8), hw, BF16, MESHTRAIN).tp_comm
+    across = step_time(m, Layout(dp=1, tp=16), hw, BF16, MESHTRAIN).tp_comm
+    assert across > 4 * inside
+
+
+def test_divisibility_rules_name_the_value():
+    m = preset("llama3-70b")  # 64 heads, 8 kv heads
+    assert any("tp = 3" in e for e in divisibility_errors(m, Layout(dp=1, tp=3)))
+    assert any("heads per tp rank" in e for e in divisibility_errors(m, Layout(dp=1, tp=8, sp=16)))
+    assert any("multiple of pp" in e for e in divisibility_errors(
+        m, Layout(dp=1, pp=4, gradient_accumulation_steps=6, pp_schedule="interleaved-1f1b", virtual_stages=2)))
+    assert divisibility_errors(m, Layout(dp=4, tp=8, pp=4, sp=2, gradient_accumulation_steps=8)) == []
+
+
+def test_model_spec_rejects_impossible_shapes():
+    with pytest.raises(ConfigError, match="divisible by heads"):
+        ModelSpec("x", layers=2, hidden=100, heads=3, vocab=10, seq_len=8)
+    with pytest.raises(ConfigError, match="activation"):
+        ModelSpec("x", layers=2, hidden=64, heads=4, vocab=10, seq_len=8, activation="relu")
+
+
+def test_device_peak_errors_and_catalog_aliases():
+    hw = get_hardware("a100-80gb")
+    assert hw.device.name == "A100-SXM-80GB" and hw.device.memory_bytes == 80 * GiB
+    with pytest.raises(ConfigError, match="did you mean"):
+        get_hardware("H10O-SXM-80GB")
+    assert math.isclose(hw.device.peak("bfloat16"), 312e12)

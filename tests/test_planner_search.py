@@ -1,0 +1,187 @@
+"""Layout search, ``meshtrain plan`` on the command line, and validation against published runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.planner.estimate import Job
+from meshtrain.planner.hardware import get_hardware
+from meshtrain.planner.layout import FRAMEWORKS, divisibility_errors, framework_errors
+from meshtrain.planner.memory import PRECISIONS
+from meshtrain.planner.models import preset
+from meshtrain.planner.search import search
+from meshtrain.planner.validate import validate_file
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT.parent / "shared" / "validation" / "published_runs.toml"
+REQUIRED = {"dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps",
+            "memory_per_device_bytes", "step_time_s", "tokens_per_s", "mfu", "total_time_s"}
+
+
+def plan(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_returns_only_valid_fitting_layouts_fastest_first():
+    m, hw, fw = preset("llama3-70b"), get_hardware("H100"), FRAMEWORKS["meshtrain"]
+    job = Job(num_devices=256, global_batch_size=512)
+    results = search(m, hw, PRECISIONS["bf16"], fw, job)
+    assert results
+    for e in results:
+        b = e.layout
+        assert b.dp * b.tp * b.pp * b.sp == 256
+        assert b.micro_batch_size * b.gradient_accumulation_steps * b.dp == 512
+        assert e.memory.total <= hw.device.memory_bytes
+        assert not divisibility_errors(m, b) and not framework_errors(fw, b)
+    times = [e.time.total for e in results]
+    assert times == sorted(times)
+    # 70B in bf16 needs 18 bytes/param of model states: no layout without sharding or model parallelism fits.
+    assert not any(e.layout.tp == e.layout.pp == 1 and e.layout.zero_stage == 0 for e in results)
+
+
+def test_search_honours_fixed_fields_and_the_framework():
+    m, hw = preset("llama3-8b"), get_hardware("A100-80GB")
+    job = Job(num_devices=64, global_batch_size=256)
+    fixed = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], job, fixed={"tp": 2, "recompute": "full"})
+    assert fixed and all(e.layout.tp == 2 and e.layout.recompute == "full" for e in fixed)
+    core = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["megatron-core"], job)
+    assert {e.layout.zero_stage for e in core} <= {0, 1}
+
+
+def test_plan_json_has_the_documented_fields(capsys):
+    code, out, _ = plan(capsys, "--model", "llama3-70b", "--gpu", "H100-SXM-80GB", "--num-gpus", "512",
+                        "--global-batch-size", "1024", "--seq-len", "8192", "--top", "3", "--json",
+                        "--token-budget", "1e12")
+    assert code == 0
+    rows = json.loads(out)
+    assert len(rows) == 3 and REQUIRED <= rows[0].keys()
+    best = rows[0]
+    assert best["tokens_per_s"] == pytest.approx(1024 * 8192 / best["step_time_s"])
+    assert best["total_time_s"] == pytest.approx(best["step_time_s"] * -(-1e12 // (1024 * 8192)))
+    assert 0 < best["mfu"] < 1
+
+
+def test_plan_table_names_the_best_layout(capsys):
+    code, out, _ = plan(capsys, "--model", "gpt2-xl", "--gpu", "A100-80GB", "--num-gpus", "16",
+                        "--global-batch-size", "512", "--top", "2")
+    assert code == 0
+    assert "Best: dp" in out and "global_batch_size = micro_batch_size * gradient_accumulation_steps * dp" in out
+
+
+def test_explain_says_why_a_layout_is_invalid(capsys):
+    code, out, _ = plan(capsys, "--model", "llama3-70b", "--gpu", "H100", "--num-gpus", "512",
+                        "--global-batch-size", "1024", "--explain", "tp=16,sp=8,pp=4")
+    assert code == 0
+    assert "heads per tp rank = 4" in out
+
+
+def test_explain_breaks_down_a_valid_layout(capsys):
+    code, out, _ = plan(capsys, "--model", "llama3-70b", "--gpu", "H100", "--num-gpus", "512",
+                        "--global-batch-size", "1024", "--explain", "tp=8,pp=4,zero_stage=3,recompute=full", "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert record["valid"] and record["dp"] == 16 and record["gradient_accumulation_steps"] == 64
+    assert record["memory_breakdown_bytes"]["total"] == record["memory_per_device_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-7b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8"], "did you mean"),
+    (["--model", "llama3-8b", "--gpu", "H1000", "--num-gpus", "8", "--global-batch-size", "8"], "unknown device"),
+    (["--model", "llama3-8b", "--gpu", "H100", "--global-batch-size", "8"], "--num-gpus"),
+    (["--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8",
+      "--explain", "tp=3"], "not divisible"),
+    (["--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8", "--fix", "color=3"],
+     "--fix item"),
+])
+def test_user_mistakes_are_one_line_with_exit_2(capsys, args, message):
+    code, _, err = plan(capsys, *args)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_a_training_config(capsys, tmp_path):
+    code, out, _ = plan(capsys, str(ROOT / "configs" / "shakespeare_char.toml"), "--profile",
+                        str(tmp_path / "none.toml"), "--num-gpus", "2", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert rows and all(r["global_batch_size"] == 24 for r in rows)  # 12 * 1 * dp 2
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code, _, _ = plan(capsys, "--model", "gpt2-medium", "--gpu", "A100-40GB", "--num-gpus", "8",
+                      "--global-batch-size", "64", "--top", "3", "--plot", str(png))
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+RUNS = """
+[[run]]
+name = "megatron-2021-145.6B"
+source = "Narayanan et al. 2021, Table 1"
+gpu = "A100-SXM-80GB"
+num_gpus = 1536
+model = { layers = 80, hidden = 12288, heads = 96, vocab = 51200, seq_len = 2048, ffn_hidden = 49152 }
+layout = { tp = 8, pp = 8, dp = 24, micro_batch_size = 1, global_batch_size = 2304, recompute = "full", zero_stage = 0, pp_schedule = "interleaved-1f1b" }
+measured = { tflops_per_gpu = 148, tflops_per_gpu_kind = "hardware", percent_of_peak = 47 }
+
+[[run]]
+name = "mosaicml-mpt-a100-7B"
+source = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+gpu = "A100-SXM-80GB"
+num_gpus = 8
+model = { layers = 32, hidden = 4096, heads = 32, vocab = 50368, seq_len = 2048 }
+layout = { tp = 1, pp = 1, dp = 8, micro_batch_size = 6, gradient_accumulation_steps = 2, global_batch_size = 96, recompute = "none", zero_stage = 3 }
+measured = { tokens_per_s_per_gpu = 4641, mfu_percent = 64.23 }
+"""
+
+
+def test_validation_predicts_published_runs_within_ten_percent(tmp_path):
+    path = tmp_path / "runs.toml"
+    path.write_text(RUNS)
+    result = validate_file(path, profile=tmp_path / "none.toml")
+    assert [r["name"] for r in result["runs"]] == ["megatron-2021-145.6B", "mosaicml-mpt-a100-7B"]
+    for run in result["runs"]:
+        assert run["predicted"].keys() == run["measured"].keys()
+        for field, err in run["relative_error"].items():
+            assert err == pytest.approx((run["predicted"][field] - run["measured"][field]) / run["measured"][field])
+            assert abs(err) < 0.10, (run["name"], field, err)
+    assert result["median_abs_error"] == statistics.median(
+        abs(e) for r in result["runs"] for e in r["relative_error"].values())
+    assert "leave_one_out" in result
+
+
+@pytest.mark.skipif(not PUBLISHED.is_file(), reason="shared/validation/published_runs.toml is not checked out")
+def test_validation_cli_on_the_shared_file(capsys, tmp_path):
+    code, out, _ = plan(capsys, "--validate", str(PUBLISHED), "--json", "--profile", str(tmp_path / "none.toml"))
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["runs"]) == 10
+    assert result["median_abs_error"] < 0.05 and result["max_abs_error"] < 0.15
+    assert result["leave_one_out"]["median_abs_error"] < 0.10
+
+
+def test_user_model_and_hardware_files(capsys, tmp_path):
+    model = tmp_path / "model.toml"
+    model.write_text('[model]\nlayers = 16\nhidden = 2048\nheads = 16\nkv_heads = 4\nffn_hidden = 5632\n'
+                     'vocab = 32000\nseq_len = 2048\nactivation = "SwiGLU"\ntied_embeddings = false\n')
+    hardware = tmp_path / "hw.toml"
+    hardware.write_text('[[device]]\nname = "my-gpu"\npeak_bf16_flops = 100e12\npeak_fp32_flops = 10e12\n'
+                        'memory_bytes = 24e9\nmemory_bandwidth = 1e12\n\n'
+                        '[network]\ndevices_per_node = 4\nintra_node_bandwidth = 50e9\ninter_node_bandwidth = 10e9\n')
+    code, out, _ = plan(capsys, "--model", str(model), "--gpu", "my-gpu", "--hardware", str(hardware),
+                        "--num-gpus", "8", "--global-batch-size", "64", "--top", "1", "--json")
+    assert code == 0
+    best = json.loads(out)[0]
+    assert best["memory_per_device_bytes"] <= 24e9
+    # MFU is measured against the file's peak: model FLOPs / (step time * 8 * 100 TFLOP/s)
+    assert best["mfu"] == pytest.approx(best["model_tflops_per_device"] / 100, rel=1e-9)
+    code, _, err = plan(capsys, "--model", str(model), "--gpu", "my-gpu", "--hardware", str(tmp_path / "no.toml"),
+                        "--num-gpus", "8", "--global-batch-size", "64")
+    assert code == 2 and "does not exist" in err
