@@ -33,6 +33,8 @@ GEMM_SIZES = (32, 64, 128, 256, 384, 512, 768, 1024)
 ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024)
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 COLLECTIVE_REPEATS = 7
+PASSES = 3
+"""Full passes over the compute measurements; each number is their median (see measure_compute_passes)."""
 
 
 def _timed(fn, min_time: float, repeats: int | None = None) -> float:
@@ -48,6 +50,22 @@ def _timed(fn, min_time: float, repeats: int | None = None) -> float:
     return min(times) if repeats else statistics.median(times)
 
 
+def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attention_lengths: tuple[int, ...],
+                           passes: int = PASSES, sync=None) -> dict:
+    """:func:`measure_compute` ``passes`` times, one full pass after another, and the median of every
+    number over the passes: a shared or virtual machine slows down for seconds at a time, and
+    spreading each point over the whole calibration keeps one slow moment from setting it."""
+    runs = [measure_compute(min_time, gemm_sizes, attention_lengths, sync) for _ in range(passes)]
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):  # tables: {dtype: [[size, rate], ...]}
+            out[key] = {dtype: [[size, statistics.median(r[key][dtype][i][1] for r in runs)]
+                                for i, (size, _) in enumerate(rows)] for dtype, rows in value.items()}
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def _autocast(dtype_name: str):
     import contextlib
 
@@ -56,8 +74,10 @@ def _autocast(dtype_name: str):
 
 
 def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_SIZES,
-                    attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> dict:
-    """This process's rates, measured the way the trainer runs (fp32 weights, bf16 under autocast):
+                    attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS, sync=None) -> dict:
+    """This process's rates, measured the way the trainer runs (fp32 weights, bf16 under autocast;
+    ``sync``, e.g. ``dist.barrier``, is called before each point so that all ranks run the same kernel
+    at the same time and share the caches and memory bandwidth as in training):
 
     - ``matmul_table``: FLOP/s of a Linear ``(1024 x k) -> (1024 x 4k)`` forward + backward (6*M*K*N FLOPs);
     - ``attention_table``: FLOP/s of causal ``scaled_dot_product_attention`` forward + backward,
@@ -69,7 +89,11 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
     import torch
     import torch.nn.functional as F
 
+    sync = sync or (lambda: None)
+
     def train_step(fn, *leaves):
+        sync()
+
         def run():
             for leaf in leaves:
                 leaf.grad = None
@@ -97,7 +121,7 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
     seconds = _timed(train_step(lambda: (F.layer_norm(x, (256,)) + x).sum() + F.gelu(h).sum(), x, h), min_time)
     forward_bytes = (2 + 3 + 8) * 1024 * 256 * 4  # norm read+write, add 2 reads + write, GELU on 4x the width
     return {"matmul_table": matmul, "attention_table": attention, "bandwidth": 3 * forward_bytes / seconds,
-            **measure_host(min_time)}
+            **measure_host(min_time, sync)}
 
 
 def _tiny_model(n_layer: int, width: int = 8):
@@ -116,7 +140,7 @@ def _tiny_model(n_layer: int, width: int = 8):
         return nn.Sequential(nn.Embedding(65, width), *blocks, nn.Linear(width, 65))
 
 
-def measure_host(min_time: float = 0.05) -> dict:
+def measure_host(min_time: float = 0.05, sync=None) -> dict:
     """Host seconds that kernels cannot hide, from runs whose arithmetic is negligible:
 
     - ``layer_host_s`` and ``microstep_host_s``: forward + backward of the trainer's GPT at width 8 with
@@ -126,9 +150,12 @@ def measure_host(min_time: float = 0.05) -> dict:
     import torch
     import torch.nn.functional as F
 
+    sync = sync or (lambda: None)
+
     def micro_step(n_layer: int) -> float:
         model = _tiny_model(n_layer)
         x = torch.randint(0, 65, (1, 8))
+        sync()
         return _timed(lambda: F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward(), min_time)
 
     one, five = micro_step(1), micro_step(5)
@@ -136,6 +163,7 @@ def measure_host(min_time: float = 0.05) -> dict:
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(32)]
     for p in params:
         p.grad = torch.randn(8, 8)
+    sync()
     return {"layer_host_s": layer, "microstep_host_s": max(0.0, one - layer),
             "tensor_update_host_s": _update_time(params, min_time) / len(params)}
 
@@ -269,7 +297,7 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     dist.all_reduce(w)
     overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     per_char = _corpus_bytes_per_char()  # before the big measurement tensors raise the peak
-    compute = measure_compute(min_time, sizes["gemm"], sizes["attention"])
+    compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier)
     comm = _collectives(rank, world, sizes["collective"])
     fsdp = _fsdp_host(world, comm)
     dist.destroy_process_group()
@@ -324,12 +352,12 @@ def _wait(queue, procs) -> dict:
 
 def calibrate(path: Path | None = None, ranks: int | None = None, min_time: float = 0.05,
               gemm_sizes: tuple[int, ...] = GEMM_SIZES, attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS,
-              collective_bytes: tuple[int, ...] = COLLECTIVE_BYTES) -> Path:
+              collective_bytes: tuple[int, ...] = COLLECTIVE_BYTES, passes: int = PASSES) -> Path:
     """Measure this machine; write the profile to ``path`` (default :data:`DEFAULT_PROFILE`); return it.
 
     ``ranks`` processes (default: one per core, at least 2) measure at once; ``min_time`` seconds per
     compute measurement; ``gemm_sizes``, ``attention_lengths`` and ``collective_bytes`` (at least two,
-    increasing) choose the points measured.
+    increasing) choose the points measured; every compute number is the median of ``passes`` passes.
 
     Raises:
         RuntimeError: a calibration process failed.
@@ -346,7 +374,8 @@ def calibrate(path: Path | None = None, ranks: int | None = None, min_time: floa
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        sizes = {"gemm": gemm_sizes, "attention": attention_lengths, "collective": collective_bytes}
+        sizes = {"gemm": gemm_sizes, "attention": attention_lengths, "collective": collective_bytes,
+                 "passes": passes}
         procs = [ctx.Process(target=_worker, args=(r, ranks, store, min_time, sizes, queue)) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -354,7 +383,7 @@ def calibrate(path: Path | None = None, ranks: int | None = None, min_time: floa
         for p in procs:
             p.join()
     threads = torch.get_num_threads()
-    whole = measure_compute(min_time, gemm_sizes, attention_lengths)
+    whole = measure_compute_passes(min_time, gemm_sizes, attention_lengths, passes)
     bw, alpha = result["comm"]["all-reduce"]
     memory = _total_memory()
     lines = ["# meshtrain hardware profile, written by `meshtrain plan --calibrate` on "
