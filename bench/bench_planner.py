@@ -79,7 +79,8 @@ def main() -> None:
         "model", "GPUs", "global batch", "seq_len", "layouts ranked", "search s (median)",
         "whole CLI s (median; each run)", "best layout", "MFU"], rows,
         ["`whole CLI` is the wall time of the command line including interpreter start-up; `search` is the "
-         "enumeration, memory check and ranking alone.",
+         "enumeration, memory check and ranking alone, in-process, ranking the layouts that do not fit too "
+         "(the command line ranks only those that fit, so it can take less time).",
          "layouts ranked: valid layouts after divisibility rules, with dominated recompute modes skipped, "
          "fitting or not."], {"jobs": data})
     print(path.read_text())
