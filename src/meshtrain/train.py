@@ -12,6 +12,7 @@ draws exactly what the uninterrupted run would have drawn without saving RNG sta
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import resource
@@ -230,11 +231,26 @@ def _report_plan_vs_actual(trainer: Trainer, summary: dict[str, Any]) -> None:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun)."""
+    """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun).
+
+    On success every rank meets at a barrier before the process group is destroyed, so that no rank
+    tears down gloo's worker threads while a peer still has collectives in flight (a rank that exits
+    early can otherwise abort with "terminate called without an active exception").
+    """
+    finished, trainer = False, None
     try:
-        return Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        summary = trainer.run()
+        finished = True
+        return summary
     finally:
+        # FSDP/DDP state forms reference cycles that hold the process groups; free it while the
+        # interpreter is whole rather than at exit.
+        del trainer
+        gc.collect()
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
