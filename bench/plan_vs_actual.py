@@ -9,15 +9,17 @@ does not slow the measurement.
 
 Each layout is one real ``meshtrain train`` command line; the trainer itself writes
 ``OUT/plan_vs_actual.json`` (prediction from the profile of ``meshtrain plan --calibrate``, measured
-median step time excluding the first steps, peak RSS of the busiest rank). ``--calibrate`` first
-(re)measures the machine into the default profile. Writes ``bench/results/plan_vs_actual.md`` and ``.json``.
+median step time excluding the first steps, peak RSS of the busiest rank). ``--calibrate``
+(re)measures the machine into the default profile at the start of every round, so that each round's
+predictions come from a calibration taken minutes before its runs; the table gives, per layout, the
+median prediction and the median measurement over the rounds. Writes ``bench/results/plan_vs_actual.md``
+and ``.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, meshtrain_command, write_results  # noqa: E402
+
+from meshtrain.planner.calibrate import busy_fraction  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
 LAYOUTS = [  # (name, nproc, overrides)
@@ -43,20 +47,6 @@ LAYOUTS = [  # (name, nproc, overrides)
                                   "model.block_size": 128, "batch.micro_batch_size": 8}),
     ("dp2 z0 bf16", 2, {"train.dtype": "bfloat16"}),
 ]
-
-
-def busy_fraction(seconds: float = 2.0) -> float:
-    """Fraction of all cores busy over the next ``seconds`` (from /proc/stat; 0.0 where it is absent)."""
-    def sample() -> tuple[int, int]:
-        try:
-            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        except OSError:
-            return 0, 0
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-    total0, idle0 = sample()
-    time.sleep(seconds)
-    total1, idle1 = sample()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def wait_for_idle(limit_s: float = 900.0) -> float:
@@ -89,32 +79,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
-    parser.add_argument("--calibrate", action="store_true", help="measure the machine into the default profile first")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the machine into the default profile at the start of every round")
     args = parser.parse_args()
-    if args.calibrate:
-        wait_for_idle()
-        subprocess.run([*meshtrain_command(), "plan", "--calibrate"], check=True, cwd=REPO)
-    rounds = [[run_layout(n, o, args.steps) for _, n, o in LAYOUTS] for _ in range(args.repeats)]
-    rows, records, time_errors, memory_errors, spreads = [], [], [], [], []
+    rounds = []
+    for _ in range(args.repeats):
+        if args.calibrate:
+            wait_for_idle()
+            subprocess.run([*meshtrain_command(), "plan", "--calibrate"], check=True, cwd=REPO,
+                           stdout=subprocess.DEVNULL)
+        rounds.append([run_layout(n, o, args.steps) for _, n, o in LAYOUTS])
+    rows, records, time_errors, memory_errors, spreads, predicted_spreads = [], [], [], [], [], []
     for i, (name, nproc, overrides) in enumerate(LAYOUTS):
         runs = [r[i] for r in rounds]
         predicted = runs[0]["predicted"]
+        guesses = [r["predicted"]["step_time_s"] for r in runs]
+        predicted_step = statistics.median(guesses)
+        predicted_peak = statistics.median(r["predicted"]["peak_memory_bytes"] for r in runs)
+        predicted_spreads.append(max(guesses) / min(guesses))
         step = statistics.median(r["measured"]["step_time_s"] for r in runs)
         spreads.append([r["measured"]["step_time_s"] for r in runs])
         peak = statistics.median(r["measured"]["peak_memory_bytes"] for r in runs)
-        t_err = (predicted["step_time_s"] - step) / step
-        m_err = (predicted["peak_memory_bytes"] - peak) / peak
+        t_err = (predicted_step - step) / step
+        m_err = (predicted_peak - peak) / peak
         time_errors.append(t_err)
         memory_errors.append(m_err)
         records.append({"name": name, "nproc": nproc, "overrides": overrides, "runs": runs})
-        rows.append([name, predicted.get("threads_per_rank", "?"), f"{predicted['step_time_s'] * 1e3:.1f}",
-                     f"{step * 1e3:.1f}", f"{t_err:+.1%}", f"{predicted['peak_memory_bytes'] / 2**20:.0f}",
+        rows.append([name, predicted.get("threads_per_rank", "?"), f"{predicted_step * 1e3:.1f}",
+                     f"{step * 1e3:.1f}", f"{t_err:+.1%}", f"{predicted_peak / 2**20:.0f}",
                      f"{peak / 2**20:.0f}", f"{m_err:+.1%}"])
     summary = {kind: {"median_abs_error": statistics.median(abs(e) for e in errs),
                       "max_abs_error": max(abs(e) for e in errs)}
                for kind, errs in (("step_time_s", time_errors), ("peak_memory_bytes", memory_errors))}
     busy = [r[i]["busy_at_start"] for r in rounds for i in range(len(LAYOUTS))]
-    notes = [f"{len(LAYOUTS)} layouts of {CONFIG}, {args.steps} steps each, {args.repeats} round(s); measured step "
+    notes = [f"{len(LAYOUTS)} layouts of {CONFIG}, {args.steps} steps each, {args.repeats} round(s)"
+             f"{', each after a fresh calibration' if args.calibrate else ''}; predicted and measured = medians over "
+             "the rounds; measured step "
              "time = median seconds per optimizer step without the first 3 steps; peak = max over ranks of ru_maxrss.",
              f"step time: median |error| {summary['step_time_s']['median_abs_error']:.1%}, "
              f"max {summary['step_time_s']['max_abs_error']:.1%}",
@@ -123,7 +123,9 @@ def main() -> None:
              f"profile: {rounds[0][0]['predicted']['profile']}; cores busy at the runs' start: "
              f"{min(busy):.0%} to {max(busy):.0%}",
              "spread between rounds (max/min measured step time of a layout): "
-             + ", ".join(f"{max(t) / min(t):.2f}" for t in spreads)]
+             + ", ".join(f"{max(t) / min(t):.2f}" for t in spreads),
+             "spread between calibrations (max/min predicted step time of a layout): "
+             + ", ".join(f"{s:.2f}" for s in predicted_spreads)]
     path = write_results("plan_vs_actual", "meshtrain plan vs meshtrain train on this machine",
                          ["layout", "threads/rank", "predicted ms/step", "measured ms/step", "error",
                           "predicted MiB/rank", "measured MiB/rank", "error"], rows, notes,

@@ -239,12 +239,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     cfg = Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+        data = read_toml(p, "config file")
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"'{section}' in {p} must be a [section] table, got {table!r}")
@@ -254,6 +249,20 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_key(cfg, dotted, value)
     validate(cfg)
     return cfg
+
+
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The parsed TOML document at ``path``; ``what`` names the file in errors ("config file", ...).
+
+    Raises:
+        ConfigError: the file does not exist or is not valid TOML (one line naming the file).
+    """
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML: {e}") from None
 
 
 def _require(ok: bool, message: str) -> None:

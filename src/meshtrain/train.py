@@ -213,10 +213,8 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 def _report_plan_vs_actual(trainer: Trainer, summary: dict[str, Any]) -> None:
     """Print and save the planner's prediction for this layout next to what was measured."""
-    try:
-        from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
-    except ImportError:
-        return
+    from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
+
     if summary["step_time_s"] is None:
         return
     predicted = predict_for_run(trainer.cfg, trainer.dims.world_size, trainer.vocab_size, trainer.device.type)

@@ -350,6 +350,21 @@ def _wait(queue, procs) -> dict:
                 raise RuntimeError("a calibration process failed; see its output above") from None
 
 
+def busy_fraction(seconds: float = 2.0) -> float:
+    """Fraction of all cores busy over the next ``seconds``, from ``/proc/stat`` (the 1-minute load
+    average would still count work that ended a minute ago); 0.0 where ``/proc/stat`` is absent."""
+    def sample() -> tuple[int, int]:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def calibrate(path: Path | None = None, ranks: int | None = None, min_time: float = 0.05,
               gemm_sizes: tuple[int, ...] = GEMM_SIZES, attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS,
               collective_bytes: tuple[int, ...] = COLLECTIVE_BYTES, passes: int = PASSES) -> Path:
@@ -366,9 +381,9 @@ def calibrate(path: Path | None = None, ranks: int | None = None, min_time: floa
 
     path = (path or DEFAULT_PROFILE).expanduser()
     ranks = ranks or max(2, os.cpu_count() or 2)
-    load = os.getloadavg()[0]
-    if load > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other work competes with the "
+    busy = busy_fraction(1.0)
+    if busy > 0.25:
+        print(f"warning: {busy:.0%} of the {os.cpu_count()} cores are busy: other work competes with the "
               "measurement and the profile will be too slow; calibrate on an idle machine", file=sys.stderr)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

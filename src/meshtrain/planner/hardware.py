@@ -17,13 +17,12 @@ Users add devices in TOML (``[[device]]`` and ``[network]`` tables, see :func:`l
 from __future__ import annotations
 
 import difflib
-import tomllib
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, read_toml
 
 GiB = 2**30
 DEFAULT_PROFILE = Path("~/.cache/meshtrain/hardware_profile.toml")
@@ -235,15 +234,6 @@ def _network_from_table(t: dict[str, Any], where: str) -> Network:
                    _number(t, "inter_node_bandwidth", where), **kw)
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"hardware file '{path}' does not exist")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"hardware file '{path}' is not valid TOML: {e}") from None
-
-
 def load_hardware_file(path: Path) -> dict[str, Hardware]:
     """Devices of a user file or of a calibrated profile.
 
@@ -257,7 +247,7 @@ def load_hardware_file(path: Path) -> dict[str, Hardware]:
     Raises:
         ConfigError: missing file, bad TOML, or a missing/non-positive number (named).
     """
-    data = _read_toml(path)
+    data = read_toml(path, "hardware file")
     if "network" not in data or "device" not in data:
         raise ConfigError(f"hardware file '{path}' needs [[device]] tables and a [network] table")
     net = _network_from_table(data["network"], "network")

@@ -18,13 +18,12 @@ this is their Eq. 2 exactly: ``12*L*h**2 * (1 + 13/(12h) + (V+s)/(12*L*h))``.
 from __future__ import annotations
 
 import difflib
-import tomllib
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config import Config, ConfigError, read_toml
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -231,13 +230,7 @@ def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
 
 def model_from_toml(path: Path) -> ModelSpec:
     """Read the ``[model]`` table of ``path`` (planner style or training-config style). Raises ConfigError."""
-    if not path.is_file():
-        raise ConfigError(f"model file '{path}' does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"model file '{path}' is not valid TOML: {e}") from None
-    table = data.get("model")
+    table = read_toml(path, "model file").get("model")
     if not isinstance(table, dict):
         raise ConfigError(f"'{path}' has no [model] table")
     if "n_layer" in table or "n_embd" in table:

@@ -22,12 +22,11 @@ Uniform rules for what a run does not state (docs/planner.md, "Validation"):
 from __future__ import annotations
 
 import statistics
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
@@ -147,12 +146,7 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -
     Raises:
         ConfigError: missing file, bad TOML, or a malformed run.
     """
-    if not path.is_file():
-        raise ConfigError(f"validation file '{path}' does not exist")
-    try:
-        runs = tomllib.loads(path.read_text()).get("run", [])
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"validation file '{path}' is not valid TOML: {e}") from None
+    runs = read_toml(path, "validation file").get("run", [])
     if not runs:
         raise ConfigError(f"validation file '{path}' has no [[run]] tables")
     results = []
