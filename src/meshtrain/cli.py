@@ -1,4 +1,4 @@
-"""``meshtrain train | plan | batch | generate | bench``.
+"""The ``meshtrain`` command: ``train | plan | batch | generate`` (benchmarks live in ``bench/``, run by ``make bench``).
 
 Each subcommand lives next to what it drives and registers itself through ``add_parser(subparsers)``;
 this module only dispatches and turns user errors (:class:`ConfigError`) into one line on stderr
@@ -12,6 +12,9 @@ import json
 import sys
 
 from meshtrain.config import ConfigError
+
+DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp, sp) and plan what a layout "
+               "costs before launch: memory per device, time per step, MFU, total training time.")
 
 
 def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from meshtrain import generate, launch
     from meshtrain.planner import cli as plan_cli
 
-    parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshtrain", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate}")
     launch.add_parser(sub)
     plan_cli.add_parser(sub)
