@@ -58,6 +58,19 @@ def test_out_dir_with_a_run_is_never_reused(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
 
 
+def test_ranks_started_without_meshtrain_train_never_reuse_a_run_folder(tmp_path):
+    """``torchrun ... -m meshtrain.train`` skips the launcher, so the ranks run its checks themselves."""
+    import subprocess
+    import sys
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.train", str(CONFIG), "--train.out_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
     proc = run_cli("generate", "--checkpoint", str(tmp_path), "--prompt", "x", timeout=60)
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "Traceback" not in proc.stderr

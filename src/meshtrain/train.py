@@ -34,6 +34,7 @@ from meshtrain import checkpoint as ckpt
 from meshtrain.config import Config, ConfigError, OptimConfig, load_config, parse_overrides, resolve_world
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
+from meshtrain.launch import preflight
 from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distributed
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models.gpt import GPT
@@ -114,8 +115,8 @@ class Trainer:
 
     def _maybe_resume(self) -> int:
         resume = self.cfg.checkpoint.resume
-        if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            resume = str(self.out_dir) if ckpt.list_checkpoints(self.out_dir) else ""  # elastic restart
+        if elastic_restart() and ckpt.list_checkpoints(self.out_dir):
+            resume = str(self.out_dir)  # continue this run, not the checkpoint it started from
         if not resume:
             return 0
         meta = ckpt.load(ckpt.resolve_checkpoint(resume), self.model, self.optimizer)
@@ -224,8 +225,8 @@ def _report_plan_vs_actual(trainer: Trainer, summary: dict[str, Any]) -> None:
     print(f"plan vs actual: step time predicted {predicted['step_time_s']:.4f} s, measured "
           f"{measured['step_time_s']:.4f} s ({err.get('step_time_s', float('nan')):+.1%}); peak memory/rank "
           f"predicted {predicted['peak_memory_bytes'] / 2**20:.0f} MiB, measured "
-          f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', float('nan')):+.1%})",
-          file=sys.stderr)
+          f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', float('nan')):+.1%}); "
+          f"hardware: {predicted['profile']}", file=sys.stderr)
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -252,6 +253,11 @@ def train(cfg: Config) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+def elastic_restart() -> bool:
+    """True in ranks that torchrun restarted after a failure (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -260,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(argv[0], parse_overrides(argv[1:]))
+        if not elastic_restart():  # the same checks as `meshtrain train`, for ranks started by torchrun itself;
+            # every rank runs them before joining the group, so none can see another rank's new files
+            preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 2
