@@ -36,6 +36,7 @@ def test_calibration_writes_a_loadable_profile(profile):
     assert not cpu.device.comm_overlap  # a rank's gloo thread shares its core
     host = cpu.device
     assert 0 < host.layer_host_s < 0.1 and 0 < host.tensor_update_host_s < host.sharded_tensor_update_host_s
+    assert 0 <= host.ddp_bucket_overhead_s < 0.1 and 0 <= host.fsdp_unit_overhead_s < 0.1
     assert cpu.network.devices_per_node == 2 and cpu.network.intra_node_bandwidth > 1e6
     # the profile replaces the uncalibrated default
     assert get_hardware("cpu", profile=profile).device.framework_overhead_bytes == cpu.device.framework_overhead_bytes
@@ -68,3 +69,31 @@ def test_write_plan_vs_actual_is_atomic_and_computes_signed_errors(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plan_vs_actual.json"]  # no temporary file left
     nan = write_plan_vs_actual({"step_time_s": math.nan}, measured, tmp_path)
     assert nan["relative_error"] == {}
+
+
+def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead():
+    """DDP reduces a 1 MiB first bucket, then 25 MiB ones (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES,
+    bucket_cap_mb=25); the planner charges the calibrated per-bucket overhead on top of the wire time."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from meshtrain.planner.cost import _micro_batch, dp_time
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+
+    fw = FRAMEWORKS["meshtrain"]
+    assert fw.grad_first_bucket_bytes == dist._DEFAULT_FIRST_BUCKET_BYTES
+    assert [fw.grad_buckets(n) for n in (1000, 2**20, 2**20 + 1, 26 * 2**20, 27 * 2**20)] == [1, 1, 2, 2, 3]
+    assert FRAMEWORKS["megatron-2021"].grad_buckets(1e12) == 1  # one contiguous buffer
+
+    cpu = get_hardware("cpu")
+    hw, costly = (dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, ddp_bucket_overhead_s=s))
+                  for s in (0.0, 0.01))
+    model, prec = from_config(load_config(CONFIG), 65), PRECISIONS["fp32"]
+    layout = Layout(dp=2, micro_batch_size=12)
+    micro = _micro_batch(model, layout, hw, prec, fw)
+    buckets = fw.grad_buckets(4 * model.num_params())  # fp32 gradients, ~3.2 MB
+    extra = dp_time(model, layout, costly, prec, fw, micro) - dp_time(model, layout, hw, prec, fw, micro)
+    assert buckets == 2 and extra == pytest.approx(0.01 * buckets)

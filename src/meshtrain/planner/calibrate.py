@@ -7,7 +7,8 @@ work at the same time:
 - gloo collectives between the processes: all-reduce, all-gather, all-to-all and p2p times by size,
   fitted to ``t = alpha*steps + bytes*factor/B`` with the ring factors of :func:`cost.ring_time`;
 - host time that kernels cannot hide: per layer and per micro-step of the trainer's GPT, per parameter
-  tensor of the optimizer step, plain and FSDP2-sharded, and per FSDP2 unit collective;
+  tensor of the optimizer step, plain and FSDP2-sharded, per FSDP2 unit collective and per DDP
+  gradient bucket (both measured with real compute beside them, which gloo's thread competes with);
 - runtime memory: peak RSS of a rank after importing the trainer, joining the process group and
   training a tiny GPT for a few steps (the fixed ``framework_overhead_bytes``), and the RSS the
   trainer's corpus loading adds per character of text.
@@ -32,22 +33,27 @@ from meshtrain.planner.hardware import DEFAULT_PROFILE, HOST_KEYS
 GEMM_SIZES = (32, 64, 128, 256, 384, 512, 768, 1024)
 ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024)
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
-COLLECTIVE_REPEATS = 7
+COLLECTIVE_REPEATS = 9
 PASSES = 3
 """Full passes over the compute measurements; each number is their median (see measure_compute_passes)."""
 
 
-def _timed(fn, min_time: float, repeats: int | None = None) -> float:
+def _timed(fn, min_time: float, repeats: int | None = None, sync=None) -> float:
     """Seconds of one call of ``fn``: the median over as many calls as last ``min_time`` (at least 3),
-    or, for collectives (every rank must make the same number of calls), the fastest of ``repeats``
-    (a collective waits for the slowest rank, so any hiccup on either side only adds)."""
+    or, for collectives (every rank must make the same number of calls), over ``repeats`` calls, each
+    after ``sync()`` (a barrier). In training every collective follows compute that ends at different
+    times on different ranks, so it pays the wait and the wake-up of the ranks as well as the wire; a
+    barrier before each call reproduces that, and the median keeps it (the fastest call would hide it:
+    on this 2-core VM the median is 1.3-1.7x the fastest for 1-32 MiB all-reduces, and 6x for 4 KiB)."""
     fn()
     times, start = [], time.perf_counter()
     while (len(times) < repeats) if repeats else (time.perf_counter() - start < min_time or len(times) < 3):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times) if repeats else statistics.median(times)
+    return statistics.median(times)
 
 
 def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attention_lengths: tuple[int, ...],
@@ -220,8 +226,7 @@ def _collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
         times = []
         for nbytes in sizes:
             fn = _collective_call(kind, rank, world, nbytes // 4 // world * world)
-            dist.barrier()
-            times.append(_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS))
+            times.append(_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier))
         factor = {"all-reduce": 2 * (world - 1) / world, "p2p": 1.0}.get(kind, (world - 1) / world)
         steps = {"all-reduce": 2 * (world - 1), "p2p": 1}.get(kind, world - 1)
         out[kind] = _fit([float(s) for s in sizes], times, factor, steps)
@@ -243,35 +248,63 @@ def _tiny_training_step() -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def _fsdp_host(world: int, comm: dict, units: int = 8, width: int = 64) -> dict:
-    """FSDP2's host costs: fully-shard ``units`` blocks shaped like a transformer block's parameters
-    (two norms, four matrices) and the root; time forward + backward (3 collectives per unit: gather,
-    gather, reduce-scatter) against the unsharded model and subtract the collectives' modeled ring
-    time -> ``fsdp_unit_overhead_s`` per unit collective; time the clip + AdamW step over the sharded
-    parameters -> ``sharded_tensor_update_host_s`` per parameter tensor."""
+def _block_stack(units: int, width: int):
+    """``units`` blocks shaped like a transformer block's parameters (two norms, four matrices)."""
     import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
-
-    from meshtrain.planner.cost import ring_time
 
     def block() -> nn.Module:
         return nn.Sequential(nn.LayerNorm(width, bias=False), nn.Linear(width, 3 * width, bias=False),
                              nn.Linear(3 * width, width, bias=False), nn.LayerNorm(width, bias=False),
                              nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False))
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(*(block() for _ in range(units)))
+    torch.manual_seed(0)
+    return nn.Sequential(*(block() for _ in range(units)))
 
-    x = torch.randn(16, width)
-    plain, sharded = make(), make()
+
+def _ddp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
+    """DDP's cost beyond the wire: forward + backward of :func:`_block_stack` with a real amount of
+    compute (``tokens`` rows) under DDP against the plain module, minus the modeled ring time of its
+    gradient all-reduces -> ``ddp_bucket_overhead_s`` per bucket (DDP's default buckets: 1 MiB first,
+    then 25 MiB). On CPU it is mostly gloo's thread taking the core from backward while it reduces."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from meshtrain.planner.cost import ring_time
+    from meshtrain.planner.layout import FRAMEWORKS
+
+    x = torch.randn(tokens, width)
+    plain, ddp = _block_stack(units, width), DDP(_block_stack(units, width))
+    step = lambda m: m(x).sum().backward()  # noqa: E731
+    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+    synced = _timed(lambda: step(ddp), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+    grads = 4.0 * sum(p.numel() for p in plain.parameters())
+    buckets = FRAMEWORKS["meshtrain"].grad_buckets(grads)
+    wire = buckets * ring_time("all-reduce", world, grads / buckets, *comm["all-reduce"])
+    return {"ddp_bucket_overhead_s": max(0.0, (synced - base - wire) / buckets)}
+
+
+def _fsdp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
+    """FSDP2's host costs: fully-shard the ``units`` blocks of :func:`_block_stack` and the root; time
+    forward + backward of ``tokens`` rows (3 collectives per unit: gather, gather, reduce-scatter)
+    against the unsharded model and subtract the collectives' modeled ring time ->
+    ``fsdp_unit_overhead_s`` per unit collective (with gloo's thread taking the core from compute); time the clip + AdamW step over the sharded
+    parameters -> ``sharded_tensor_update_host_s`` per parameter tensor."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from meshtrain.planner.cost import ring_time
+
+    x = torch.randn(tokens, width)  # real compute, so the measurement includes gloo taking the core from it
+    plain, sharded = _block_stack(units, width), _block_stack(units, width)
     for block in sharded:
         fully_shard(block)
     fully_shard(sharded)
     step = lambda m: m(x).sum().backward()  # noqa: E731
-    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS)
-    fsdp = _timed(lambda: step(sharded), 0.0, repeats=COLLECTIVE_REPEATS)
+    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+    fsdp = _timed(lambda: step(sharded), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
     unit_bytes = 4 * (14 * width * width + 2 * width)
     count = 3 * (units + 1)
     wire = units * (2 * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
@@ -299,10 +332,10 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     per_char = _corpus_bytes_per_char()  # before the big measurement tensors raise the peak
     compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier)
     comm = _collectives(rank, world, sizes["collective"])
-    fsdp = _fsdp_host(world, comm)
+    dp_host = {**_fsdp_host(world, comm), **_ddp_host(world, comm)}
     dist.destroy_process_group()
     if rank == 0:
-        queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "fsdp": fsdp})
+        queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "dp_host": dp_host})
 
 
 def _corpus_bytes_per_char() -> float:
@@ -322,14 +355,14 @@ def _total_memory() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _device_toml(name: str, compute: dict, memory: float, overhead: float, fsdp: dict) -> list[str]:
+def _device_toml(name: str, compute: dict, memory: float, overhead: float, dp_host: dict) -> list[str]:
     peak32 = max(f for _, f in compute["matmul_table"]["float32"])
     peak16 = max(f for _, f in compute["matmul_table"]["bfloat16"])
     lines = ["[[device]]", f'name = "{name}"', f"peak_fp32_flops = {peak32:.6g}", f"peak_bf16_flops = {peak16:.6g}",
              f"memory_bytes = {memory:.6g}", f"memory_bandwidth = {compute['bandwidth']:.6g}",
              "matmul_efficiency = 1.0", "memory_efficiency = 1.0", f"framework_overhead_bytes = {overhead:.6g}",
              "comm_overlap = false"]
-    lines += [f"{key} = {value:.6g}" for key, value in {**fsdp, **{k: compute[k] for k in HOST_KEYS if k in compute}}.items()]
+    lines += [f"{key} = {value:.6g}" for key, value in {**dp_host, **{k: compute[k] for k in HOST_KEYS if k in compute}}.items()]
     for key in ("matmul_table", "attention_table"):
         for dtype, rows in compute[key].items():
             lines.append(f"{key}.{dtype} = [{', '.join(f'[{k}, {f:.6g}]' for k, f in rows)}]")
@@ -403,8 +436,8 @@ def calibrate(path: Path | None = None, ranks: int | None = None, min_time: floa
     memory = _total_memory()
     lines = ["# meshtrain hardware profile, written by `meshtrain plan --calibrate` on "
              f"{time.strftime('%Y-%m-%d %H:%M')}; {ranks} ranks x 1 thread, and 1 rank x {threads} threads.", ""]
-    lines += _device_toml("cpu", result["compute"], memory / ranks, result["overhead"], result["fsdp"])
-    lines += _device_toml(f"cpu-{threads}threads", whole, memory, result["overhead"], result["fsdp"])
+    lines += _device_toml("cpu", result["compute"], memory / ranks, result["overhead"], result["dp_host"])
+    lines += _device_toml(f"cpu-{threads}threads", whole, memory, result["overhead"], result["dp_host"])
     lines += ["[network]", f"devices_per_node = {ranks}", f"intra_node_bandwidth = {bw:.6g}",
               f"inter_node_bandwidth = {bw:.6g}", f"intra_node_latency_s = {alpha:.6g}",
               f"inter_node_latency_s = {alpha:.6g}", "intra_node_efficiency = 1.0", "inter_node_efficiency = 1.0",

@@ -26,7 +26,6 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.planner.hardware import Hardware
@@ -230,9 +229,10 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     def collective(kind: str, nbytes: float, count: int) -> float:
         return count * collective_time(hw, kind, n, nbytes / count, spans)
 
-    if z == 0:
-        buckets = max(1, math.ceil(grads / fw.grad_bucket_bytes))
-        return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward)
+    if z == 0:  # DDP's per-bucket cost beyond the wire (measured on CPU) is never hidden
+        buckets = fw.grad_buckets(grads)
+        host = hw.device.ddp_bucket_overhead_s * buckets
+        return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward) + host
     count = 1 if z == 1 else units
     host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden
     reduce = exposed(collective("reduce-scatter", grads, count), mb.backward) + host

@@ -53,6 +53,10 @@ class Device:
     fsdp_unit_overhead_s: float = 0.0
     """Host time FSDP spends per unit collective beyond the transfer (copy-in/out, hooks, DTensor
     dispatch) that is not hidden: measured on CPU, 0 on GPUs whose host runs ahead of the kernels."""
+    ddp_bucket_overhead_s: float = 0.0
+    """Time DDP's gradient all-reduce costs per bucket beyond the transfer when it is issued from
+    inside backward (hooks, bucket copies, and on CPU gloo's thread taking the core from backward):
+    measured on CPU, 0 on GPUs."""
     comm_overlap: bool = True
     """Whether collectives can run during compute (GPUs: copy engines / NCCL kernels beside the GEMMs;
     a CPU rank's gloo thread competes with its own compute for the same core, so no)."""
@@ -199,7 +203,7 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
 
 
 HOST_KEYS = ("layer_host_s", "microstep_host_s", "tensor_update_host_s", "sharded_tensor_update_host_s",
-             "fsdp_unit_overhead_s")
+             "fsdp_unit_overhead_s", "ddp_bucket_overhead_s")
 
 
 def _number(table: dict[str, Any], key: str, where: str) -> float:

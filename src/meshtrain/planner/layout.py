@@ -8,6 +8,7 @@ group of axis X holds ranks ``stride(X)`` apart, and spans nodes when its extent
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,6 +82,8 @@ class Framework:
       foreach AdamW temporaries exist.
     - ``grad_bucket_bytes``: gradients per data-parallel all-reduce at zero_stage 0 (PyTorch DDP
       ``bucket_cap_mb=25``; Megatron-Core buckets of 40M parameters; Megatron-LM 2021 one contiguous buffer).
+    - ``grad_first_bucket_bytes``: a smaller first bucket, so that the first all-reduce starts early
+      (PyTorch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB); 0 = all buckets of ``grad_bucket_bytes``.
     - ``grad_sync_every_microstep``: gradients are reduced after every micro-batch (FSDP in Composer) instead
       of only the last (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
     """
@@ -95,11 +98,17 @@ class Framework:
     pp_schedules: tuple[str, ...] = PP_SCHEDULES
     torch_buffers: bool = False
     grad_bucket_bytes: float = 25 * 2**20
+    grad_first_bucket_bytes: float = 0.0
     grad_sync_every_microstep: bool = False
+
+    def grad_buckets(self, nbytes: float) -> int:
+        """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
+        first = min(self.grad_first_bucket_bytes, nbytes)
+        return (1 if first else 0) + max(0 if first else 1, math.ceil((nbytes - first) / self.grad_bucket_bytes))
 
 
 FRAMEWORKS = {f.name: f for f in (
-    Framework("meshtrain", zero_stages=(0, 2, 3), torch_buffers=True),
+    Framework("meshtrain", zero_stages=(0, 2, 3), torch_buffers=True, grad_first_bucket_bytes=2**20),
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=40e6 * 4),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
