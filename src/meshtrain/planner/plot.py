@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from meshtrain.planner.estimate import Estimate
@@ -22,7 +23,7 @@ def plot_breakdowns(estimates: list[Estimate], path: Path, capacity_bytes: float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"#{i}\n{e.layout.label().replace(' mbs', chr(10) + 'mbs')}" for i, e in enumerate(estimates, 1)]
+    labels = [f"#{i}\n{_tick_label(e)}" for i, e in enumerate(estimates, 1)]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(estimates) * 2), 6))
     for ax, parts, unit in ((ax_mem, [e.memory.to_dict() for e in estimates], GiB),
                             (ax_time, [e.time.to_dict() for e in estimates], 1.0)):
@@ -44,6 +45,14 @@ def plot_breakdowns(estimates: list[Estimate], path: Path, capacity_bytes: float
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
+    os.replace(tmp, path)  # a reader never sees a half-written picture
     return path
+
+
+def _tick_label(estimate: Estimate) -> str:
+    """A layout on short lines: degrees and zero stage; batch split; recompute; pipeline schedule."""
+    words = estimate.layout.label().split()
+    return "\n".join([" ".join(words[:5]), " ".join(words[5:7]), *words[7:]])
