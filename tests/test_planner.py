@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.planner.cost import (attention_flops_per_token, bubble_time, hardware_flops, model_flops,
-                                    ring_time, step_time)
+from meshtrain.planner.cost import (_elementwise_bytes_per_token, attention_flops_per_token, bubble_time,
+                                    dense_flops_per_token, gemm_traffic_bytes, hardware_flops, layer_gemm_shapes,
+                                    model_flops, ring_time, step_time)
 from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
 from meshtrain.planner.memory import (PRECISIONS, in_flight_microbatches, layer_activation_bytes,
@@ -160,7 +161,8 @@ def test_unoverlapped_dp_all_reduce_is_the_ring_formula():
     layout = Layout(dp=32, gradient_accumulation_steps=4)
     torch_ddp = replace(MEGATRON_2021, grad_bucket_bytes=25 * 2**20)  # no overlap, PyTorch DDP buckets
     t = step_time(m, layout, hw, prec, torch_ddp)
-    bw, lat = hw.network.link(True)  # 32 ranks span 4 nodes of 8
+    bw, lat = hw.network.link(True, "all-reduce", ranks_per_node=8)  # 32 ranks span 4 nodes of 8
+    assert bw == pytest.approx(min(0.8 * 300e9, 8 * 0.9 * 25e9))  # one ring per NIC: the node's 8 NICs
     grads = m.num_params() * 2  # fp16 gradients: 249 MB -> 10 DDP buckets of at most 25 MiB
     buckets = math.ceil(grads / (25 * 2**20))
     assert buckets == 10
@@ -179,11 +181,69 @@ def test_compute_time_scales_with_matmul_efficiency():
     assert step_time(m, Layout(dp=1), fast_hw, BF16, MESHTRAIN).compute == pytest.approx(2 * slow.compute, rel=1e-9)
 
 
+def test_layer_gemm_shapes_carry_the_dense_flops_and_their_traffic():
+    for m in (preset("megatron-7.5b"), preset("llama3-70b")):  # MHA + GELU, GQA + SwiGLU
+        for t in (1, 8):
+            shapes = layer_gemm_shapes(m, t)
+            assert sum(2 * k * n for k, n in shapes) == pytest.approx(dense_flops_per_token(m) / t, rel=1e-12)
+    assert gemm_traffic_bytes(100, ((3, 5),), 2) == 2 * (100 * 3 + 3 * 5 + 100 * 5)
+
+
+def test_gemm_time_is_flops_plus_operand_traffic_unless_measured():
+    # No-overlap roofline (Calculon's "no_overlap" mode): t = 2MKN / rate + e(MK + KN + MN) / bandwidth,
+    # i.e. efficiency * I / (I + I*) of peak for arithmetic intensity I.
+    hw = get_hardware("H100")
+    dev = hw.device
+    M, K, N = 4096, 1024, 8192
+    flops, nbytes = 2 * M * K * N, gemm_traffic_bytes(M, ((K, N),), 2)
+    seconds = flops / dev.matmul_flops("bfloat16", K) + dev.gemm_traffic_seconds("bfloat16", nbytes)
+    ridge = dev.matmul_flops("bfloat16", K) / dev.bandwidth()
+    intensity = flops / nbytes
+    assert flops / seconds == pytest.approx(dev.matmul_flops("bfloat16", K) * intensity / (intensity + ridge))
+    measured = replace(dev, matmul_table={"bfloat16": [(1024, 1e12)]})  # a calibrated table includes it
+    assert measured.gemm_traffic_seconds("bfloat16", nbytes) == 0.0
+    # so a larger micro-batch (more GEMM rows) computes each sample faster on a GPU
+    m = preset("gpt2-xl")  # 1024 rows per sample, h = 1600
+    per_sample = [step_time(m, Layout(dp=1, micro_batch_size=b), hw, BF16, MESHTRAIN).compute / b for b in (1, 8)]
+    assert per_sample[1] < 0.92 * per_sample[0]
+
+
+def test_megatron_cross_entropy_moves_52_bytes_per_logit():
+    # cast to fp32 (2 + 4), max (4), subtract (8), exp (8), sum (4), divide (8); backward multiply (8), cast (6)
+    assert FRAMEWORKS["megatron-core"].cross_entropy_bytes == MEGATRON_2021.cross_entropy_bytes == 52
+    hw = ideal_hardware()
+    hw = replace(hw, device=replace(hw.device, memory_bandwidth=1e12))
+    m, layout = preset("gpt2-small"), Layout(dp=1, micro_batch_size=2)
+    ours = step_time(m, layout, hw, BF16, MESHTRAIN).compute
+    megatron = step_time(m, layout, hw, BF16, FRAMEWORKS["megatron-core"]).compute
+    assert megatron - ours == pytest.approx(2 * m.seq_len * m.vocab * (52 - 24) / 1e12, rel=1e-9)
+
+
+def test_materialized_softmax_traffic_excludes_the_score_gemms_own():
+    # per score: softmax reads + writes (2e), dropout reads + writes + 1-byte mask (2e + 1); the QK^T write
+    # and the AV read are in those GEMMs' roofline, not counted twice
+    m, e = preset("megatron-7.5b"), 2
+    _, core = _elementwise_bytes_per_token(m, Layout(dp=1, tp=4), e, materialized=True)
+    assert core == m.heads * m.seq_len * (2 * e + 2 * e + 1) / 4
+    assert _elementwise_bytes_per_token(m, Layout(dp=1, tp=4), e, materialized=False)[1] == 0.0
+
+
 def test_tp_beyond_a_node_pays_the_inter_node_link():
     m, hw = preset("llama3-70b"), get_hardware("H100")
     inside = step_time(m, Layout(dp=2, tp=8), hw, BF16, MESHTRAIN).tp_comm
     across = step_time(m, Layout(dp=1, tp=16), hw, BF16, MESHTRAIN).tp_comm
-    assert across > 4 * inside
+    assert across > 4 * inside  # one NIC per rank for tp (it shares the NICs with data-parallel traffic)
+
+
+def test_ring_collectives_use_the_nics_of_the_group_on_each_node():
+    lay = Layout(dp=32, tp=4)  # a dp group (fixed tp rank) holds 2 ranks of each 8-GPU node
+    assert lay.ranks_per_node("dp", 8) == 2 and lay.ranks_per_node("tp", 8) == 4
+    assert Layout(dp=32).ranks_per_node("dp", 8) == 8 and Layout(dp=4, tp=8, pp=2).ranks_per_node("pp", 8) == 1
+    net = get_hardware("A100").network
+    one, two = net.link(True, "reduce-scatter", 1)[0], net.link(True, "reduce-scatter", 2)[0]
+    assert two == pytest.approx(2 * one)
+    assert net.link(True, "all-reduce", 8)[0] == pytest.approx(min(0.8 * 300e9, 8 * one))  # bounded by NVLink
+    assert net.link(True, "p2p", 8)[0] == one and net.link(True, "all-to-all", 8)[0] == one  # own NIC
 
 
 def test_divisibility_rules_name_the_value():

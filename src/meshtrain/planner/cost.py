@@ -16,9 +16,10 @@ et al. 2022, Eq. 7, ``72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h))``, generalised as M
 ``B*s*L*attention``. Attention is counted non-causal (the convention of these papers and of MFU as
 Megatron and MosaicML report it); FlashAttention *executes* only the causal half, which the time model uses.
 
-Time is a roofline per kernel class on the busiest stage: GEMMs at the device's achievable FLOP/s,
-element-wise kernels (norms, residual adds, activation functions, softmax, cross-entropy) at its
-achievable memory bandwidth, plus ring collectives on the link their mesh axis uses (:func:`ring_time`).
+Time is a roofline per kernel class on the busiest stage: GEMMs at the device's achievable FLOP/s
+plus the time to move their operands (:func:`gemm_traffic_bytes`), element-wise kernels (norms,
+residual adds, activation functions, softmax, cross-entropy) at its achievable memory bandwidth, plus
+ring collectives on the link their mesh axis uses (:func:`ring_time`).
 Takeaway: compute sets the step time until tp leaves the node (4-6 collectives per layer on the slow
 link), a pipeline runs short of micro-batches (bubble (pp-1)/(v*GA)), or data-parallel traffic
 outgrows what backward hides.
@@ -34,10 +35,6 @@ from meshtrain.planner.memory import Precision, stage_layers, stage_params
 from meshtrain.planner.models import ModelSpec
 
 
-CE_BYTES_PER_LOGIT = 24
-"""Cross-entropy traffic per logit: six passes over fp32 values (cast, max, exp-sum, loss; backward 2)."""
-
-
 def dense_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
@@ -47,6 +44,33 @@ def dense_flops_per_token(model: ModelSpec) -> float:
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
     """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
     return 4.0 * model.seq_len * model.hidden * (0.5 if causal else 1.0)
+
+
+def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
+    """(K, N) of one layer's weight GEMMs on one tp rank: QKV ``h -> (q + 2kv)/t``, out-projection
+    ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
+    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3)."""
+    h, kv, f, t = model.hidden, model.kv_dim, model.ffn_hidden, tp
+    return ((h, (h + 2 * kv) / t), (h / t, h), (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
+
+
+def gemm_traffic_bytes(rows: float, shapes: tuple[tuple[float, float], ...], element_bytes: int) -> float:
+    """HBM bytes of the forward GEMMs ``(rows x K) @ (K x N)`` for each (K, N) of ``shapes``: each reads
+    both operands and writes its result once, ``e*(rows*K + K*N + rows*N)``.
+
+    The time model adds these bytes at the memory bandwidth to the GEMM's FLOP time (the "no overlap"
+    roofline, one of the two processing modes of Calculon, Isaev et al. 2023, Sec. 3): a GEMM of
+    arithmetic intensity I = FLOPs/bytes then runs at ``matmul_efficiency * I / (I + I*)`` of peak, with
+    I* = achievable FLOP/s / achievable bytes/s the device's ridge point (A100 ~134, H100 ~188 FLOP/byte
+    with the catalog constants). No new constant: it reuses ``matmul_efficiency`` and
+    ``memory_efficiency``. Units: rows, K, N are counts, ``element_bytes`` bytes; returns bytes.
+    Takeaway: per-rank GEMMs with few rows (micro-batch tokens ~2k) or a narrow side (hidden/tp ~1k)
+    run 12-25% below the large-GEMM rate (I ~ 600-1000 FLOP/byte); 16k x 6k x 6k ones ~7%.
+    """
+    total = 0.0
+    for k, n in shapes:
+        total += rows * k + k * n + rows * n
+    return element_bytes * total
 
 
 def model_flops(model: ModelSpec, samples: int) -> float:
@@ -64,9 +88,11 @@ def hardware_flops(model: ModelSpec, samples: int, recompute: str) -> float:
     return model_flops(model, samples) + tokens * model.layers * extra
 
 
-def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes: bool) -> float:
-    """:func:`ring_time` on the link a group uses (measured per-kind numbers inside a node when calibrated)."""
-    bandwidth, latency = hw.network.link(spans_nodes, kind)
+def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes: bool,
+                    ranks_per_node: int = 1) -> float:
+    """:func:`ring_time` on the link a group uses (measured per-kind numbers inside a node when calibrated;
+    across nodes a ring uses the NICs of the group's ``ranks_per_node`` ranks on a node, :meth:`Network.link`)."""
+    bandwidth, latency = hw.network.link(spans_nodes, kind, ranks_per_node)
     return ring_time(kind, n, nbytes, bandwidth, latency)
 
 
@@ -119,29 +145,34 @@ def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, mater
 
     Norms read+write h twice; two residual adds read 2h, write h; activation function reads m-1 of f
     and writes f; attention reads Q, K, V and writes O; dropout masks 1 byte. Materialized attention
-    also writes scores, reads/writes them in the fused softmax (and dropout), reads them for AV.
+    also reads and writes every score in the fused softmax, and in dropout (+ its 1-byte mask): 2e (+ 2e + 1)
+    per score. The scores the QK^T GEMM writes and the AV GEMM reads (2e) are those GEMMs' own traffic,
+    charged in their roofline (:func:`_compute`), not here.
     """
     h, f, t, seq = model.hidden, model.ffn_hidden, layout.tp, (layout.tp if layout.tp_sequence_parallel else 1)
     replicated = e * (4 * h + 6 * h) + (2 * h if model.dropout else 0)
     sharded = e * ((model.mlp_matrices - 1) * f + f + 2 * h + 2 * model.kv_dim)
     core = 0.0
     if materialized:
-        per_score = 4 * e + (2 * e + 1 if model.dropout else 0)
+        per_score = 2 * e + (2 * e + 1 if model.dropout else 0)
         core = model.heads * model.seq_len * per_score / (t * layout.sp)
     return replicated / seq + sharded / t, core
 
 
 def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, weight-GEMM time of both) of one micro-batch on the
-    busiest stage: GEMMs at the GEMM rate, attention at the attention rate (or, materialized, the
-    slower of its FLOPs and its score traffic), element-wise kernels at the memory bandwidth, the
-    head's logits GEMM and cross-entropy, and the host time not hidden behind kernels. Backward = 2x forward."""
-    dev, n, t = hw.device, stage_layers(model, layout), layout.tp
+    busiest stage: GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
+    rows of every GEMM are the micro-batch's tokens, all-gathered over tp with sequence parallelism),
+    attention at the attention rate (or, materialized, the slower of its FLOPs and its score traffic),
+    element-wise kernels at the memory bandwidth, the head's logits GEMM and cross-entropy, and the host
+    time not hidden behind kernels. Backward = 2x forward (two GEMMs per forward GEMM, same traffic)."""
+    dev, n, t, dtype = hw.device, stage_layers(model, layout), layout.tp, prec.compute_dtype
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
-    rate, bw = dev.matmul_flops(prec.compute_dtype, k), dev.bandwidth()
+    rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
     materialized = fw.attention == "materialized"
-    dense = tokens * n * dense_flops_per_token(model) / t / rate
+    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
+    dense = tokens * n * dense_flops_per_token(model) / t / rate + n * layer_io
     attn_flops = tokens * n * attention_flops_per_token(model, causal=not materialized) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized)
     core = tokens * n * core_bytes / bw
@@ -152,7 +183,9 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
         attn = attn_flops / dev.attention_flops(prec.compute_dtype, model.seq_len, k)
     elementwise = tokens * n * layer_bytes / bw
     # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
-    head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * CE_BYTES_PER_LOGIT / 3 / bw)
+    head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
+    head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
+    head += head_io
     ops = (dev.layer_host_s * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
     forward = dense + attn + core + elementwise + head + ops
     recompute = {"none": 0.0, "selective": attn + core, "full": dense + attn + core + elementwise}[layout.recompute]
@@ -169,6 +202,10 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is a reduce-scatter + all-gather pair
     # of the same ring time. Overlapped, they hide behind the GEMMs they feed.
+    # A tp group that spans nodes is charged one NIC per rank, not the ring over all its NICs that
+    # dp_time uses: its all-reduces run between the GEMMs, on NICs that data-parallel traffic uses at the
+    # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
+    # nodes far slower than tp = 8 inside one.
     per_ar = collective_time(hw, "all-reduce", t, act, layout.spans_nodes("tp", net.devices_per_node))
     tp = n * (4 + (2 if layout.recompute == "full" else 0)) * per_ar
     if fw.tp_comm_overlap:
@@ -207,7 +244,8 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     every micro-step (Rajbhandari et al. 2020, Sec. 7: 1.5x the traffic of stage 0); FSDP issues one
     collective per block and one for the root, each paying the link latency. Gradient reduction hides
     behind the last micro-batch's backward, weight gathers behind forward/backward compute, when the
-    framework overlaps and the device can; FSDP's host time per unit collective
+    framework overlaps and the device can; across nodes these rings use the NICs of all the group's ranks
+    on a node (:meth:`Network.link`); FSDP's host time per unit collective
     (``Device.fsdp_unit_overhead_s``) is never hidden. Two scalar all-reduces per step (loss mean,
     gradient norm) add their latency.
     """
@@ -215,8 +253,10 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     if n == 1:
         return 0.0
     net = hw.network
-    spans = layout.spans_nodes("dp", net.devices_per_node) or (layout.sp > 1 and layout.spans_nodes("sp", net.devices_per_node))
-    scalars = 2 * collective_time(hw, "all-reduce", n, 8, spans)  # loss mean and gradient norm, every step
+    dpn = net.devices_per_node
+    spans = layout.spans_nodes("dp", dpn) or (layout.sp > 1 and layout.spans_nodes("sp", dpn))
+    per_node = layout.ranks_per_node("dp", dpn) * layout.ranks_per_node("sp", dpn) if spans else 1  # dp*sp group
+    scalars = 2 * collective_time(hw, "all-reduce", n, 8, spans, per_node)  # loss mean and gradient norm, every step
     p = stage_params(model, layout)
     grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
     m, z = layout.gradient_accumulation_steps, layout.zero_stage
@@ -227,7 +267,7 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
         return max(0.0, comm - window) if overlap else comm
 
     def collective(kind: str, nbytes: float, count: int) -> float:
-        return count * collective_time(hw, kind, n, nbytes / count, spans)
+        return count * collective_time(hw, kind, n, nbytes / count, spans, per_node)
 
     if z == 0:  # DDP's per-bucket cost beyond the wire (measured on CPU) is never hidden
         buckets = fw.grad_buckets(grads)

@@ -4,7 +4,8 @@ Peak numbers are the vendors' dense (no sparsity) datasheet figures. Units: FLOP
 (one direction, per device), seconds. Efficiency constants are physical and few, one per device
 type and link type (see docs/planner.md, "Constants"):
 
-- ``matmul_efficiency``: fraction of peak FLOP/s that training GEMMs reach on that device;
+- ``matmul_efficiency``: fraction of peak FLOP/s that large training GEMMs reach on that device (the
+  compute term of a GEMM; each GEMM also pays its operand traffic, ``cost.gemm_traffic_bytes``);
 - ``memory_efficiency``: fraction of the HBM bandwidth that fused element-wise kernels reach;
 - ``Network.intra_node_efficiency`` / ``inter_node_efficiency``: NCCL bus bandwidth / link bandwidth
   (nccl-tests' "busbw": about 0.8 on NVLink, 0.9 on InfiniBand).
@@ -88,6 +89,12 @@ class Device:
         """Achievable memory bandwidth for element-wise kernels, bytes/s."""
         return self.memory_bandwidth * self.memory_efficiency
 
+    def gemm_traffic_seconds(self, dtype: str, nbytes: float) -> float:
+        """Seconds a GEMM's ``nbytes`` of operand and result traffic add to its FLOP time (the no-overlap
+        roofline of :func:`meshtrain.planner.cost.gemm_traffic_bytes`): ``nbytes / bandwidth()``; 0 with a
+        measured ``matmul_table`` for ``dtype``, whose rates already include it."""
+        return 0.0 if self.matmul_table.get(dtype) else nbytes / self.bandwidth()
+
 
 def _interpolate(table: list[tuple[int, float]], x: int) -> float:
     """Linear interpolation in a table sorted by size; below the first size it scales down
@@ -117,13 +124,31 @@ class Network:
     """Measured (bandwidth, latency per ring step) of each collective inside a node (``--calibrate``);
     overrides the link's numbers for that kind."""
 
-    def link(self, spans_nodes: bool, kind: str | None = None) -> tuple[float, float]:
-        """(achievable bandwidth bytes/s, latency s) of the slowest link a group uses (for ``kind``)."""
+    def link(self, spans_nodes: bool, kind: str | None = None, ranks_per_node: int = 1) -> tuple[float, float]:
+        """(achievable bandwidth bytes/s, latency s) of the slowest link a group uses (for ``kind``).
+
+        A ring collective (all-reduce, all-gather, reduce-scatter) of a group with g ranks on each node
+        crosses nodes at ``min(intra, g * inter)``: NCCL runs one ring per NIC (its channels), each ring
+        carrying 1/g of the buffer through one NIC and through every GPU's intra-node link, so the g NICs
+        of the group's ranks work in parallel (nccl-tests: the bus bandwidth of a multi-node all-reduce
+        on DGX A100 / H100 is about the node's NIC total, 8 x 25 / 8 x 50 GB/s, not one NIC's). All-to-all
+        and p2p send each rank's own data through its own NIC: ``inter``. The cost model passes g for
+        data-parallel rings only (tp's reason: ``cost._micro_batch``). Takeaway: data parallelism over
+        whole nodes (tp = 1) reduces gradients ~8x faster than one NIC per rank would suggest.
+        """
         if not spans_nodes and kind in self.collectives:
             return self.collectives[kind]
+        intra = self.intra_node_bandwidth * self.intra_node_efficiency
         if spans_nodes:
-            return self.inter_node_bandwidth * self.inter_node_efficiency, self.inter_node_latency_s
-        return self.intra_node_bandwidth * self.intra_node_efficiency, self.intra_node_latency_s
+            inter = self.inter_node_bandwidth * self.inter_node_efficiency
+            if kind in RING_KINDS:
+                inter = min(intra, max(1, ranks_per_node) * inter)
+            return inter, self.inter_node_latency_s
+        return intra, self.intra_node_latency_s
+
+
+RING_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+"""Collectives NCCL runs as rings over every channel (and so over every NIC of the group's ranks)."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +168,12 @@ _MI300X = Network(8, 448e9, 50e9)     # Infinity Fabric, 7 links x 64 GB/s per G
 
 # name: (bf16 FLOP/s, fp32 FLOP/s, memory bytes, HBM bytes/s, matmul_efficiency, network)
 _CATALOG: dict[str, tuple[float, float, float, float, float, Network]] = {
-    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.66, _DGX_A100),
-    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.66, _DGX_A100),
-    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.47, _DGX_H100),
-    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.47, _PCIE5),
-    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.47, _DGX_H100),
-    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.47, _DGX_B200),
+    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.70, _DGX_A100),
+    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.70, _DGX_A100),
+    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.51, _DGX_H100),
+    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.51, _PCIE5),
+    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.51, _DGX_H100),
+    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.51, _DGX_B200),
     "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.35, _MI300X),
 }
 ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "A100-SXM-80GB",

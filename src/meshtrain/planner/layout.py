@@ -52,6 +52,13 @@ class Layout:
         extent = inner * getattr(self, axis)
         return extent > devices_per_node
 
+    def ranks_per_node(self, axis: str, devices_per_node: int) -> int:
+        """Ranks of one group along ``axis`` that share a node: ``min(degree, devices_per_node // inner)``,
+        at least 1 (``inner`` = product of the degrees inside it, axes outer to inner: pp, dp, sp, tp)."""
+        inner = 1 if axis == "tp" else self.tp if axis == "sp" else self.tp * self.sp if axis == "dp" else \
+            self.tp * self.sp * self.dp
+        return max(1, min(getattr(self, axis), devices_per_node // inner))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -86,6 +93,13 @@ class Framework:
       (PyTorch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB); 0 = all buckets of ``grad_bucket_bytes``.
     - ``grad_sync_every_microstep``: gradients are reduced after every micro-batch (FSDP in Composer) instead
       of only the last (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
+    - ``cross_entropy_bytes``: HBM bytes per logit of the loss, forward + backward, after the logits GEMM.
+      24 = six passes over fp32 values (cast, max, exp-sum, loss; backward 2) for a fused PyTorch loss.
+      Megatron's vocab-parallel cross-entropy (Megatron-LM 2021 ``mpu/cross_entropy.py`` on
+      ``output.float()``; Megatron-Core r0.8 ``tensor_parallel/cross_entropy.py``, whose fused variant
+      ``--cross-entropy-loss-fusion`` is opt-in) runs one PyTorch kernel per step:
+      cast 16-bit logits to fp32 (read 2, write 4), max (read 4), subtract in place (8), exp in place (8),
+      sum (4), divide in place (8); backward multiply in place (8) and cast the gradient back (6): 52.
     """
 
     name: str
@@ -100,6 +114,7 @@ class Framework:
     grad_bucket_bytes: float = 25 * 2**20
     grad_first_bucket_bytes: float = 0.0
     grad_sync_every_microstep: bool = False
+    cross_entropy_bytes: float = 24.0
 
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
@@ -107,13 +122,16 @@ class Framework:
         return (1 if first else 0) + max(0 if first else 1, math.ceil((nbytes - first) / self.grad_bucket_bytes))
 
 
+MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
+"""Bytes per logit of Megatron's unfused vocab-parallel cross-entropy, forward + backward (see ``Framework``)."""
+
 FRAMEWORKS = {f.name: f for f in (
     Framework("meshtrain", zero_stages=(0, 2, 3), torch_buffers=True, grad_first_bucket_bytes=2**20),
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
-              grad_bucket_bytes=40e6 * 4),
+              grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
-              grad_bucket_bytes=float("inf")),
+              grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES),
     Framework("fsdp", zero_stages=(0, 2, 3), pp_schedules=("1f1b",), grad_sync_every_microstep=True),
 )}
 
