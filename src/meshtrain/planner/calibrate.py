@@ -262,55 +262,48 @@ def _block_stack(units: int, width: int):
     return nn.Sequential(*(block() for _ in range(units)))
 
 
-def _ddp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
-    """DDP's cost beyond the wire: forward + backward of :func:`_block_stack` with a real amount of
-    compute (``tokens`` rows) under DDP against the plain module, minus the modeled ring time of its
-    gradient all-reduces -> ``ddp_bucket_overhead_s`` per bucket (DDP's default buckets: 1 MiB first,
-    then 25 MiB). On CPU it is mostly gloo's thread taking the core from backward while it reduces."""
+def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
+    """Data-parallel costs beyond the wire, from forward + backward of :func:`_block_stack` on ``tokens``
+    rows (real compute, so the measurement includes gloo's thread taking the core from it), timed
+    once plain and then wrapped, minus the modeled ring time of the wrapper's collectives:
+
+    - DDP -> ``ddp_bucket_overhead_s`` per gradient bucket (DDP's buckets: 1 MiB first, then 25 MiB);
+    - FSDP2 on every block and the root (3 collectives per unit: gather, gather, reduce-scatter) ->
+      ``fsdp_unit_overhead_s`` per unit collective; and the clip + AdamW step over the sharded
+      parameters -> ``sharded_tensor_update_host_s`` per parameter tensor.
+    """
     import torch
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from meshtrain.planner.cost import ring_time
     from meshtrain.planner.layout import FRAMEWORKS
 
     x = torch.randn(tokens, width)
-    plain, ddp = _block_stack(units, width), DDP(_block_stack(units, width))
-    step = lambda m: m(x).sum().backward()  # noqa: E731
-    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
-    synced = _timed(lambda: step(ddp), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+
+    def step_time(model) -> float:
+        return _timed(lambda: model(x).sum().backward(), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+
+    plain = _block_stack(units, width)
+    base = step_time(plain)
+
     grads = 4.0 * sum(p.numel() for p in plain.parameters())
     buckets = FRAMEWORKS["meshtrain"].grad_buckets(grads)
     wire = buckets * ring_time("all-reduce", world, grads / buckets, *comm["all-reduce"])
-    return {"ddp_bucket_overhead_s": max(0.0, (synced - base - wire) / buckets)}
+    ddp_extra = step_time(DDP(_block_stack(units, width))) - base - wire
 
-
-def _fsdp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
-    """FSDP2's host costs: fully-shard the ``units`` blocks of :func:`_block_stack` and the root; time
-    forward + backward of ``tokens`` rows (3 collectives per unit: gather, gather, reduce-scatter)
-    against the unsharded model and subtract the collectives' modeled ring time ->
-    ``fsdp_unit_overhead_s`` per unit collective (with gloo's thread taking the core from compute); time the clip + AdamW step over the sharded
-    parameters -> ``sharded_tensor_update_host_s`` per parameter tensor."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from meshtrain.planner.cost import ring_time
-
-    x = torch.randn(tokens, width)  # real compute, so the measurement includes gloo taking the core from it
-    plain, sharded = _block_stack(units, width), _block_stack(units, width)
+    sharded = _block_stack(units, width)
     for block in sharded:
         fully_shard(block)
     fully_shard(sharded)
-    step = lambda m: m(x).sum().backward()  # noqa: E731
-    base = _timed(lambda: step(plain), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
-    fsdp = _timed(lambda: step(sharded), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
     unit_bytes = 4 * (14 * width * width + 2 * width)
-    count = 3 * (units + 1)
     wire = units * (2 * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
                     + ring_time("reduce-scatter", world, unit_bytes, *comm["reduce-scatter"]))
+    fsdp_extra = step_time(sharded) - base - wire
     params = list(sharded.parameters())
-    return {"fsdp_unit_overhead_s": max(0.0, (fsdp - base - wire) / count),
+    return {"ddp_bucket_overhead_s": max(0.0, ddp_extra / buckets),
+            "fsdp_unit_overhead_s": max(0.0, fsdp_extra / (3 * (units + 1))),
             "sharded_tensor_update_host_s": _update_time(params, 0.0) / len(params)}
 
 
@@ -332,7 +325,7 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     per_char = _corpus_bytes_per_char()  # before the big measurement tensors raise the peak
     compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier)
     comm = _collectives(rank, world, sizes["collective"])
-    dp_host = {**_fsdp_host(world, comm), **_ddp_host(world, comm)}
+    dp_host = _dp_host(world, comm)
     dist.destroy_process_group()
     if rank == 0:
         queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "dp_host": dp_host})

@@ -48,16 +48,17 @@ class Layout:
 
     def spans_nodes(self, axis: str, devices_per_node: int) -> bool:
         """Whether a group along ``axis`` crosses a node boundary (axes outer to inner: pp, dp, sp, tp)."""
-        inner = {"tp": 1, "sp": self.tp, "dp": self.tp * self.sp, "pp": self.tp * self.sp * self.dp}[axis]
-        extent = inner * getattr(self, axis)
-        return extent > devices_per_node
+        return self.inner_degree(axis) * getattr(self, axis) > devices_per_node
+
+    def inner_degree(self, axis: str) -> int:
+        """Product of the degrees of the axes inside ``axis`` (outer to inner: pp, dp, sp, tp): the rank
+        stride of a group along it."""
+        return {"tp": 1, "sp": self.tp, "dp": self.tp * self.sp, "pp": self.tp * self.sp * self.dp}[axis]
 
     def ranks_per_node(self, axis: str, devices_per_node: int) -> int:
         """Ranks of one group along ``axis`` that share a node: ``min(degree, devices_per_node // inner)``,
         at least 1 (``inner`` = product of the degrees inside it, axes outer to inner: pp, dp, sp, tp)."""
-        inner = 1 if axis == "tp" else self.tp if axis == "sp" else self.tp * self.sp if axis == "dp" else \
-            self.tp * self.sp * self.dp
-        return max(1, min(getattr(self, axis), devices_per_node // inner))
+        return max(1, min(getattr(self, axis), devices_per_node // self.inner_degree(axis)))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
