@@ -23,6 +23,11 @@ def test_train_two_ranks_then_generate(tmp_path):
         assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
     assert losses(records)[30] < losses(records)[5]  # it learns something in 30 steps at lr 3e-3
+    # the launcher compares the trainer's summary with the planner (the trainer does not import it)
+    assert "plan vs actual: step time predicted" in proc.stderr
+    compared = json.loads((out / "plan_vs_actual.json").read_text())
+    assert compared["measured"]["step_time_s"] == json.loads((out / "summary.json").read_text())["step_time_s"]
+    assert compared["predicted"]["layout"].startswith("dp2 tp1 pp1 sp1 z0") and compared["predicted"]["step_time_s"] > 0
     assert (out / "loss.png").stat().st_size > 1000
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["step_000020", "step_000030"]  # keep = 2, nothing half-written left behind
@@ -36,7 +41,11 @@ def test_train_two_ranks_then_generate(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--nproc", "3", "--tp", "1", "--dp", "2"], "parallel.dp = 2 does not match --nproc = 3"),
-    (["--parallel.tp", "2"], "parallel.tp = 2 is not supported yet"),
+    (["--parallel.pp", "2"], "parallel.pp = 2 is not supported yet"),
+    (["--nproc", "6", "--tp", "2", "--sp", "2"], "--nproc = 6 is not divisible by pp*sp*tp = 4"),
+    (["--nproc", "2", "--sp", "2", "--parallel.sp_mode", "ring", "--model.block_size", "66"],
+     "model.block_size = 66 is not divisible by sp * 2 (ring chunks) = 4"),
+    (["--nproc", "8", "--sp", "8"], "model.n_head = 4 is not divisible by tp*sp = 8"),
     (["--model.n_layers", "2"], "did you mean 'n_layer'"),
     (["--batch.micro_batch_size", "twelve"], "batch.micro_batch_size"),
     (["--frobnicate", "1"], "unknown option --frobnicate"),

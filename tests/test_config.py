@@ -118,9 +118,13 @@ BAD_VALUES = [
     ("model.dropout", "1.0", "model.dropout = 1.0 must be in [0, 1)"),
     ("model.type", '"rnn"', "model.type = 'rnn' is not supported"),
     ("model.n_layers", "4", "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
-    ("parallel.zero_stage", "1", "parallel.zero_stage = 1 is not supported yet"),
-    ("parallel.zero_stage", "5", "parallel.zero_stage = 5 must be one of 0, 2, 3"),
-    ("parallel.tp", "2", "parallel.tp = 2 is not supported yet"),
+    ("parallel.zero_stage", "1", "parallel.zero_stage = 1 is not supported: use one of 0, 2, 3"),
+    ("parallel.zero_stage", "5", "parallel.zero_stage = 5 is not supported: use one of 0, 2, 3"),
+    ("parallel.tp", "3", "model.n_head = 4 is not divisible by parallel.tp = 3"),
+    ("parallel.pp", "2", "parallel.pp = 2 is not supported yet: use 1"),
+    ("parallel.sp", "3", "model.n_head = 4 is not divisible by tp*sp = 3: Ulysses"),
+    ("parallel.sp_mode", '"zigzag"', "parallel.sp_mode = 'zigzag' is not valid: use one of ulysses, ring"),
+    ("parallel.tp_sequence_parallel", "true", "parallel.tp_sequence_parallel = true needs parallel.tp > 1"),
     ("parallel.pp", "0", "parallel.pp = 0 must be >= 1"),
     ("parallel.dp", "0", "parallel.dp = 0 must be >= 1, or -1"),
     ("batch.micro_batch_size", '"twelve"', "batch.micro_batch_size = 'twelve' is not a valid int"),
@@ -233,3 +237,31 @@ def test_resolve_world_dp_mismatch_names_both_values():
 
 def test_resolve_world_rejects_zero_ranks():
     assert "--nproc = 0 must be >= 1" in error_of(resolve_world, Config(), 0)
+
+
+# Layout rules that involve several keys (tensor and sequence parallelism), each one line naming the values.
+LAYOUT_ERRORS = [
+    ({"parallel.sp": "2", "parallel.sp_mode": "ring", "model.block_size": "6"},
+     "model.block_size = 6 is not divisible by sp * 2 (ring chunks) = 4"),
+    ({"parallel.sp": "2", "model.block_size": "9"}, "model.block_size = 9 is not divisible by sp = 2"),
+    ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true", "parallel.sp": "2", "model.block_size": "10"},
+     "model.block_size = 10 is not divisible by sp * tp (tp_sequence_parallel) = 4"),
+    ({"parallel.sp": "4", "parallel.tp": "2", "model.n_head": "4"}, "model.n_head = 4 is not divisible by tp*sp = 8"),
+    ({"parallel.sp": "2", "parallel.sp_mode": "ring", "model.dropout": "0.1"},
+     "model.dropout = 0.1 is not supported with parallel.sp_mode = 'ring'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", LAYOUT_ERRORS, ids=[m.split(":")[0][:40] for _, m in LAYOUT_ERRORS])
+def test_bad_layouts_are_one_line_errors(overrides, message):
+    text = error_of(load_config, None, overrides)
+    assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize("overrides", [
+    {"parallel.tp": "4", "parallel.tp_sequence_parallel": "true"},
+    {"parallel.sp": "4", "parallel.sp_mode": "ring", "model.n_head": "3", "model.n_embd": "12", "model.block_size": "8"},
+    {"parallel.sp": "2", "parallel.tp": "2", "model.block_size": "4"},
+], ids=["tp4-seqpar", "ring-any-heads", "ulysses-x-tp"])
+def test_valid_tp_sp_layouts_are_accepted(overrides):
+    load_config(None, overrides)

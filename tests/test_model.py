@@ -55,10 +55,10 @@ def test_init_is_deterministic_and_scaled():
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.tok_emb.weight, build(seed=4).tok_emb.weight)
-    assert torch.all(a.blocks[0].ln_1.weight == 1)
-    # residual projections use std 0.02 / sqrt(2 * n_layer); compare against the unscaled qkv
+    assert torch.all(a.blocks["0"].ln_1.weight == 1)
+    # residual projections use std 0.02 / sqrt(2 * n_layer); compare against the unscaled q
     big = build(cfg=ModelConfig(n_layer=2, n_head=2, n_embd=128, block_size=8))
-    ratio = big.blocks[0].mlp.proj.weight.std() / big.blocks[0].attn.qkv.weight.std()
+    ratio = big.blocks["0"].mlp.proj.weight.std() / big.blocks["0"].attn.q.weight.std()
     assert ratio.item() == pytest.approx(1 / 2, rel=0.05)
 
 

@@ -1,58 +1,135 @@
-"""Every data-parallel layout computes what one process computes (DESIGN.md, correctness contract).
+"""Every layout computes what one process computes (DESIGN.md, correctness contract).
 
-Multi-rank runs go through the real ``meshtrain train`` CLI (torchrun engine, gloo, CPU); the
-reference runs in this process on one rank. fp32, same seed, same global batch and data order:
-losses of every step and the final parameters agree within 1e-5 relative.
+Each world size is one torchrun launch (``tests/layout_worker.py``) that trains all of its layouts
+in a row on gloo/CPU; the reference trains in this process on one rank. fp32, same seed, same global
+batch (8 samples of 32 tokens) and data order. Checked for every layout: the loss of every step
+(1e-5 relative), the gradients after step 1 (1e-5 of the gradient norm), the parameters after the
+last step (AdamW's drift bound). The tolerances are derived in ``conftest.py``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import (CONFIG, assert_close_losses, assert_close_params, final_params, losses, read_records, run_cli,
-                      train_cli, train_here)
+from conftest import (ROOT, TINY, adamw_drift_bound, assert_close_grads, assert_close_losses, assert_close_params,
+                      final_params, losses, read_records)
+
+# 4 heads so that tp=4 and Ulysses over tp*sp=4 divide them; 6 steps (the contract asks for 5+).
+MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
+LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
+    "ddp": (2, {"batch.micro_batch_size": "4"}),
+    "fsdp2-zero3-ga2": (2, {"parallel.zero_stage": "3", "batch.micro_batch_size": "2",
+                            "batch.gradient_accumulation_steps": "2"}),
+    "fsdp2-zero2": (2, {"parallel.zero_stage": "2", "batch.micro_batch_size": "4"}),
+    "tp2": (2, {"parallel.tp": "2"}),
+    "tp2-seqpar": (2, {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "sp2-ulysses": (2, {"parallel.sp": "2"}),
+    "sp2-ring": (2, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "ddp-dp4-ga2": (4, {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
+    "tp4": (4, {"parallel.tp": "4"}),
+    "sp4-ulysses": (4, {"parallel.sp": "4"}),
+    "sp4-ring": (4, {"parallel.sp": "4", "parallel.sp_mode": "ring"}),
+    "dp2-tp2": (4, {"parallel.tp": "2", "batch.micro_batch_size": "4"}),
+    "dp2-sp2": (4, {"parallel.sp": "2", "batch.micro_batch_size": "4"}),
+    "sp2-ring-tp2": (4, {"parallel.sp": "2", "parallel.sp_mode": "ring", "parallel.tp": "2"}),
+    "fsdp2-zero3-tp2": (4, {"parallel.tp": "2", "parallel.zero_stage": "3", "batch.micro_batch_size": "4"}),
+    "dp2-sp2-tp2-seqpar": (8, {"parallel.sp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true",
+                               "batch.micro_batch_size": "4"}),
+}
+REFERENCE = {"batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"}
+
+
+def _load(out) -> tuple[dict, dict, dict]:
+    import torch
+
+    from layout_worker import GRADS_FILE
+
+    return losses(read_records(out)), torch.load(out / GRADS_FILE), final_params(out)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, micro batch 8, no accumulation: global batch 8."""
+    """One process, micro batch 8, no accumulation."""
+    import torch.distributed as dist
+
+    from layout_worker import run_layouts
+
     out = tmp_path_factory.mktemp("ref")
-    records = train_here(out, **{"batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"})
-    return losses(records), final_params(out)
+    try:
+        run_layouts([{"out": str(out), "overrides": {**MODEL, **REFERENCE}}])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return _load(out)
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch(reference, tmp_path):
-    ref_losses, ref_params = reference
-    records = train_here(tmp_path, **{"batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"})
-    assert_close_losses(losses(records), ref_losses)
-    assert_close_params(final_params(tmp_path), ref_params)
+def _launch(world: int, root) -> dict[str, tuple]:
+    """Train every layout of ``world`` ranks in one torchrun launch; return {name: (losses, grads, params)}."""
+    names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+    spec = [{"out": str(root / n), "overrides": {**MODEL, **LAYOUTS[n][1]}} for n in names]
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           str(ROOT / "tests" / "layout_worker.py"), str(root / "spec.json")],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {n: _load(root / n) for n in names}
 
 
-@pytest.mark.parametrize("zero_stage,mbs,ga", [(0, 4, 1), (3, 2, 2), (2, 4, 1)],
-                         ids=["ddp", "fsdp2-zero3-ga2", "fsdp2-zero2"])
-def test_dp2_matches_single_process(reference, tmp_path, zero_stage, mbs, ga):
-    ref_losses, ref_params = reference
-    records = train_cli(tmp_path, 2, **{"parallel.zero_stage": str(zero_stage), "batch.micro_batch_size": str(mbs),
-                                        "batch.gradient_accumulation_steps": str(ga)})
-    assert len(losses(records)) == 10
-    assert_close_losses(losses(records), ref_losses)
-    assert_close_params(final_params(tmp_path), ref_params)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict[str, tuple]:
+        if world not in cache:
+            cache[world] = _launch(world, tmp_path_factory.mktemp(f"world{world}"))
+        return cache[world]
+    return get
+
+
+def _check(got: tuple, want: tuple) -> None:
+    assert len(got[0]) == int(MODEL["train.steps"])
+    assert_close_losses(got[0], want[0])
+    assert_close_grads(got[1], want[1])
+    assert_close_params(got[2], want[2], atol=adamw_drift_bound(MODEL))
+
+
+@pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w <= 4])
+def test_layout_matches_single_process(reference, launched, name):
+    _check(launched(LAYOUTS[name][0])[name], reference)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage,mbs,ga", [(0, 1, 2), (3, 2, 1)], ids=["ddp-ga2", "fsdp2-zero3"])
-def test_dp4_matches_single_process(reference, tmp_path, zero_stage, mbs, ga):
-    """Four gloo ranks on this 2-core machine (the contract holds up to world_size 8)."""
-    ref_losses, ref_params = reference
-    records = train_cli(tmp_path, 4, **{"parallel.zero_stage": str(zero_stage), "batch.micro_batch_size": str(mbs),
-                                        "batch.gradient_accumulation_steps": str(ga)})
-    assert_close_losses(losses(records), ref_losses)
-    assert_close_params(final_params(tmp_path), ref_params)
+@pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w == 8])
+def test_eight_rank_layout_matches_single_process(reference, launched, name):
+    """Eight gloo ranks on this 2-core machine (the contract holds up to world_size 8)."""
+    _check(launched(8)[name], reference)
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(reference, tmp_path):
+    import torch.distributed as dist
+
+    from layout_worker import run_layouts
+
+    try:
+        run_layouts([{"out": str(tmp_path), "overrides": {**MODEL, "batch.micro_batch_size": "2",
+                                                           "batch.gradient_accumulation_steps": "4"}}])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _check(_load(tmp_path), reference)
 
 
 @pytest.mark.slow
 def test_main_job_reaches_its_target_val_loss(tmp_path):
     """`make demo`'s run: configs/shakespeare_char.toml on 2 ranks, 2000 steps, val loss <= 1.95 at the end."""
+    from conftest import CONFIG, run_cli
+
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     evals = [r for r in read_records(tmp_path / "run") if "val_loss" in r]

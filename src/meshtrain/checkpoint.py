@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from meshtrain.config import ConfigError
+from meshtrain.fileio import write_json_atomic
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
@@ -89,7 +90,7 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if rank == 0:
-        _write_json_atomic(tmp / META, {"step": step, **meta})
+        write_json_atomic(tmp / META, {"step": step, **meta})
         os.replace(tmp, final)
         for old in list_checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old)
@@ -114,9 +115,3 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str,
         dcp.load(state, checkpoint_id=str(ckpt))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return read_meta(ckpt)
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)

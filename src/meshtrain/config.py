@@ -29,7 +29,6 @@ from typing import Any
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("float32", "bfloat16")
-ZERO_STAGES = (0, 2, 3)  # 1 is rejected as "not supported yet"
 
 
 class ConfigError(ValueError):
@@ -70,21 +69,21 @@ class ParallelConfig:
     dp: int = -1
     """Data-parallel degree; -1 fills the ranks left over: world_size / (pp * sp * tp)."""
     tp: int = 1
-    """Tensor-parallel degree (not supported yet: must be 1)."""
+    """Tensor-parallel degree: each block's matrices split across tp ranks (Megatron); must divide n_head."""
     pp: int = 1
     """Pipeline-parallel degree (not supported yet: must be 1)."""
     sp: int = 1
-    """Sequence-parallel degree (not supported yet: must be 1)."""
+    """Sequence-parallel degree (the seeds' ``sp_size``): each sample's sequence split across sp ranks."""
     zero_stage: int = 0
     """0 = DDP (replicated); 2 = FSDP2 without resharding after forward; 3 = FSDP2 ``fully_shard``."""
     sp_mode: str = "ulysses"
-    """Sequence-parallel flavour, "ulysses" or "ring" (not supported yet)."""
+    """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (not supported yet)."""
     virtual_stages: int = 1
     """Pipeline stages per rank for interleaved schedules (not supported yet)."""
     tp_sequence_parallel: bool = False
-    """Megatron sequence parallelism inside TP regions (not supported yet)."""
+    """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
 
 
 @dataclass
@@ -292,13 +291,8 @@ def validate(cfg: Config) -> Config:
     _require(p.dp == -1 or p.dp >= 1, f"parallel.dp = {p.dp} must be >= 1, or -1 to fill the remaining ranks")
     for key in ("tp", "pp", "sp"):
         _require(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
-        _require(getattr(p, key) == 1, f"parallel.{key} = {getattr(p, key)} is not supported yet: use 1")
-    _require(p.zero_stage != 1, "parallel.zero_stage = 1 is not supported yet: use 0 (DDP), 2 or 3 (FSDP2)")
-    _require(p.zero_stage in ZERO_STAGES, f"parallel.zero_stage = {p.zero_stage} must be one of 0, 2, 3")
-    _require(p.sp_mode == "ulysses", f"parallel.sp_mode = {p.sp_mode!r} is not supported yet: leave it 'ulysses'")
-    _require(p.pp_schedule == "1f1b", f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
-    _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} is not supported yet: use 1")
-    _require(not p.tp_sequence_parallel, "parallel.tp_sequence_parallel = true is not supported yet: use false")
+    _validate_support(cfg)
+    _validate_shapes(cfg)
 
     _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
     _require(b.gradient_accumulation_steps >= 1,
@@ -322,6 +316,51 @@ def validate(cfg: Config) -> Config:
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
     return cfg
+
+
+def _validate_support(cfg: Config) -> None:
+    """Reject what the trainer cannot run (the table in :mod:`meshtrain.support`)."""
+    from meshtrain.support import SUPPORTED as S
+
+    p = cfg.parallel
+    zeros = ", ".join(map(str, S.zero_stages))
+    _require(p.zero_stage in S.zero_stages, f"parallel.zero_stage = {p.zero_stage} is not supported: use one of {zeros}")
+    _require(S.tp or p.tp == 1, f"parallel.tp = {p.tp} is not supported yet: use 1")
+    _require(S.pp_schedules or p.pp == 1, f"parallel.pp = {p.pp} is not supported yet: use 1")
+    _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")
+    _require(p.sp_mode in S.sp_modes + ("ulysses",),
+             f"parallel.sp_mode = {p.sp_mode!r} is not valid: use one of {', '.join(S.sp_modes)}")
+    _require(p.pp_schedule in S.pp_schedules + ("1f1b",),
+             f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
+    _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} is not supported yet: use 1")
+    _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
+             "parallel.tp_sequence_parallel = true is not supported yet: use false")
+    _require(not p.tp_sequence_parallel or p.tp > 1,
+             f"parallel.tp_sequence_parallel = true needs parallel.tp > 1 (it is {p.tp}): set tp >= 2 or use false")
+    _require(p.sp == 1 or cfg.model.dropout == 0 or p.sp_mode in S.attention_dropout_sp_modes,
+             f"model.dropout = {cfg.model.dropout} is not supported with parallel.sp_mode = {p.sp_mode!r} "
+             f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
+
+
+def _validate_shapes(cfg: Config) -> None:
+    """Divisibility that tensor and sequence parallelism need (Megatron: heads split across tp;
+    Ulysses: heads split across tp*sp; the sequence split across sp, 2*sp chunks for ring attention,
+    and further across tp with tp_sequence_parallel)."""
+    m, p = cfg.model, cfg.parallel
+    _require(m.n_head % p.tp == 0,
+             f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: tensor parallelism splits "
+             f"whole heads across tp ranks; use a tp that divides {m.n_head}")
+    if p.sp > 1 and p.sp_mode == "ulysses":
+        _require(m.n_head % (p.tp * p.sp) == 0,
+                 f"model.n_head = {m.n_head} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
+                 f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
+    chunks = p.sp * (2 if p.sp > 1 and p.sp_mode == "ring" else 1) * (p.tp if p.tp_sequence_parallel else 1)
+    if chunks > 1:
+        what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", p.sp > 1 and p.sp_mode == "ring"),
+                                               ("tp (tp_sequence_parallel)", p.tp_sequence_parallel)) if on)
+        _require(m.block_size % chunks == 0,
+                 f"model.block_size = {m.block_size} is not divisible by {what} = {chunks}: each rank holds "
+                 f"block_size/{chunks} tokens of a sample; use a block_size that is a multiple of {chunks}")
 
 
 def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:

@@ -28,6 +28,8 @@ class Axis(StrEnum):
 
 
 AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+BATCH_MESH = "dp_sp"
+"""Derived mesh of dp and sp flattened: the gradient all-reduce / reduce-scatter and the loss mean span it."""
 
 
 @dataclass
@@ -44,6 +46,7 @@ class ParallelDims:
     tp: int
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    batch_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -61,6 +64,20 @@ class ParallelDims:
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp > 1
+
+    @property
+    def batch_degree(self) -> int:
+        """Ranks that hold different tokens of the global batch, ``dp * sp``: the gradient and the
+        loss are averaged over them (the ``"dp_sp"`` mesh)."""
+        return self.dp * self.sp
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank (row-major over AXES)."""
         coords = {}
@@ -70,19 +87,26 @@ class ParallelDims:
         return {str(a): coords[str(a)] for a in AXES}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create (once) the 4-D ``DeviceMesh`` over all ranks of the default process group."""
+        """Create (once) the 4-D ``DeviceMesh`` over all ranks of the default process group, and the
+        derived 1-D ``"dp_sp"`` mesh (dp and sp flattened: the ranks that see different tokens)."""
         if self.mesh is None:
             self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
                                          mesh_dim_names=tuple(str(a) for a in AXES))
+            self.batch_mesh = self.mesh[(str(Axis.DP), str(Axis.SP))]._flatten(BATCH_MESH)
         return self.mesh
 
     def get_mesh(self, axis: Axis | str) -> DeviceMesh:
-        """The 1-D sub-mesh of ``axis``. Raises RuntimeError before ``build_mesh``, KeyError for an unknown axis."""
+        """The 1-D sub-mesh of ``axis`` (one of AXES, or ``"dp_sp"``).
+
+        Raises:
+            RuntimeError: before ``build_mesh``.
+            KeyError: an unknown axis.
+        """
         if self.mesh is None:
             raise RuntimeError("build_mesh() must be called before get_mesh()")
-        if str(axis) not in {str(a) for a in AXES}:
-            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}")
-        return self.mesh[str(axis)]
+        if str(axis) not in {str(a) for a in AXES} | {BATCH_MESH}:
+            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}, {BATCH_MESH}")
+        return self.batch_mesh if str(axis) == BATCH_MESH else self.mesh[str(axis)]
 
     def rank_of(self, axis: Axis | str) -> int:
         """This process's coordinate on ``axis`` (0 without a process group)."""

@@ -1,13 +1,15 @@
 """The training loop; run on every rank (``torchrun ... -m meshtrain.train CONFIG [--section.key VALUE ...]``).
 
 One optimizer step = ``gradient_accumulation_steps`` forward/backward passes of ``micro_batch_size``
-samples per dp rank, gradient sync on the last one only, global-norm clipping, AdamW, LR schedule
-(linear warmup, cosine decay to ``min_lr``). The parallel wrappers are composed in one fixed order,
-pp split -> tp -> sp -> dp (DESIGN.md); only dp exists so far.
+samples per dp rank (each sp rank holding 1/sp of every sample's tokens), gradient sync on the last
+one only, global-norm clipping, AdamW, LR schedule (linear warmup, cosine decay to ``min_lr``). The
+parallel strategies are applied by one call, :func:`meshtrain.parallel.parallelize` (pp split -> tp ->
+sp -> dp); the loss and norm reductions are those of :mod:`meshtrain.parallel.reduce`.
 
-Determinism: weights come from ``train.seed``; data order from the sampler (layout-free state);
-dropout masks from a generator reseeded every step from (seed, step, rank), so a resumed run
-draws exactly what the uninterrupted run would have drawn without saving RNG state.
+Determinism: weights come from ``train.seed`` (built whole on every rank, then sharded); data order
+from the sampler (layout-free state); dropout masks from generators reseeded every step
+(:mod:`meshtrain.parallel.rng`), so a resumed run draws exactly what the uninterrupted run would
+have drawn without saving RNG state.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain import checkpoint as ckpt
@@ -36,9 +36,15 @@ from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.launch import preflight
 from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distributed
+from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models.gpt import GPT
-from meshtrain.parallel.data import apply_dp, gradient_sync
+from meshtrain.parallel import local_batch, parallelize
+from meshtrain.parallel.data import gradient_sync
+from meshtrain.parallel.reduce import backward_context, batch_mean, clip_grad_norm_, cross_entropy, local_value
+from meshtrain.parallel.rng import seed_step
+
+SUMMARY_FILE = "summary.json"
 
 TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
 
@@ -65,24 +71,6 @@ def build_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, L
     return optimizer, scheduler
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> float:
-    """Clip to the global L2 norm over all ranks' gradients (0 = no clipping); return the norm before."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-
-def dp_mean(value: torch.Tensor, dims: ParallelDims) -> float:
-    """Mean of a scalar over the dp ranks (gloo has no AVG, so SUM / dp)."""
-    if dims.dp > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(Axis.DP).get_group())
-    return float(value) / dims.dp
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step) * 1_009 + rank
-
-
 class Trainer:
     """Builds the mesh, model, optimizer and data for ``cfg`` on this rank and runs the loop."""
 
@@ -93,6 +81,7 @@ class Trainer:
         _, dp = resolve_world(cfg, world)
         self.dims = ParallelDims(pp=cfg.parallel.pp, dp=dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, world_size=world)
         self.dims.build_mesh(self.device.type)
+        self.sp_rank = self.dims.rank_of(Axis.SP)
         self.corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
         self.vocab_size = cfg.model.vocab_size or self.corpus.tokenizer.vocab_size
         if self.vocab_size < self.corpus.tokenizer.vocab_size:
@@ -100,7 +89,7 @@ class Trainer:
                               f"({self.corpus.tokenizer.vocab_size}): use 0 or >= that")
         torch.manual_seed(cfg.train.seed)
         model = GPT(cfg.model, self.vocab_size).to(self.device)
-        self.model = apply_dp(model, self.dims.get_mesh(Axis.DP), cfg.parallel.zero_stage)
+        self.model = parallelize(model, self.dims, cfg.parallel)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         dp_rank = self.dims.rank_of(Axis.DP)
         b = cfg.batch
@@ -124,36 +113,41 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         return int(meta["step"])
 
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss over this rank's tokens of the micro-batch ``x, y`` (mbs, T) (its sp shard of them)."""
+        x, y, positions = local_batch(x.to(self.device), y.to(self.device), self.dims, self.sp_rank,
+                                      self.cfg.parallel.sp_mode)  # (mbs, T/sp) each, positions (T/sp,)
+        with self.autocast:
+            logits = self.model(x, positions)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
+        return cross_entropy(logits, y)
+
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor)."""
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device), y.to(self.device)  # (mbs, T) each
             with gradient_sync(self.model, enabled=i == n - 1):
-                with self.autocast:
-                    logits = self.model(x)  # (mbs, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                (loss / n).backward()
-            total += loss.detach()
+                loss = self._loss(x, y)
+                with backward_context(loss):
+                    (loss / n).backward()
+            total += local_value(loss).detach()
         return total / n
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean val loss over every token of the validation set (all dp and sp ranks)."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in self.val:
-            with self.autocast:
-                logits = self.model(x.to(self.device))
-            total += F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+            total += local_value(self._loss(x, y))
         self.model.train()
-        return dp_mean(total / len(self.val), self.dims)
+        return batch_mean(total / len(self.val), self.dims)
 
     def save(self, step: int) -> None:
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
                 "vocab_size": self.vocab_size, "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
-                "dp": self.dims.dp, "global_batch_size": self.sampler.global_batch_size}
+                "dp": self.dims.dp, "tp": self.dims.tp, "sp": self.dims.sp, "global_batch_size": self.sampler.global_batch_size}
         ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
 
     def run(self) -> dict[str, Any]:
@@ -166,14 +160,14 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, t.steps + 1):
                 t0 = time.perf_counter()
-                torch.manual_seed(step_seed(t.seed, step, self.rank))
+                seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
                 lr = self.scheduler.get_last_lr()[0]
                 local_loss = self.forward_backward(self.sampler.next_step())
-                grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
+                grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
-                loss = dp_mean(local_loss, self.dims)
+                loss = batch_mean(local_loss, self.dims)
                 dt = time.perf_counter() - t0
                 if step > self.start_step + TIMING_WARMUP_STEPS:
                     step_times.append(dt)
@@ -193,15 +187,19 @@ class Trainer:
         return self._finish(step_times, val_loss, tokens_per_step)
 
     def _finish(self, step_times: list[float], val_loss: float | None, tokens_per_step: int) -> dict[str, Any]:
+        """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``
+        and the loss plot. Whatever launched the run compares it with the planner (``meshtrain.launch``)."""
         peak = torch.tensor([_peak_memory_bytes(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         summary = {"val_loss": val_loss, "step_time_s": statistics.median(step_times) if step_times else None,
-                   "peak_memory_bytes": int(peak.item()), "world_size": self.dims.world_size, "dp": self.dims.dp}
+                   "peak_memory_bytes": int(peak.item()), "world_size": self.dims.world_size, "dp": self.dims.dp,
+                   "tp": self.dims.tp, "sp": self.dims.sp, "vocab_size": self.vocab_size,
+                   "device": self.device.type}
         if summary["step_time_s"]:
             summary["tokens_per_s"] = tokens_per_step / summary["step_time_s"]
         if self.rank == 0:
             plot_loss(self.out_dir)
-            _report_plan_vs_actual(self, summary)
+            write_json_atomic(self.out_dir / SUMMARY_FILE, summary)
         return summary
 
 
@@ -210,23 +208,6 @@ def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _report_plan_vs_actual(trainer: Trainer, summary: dict[str, Any]) -> None:
-    """Print and save the planner's prediction for this layout next to what was measured."""
-    from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
-
-    if summary["step_time_s"] is None:
-        return
-    predicted = predict_for_run(trainer.cfg, trainer.dims.world_size, trainer.vocab_size, trainer.device.type)
-    measured = {"step_time_s": summary["step_time_s"], "peak_memory_bytes": summary["peak_memory_bytes"]}
-    result = write_plan_vs_actual(predicted, measured, trainer.out_dir)
-    err = result.get("relative_error", {})
-    print(f"plan vs actual: step time predicted {predicted['step_time_s']:.4f} s, measured "
-          f"{measured['step_time_s']:.4f} s ({err.get('step_time_s', float('nan')):+.1%}); peak memory/rank "
-          f"predicted {predicted['peak_memory_bytes'] / 2**20:.0f} MiB, measured "
-          f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', float('nan')):+.1%}); "
-          f"hardware: {predicted['profile']}", file=sys.stderr)
 
 
 def train(cfg: Config) -> dict[str, Any]:

@@ -12,7 +12,9 @@ Parameter count (tied head, no biases), used by the planner::
 
 The embedding, the blocks, the final norm and the head are separate submodules so a pipeline stage
 can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
-returns hidden states), and a TP plan can name ``blocks.i.attn.qkv`` etc.
+returns hidden states). Blocks live in a ``ModuleDict`` keyed by layer index, so parameter names
+(``blocks.3.attn.q.weight``) are the same whichever stage holds the layer, and a TP plan
+(:mod:`meshtrain.models.gpt_parallel`) names them directly.
 """
 
 from __future__ import annotations
@@ -29,28 +31,51 @@ INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
 
 
+class SDPAttention(nn.Module):
+    """Causal scaled dot-product attention on whole sequences: the default ``inner_attention``.
+
+    ``q, k, v`` (B, nh, T, hs) -> (B, nh, T, hs), ``softmax(q k^T / sqrt(hs)) v`` with a causal mask
+    (Vaswani et al. 2017, Eq. 1), dropout on the attention weights while training. Sequence
+    parallelism swaps this module for one that sees only a shard of the sequence
+    (:mod:`meshtrain.parallel.sequence`); nothing else in the block changes.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention (Vaswani et al. 2017, Sec. 3.2.2) with a fused qkv projection."""
+    """Multi-head causal self-attention (Vaswani et al. 2017, Sec. 3.2.2).
+
+    ``q``, ``k`` and ``v`` are separate projections, so splitting each one's output features across
+    tensor-parallel ranks gives every rank whole heads of q, k and v (a fused qkv weight split by
+    columns would hand one rank all of q and part of k). Heads are viewed as ``(B, T, -1, hs)``: the
+    block never assumes how many heads this rank holds.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.head_size = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, C) -> (B, T, C)."""
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        """``x`` (B, T, C) -> (B, T, C). Under tp, q/k/v hold C/tp features: nh/tp heads."""
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        y = self.inner_attention(q, k, v)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_drop(self.proj(y))
 
 
@@ -110,7 +135,7 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})  # keys survive a pipeline split
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=False)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017; GPT-2)
@@ -127,9 +152,7 @@ class GPT(nn.Module):
         Re-ties ``lm_head.weight`` to ``tok_emb.weight`` (``to_empty`` may have untied them); does
         nothing else while parameters are on the meta device. Build the optimizer after this call.
         """
-        tied = self.tok_emb is not None and self.lm_head is not None
-        if tied:
-            self.lm_head.weight = self.tok_emb.weight
+        tied = self.tie_weights()
         if any(p.is_meta for p in self.parameters()):
             return  # nothing to fill yet: call again after ``to_empty``
         gen = torch.Generator(device="cpu").manual_seed(self.init_seed)
@@ -142,6 +165,36 @@ class GPT(nn.Module):
                 w = module.weight
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
 
+    def tie_weights(self) -> bool:
+        """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both; return whether it does."""
+        tied = self.tok_emb is not None and self.lm_head is not None
+        if tied:
+            self.lm_head.weight = self.tok_emb.weight
+        return tied
+
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_parallel.tp_plan`)."""
+        from meshtrain.models.gpt_parallel import tp_plan
+
+        return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel).items()
+                if self.get_submodule_or_none(name) is not None}
+
+    def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:
+        """Modules whose dropout acts on activations split across tp: attention weights (heads are
+        split), and with ``sequence_parallel`` the residual-stream dropouts (the sequence is split)."""
+        out: list[nn.Module] = []
+        for block in self.blocks.values():
+            out.append(block.attn.inner_attention)
+            if sequence_parallel:
+                out += [block.attn.resid_drop, block.mlp.drop]
+        return out
+
+    def get_submodule_or_none(self, name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(name)
+        except AttributeError:
+            return None
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, the tied ``tok_emb``/``lm_head`` weight counted once.
 
@@ -153,24 +206,27 @@ class GPT(nn.Module):
             n -= sum(e.weight.numel() for e in (self.tok_emb, self.pos_emb) if e is not None)
         return n
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
 
+        ``positions`` (T,) int64 are the global positions of the T tokens (default ``0..T-1``); a
+        sequence-parallel rank holding a shard of each sample passes the positions of its shard.
         A pipeline stage without ``tok_emb`` takes hidden states (B, T, C) instead; one without
         ``lm_head`` returns hidden states (B, T, C).
 
         Raises:
-            ValueError: T > block_size.
+            ValueError: a position >= block_size.
         """
         T = idx.size(1)
-        if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds model.block_size = {self.block_size}")
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)  # (T,)
+        if T and int(positions.max()) >= self.block_size:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds model.block_size = {self.block_size}")
         if self.tok_emb is not None:
-            pos = torch.arange(T, device=idx.device)  # (T,)
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
         else:
             x = idx  # (B, T, C) hidden states from the previous stage
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)  # (B, T, C)
         if self.lm_head is None:
             return x

@@ -1,0 +1,63 @@
+"""The GPT's tensor-parallel plan: which submodule is column-, row- or sequence-parallel.
+
+Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3, Fig. 3): in each block the q, k,
+v projections and the MLP up-projection are column-parallel (each tp rank computes ``C/tp`` of their
+output features: ``nh/tp`` whole heads, ``4C/tp`` hidden units), the attention output projection
+and the MLP down-projection are row-parallel (each rank multiplies its slice and the partial sums
+are all-reduced: the ``g`` operator). The token embedding is split by vocabulary rows and the
+output head by vocabulary columns (the tied weight keeps one ``Shard(0)`` layout for both), and the
+loss is computed on vocabulary-sharded logits (``loss_parallel``), so no rank holds full-vocab logits.
+
+With ``tp_sequence_parallel`` (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2) the residual
+stream between the tp regions, with its layer norms and dropouts, is split along the sequence
+across the tp ranks: the column-parallel inputs all-gather the sequence and the row-parallel
+outputs reduce-scatter it (the ``g``/``g-bar`` pair), instead of one all-reduce. Here the
+embedding output is all-reduced and then split (Megatron reduce-scatters it): it keeps the learned
+position embedding outside the sharded region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
+
+
+def tp_plan(layers: Iterable[str], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """``parallelize_module`` plan for :class:`meshtrain.models.gpt.GPT` on the "tp" mesh axis.
+
+    Activation layouts at block boundaries: (B, T, C) replicated across tp, or (B, T/tp, C) with
+    ``sequence_parallel``. ``layers`` are the keys of ``blocks`` this model (or pipeline stage) holds;
+    entries for modules a stage lacks are dropped by the caller. The head's output stays a ``DTensor`` (B, T, V) sharded on V, for
+    :func:`torch.distributed.tensor.parallel.loss_parallel`.
+    """
+    layers = list(layers)
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+        # embedding output (B, T, C) replicated -> this rank's (B, T/tp, C) slice: no communication
+        plan[f"blocks.{layers[0]}"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    for i in layers:
+        b = f"blocks.{i}"
+        if sequence_parallel:
+            for name in ("ln_1", "ln_2"):
+                plan[f"{b}.{name}"] = SequenceParallel()
+            for name in ("attn", "mlp"):  # one all-gather of the sequence per sub-block, not one per matrix
+                plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                         use_local_output=True)
+        plan.update({
+            f"{b}.attn.q": ColwiseParallel(),
+            f"{b}.attn.k": ColwiseParallel(),
+            f"{b}.attn.v": ColwiseParallel(),
+            f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+            f"{b}.mlp.fc": ColwiseParallel(),
+            f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
+        })
+    return plan

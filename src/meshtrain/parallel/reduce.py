@@ -1,0 +1,118 @@
+"""Reductions by mesh axis, each in one place (DESIGN.md, "Composition").
+
+- the loss: cross-entropy over this rank's tokens (on vocab-sharded logits under tp), then the mean
+  over the ``"dp_sp"`` ranks, which hold equally many different tokens of the global batch: the
+  mean over every token of the global batch;
+- the gradient norm: every distinct parameter shard counted once -- a ``DTensor`` gradient is
+  summed over the mesh axes it is sharded on and not over those it is replicated on; a plain
+  tensor gradient (replicated everywhere, e.g. after DDP's all-reduce) is counted as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtrain.mesh import BATCH_MESH, ParallelDims
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T) over this rank's B*T tokens.
+
+    Logits that are a ``DTensor`` sharded on V (tensor parallelism) go through PyTorch's
+    ``loss_parallel``: each rank computes the softmax terms of its vocabulary slice and only (B, T)
+    scalars are all-reduced (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019, Sec. 3).
+    Call ``backward`` on the result inside :func:`backward_context`.
+    """
+    with loss_parallel() if isinstance(logits, DTensor) else _nothing():
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def backward_context(loss: torch.Tensor):
+    """The context ``loss.backward()`` must run in (``loss_parallel`` for a DTensor loss)."""
+    return loss_parallel() if isinstance(loss, DTensor) else _nothing()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``value`` (a replicated DTensor's local copy)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def batch_mean(value: torch.Tensor, dims: ParallelDims) -> float:
+    """Mean of a per-rank scalar over the ``"dp_sp"`` ranks (gloo has no AVG, so SUM / (dp*sp))."""
+    value = local_value(value).detach().clone().float()
+    if dims.batch_degree > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(BATCH_MESH).get_group())
+    return float(value) / dims.batch_degree
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients of ``params``, each distinct shard counted once (fp32 scalar).
+
+    Squares are summed locally per group of gradients that share a mesh and the mesh axes they are
+    sharded on, then all-reduced over each of those axes (a sum over axis a, then over axis b, is the
+    sum over the a x b ranks).
+    """
+    sums: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    meshes = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError(f"gradient with a pending reduction {g.placements}: call reduce_partial_grads first")
+            axes = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
+            key = (id(g.device_mesh), axes)
+            meshes[key] = g.device_mesh
+            g = g.to_local()
+        else:
+            key = (None, ())
+        total = sums[key]
+        sums[key] = total.to(g.device) + g.detach().float().pow(2).sum()
+    norm_sq = 0.0
+    for (mesh_id, axes), value in sums.items():
+        for axis in axes:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=meshes[(mesh_id, axes)].get_group(axis))
+        norm_sq += float(value)
+    return torch.tensor(math.sqrt(norm_sq))
+
+
+def reduce_partial_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Finish pending sums: a replicated parameter used on sharded activations (a norm weight under
+    Megatron sequence parallelism) gets a ``Partial`` gradient, one term per tp rank's tokens; sum it
+    into the parameter's own layout (an all-reduce over tp, Korthikanti et al. 2022, Sec. 4.2.2)."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``);
+    ``max_norm = 0`` disables clipping. Returns the norm before clipping (:func:`grad_norm`), after
+    :func:`reduce_partial_grads`."""
+    params = [p for p in params if p.grad is not None]
+    reduce_partial_grads(params)
+    norm = float(grad_norm(params))
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.mul_(coef)
+    return norm
