@@ -73,7 +73,8 @@ def test_table_with_loader_batch_size_explains_the_open_sora_log():
                        "--loader-batch-size", "2", "--num-samples", "1000")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    assert "Open-Sora-Plan's log would print global batch 4 (real 2)" in text
+    assert "Its log would print global batch 4 (real 2) and 63 updates/epoch (real 500" in text
+    assert "one loader step makes 8 optimizer step(s) of global batch 2" in text
 
 
 @pytest.mark.parametrize("args, message", [

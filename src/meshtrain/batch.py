@@ -159,9 +159,29 @@ class OpenSoraLog:
     real_steps_per_epoch: int | None
     logged_steps_per_epoch: int | None
     inner_micro_steps: int
+    loader_batch_size: int
+    train_sp_batch_size: int
+    sp: int
+    gradient_accumulation_steps: int
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def explain(self) -> str:
+        """Plain-words comparison of the log with the real numbers, for ``meshtrain batch``."""
+        micro, ga = self.inner_micro_steps, self.gradient_accumulation_steps
+        loader_batch_size, train_sp_batch_size, sp = self.loader_batch_size, self.train_sp_batch_size, self.sp
+        per_loader = f"{micro / ga:g} optimizer step(s)"
+        text = (f"Open-Sora-Plan with loader batch b = {loader_batch_size} per rank: each sp group gathers "
+                f"sp*b = {sp * loader_batch_size} samples per loader step and runs them as {micro} micro-steps of "
+                f"{train_sp_batch_size} sample(s); each micro-step counts toward gradient_accumulation_steps = {ga}, "
+                f"so one loader step makes {per_loader} of global batch {self.real_global_batch_size:,}. "
+                f"Its log would print global batch {self.logged_global_batch_size:,} "
+                f"(real {self.real_global_batch_size:,})")
+        if self.logged_steps_per_epoch is None:
+            return text + "; give --num-samples to compare updates per epoch as well."
+        return (text + f" and {self.logged_steps_per_epoch:,} updates/epoch "
+                f"(real {self.real_steps_per_epoch:,}: it ignores the micro-steps inside a loader step).")
 
 
 def open_sora_log(world_size: int, sp: int, train_sp_batch_size: int, gradient_accumulation_steps: int,
@@ -185,4 +205,6 @@ def open_sora_log(world_size: int, sp: int, train_sp_batch_size: int, gradient_a
         if num_samples else None
     return OpenSoraLog(real_global_batch_size=real, logged_global_batch_size=logged,
                        real_steps_per_epoch=real_spe, logged_steps_per_epoch=logged_spe,
-                       inner_micro_steps=sp * loader_batch_size // train_sp_batch_size)
+                       inner_micro_steps=sp * loader_batch_size // train_sp_batch_size,
+                       loader_batch_size=loader_batch_size, train_sp_batch_size=train_sp_batch_size, sp=sp,
+                       gradient_accumulation_steps=gradient_accumulation_steps)

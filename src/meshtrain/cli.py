@@ -89,10 +89,7 @@ def _print_batch_table(plan, osl) -> None:
     console = Console()
     console.print(t)
     if osl is not None:
-        console.print(f"Open-Sora-Plan's log would print global batch {osl.logged_global_batch_size:,} "
-                      f"(real {osl.real_global_batch_size:,}) and {osl.logged_steps_per_epoch} updates/epoch "
-                      f"(real {osl.real_steps_per_epoch}): each loader step runs {osl.inner_micro_steps} "
-                      "micro-steps that all count toward gradient accumulation.")
+        console.print(osl.explain())
 
 
 def build_parser() -> argparse.ArgumentParser:

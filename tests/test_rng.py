@@ -1,0 +1,92 @@
+"""Dropout randomness under tensor parallelism (meshtrain.parallel.rng).
+
+- the per-tp-rank stream neither disturbs nor is disturbed by the default stream;
+- with tp = 2 and dropout, activations replicated across the tp group stay identical on both ranks
+  (the default stream is seeded without the tp coordinate), which a per-rank seed would break;
+- a resumed run with dropout draws exactly the masks of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import losses, train_here
+from meshtrain.parallel.rng import TPRegionRNG, seed_step
+
+
+def test_tp_region_stream_is_separate_from_the_default_stream():
+    rng = TPRegionRNG(torch.device("cpu"))
+    drop = nn.Dropout(0.5)
+    rng.attach(drop)
+    rng.seed(5)
+    torch.manual_seed(1)
+    mask = drop(torch.ones(64)) > 0
+    after = torch.rand(3)  # the default stream, as if the hooked module had drawn nothing
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.rand(3))
+    torch.manual_seed(5)
+    assert torch.equal(mask, nn.functional.dropout(torch.ones(64), 0.5) > 0)  # drawn from the tp stream
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
+    from meshtrain.config import ModelConfig, ParallelConfig
+    from meshtrain.mesh import ParallelDims
+    from meshtrain.models.gpt import GPT
+    from meshtrain.parallel import parallelize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        dims = ParallelDims(pp=1, dp=1, sp=1, tp=2, world_size=2)
+        dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        model = parallelize(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=0.3), 11),
+                            dims, ParallelConfig(tp=2))
+        seen = []
+        model.norm.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
+        seed_step(model, 7, 1, rank, 1 if per_rank_seed else 2)  # tp=1 here gives every rank its own seed
+        model(torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(3)))
+        both = [torch.empty_like(seen[0]) for _ in range(2)]
+        dist.all_gather(both, seen[0])
+        torch.save(both, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _replicated_streams(tmp_path: Path, per_rank_seed: bool) -> list[torch.Tensor]:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), per_rank_seed), nprocs=2)
+    return torch.load(tmp_path / "rank0.pt")
+
+
+def test_replicated_activations_get_the_same_mask_on_every_tp_rank(tmp_path):
+    a, b = _replicated_streams(tmp_path, per_rank_seed=False)
+    assert torch.equal(a, b)  # the residual stream entering the final norm, on tp ranks 0 and 1
+
+
+def test_a_per_rank_seed_would_desynchronise_the_tp_replicas(tmp_path):
+    """The check above can fail: seeding the default stream per rank makes the replicas differ."""
+    a, b = _replicated_streams(tmp_path, per_rank_seed=True)
+    assert not torch.equal(a, b)
+
+
+def test_resume_with_dropout_draws_the_same_masks(tmp_path):
+    run = {"model.dropout": "0.2", "batch.micro_batch_size": "4", "checkpoint.interval": "3", "train.steps": "6"}
+    full = losses(train_here(tmp_path / "full", **run))
+    resumed = losses(train_here(tmp_path / "resumed", **run,
+                                **{"checkpoint.resume": str(tmp_path / "full" / "checkpoints" / "step_000003")}))
+    assert resumed == {s: full[s] for s in range(4, 7)}  # bit-exact: same process, same masks
