@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtrain.parallel.sp_comm import head_to_seq, ring_shift, seq_to_head
+from meshtrain.parallel.sp_comm import head_to_seq, ring_pass, seq_to_head
 
 SP_MODES = ("ulysses", "ring")
 
@@ -125,18 +125,18 @@ class RingAttention(nn.Module):
     K and V, stacked into one (2, B, nh, T/sp, hs) tensor, travel around the sp ring: at step s
     this rank holds the K/V of group rank (rank - s) mod sp. Each local query chunk attends to each
     held K/V chunk by global chunk index: a later chunk is skipped, the same chunk gets the causal
-    mask, an earlier chunk is attended in full. The partial results are merged with the online
-    softmax (Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022,
-    arXiv:2205.14135, Sec. 3.1): new = logaddexp(lse, blk_lse),
-    out = out*exp(lse - new) + blk*exp(blk_lse - new).
+    mask, an earlier chunk is attended in full. Partial results are merged with the online softmax
+    (Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022, arXiv:2205.14135,
+    Sec. 3.1): new = logaddexp(lse, blk_lse), out = out*exp(lse - new) + blk*exp(blk_lse - new).
 
-    The block math is plain differentiable torch, so autograd gives the backward; the only custom
-    backward is that of :func:`ring_shift` (gradients of K/V travel the ring the other way).
-    Communication: sp-1 shifts of 2*B*nh*(T/sp)*hs elements, not overlapped with compute.
-    Memory: one (c, c) chunk pair's scores are formed at a time, but autograd saves every pair's
-    probabilities for backward: 2*sp+1 pairs per rank, about (T^2 / (2*sp)) per (batch, head) in
-    all, 1/sp of the causal half of the full score matrix (a flash kernel would recompute them).
-    No dropout: attention dropout is not supported here (the model's other dropouts are unaffected).
+    The backward is FlashAttention-2's (Dao 2023, arXiv:2307.08691, Algorithm 2) run around the same
+    ring: each block's probabilities are recomputed from q, k and the final log-sum-exp,
+    ``dS = P * (dO V^T - rowsum(dO * O))``, and the K/V gradients travel with K/V, arriving at their
+    owner after a full turn. So only q, k, v, the output and the log-sum-exp are kept for backward
+    (O(T/sp) per rank), and one (c, c) block of scores exists at a time. Communication: sp-1 passes
+    of K/V forward, sp-1 of K/V and sp of their gradients backward, 2*B*nh*(T/sp)*hs elements each,
+    not overlapped with compute. No dropout: attention dropout is not supported here (the model's
+    other dropouts are unaffected).
     """
 
     def __init__(self, group: ProcessGroup | None):
@@ -146,23 +146,60 @@ class RingAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(2) % 2:
             raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
-        sp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return _RingAttention.apply(q, k, v, self.group)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        sp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.size(-1))
-        q_chunks = q.chunk(2, dim=2)  # 2 x (B, nh, c, hs), global chunks _zigzag(rank, sp)
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, hs)
         lses: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, 1)
         kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
         for step in range(sp):
-            src = (rank - step) % sp  # the group rank whose K/V we hold
-            for kv_c, kv_idx in zip(kv.chunk(2, dim=3), _zigzag(src, sp)):  # kv_c: (2, B, nh, c, hs)
-                for n, (q_c, q_idx) in enumerate(zip(q_chunks, _zigzag(rank, sp))):
-                    if kv_idx > q_idx:
-                        continue  # all of these keys come after all of these queries
-                    blk, blk_lse = _block_attention(q_c, kv_c[0], kv_c[1], kv_idx == q_idx, scale)
-                    outs[n], lses[n] = _merge(outs[n], lses[n], blk, blk_lse)
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+                blk, blk_lse = _block_forward(q_c, kv_c[0], kv_c[1], causal, scale)
+                outs[n], lses[n] = _merge(outs[n], lses[n], blk, blk_lse)
             if step < sp - 1:
-                kv = ring_shift(kv, self.group)  # (2, B, nh, T/sp, hs) of group rank src - 1
-        return torch.cat(outs, dim=2)  # (B, nh, T/sp, hs)
+                kv = ring_pass(kv, group)  # (2, B, nh, T/sp, hs) of group rank (rank - step - 1)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, nh, T/sp, hs), (B, nh, T/sp, 1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        sp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, T/sp, 1): rowsum(dO * O)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
+        dkv = torch.zeros_like(kv)  # gradients of the K/V this rank holds, travelling with them
+        for step in range(sp):
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+                rows = slice(n * q_c.size(2), (n + 1) * q_c.size(2))
+                dq_c, dk_c, dv_c = _block_backward(q_c, kv_c[0], kv_c[1], dout[:, :, rows], lse[:, :, rows],
+                                                   delta[:, :, rows], causal, scale)
+                dq[:, :, rows] += dq_c
+                cols = slice(j * kv_c.size(3), (j + 1) * kv_c.size(3))
+                dkv[0, :, :, cols] += dk_c
+                dkv[1, :, :, cols] += dv_c
+            if step < sp - 1:
+                kv = ring_pass(kv, group)
+            dkv = ring_pass(dkv, group)  # after sp passes the gradients are back with their K/V's owner
+        return dq, dkv[0], dkv[1], None
+
+
+def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int):
+    """(query chunk n, K/V chunk j, causal, q chunk (B, nh, c, hs), K/V chunk (2, B, nh, c, hs)) for each
+    pair of this rank's query chunks and group rank ``src``'s K/V chunks that has unmasked entries."""
+    for j, (kv_c, kv_idx) in enumerate(zip(kv.chunk(2, dim=3), _zigzag(src, sp))):
+        for n, (q_c, q_idx) in enumerate(zip(q.chunk(2, dim=2), _zigzag(rank, sp))):
+            if kv_idx <= q_idx:  # a later K/V chunk is entirely in these queries' future
+                yield n, j, kv_idx == q_idx, q_c, kv_c
 
 
 def _zigzag(sp_rank: int, sp: int) -> tuple[int, int]:
@@ -170,20 +207,32 @@ def _zigzag(sp_rank: int, sp: int) -> tuple[int, int]:
     return sp_rank, 2 * sp - 1 - sp_rank
 
 
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v (B, nh, c, hs) -> out (B, nh, c, hs) and its log-sum-exp (B, nh, c, 1).
-
-    ``causal``: q and k are the same chunk, so query i sees keys 0..i. Every row keeps at least
-    one key (the diagonal), so the log-sum-exp is finite.
-    """
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q, k (B, nh, c, hs) -> scaled scores (B, nh, c, c); ``causal``: query i sees keys 0..i only."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, c, c)
     if causal:
         c = scores.size(-1)
-        future = torch.ones(c, c, dtype=torch.bool, device=scores.device).triu(1)  # (c, c)
-        scores = scores.masked_fill(future, float("-inf"))
+        scores.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    return scores
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v (B, nh, c, hs) -> out (B, nh, c, hs) and its log-sum-exp (B, nh, c, 1).
+
+    Every row keeps at least one key (the diagonal when ``causal``), so the log-sum-exp is finite.
+    """
+    scores = _scores(q, k, causal, scale)  # (B, nh, c, c)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, nh, c, 1)
-    return torch.exp(scores - lse) @ v, lse
+    return scores.sub_(lse).exp_() @ v, lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one block, each (B, nh, c, hs), from the *final* lse and delta (B, nh, c, 1)."""
+    p = _scores(q, k, causal, scale).sub_(lse).exp_()  # (B, nh, c, c): this block's share of the softmax
+    dv = p.transpose(-2, -1) @ dout  # (B, nh, c, hs)
+    ds = p.mul_((dout @ v.transpose(-2, -1)).sub_(delta))  # (B, nh, c, c): P * (dP - delta)
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
 
 
 def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, blk: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The autograd collectives of sequence parallelism; the attention math lives in ``sequence.py``.
+"""The collectives of sequence parallelism; the attention math lives in ``sequence.py``.
 
 Shapes (B, nh, T, hs) = (batch, heads, tokens, head size); ``sp`` is the size of the sp process
 group, ``T/sp`` the tokens one rank holds, ``nh/sp`` the heads one rank holds.
@@ -6,11 +6,10 @@ group, ``T/sp`` the tokens one rank holds, ``nh/sp`` the heads one rank holds.
 - :func:`seq_to_head` / :func:`head_to_seq`: the all-to-all pair of DeepSpeed-Ulysses (Jacobs et al.
   2023, arXiv:2309.14509, Sec. 3.1) that trades a sequence shard of every head for every token of a
   head shard, and back. Each moves 1/sp of the rank's activations to each of the other ranks.
-- :func:`ring_shift`: one step of the ring of ring attention (Liu et al. 2023, arXiv:2310.01889,
-  Sec. 3): send to the next rank, receive from the previous one; its backward runs the ring the
-  other way.
+- :func:`ring_pass`: one step of the ring of ring attention (Liu et al. 2023, arXiv:2310.01889,
+  Sec. 3): send to the next rank, receive from the previous one.
 
-All three work with gloo on CPU and with NCCL on GPU; ``group`` may be any process group (peers are
+All work with gloo on CPU and with NCCL on GPU; ``group`` may be any process group (peers are
 mapped to global ranks with ``dist.get_global_rank``).
 """
 
@@ -64,35 +63,20 @@ def _check_heads(nh: int, sp: int) -> None:
                          f"or ring attention")
 
 
-def ring_shift(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Send ``x`` to the next rank of ``group``; return what the previous rank sent (any shape).
+def ring_pass(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Send ``x`` to the next rank of ``group``; return what the previous rank sent (same shape).
 
-    Group rank i receives group rank i-1's tensor (rank 0 receives the last rank's). The backward
-    sends the gradient the other way: to the previous rank, received from the next. Every rank of
-    the group must call it, in the same order. With a group of one rank it returns ``x``.
+    Group rank i receives group rank i-1's tensor (rank 0 receives the last rank's); the send and the
+    receive are posted together (``batch_isend_irecv``), so the ring cannot deadlock. Not autograd-aware:
+    ring attention's backward runs its own ring (:class:`meshtrain.parallel.sequence.RingAttention`).
+    Every rank of the group must call it, in the same order. With a group of one rank it returns ``x``.
     """
-    if dist.get_world_size(group) == 1:
-        return x
-    return _RingShift.apply(x, group)
-
-
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _send_recv(x, group, offset=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _send_recv(grad, ctx.group, offset=-1), None
-
-
-def _send_recv(x: torch.Tensor, group: ProcessGroup | None, offset: int) -> torch.Tensor:
-    """Send ``x`` to group rank ``rank + offset`` and receive from ``rank - offset`` (mod sp), batched."""
     group = group if group is not None else dist.group.WORLD
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    dst = dist.get_global_rank(group, (rank + offset) % sp)  # P2POp takes global ranks
-    src = dist.get_global_rank(group, (rank - offset) % sp)
+    if sp == 1:
+        return x
+    dst = dist.get_global_rank(group, (rank + 1) % sp)  # P2POp takes global ranks
+    src = dist.get_global_rank(group, (rank - 1) % sp)
     send, recv = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
     ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
     for req in dist.batch_isend_irecv(ops):
