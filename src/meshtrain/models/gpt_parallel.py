@@ -49,9 +49,12 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool) -> dict[str, Paralle
         if sequence_parallel:
             for name in ("ln_1", "ln_2"):
                 plan[f"{b}.{name}"] = SequenceParallel()
-            for name in ("attn", "mlp"):  # one all-gather of the sequence per sub-block, not one per matrix
-                plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                         use_local_output=True)
+        for name in ("attn", "mlp"):
+            # One DTensor input for all of q, k, v: their gradients add up as one partial sum before a
+            # single all-reduce (reduce-scatter with sequence parallelism), Megatron's f operator,
+            # instead of one collective per matrix.
+            plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                     use_local_output=False)
         plan.update({
             f"{b}.attn.q": ColwiseParallel(),
             f"{b}.attn.k": ColwiseParallel(),
