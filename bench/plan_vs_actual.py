@@ -7,9 +7,10 @@ accumulation splits, widths, fp32/bf16).
 Each run waits until the machine is idle (under 10% of the cores busy over 2 s) so that other work
 does not slow the measurement.
 
-Each layout is one real ``meshtrain train`` command line; the trainer itself writes
-``OUT/plan_vs_actual.json`` (prediction from the profile of ``meshtrain plan --calibrate``, measured
-median step time excluding the first steps, peak RSS of the busiest rank). ``--calibrate``
+Each layout is one real ``meshtrain train`` command line; after the ranks finish, the launcher compares
+the trainer's ``OUT/summary.json`` with the planner and writes ``OUT/plan_vs_actual.json`` (prediction
+from the profile of ``meshtrain plan --calibrate``, measured median step time excluding the first
+steps, peak RSS of the busiest rank). ``--calibrate``
 (re)measures the machine into the default profile at the start of every round, so that each round's
 predictions come from a calibration taken minutes before its runs; the table gives, per layout, the
 median prediction and the median measurement over the rounds. Writes ``bench/results/plan_vs_actual.md``

@@ -97,3 +97,143 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
     buckets = fw.grad_buckets(4 * model.num_params())  # fp32 gradients, ~3.2 MB
     extra = dp_time(model, layout, costly, prec, fw, micro) - dp_time(model, layout, hw, prec, fw, micro)
     assert buckets == 2 and extra == pytest.approx(0.01 * buckets)
+
+
+def test_calibration_measures_every_collective_that_dp_tp_and_sp_issue(profile):
+    """all-reduce, all-gather, reduce-scatter (dp and tp), all-to-all (Ulysses), send-recv (ring attention's
+    ring_shift) and p2p, each fitted to a positive bandwidth and latency."""
+    from meshtrain.planner.calibrate import COLLECTIVES
+
+    measured = load_hardware_file(profile)["cpu"].network.collectives
+    assert set(measured) == set(COLLECTIVES) >= {"all-gather", "reduce-scatter", "all-to-all", "send-recv"}
+    for kind, (bandwidth, latency) in measured.items():
+        assert bandwidth > 1e6 and 0 < latency < 0.1, kind
+
+
+def test_send_recv_call_shifts_around_the_ring(tmp_path):
+    """The measured send-recv is the trainer's pattern: each rank sends to the next, receives from the previous."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_shift_worker, args=(r, 2, str(tmp_path / "store"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: 1.0, 1: 0.0}  # with 2 ranks, next and previous are the same rank
+
+
+def _shift_worker(rank: int, world: int, store: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.planner.calibrate import send_recv
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    received = torch.empty(4)
+    send_recv(torch.full((4,), float(rank)), received, rank, world)
+    queue.put((rank, float(received[0])))
+    dist.destroy_process_group()
+
+
+def _cpu_with(collectives: dict[str, tuple[float, float]]):
+    import dataclasses
+
+    cpu = get_hardware("cpu", profile=Path("/nonexistent"))
+    return dataclasses.replace(cpu, network=dataclasses.replace(cpu.network, collectives=collectives))
+
+
+def test_tp_and_sp_are_charged_at_the_measured_rate_of_each_collective():
+    """A calibrated CPU charges tp's all-reduce, or its all-gather + reduce-scatter with tp_sequence_parallel,
+    Ulysses' all-to-all and ring attention's send-recv each at its own measured numbers; without measurements
+    (the GPU catalog) all-gather + reduce-scatter cost exactly one all-reduce, as before."""
+    from meshtrain.planner.cost import _micro_batch, collective_time
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+
+    model, prec, fw = from_config(load_config(CONFIG), 65), PRECISIONS["fp32"], FRAMEWORKS["meshtrain"]
+    layouts = {"tp": Layout(dp=1, tp=2), "tp+seqp": Layout(dp=1, tp=2, tp_sequence_parallel=True),
+               "ulysses": Layout(dp=1, sp=2), "ring": Layout(dp=1, sp=2, sp_mode="ring")}
+    fast = (1e9, 1e-5)
+    base = {k: fast for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send-recv")}
+
+    def comm(collectives: dict) -> dict[str, float]:
+        hw = _cpu_with(collectives)
+        return {name: (lambda mb: mb.tp + mb.sp)(_micro_batch(model, layout, hw, prec, fw))
+                for name, layout in layouts.items()}
+
+    before = comm(base)
+    for kind, changed in (("all-reduce", "tp"), ("all-gather", "tp+seqp"), ("reduce-scatter", "tp+seqp"),
+                          ("all-to-all", "ulysses"), ("send-recv", "ring")):
+        after = comm({**base, kind: (1e8, 1e-4)})
+        assert [name for name in layouts if after[name] != pytest.approx(before[name])] == [changed], kind
+    # 4 layers x (2 forward + 2 backward) all-reduces of a (1 x 64 x 128) fp32 activation (micro-batch 1)
+    hw = _cpu_with(base)
+    act = 1 * 64 * 128 * 4
+    assert comm(base)["tp"] == pytest.approx(16 * collective_time(hw, "all-reduce", 2, act, False))
+    h100 = get_hardware("H100")
+    seqp = Layout(dp=1, tp=8, tp_sequence_parallel=True)
+    pair = sum(collective_time(h100, k, 8, act, False) for k in ("all-gather", "reduce-scatter"))
+    assert pair == pytest.approx(collective_time(h100, "all-reduce", 8, act, False))
+    assert _micro_batch(model, seqp, h100, prec, FRAMEWORKS["fsdp"]).tp == pytest.approx(16 * pair)
+
+
+def _summary(**overrides) -> dict:
+    """``OUT/summary.json`` as the trainer writes it."""
+    return {"val_loss": 2.0, "step_time_s": 0.05, "peak_memory_bytes": 500 * 2**20, "world_size": 4, "dp": 1,
+            "tp": 2, "sp": 2, "vocab_size": 65, "device": "cpu", "tokens_per_s": 30720.0, **overrides}
+
+
+def test_plan_vs_actual_of_a_tp_and_sp_run(profile, tmp_path, capsys):
+    """The launcher's comparison predicts the run's own layout: tp with tp_sequence_parallel and ring sp."""
+    from meshtrain.planner.actual import report_run
+
+    overrides = {"parallel.tp": "2", "parallel.sp": "2", "parallel.sp_mode": "ring",
+                 "parallel.tp_sequence_parallel": "true", "train.out_dir": str(tmp_path)}
+    result = report_run(load_config(CONFIG, overrides), _summary(), threads=1, profile=profile)
+    predicted = result["predicted"]
+    assert predicted["layout"].startswith("dp1 tp2+sp pp1 sp2ring z0 mbs12")
+    assert predicted["time_breakdown_s"]["tp_comm"] > 0 and predicted["time_breakdown_s"]["sp_comm"] > 0
+    assert json.loads((tmp_path / "plan_vs_actual.json").read_text()) == result
+    line = capsys.readouterr().err
+    assert line.startswith("plan vs actual: step time predicted") and str(profile) in line
+    ulysses = report_run(load_config(CONFIG, {**overrides, "parallel.sp_mode": "ulysses"}), _summary(), 1, profile)
+    assert ulysses["predicted"]["step_time_s"] != predicted["step_time_s"]
+
+
+def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys):
+    from meshtrain.launch import report_plan_vs_actual
+
+    cfg = load_config(CONFIG, {"train.out_dir": str(tmp_path)})
+    report_plan_vs_actual(cfg, threads=1)  # no summary.json (rank 0 on another node): nothing
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(step_time_s=None)))
+    report_plan_vs_actual(cfg, threads=1)  # no measured step: nothing
+    assert not (tmp_path / "plan_vs_actual.json").exists() and capsys.readouterr().err == ""
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(world_size=2, tp=1, sp=1, dp=2)))
+    report_plan_vs_actual(cfg, threads=1)
+    assert "plan vs actual:" in capsys.readouterr().err
+    result = json.loads((tmp_path / "plan_vs_actual.json").read_text())
+    assert result["measured"] == {"step_time_s": 0.05, "peak_memory_bytes": 500 * 2**20}
+    assert result["predicted"]["layout"].startswith("dp2 tp1 pp1 sp1 z0")
+    (tmp_path / "summary.json").write_text("{not json")
+    report_plan_vs_actual(cfg, threads=1)  # a broken summary costs one warning, never the finished run
+    assert "warning: no plan vs actual" in capsys.readouterr().err
+
+
+def test_rank_threads_follow_torchrun():
+    import os
+
+    from meshtrain.launch import rank_threads
+
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        assert rank_threads(2) == 1 and rank_threads(1) >= 1
+        os.environ["OMP_NUM_THREADS"] = "3"
+        assert rank_threads(2) == 3
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved

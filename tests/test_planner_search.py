@@ -49,10 +49,13 @@ def test_search_returns_only_valid_fitting_layouts_fastest_first():
 def test_search_honours_fixed_fields_and_the_framework():
     m, hw = preset("llama3-8b"), get_hardware("A100-80GB")
     job = Job(num_devices=64, global_batch_size=256)
-    fixed = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], job, fixed={"tp": 2, "recompute": "full"})
+    fixed = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["fsdp"], job, fixed={"tp": 2, "recompute": "full"})
     assert fixed and all(e.layout.tp == 2 and e.layout.recompute == "full" for e in fixed)
     core = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["megatron-core"], job)
     assert {e.layout.zero_stage for e in core} <= {0, 1}
+    # a pinned value the framework lacks yields nothing (the trainer has no activation recomputation, no ZeRO-1)
+    for pin in ({"recompute": "full"}, {"zero_stage": 1}, {"pp": 2}):
+        assert search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], job, fixed=pin, keep_unfit=True) == []
 
 
 def test_plan_json_has_the_documented_fields(capsys):
@@ -84,7 +87,8 @@ def test_explain_says_why_a_layout_is_invalid(capsys):
 
 def test_explain_breaks_down_a_valid_layout(capsys):
     code, out, _ = plan(capsys, "--model", "llama3-70b", "--gpu", "H100", "--num-gpus", "512",
-                        "--global-batch-size", "1024", "--explain", "tp=8,pp=4,zero_stage=3,recompute=full", "--json")
+                        "--global-batch-size", "1024", "--explain", "tp=8,pp=4,zero_stage=3,recompute=full", "--json",
+                        "--framework", "fsdp")
     assert code == 0
     record = json.loads(out)
     assert record["valid"] and record["dp"] == 16 and record["gradient_accumulation_steps"] == 64

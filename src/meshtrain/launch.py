@@ -5,11 +5,19 @@ spawned: the config, the layout against ``--nproc``, the corpus, the output fold
 folder that holds another run) and the checkpoint to resume. Then ``torch.distributed.run`` starts
 ``nproc`` ranks of ``python -m meshtrain.train`` (the elastic agent, so ``--max-restarts`` and
 multi-node rendezvous work exactly as with ``torchrun``).
+
+After a successful run, node rank 0 compares plan and actual (DESIGN.md, "Composition": the trainer
+does not import the planner): it reads ``OUT/summary.json``, which global rank 0 writes at the end of
+every run, predicts the same layout with the planner (:func:`meshtrain.planner.actual.report_run`),
+prints one ``plan vs actual: ...`` line to stderr and writes ``OUT/plan_vs_actual.json``. Ranks started
+by ``torchrun -m meshtrain.train`` directly write ``summary.json`` but no comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -122,9 +130,43 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc))
+    threads = rank_threads(nproc)  # before torchrun, which sets OMP_NUM_THREADS in this process too
     try:
         torchrun(torch_args)
     except ChildFailedError as e:
         print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
         return 1
+    if args.node_rank == 0:
+        report_plan_vs_actual(cfg, threads)
     return 0
+
+
+def rank_threads(nproc: int) -> int:
+    """Torch threads of each rank torchrun starts: ``OMP_NUM_THREADS`` if set, else 1 when a node runs
+    more than one rank (torchrun's default), else torch's default (one per core)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    if nproc > 1:
+        return 1
+    import torch
+    return torch.get_num_threads()
+
+
+def report_plan_vs_actual(cfg: Config, threads: int) -> None:
+    """Print and save the planner's prediction next to what the run measured (``OUT/summary.json``).
+    No summary here (global rank 0 ran on another node) or no measured step: nothing to compare. The
+    planner failing never fails a finished run: it costs one warning line."""
+    from meshtrain.train import SUMMARY_FILE
+
+    path = Path(cfg.train.out_dir) / SUMMARY_FILE
+    if not path.is_file():
+        return
+    try:
+        summary = json.loads(path.read_text())
+        if summary.get("step_time_s") is None:
+            return
+        from meshtrain.planner.actual import report_run
+        report_run(cfg, summary, threads)
+    except (ConfigError, OSError, KeyError, TypeError, ValueError) as e:
+        print(f"meshtrain train: warning: no plan vs actual: {e}", file=sys.stderr)

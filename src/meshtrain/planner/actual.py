@@ -1,24 +1,27 @@
 """Plan vs actual: the planner's prediction for the layout a ``meshtrain train`` run uses, and the
 comparison with what the run measured (``OUT/plan_vs_actual.json``).
 
-The trainer calls :func:`predict_for_run` and :func:`write_plan_vs_actual` at the end of a run with
-the median seconds per optimizer step and the peak memory of the busiest rank (peak RSS on CPU, the
-CUDA allocator's peak on GPU). On CPU the prediction uses the profile of ``meshtrain plan --calibrate``
-(default ``~/.cache/meshtrain/hardware_profile.toml``), whose measured runtime overhead (Python, torch,
-the trainer's imports, gloo) is part of the RSS a rank reaches.
+The trainer does not import the planner (DESIGN.md, "Composition"): rank 0 writes ``OUT/summary.json``
+(median seconds per optimizer step, peak memory of the busiest rank: peak RSS on CPU, the CUDA
+allocator's peak on GPU, world size, vocabulary, device). The launcher (``meshtrain train``,
+:func:`meshtrain.launch.run`) then calls :func:`report_run`, which predicts the same layout with
+:func:`predict_for_run` (dp, tp, sp with its ``sp_mode``, ``tp_sequence_parallel``, ZeRO stage, batch
+split), writes the comparison with :func:`write_plan_vs_actual` and prints one line. On CPU the
+prediction uses the profile of ``meshtrain plan --calibrate`` (default
+``~/.cache/meshtrain/hardware_profile.toml``), whose measured runtime overhead (Python, torch, the
+trainer's imports, gloo) is part of the RSS a rank reaches.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.fileio import write_json_atomic
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout
@@ -39,7 +42,7 @@ def layout_from_config(cfg: Config, world_size: int) -> Layout:
     _, dp = resolve_world(cfg, world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, sp=p.sp, zero_stage=p.zero_stage, micro_batch_size=b.micro_batch_size,
                   gradient_accumulation_steps=b.gradient_accumulation_steps, pp_schedule=p.pp_schedule,
-                  virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel)
+                  virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel, sp_mode=p.sp_mode)
 
 
 def _torch_threads() -> int:
@@ -106,7 +109,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
 
 
 def write_plan_vs_actual(predicted: dict[str, Any], measured: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Write ``out_dir/plan_vs_actual.json`` atomically (temporary file + ``os.replace``) and return it.
+    """Write ``out_dir/plan_vs_actual.json`` atomically (:func:`meshtrain.fileio.write_json_atomic`) and return it.
 
     ``relative_error[k] = (predicted[k] - measured[k]) / measured[k]`` for every numeric key both have
     (a signed fraction: +0.1 means the plan predicted 10% more than measured).
@@ -119,7 +122,25 @@ def write_plan_vs_actual(predicted: dict[str, Any], measured: dict[str, Any], ou
     result = {"predicted": predicted, "measured": measured, "relative_error": errors}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".plan_vs_actual.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out_dir / "plan_vs_actual.json")
+    write_json_atomic(out_dir / "plan_vs_actual.json", result)
+    return result
+
+
+def report_run(cfg: Config, summary: dict[str, Any], threads: int,
+               profile: Path = DEFAULT_PROFILE) -> dict[str, Any] | None:
+    """Compare a finished run's ``summary`` (``OUT/summary.json``) with the prediction for ``cfg``; write
+    ``OUT/plan_vs_actual.json`` and print one line to stderr. ``threads``: torch threads of each rank.
+    Returns the comparison, or None when the run measured no step time (nothing to compare)."""
+    if summary.get("step_time_s") is None:
+        return None
+    predicted = predict_for_run(cfg, int(summary["world_size"]), int(summary["vocab_size"]),
+                                str(summary.get("device", "cpu")), profile, threads)
+    measured = {"step_time_s": summary["step_time_s"], "peak_memory_bytes": summary["peak_memory_bytes"]}
+    result = write_plan_vs_actual(predicted, measured, Path(cfg.train.out_dir))
+    err = result["relative_error"]
+    print(f"plan vs actual: step time predicted {predicted['step_time_s']:.4f} s, measured "
+          f"{measured['step_time_s']:.4f} s ({err.get('step_time_s', math.nan):+.1%}); peak memory/rank "
+          f"predicted {predicted['peak_memory_bytes'] / 2**20:.0f} MiB, measured "
+          f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', math.nan):+.1%}); "
+          f"hardware: {predicted['profile']}", file=sys.stderr)
     return result

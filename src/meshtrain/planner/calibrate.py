@@ -4,12 +4,15 @@ Measured, per process, while ``ranks`` processes (one per core, one thread each,
 work at the same time:
 
 - GEMM, attention and element-wise rates, and the host time per operator (:func:`measure_compute`);
-- gloo collectives between the processes: all-reduce, all-gather, all-to-all and p2p times by size,
-  fitted to ``t = alpha*steps + bytes*factor/B`` with the ring factors of :func:`cost.ring_time`;
+- gloo collectives between the processes, every one that dp, tp and sp issue (:data:`COLLECTIVES`:
+  all-reduce, all-gather, reduce-scatter, all-to-all, p2p and ring attention's send-recv), each the
+  median of several calls after a barrier at a few sizes, fitted to ``t = alpha*steps + bytes*factor/B``
+  with the ring factors of :func:`cost.ring_time`; the cost model charges each kind at its own rate;
 - host time that kernels cannot hide: per layer and per micro-step of the trainer's GPT, per parameter
   tensor of the optimizer step, plain and FSDP2-sharded, per FSDP2 unit collective and per DDP
   gradient bucket (both measured with real compute beside them, which gloo's thread competes with);
-- runtime memory: peak RSS of a rank after importing the trainer, joining the process group and
+- runtime memory: peak RSS of a rank after importing the trainer's modules (:data:`TRAINER_MODULES`,
+  not ``meshtrain.train`` itself), joining the process group and
   training a tiny GPT for a few steps (the fixed ``framework_overhead_bytes``), and the RSS the
   trainer's corpus loading adds per character of text.
 
@@ -195,12 +198,17 @@ def _fit(sizes: list[float], times: list[float], factor: float, steps: float) ->
     return factor * sizes[-1] / transfer, alpha
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "send-recv")
+"""What the trainer's axes issue: dp all-reduce (DDP) or all-gather + reduce-scatter (FSDP2); tp
+all-reduce, or all-gather + reduce-scatter with ``tp_sequence_parallel``; sp all-to-all (Ulysses) or
+send-recv (ring attention's ``ring_shift``: every rank sends to the next and receives from the previous
+at once); p2p is one send between two ranks (pipeline stages)."""
 
 
 def _collective_call(kind: str, rank: int, world: int, n: int):
     """A zero-argument call running one ``kind`` collective on ``n`` fp32 elements (the full buffer),
-    with the single-tensor APIs FSDP2 uses (``all_gather_single``, ``reduce_scatter_single``)."""
+    with the single-tensor APIs FSDP2 and DTensor use (``all_gather_single``, ``reduce_scatter_single``),
+    and for send-recv the batched isend/irecv of the trainer's ``ring_shift``."""
     import torch
     import torch.distributed as dist
 
@@ -214,7 +222,20 @@ def _collective_call(kind: str, rank: int, world: int, n: int):
     if kind == "all-to-all":
         out = torch.empty(n)
         return lambda: dist.all_to_all_single(out, full)
+    if kind == "send-recv":
+        received = torch.empty(n)
+        return lambda: send_recv(full, received, rank, world)
     return lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None
+
+
+def send_recv(send, received, rank: int, world: int) -> None:
+    """Send ``send`` to rank ``rank+1`` and receive ``received`` from ``rank-1`` (mod ``world``) at once,
+    batched, as the trainer's ``ring_shift`` does every step of ring attention."""
+    import torch.distributed as dist
+
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, received, (rank - 1) % world)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
 
 
 def _collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
@@ -227,8 +248,8 @@ def _collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
         for nbytes in sizes:
             fn = _collective_call(kind, rank, world, nbytes // 4 // world * world)
             times.append(_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier))
-        factor = {"all-reduce": 2 * (world - 1) / world, "p2p": 1.0}.get(kind, (world - 1) / world)
-        steps = {"all-reduce": 2 * (world - 1), "p2p": 1}.get(kind, world - 1)
+        factor = {"all-reduce": 2 * (world - 1) / world, "p2p": 1.0, "send-recv": 1.0}.get(kind, (world - 1) / world)
+        steps = {"all-reduce": 2 * (world - 1), "p2p": 1, "send-recv": 1}.get(kind, world - 1)
         out[kind] = _fit([float(s) for s in sizes], times, factor, steps)
     return out
 
@@ -307,16 +328,34 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
             "sharded_tensor_update_host_s": _update_time(params, 0.0) / len(params)}
 
 
+TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
+                   "meshtrain.fileio", "meshtrain.launch", "meshtrain.mesh", "meshtrain.metrics",
+                   "meshtrain.models.gpt", "meshtrain.parallel", "meshtrain.parallel.data", "meshtrain.parallel.reduce",
+                   "meshtrain.parallel.rng", "torch.optim.lr_scheduler")
+"""What ``meshtrain.train`` imports (the planner never imports the trainer: DESIGN.md, "Composition"):
+loaded, they hold the same modules and RSS as the trainer's imports (764 of its 767 modules beyond torch,
+the rest ``statistics``; 268 MiB peak either way, measured on this 2-core VM)."""
+
+
+def _import_trainer_modules() -> None:
+    """Import :data:`TRAINER_MODULES`, so that the runtime overhead counts what a rank has loaded
+    (a module missing from an older tree is skipped)."""
+    import importlib
+
+    for name in TRAINER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict, queue) -> None:
     """One calibration rank: 1 thread, trainer imports, gloo group, measurements; rank 0 reports."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    try:
-        import meshtrain.train  # noqa: F401  (the trainer's imports count toward the runtime overhead)
-    except ImportError:
-        pass
+    _import_trainer_modules()
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     _tiny_training_step()
     w = torch.ones(4)

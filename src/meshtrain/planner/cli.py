@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if not fitting:
         unfit = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
         if not unfit:
+            _raise_for_unavailable(ctx.framework, fixed, ctx.model)
             raise ConfigError(f"no layout of {ctx.model.name} on {ctx.job.num_devices} devices meets the divisibility "
                               f"rules with global_batch_size = {ctx.job.global_batch_size}: try another batch or --fix")
         smallest = min(unfit, key=lambda e: e.memory.total)
@@ -109,13 +110,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raise_for_unavailable(framework, fixed: dict, model) -> None:
+    """Raise ConfigError naming the pinned ``--fix`` fields ``framework`` cannot run (if any)."""
+    from meshtrain.planner.layout import Layout, framework_errors
+
+    pinned = Layout(**{"dp": 1, **fixed})
+    errors = framework_errors(framework, pinned, model)
+    if errors:
+        raise ConfigError(f"--fix asks for what {framework.name} cannot run: {'; '.join(errors)}")
+
+
 def parse_fix(text: str) -> dict:
     """``"tp=8,recompute=full"`` -> ``{"tp": 8, "recompute": "full"}`` (ints where the Layout field is int).
 
     Raises:
-        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage not valid.
+        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage/sp_mode
+            not valid.
     """
-    from meshtrain.planner.layout import PP_SCHEDULES, RECOMPUTE, ZERO_STAGES, Layout
+    from meshtrain.planner.layout import PP_SCHEDULES, RECOMPUTE, SP_MODES, ZERO_STAGES, Layout
     kinds = dict(Layout.__annotations__)
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -127,7 +139,8 @@ def parse_fix(text: str) -> dict:
                                                                  if kinds[key] == "bool" else value)
         except ValueError:
             raise ConfigError(f"--fix {key} = {value!r} is not a valid {kinds[key]}") from None
-    for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES)):
+    for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES),
+                       ("sp_mode", SP_MODES)):
         if key in out and out[key] not in valid:
             raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
     return out

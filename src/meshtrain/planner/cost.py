@@ -96,16 +96,21 @@ def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes:
     return ring_time(kind, n, nbytes, bandwidth, latency)
 
 
+P2P_KINDS = ("p2p", "send-recv")
+"""Point-to-point kinds: one send (pipeline stages), or a send and a receive on every rank (a ring shift)."""
+
+
 def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float) -> float:
     """Seconds for one ring collective of ``nbytes`` (the full buffer) over ``n`` ranks.
 
     all-reduce ``2(n-1)/n * S/B + 2(n-1)*alpha``; all-gather, reduce-scatter and all-to-all
-    ``(n-1)/n * S/B + (n-1)*alpha``; p2p ``S/B + alpha`` (Patarasuk & Yuan 2009; Thakur et al. 2005).
+    ``(n-1)/n * S/B + (n-1)*alpha``; p2p and send-recv (every rank sends S to the next and receives S
+    from the previous at once) ``S/B + alpha`` (Patarasuk & Yuan 2009; Thakur et al. 2005).
     """
-    if n <= 1 and kind != "p2p":
-        return 0.0
-    if kind == "p2p":
+    if kind in P2P_KINDS:
         return nbytes / bandwidth + latency
+    if n <= 1:
+        return 0.0
     steps = 2 if kind == "all-reduce" else 1
     return steps * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
 
@@ -170,15 +175,22 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
-    materialized = fw.attention == "materialized"
+    # Ring attention runs plain GEMMs and softmax on (c x c) chunk pairs (c = s/(2sp)), one pair at a time
+    # (scores materialized, never kept: backward recomputes them), only the pairs not entirely in the
+    # future: (2sp+1)/(4sp) of all.
+    ring = layout.sp > 1 and layout.sp_mode == "ring"
+    materialized = fw.attention == "materialized" or ring
+    executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
+    attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
     layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
     dense = tokens * n * dense_flops_per_token(model) / t / rate + n * layer_io
-    attn_flops = tokens * n * attention_flops_per_token(model, causal=not materialized) / t
+    attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not materialized) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized)
-    core = tokens * n * core_bytes / bw
+    core = executed * tokens * n * core_bytes / bw
     if materialized:
-        score_io = tokens * n * model.heads * model.seq_len * 2 * prec.activation_bytes / (t * layout.sp)
-        attn = max(attn_flops / rate, score_io / bw)
+        scores = executed * tokens * n * model.heads * model.seq_len / (t * layout.sp)
+        score_io = scores * 2 * prec.activation_bytes
+        attn = max(attn_flops / attn_rate, score_io / bw)
     else:
         attn = attn_flops / dev.attention_flops(prec.compute_dtype, model.seq_len, k)
     elementwise = tokens * n * layer_bytes / bw
@@ -200,21 +212,23 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     act = tokens * model.hidden * prec.activation_bytes
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
-    # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is a reduce-scatter + all-gather pair
-    # of the same ring time. Overlapped, they hide behind the GEMMs they feed.
+    # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
+    # (Korthikanti et al. 2022, Sec. 4.2.2), of the same ring time on a modelled link, each at its own
+    # measured rate on a calibrated CPU. Overlapped, they hide behind the GEMMs they feed.
     # A tp group that spans nodes is charged one NIC per rank, not the ring over all its NICs that
     # dp_time uses: its all-reduces run between the GEMMs, on NICs that data-parallel traffic uses at the
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
-    per_ar = collective_time(hw, "all-reduce", t, act, layout.spans_nodes("tp", net.devices_per_node))
+    tp_spans = layout.spans_nodes("tp", net.devices_per_node)
+    if layout.tp_sequence_parallel:
+        per_ar = (collective_time(hw, "all-gather", t, act, tp_spans)
+                  + collective_time(hw, "reduce-scatter", t, act, tp_spans))
+    else:
+        per_ar = collective_time(hw, "all-reduce", t, act, tp_spans)
     tp = n * (4 + (2 if layout.recompute == "full" else 0)) * per_ar
     if fw.tp_comm_overlap:
         tp = max(0.0, tp - gemm)
-    # Ulysses: all-to-all of Q, K, V in and of the output back, forward and backward (Jacobs et al.
-    # 2023, Sec. 3.1): 2h + 2kv values per token each way.
-    a2a = tokens * (2 * model.hidden + 2 * model.kv_dim) * prec.activation_bytes / t
-    sp_spans = layout.spans_nodes("sp", net.devices_per_node)
-    sp = n * (2 + (1 if layout.recompute == "full" else 0)) * collective_time(hw, "all-to-all", layout.sp, a2a, sp_spans)
+    sp = n * _sp_layer_comm(model, layout, hw, prec)
     # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
     # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
     p2p = 0.0
@@ -222,6 +236,35 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
         pp_spans = layout.spans_nodes("pp", net.devices_per_node)
         p2p = 2 * layout.virtual_stages * collective_time(hw, "p2p", 2, act / t, pp_spans)
     return _MicroBatch(forward, backward, tp, sp, p2p)
+
+
+def _sp_layer_comm(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+    """Seconds of one layer's sequence-parallel communication per micro-batch, forward + backward (+ the
+    forward again when fully recomputed).
+
+    Ulysses: an all-to-all for each of Q, K, V in (head width h/t, kv/t per token) and one for the
+    output back (h/t) (Jacobs et al. 2023, Sec. 3.1): 4 calls, each ``(sp-1)/sp`` of its buffer on the
+    wire; backward the same 4 reversed.
+    Ring attention (Liu et al. 2023, Sec. 3; the trainer's ``RingAttention``): passes of the stacked K and
+    V (2*kv/t per token) to the next rank, each a "send-recv" (every rank sends and receives at once):
+    ``sp-1`` forward; backward recomputes around the ring (FlashAttention-2 style, Dao 2023), ``sp-1``
+    passes of K/V and ``sp`` of their gradients; nothing overlapped with the block attention.
+    Bytes per token times the rank's ``b*s/sp`` tokens.
+    Takeaway: ring moves ~3(sp-1) times a rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens'
+    width: ring pays more wire and latency but keeps every head on every rank (no ``heads % (tp*sp)``).
+    """
+    if layout.sp == 1:
+        return 0.0
+    full = 1 if layout.recompute == "full" else 0
+    tokens = layout.micro_batch_size * model.seq_len / layout.sp
+    per_token = tokens * prec.activation_bytes / layout.tp
+    spans = layout.spans_nodes("sp", hw.network.devices_per_node)
+    if layout.sp_mode == "ring":
+        passes = (layout.sp - 1) * (1 + full) + (layout.sp - 1) + layout.sp
+        return passes * collective_time(hw, "send-recv", 2, 2 * model.kv_dim * per_token, spans)
+    forward = sum(collective_time(hw, "all-to-all", layout.sp, width * per_token, spans)
+                  for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden))
+    return (2 + full) * forward
 
 
 def bubble_time(layout: Layout, mb: _MicroBatch) -> float:

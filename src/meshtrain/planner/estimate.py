@@ -86,7 +86,7 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
             (all of them listed in one line).
     """
     errors = divisibility_errors(model, layout, job.global_batch_size if job else None)
-    errors += framework_errors(framework, layout)
+    errors += framework_errors(framework, layout, model)
     if errors:
         raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
     mem = memory_breakdown(model, layout, hw, precision, framework)

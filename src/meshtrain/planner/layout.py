@@ -14,10 +14,14 @@ from typing import Any
 
 from meshtrain.config import ConfigError
 from meshtrain.planner.models import ModelSpec
+from meshtrain.support import SUPPORTED
 
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 ZERO_STAGES = (0, 1, 2, 3)
+SP_MODES = ("ulysses", "ring")
+"""Sequence parallelism: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023) or ring attention
+passing K/V around the sp ranks (Liu et al. 2023), as in ``parallel.sp_mode`` of the trainer."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Layout:
     """Model chunks per pipeline rank (Narayanan et al. 2021, Sec. 2.2.2); > 1 only for interleaved-1f1b."""
     tp_sequence_parallel: bool = False
     """Megatron sequence parallelism in the tp regions (Korthikanti et al. 2022, Sec. 4.2.2)."""
+    sp_mode: str = "ulysses"
+    """How sp > 1 splits attention: "ulysses" (all-to-all) or "ring" (K/V around a ring), see :data:`SP_MODES`."""
 
     @property
     def world_size(self) -> int:
@@ -64,12 +70,13 @@ class Layout:
         return asdict(self)
 
     def label(self) -> str:
-        """Short text such as ``dp8 tp8 pp2 z1 mbs1 ga4 full 1f1b``."""
+        """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention)."""
         sched = ""
         if self.pp > 1:
             sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         seqp = "+sp" if self.tp_sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp} z{self.zero_stage} "
+        ring = "ring" if self.sp > 1 and self.sp_mode == "ring" else ""
+        return (f"dp{self.dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp}{ring} z{self.zero_stage} "
                 f"mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} {self.recompute}{sched}")
 
 
@@ -85,7 +92,9 @@ class Framework:
       (PyTorch DDP buckets, Li et al. 2020, Sec. 3.2.3; FSDP prefetch; Megatron-Core ``--overlap-grad-reduce``).
     - ``sequence_parallel``: Megatron sequence parallelism exists (Korthikanti et al. 2022; not in 2021).
     - ``mixed_precision``: the precision of a "16-bit" run (see :data:`memory.PRECISIONS`).
-    - ``zero_stages`` and ``pp_schedules``: what the software can run.
+    - ``zero_stages``, ``pp_schedules``, ``recompute`` (activation recomputation modes), ``sp_modes``
+      and ``tensor_parallel``: what the software can run; ``attention_dropout_sp_modes``: the sp modes
+      that run a model with attention dropout.
     - ``torch_buffers``: PyTorch DDP's gradient bucket copy (``gradient_as_bucket_view=False``) and the
       foreach AdamW temporaries exist.
     - ``grad_bucket_bytes``: gradients per data-parallel all-reduce at zero_stage 0 (PyTorch DDP
@@ -111,6 +120,10 @@ class Framework:
     mixed_precision: str = "bf16"
     zero_stages: tuple[int, ...] = ZERO_STAGES
     pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
+    sp_modes: tuple[str, ...] = ("ulysses",)
+    attention_dropout_sp_modes: tuple[str, ...] = SP_MODES
+    tensor_parallel: bool = True
     torch_buffers: bool = False
     grad_bucket_bytes: float = 25 * 2**20
     grad_first_bucket_bytes: float = 0.0
@@ -126,8 +139,15 @@ class Framework:
 MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 """Bytes per logit of Megatron's unfused vocab-parallel cross-entropy, forward + backward (see ``Framework``)."""
 
+MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
+                      pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute, sp_modes=SUPPORTED.sp_modes,
+                      attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
+                      torch_buffers=True, grad_first_bucket_bytes=2**20)
+"""The trainer: its features are the table of :mod:`meshtrain.support` (the one config validation reads),
+so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
+
 FRAMEWORKS = {f.name: f for f in (
-    Framework("meshtrain", zero_stages=(0, 2, 3), torch_buffers=True, grad_first_bucket_bytes=2**20),
+    MESHTRAIN,
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
@@ -143,7 +163,9 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     Rules: Megatron tensor parallelism splits heads, kv heads (or replicates them) and the MLP width
     (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
-    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2).
+    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2). Ring attention needs no
+    head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
+    2023; the trainer's ``parallel/sequence.py``). These are the trainer's rules too (``config._validate_shapes``).
     """
     L, e = layout, []
     for key in ("dp", "tp", "pp", "sp", "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
@@ -157,11 +179,15 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
     if model.ffn_hidden % L.tp:
         e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
-    if (model.heads // max(1, L.tp)) % L.sp:
+    ring = L.sp > 1 and L.sp_mode == "ring"
+    if L.sp_mode not in SP_MODES:
+        e.append(f"sp_mode = {L.sp_mode!r} is not one of {', '.join(SP_MODES)}")
+    elif not ring and (model.heads // max(1, L.tp)) % L.sp:
         e.append(f"sp = {L.sp} does not divide heads per tp rank = {model.heads // L.tp} (Ulysses splits heads)")
-    seq_split = L.sp * (L.tp if L.tp_sequence_parallel else 1)
+    seq_split = L.sp * (2 if ring else 1) * (L.tp if L.tp_sequence_parallel else 1)
     if model.seq_len % seq_split:
-        e.append(f"seq_len = {model.seq_len} is not divisible by sp{'*tp' if L.tp_sequence_parallel else ''} = {seq_split}")
+        what = "sp" + ("*2" if ring else "") + ("*tp" if L.tp_sequence_parallel else "")
+        e.append(f"seq_len = {model.seq_len} is not divisible by {what} = {seq_split}")
     if L.tp_sequence_parallel and L.tp == 1:
         e.append("tp_sequence_parallel needs tp > 1")
     if L.pp * L.virtual_stages > model.layers:
@@ -183,9 +209,21 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     return e
 
 
-def framework_errors(framework: Framework, layout: Layout) -> list[str]:
-    """Features ``layout`` needs that ``framework`` does not have, one line each."""
+def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | None = None) -> list[str]:
+    """Features ``layout`` (of ``model``, when given) needs that ``framework`` does not have, one line each."""
     e = []
+    if layout.tp > 1 and not framework.tensor_parallel:
+        e.append(f"tp = {layout.tp} is not available in {framework.name} (it has no tensor parallelism)")
+    if layout.sp > 1 and layout.sp_mode not in framework.sp_modes:
+        e.append(f"sp_mode = {layout.sp_mode!r} is not available in {framework.name} "
+                 f"(it has {', '.join(framework.sp_modes) or 'no sequence parallelism'})")
+    elif (layout.sp > 1 and model is not None and model.dropout
+          and layout.sp_mode not in framework.attention_dropout_sp_modes):
+        e.append(f"sp_mode = {layout.sp_mode!r} with dropout is not available in {framework.name} "
+                 f"(attention dropout only with {', '.join(framework.attention_dropout_sp_modes) or 'no sp mode'})")
+    if layout.recompute not in framework.recompute:
+        e.append(f"recompute = {layout.recompute!r} is not available in {framework.name} "
+                 f"(it has {', '.join(framework.recompute)})")
     if layout.zero_stage not in framework.zero_stages:
         e.append(f"zero_stage = {layout.zero_stage} is not available in {framework.name} "
                  f"(it has {', '.join(map(str, framework.zero_stages))})")

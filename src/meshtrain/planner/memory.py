@@ -18,7 +18,8 @@ Activations (Korthikanti et al. 2022, Sec. 4 and Table 2), per layer and micro-b
     full recompute          2*s*b*h (the layer input only; /t with sequence parallelism)
 
 generalised below to grouped-query attention, SwiGLU, other f, no dropout, FlashAttention (which keeps
-no s x s scores) and sp (every term /sp). Pipeline stages hold several micro-batches at once: 1F1B
+no s x s scores; nor does the trainer's ring attention, which recomputes them in backward) and sp
+(every term /sp). Pipeline stages hold several micro-batches at once: 1F1B
 ``min(pp, GA)``, GPipe ``GA``, interleaved ``pp + (pp-1)/v`` (Korthikanti et al. 2022, Sec. 4.2.3).
 """
 

@@ -61,7 +61,8 @@ def number(value: float) -> str:
 def _row(rank: str, e: Estimate) -> list[str]:
     b = e.layout
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
-    return [rank, str(b.dp), f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), str(b.sp),
+    sp = f"{b.sp} {b.sp_mode}" if b.sp > 1 else "1"
+    return [rank, str(b.dp), f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), sp,
             str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
             f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
             duration(e.total_time_s)]
@@ -92,7 +93,8 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
         table.add_row(*_row(str(i), e))
     mine = None
     config = ctx.config_layout
-    if config is not None and not divisibility_errors(ctx.model, config) + framework_errors(ctx.framework, config):
+    if config is not None and not (divisibility_errors(ctx.model, config)
+                                   + framework_errors(ctx.framework, config, ctx.model)):
         mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, ctx.job)
         table.add_row(*_row("config", mine), style="bold")
     out.print(table)
@@ -125,7 +127,7 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
 def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
     """Say why ``layout`` is invalid, or break down its memory and step time. Returns the exit code 0."""
     errors = divisibility_errors(ctx.model, layout, ctx.job.global_batch_size)
-    errors += framework_errors(ctx.framework, layout)
+    errors += framework_errors(ctx.framework, layout, ctx.model)
     if errors:
         if as_json:
             print(json.dumps({"layout": layout.to_dict(), "valid": False, "errors": errors}))

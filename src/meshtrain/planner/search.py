@@ -1,9 +1,10 @@
 """Enumerate every valid layout of a job, predict each, rank by time per step.
 
 A layout is (dp, tp, pp, sp, zero_stage, micro_batch_size, gradient_accumulation_steps, recompute,
-pp_schedule, virtual_stages, tp_sequence_parallel) with ``dp*tp*pp*sp = num_devices`` and
+pp_schedule, virtual_stages, tp_sequence_parallel, sp_mode) with ``dp*tp*pp*sp = num_devices`` and
 ``micro_batch_size*gradient_accumulation_steps*dp = global_batch_size``. Candidates that break a
-divisibility rule (:func:`meshtrain.planner.layout.divisibility_errors`) are never generated; those
+divisibility rule (:func:`meshtrain.planner.layout.divisibility_errors`) or need a feature the framework
+lacks (:func:`meshtrain.planner.layout.framework_errors`) are never generated; those
 that do not fit in memory are dropped (or kept, flagged, with ``keep_unfit``). Layouts that are
 dominated by construction are skipped: for a given rest of the layout a recompute mode is tried only
 if the cheaper ones do not fit, and tp without sequence parallelism only where sequence parallelism
@@ -19,7 +20,7 @@ from typing import Any
 
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import Hardware
-from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors
+from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision, memory_breakdown
 from meshtrain.planner.models import ModelSpec
 
@@ -48,25 +49,23 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
                       fixed: dict[str, Any] | None = None) -> Iterator[tuple[Layout, list[str]]]:
     """Valid layouts the framework can run, as ``(layout, recompute modes)``: the layout holds the
     cheapest mode, the list every mode to try, cheapest first. ``fixed`` pins any Layout field (e.g.
-    ``{"tp": 8, "recompute": "full"}``). The model's divisibility rules are checked once per
-    (tp, sp, pp, tp_sequence_parallel); batch and schedule rules hold by construction.
+    ``{"tp": 8, "recompute": "full"}``); a pinned value the framework lacks yields nothing. The model's
+    divisibility rules are checked once per (tp, sp, sp_mode, pp, tp_sequence_parallel); batch and
+    schedule rules hold by construction.
     """
     fixed = fixed or {}
     world, gbs = job.num_devices, job.global_batch_size
     degrees = divisors(world)
-    modes = _choices(fixed, "recompute", list(RECOMPUTE))
-    zeros = _choices(fixed, "zero_stage", list(framework.zero_stages))
-    for tp, sp, pp in itertools.product(_choices(fixed, "tp", degrees), _choices(fixed, "sp", degrees),
-                                        _choices(fixed, "pp", degrees)):
-        if world % (tp * sp * pp) or pp > model.layers or (pp > 1 and not framework.pp_schedules):
+    modes = [m for m in _choices(fixed, "recompute", list(RECOMPUTE)) if m in framework.recompute]
+    zeros = [z for z in _choices(fixed, "zero_stage", list(framework.zero_stages)) if z in framework.zero_stages]
+    tps = _choices(fixed, "tp", degrees if framework.tensor_parallel else [1])
+    for tp, sp, pp in itertools.product(tps, _choices(fixed, "sp", degrees), _choices(fixed, "pp", degrees)):
+        if world % (tp * sp * pp) or pp > model.layers or (pp > 1 and not framework.pp_schedules) or not modes:
             continue
         dp = world // (tp * sp * pp)
         if fixed.get("dp", dp) != dp or gbs % dp:
             continue
-        seqp = tp > 1 and model.seq_len % (sp * tp) == 0
-        for seqp in [fixed["tp_sequence_parallel"]] if "tp_sequence_parallel" in fixed else [seqp]:
-            if divisibility_errors(model, Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp)):
-                continue
+        for sp_mode, seqp in _model_splits(model, framework, fixed, dp, tp, pp, sp):
             for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
                 ga = gbs // (dp * mbs)
                 if (gbs // dp) % mbs or fixed.get("gradient_accumulation_steps", ga) != ga:
@@ -75,7 +74,24 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
                     if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
                         continue
                     for zero in zeros:
-                        yield Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp), modes
+                        yield Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp, sp_mode), modes
+
+
+def _model_splits(model: ModelSpec, framework: Framework, fixed: dict[str, Any], dp: int, tp: int, pp: int,
+                  sp: int) -> Iterator[tuple[str, bool]]:
+    """(sp_mode, tp_sequence_parallel) pairs that the model's shape and the framework allow for these
+    degrees: every sp mode of the framework when sp > 1 (one, "ulysses", when sp = 1); sequence
+    parallelism inside tp whenever it is possible, since it only saves memory and time."""
+    sp_modes = _choices(fixed, "sp_mode", list(framework.sp_modes) if sp > 1 else ["ulysses"])
+    for sp_mode in sp_modes:
+        seqps = [fixed["tp_sequence_parallel"]] if "tp_sequence_parallel" in fixed else [True, False]
+        for seqp in seqps:
+            if seqp and (tp == 1 or not framework.sequence_parallel) and "tp_sequence_parallel" not in fixed:
+                continue
+            layout = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
+            if not divisibility_errors(model, layout) and not framework_errors(framework, layout, model):
+                yield sp_mode, seqp
+                break  # tp without sequence parallelism only where it is impossible
 
 
 def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
@@ -85,9 +101,6 @@ def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fram
     For each candidate the first recompute mode that fits is kept (later ones are slower by
     construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged.
     """
-    fixed = dict(fixed or {})
-    if not framework.sequence_parallel:
-        fixed["tp_sequence_parallel"] = False
     out = []
     for base, modes in candidate_layouts(model, job, framework, fixed):
         chosen = None

@@ -3,9 +3,10 @@
 Input schema (``shared/validation/published_runs.toml``): ``[[run]]`` tables with ``name``, ``source``,
 ``gpu``, ``num_gpus``, ``model = {layers, hidden, heads, vocab, seq_len, [ffn_hidden, kv_heads]}``,
 ``layout = {tp, pp, dp, global_batch_size, [micro_batch_size, gradient_accumulation_steps, recompute,
-zero_stage, pp_schedule]}`` and ``measured = {...}`` with any of ``tflops_per_gpu`` (+
+zero_stage, pp_schedule]}`` and ``measured = {...}`` with one or more of ``tflops_per_gpu`` (+
 ``tflops_per_gpu_kind`` "hardware" or "model"), ``percent_of_peak``, ``mfu_percent``,
-``tokens_per_s_per_gpu``.
+``tokens_per_s_per_gpu`` and ``iteration_time_s`` (seconds per optimizer step of the whole global batch);
+any other key is an error.
 
 Uniform rules for what a run does not state (docs/planner.md, "Validation"):
 
@@ -37,7 +38,10 @@ from meshtrain.planner.search import search
 SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
                      ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
 FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
-           "pp_schedule", "virtual_stages", "tp_sequence_parallel")
+           "pp_schedule", "virtual_stages", "tp_sequence_parallel", "sp_mode")
+PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s_per_gpu", "iteration_time_s")
+TIME_FIELDS = ("iteration_time_s",)  # inversely proportional to throughput: measured/predicted is inverted
+TFLOPS_KINDS = ("model", "hardware")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,32 @@ def framework_for(run: dict[str, Any]) -> Framework:
     return FRAMEWORKS[name]
 
 
+def measured_fields(run: dict[str, Any]) -> dict[str, float]:
+    """The predictable fields of ``run``'s ``measured`` table as floats (``tflops_per_gpu_kind`` is a
+    modifier of ``tflops_per_gpu``, not a field).
+
+    Raises:
+        ConfigError: an unknown field, none predictable, a value that is not a number > 0, or a bad kind.
+    """
+    name, measured = run.get("name", "?"), run["measured"]
+    use = f"use any of {', '.join(PREDICTABLE)}"
+    if not isinstance(measured, dict):
+        raise ConfigError(f"run {name!r}: measured must be a table of {', '.join(PREDICTABLE)}")
+    unknown = [k for k in measured if k not in PREDICTABLE and k != "tflops_per_gpu_kind"]
+    if unknown:
+        raise ConfigError(f"run {name!r}: measured field(s) {', '.join(map(repr, unknown))} cannot be predicted: {use}")
+    fields = {k: v for k, v in measured.items() if k in PREDICTABLE}
+    if not fields:
+        raise ConfigError(f"run {name!r}: measured has no field the planner can predict: {use}")
+    for k, v in fields.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+            raise ConfigError(f"run {name!r}: measured {k} = {v!r} must be a number > 0")
+    kind = measured.get("tflops_per_gpu_kind", "model")
+    if kind not in TFLOPS_KINDS:
+        raise ConfigError(f"run {name!r}: tflops_per_gpu_kind = {kind!r} is not one of {', '.join(TFLOPS_KINDS)}")
+    return {k: float(v) for k, v in fields.items()}
+
+
 def predict_run(run: dict[str, Any], profile: Path | None = None,
                 matmul_efficiency: float | None = None) -> tuple[Estimate, dict[str, float]]:
     """The estimate for one run and the predicted value of each measured field it has.
@@ -74,11 +104,13 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
     ``matmul_efficiency`` replaces the catalog's constant for the run's device (for cross-validation).
 
     Raises:
-        ConfigError: a run without model/layout/gpu, or an unknown gpu.
+        ConfigError: a run without model/layout/gpu, an unknown gpu, or a bad ``measured`` table
+            (:func:`measured_fields`).
     """
     for key in ("name", "gpu", "num_gpus", "model", "layout", "measured"):
         if key not in run:
             raise ConfigError(f"validation run {run.get('name', '?')!r} lacks '{key}'")
+    measured = measured_fields(run)
     model = from_table(dict(run["model"]), name=run["name"])
     hw = get_hardware(run["gpu"], profile=profile)
     if matmul_efficiency is not None:
@@ -96,18 +128,20 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
         raise ConfigError(f"run {run['name']!r}: no valid layout matches its stated fields {fixed}")
     fitting = [r for r in ranked if r.fits]
     best = (fitting or ranked)[0]
-    measured = run["measured"]
-    kind = measured.get("tflops_per_gpu_kind", "model")
+    kind = run["measured"].get("tflops_per_gpu_kind", "model")
     tflops = best.hardware_tflops_per_device if kind == "hardware" else best.model_tflops_per_device
     predicted = {"tflops_per_gpu": tflops, "percent_of_peak": 100 * tflops * 1e12 / hw.device.peak("bfloat16"),
-                 "mfu_percent": 100 * best.mfu, "tokens_per_s_per_gpu": best.tokens_per_s / job.num_devices}
+                 "mfu_percent": 100 * best.mfu, "tokens_per_s_per_gpu": best.tokens_per_s / job.num_devices,
+                 "iteration_time_s": best.time.total}
     return best, {k: v for k, v in predicted.items() if k in measured}
 
 
 def _ratio(run: dict[str, Any], profile: Path | None, efficiency: float) -> float:
-    """measured / predicted for ``run`` (mean over its measured fields) at a given matmul efficiency."""
+    """Measured / predicted throughput for ``run`` (mean over its measured fields) at a given matmul
+    efficiency; a time field counts as predicted / measured, so every ratio > 1 means "run faster"."""
     _, predicted = predict_run(run, profile, efficiency)
-    return statistics.mean(float(run["measured"][k]) / v for k, v in predicted.items())
+    measured = measured_fields(run)
+    return statistics.mean(v / measured[k] if k in TIME_FIELDS else measured[k] / v for k, v in predicted.items())
 
 
 def fit_matmul_efficiency(runs: list[dict[str, Any]], start: float, profile: Path | None = None) -> float:

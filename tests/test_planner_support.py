@@ -1,0 +1,95 @@
+"""The planner's ``meshtrain`` framework and the trainer's config validation read one table
+(``meshtrain.support.SUPPORTED``): every layout the search can rank, the trainer accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.config import Config, ConfigError, validate
+from meshtrain.planner.estimate import Job
+from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors, framework_errors
+from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.search import candidate_layouts
+from meshtrain.support import SUPPORTED
+
+
+def trainer_config(model: ModelSpec, layout: Layout) -> Config:
+    """The trainer's config for ``layout`` of the GPT ``model`` (bundled corpus, so data.path exists)."""
+    cfg = Config()
+    m, p, b = cfg.model, cfg.parallel, cfg.batch
+    m.n_layer, m.n_head, m.n_embd, m.block_size = model.layers, model.heads, model.hidden, model.seq_len
+    m.vocab_size, m.dropout = model.vocab, 0.1 if model.dropout else 0.0
+    p.dp, p.tp, p.pp, p.sp, p.zero_stage = layout.dp, layout.tp, layout.pp, layout.sp, layout.zero_stage
+    p.sp_mode, p.pp_schedule, p.virtual_stages = layout.sp_mode, layout.pp_schedule, layout.virtual_stages
+    p.tp_sequence_parallel = layout.tp_sequence_parallel
+    b.micro_batch_size, b.gradient_accumulation_steps = layout.micro_batch_size, layout.gradient_accumulation_steps
+    return cfg
+
+
+# GPTs the trainer can build (GELU MLP of 4h, kv_heads = heads), with head counts and lengths that
+# exercise tp, Ulysses (heads % (tp*sp)), ring (2*sp chunks) and tp_sequence_parallel.
+MODELS = [
+    ModelSpec("shakespeare", layers=4, hidden=128, heads=4, vocab=65, seq_len=64),
+    ModelSpec("odd-heads", layers=2, hidden=96, heads=6, vocab=50, seq_len=24, dropout=True),
+    ModelSpec("long", layers=3, hidden=64, heads=2, vocab=65, seq_len=48),
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+@pytest.mark.parametrize("world, batch", [(2, 24), (4, 8), (8, 16), (12, 24)])
+def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, batch):
+    framework = FRAMEWORKS["meshtrain"]
+    candidates = [(base, modes) for base, modes in candidate_layouts(model, Job(world, batch), framework)]
+    assert candidates
+    seen = set()
+    for base, modes in candidates:
+        assert modes == list(SUPPORTED.recompute)
+        for rc in modes:
+            layout = Layout(**{**base.to_dict(), "recompute": rc})
+            validate(trainer_config(model, layout))  # raises ConfigError if the trainer would reject it
+            seen.add((layout.tp > 1, layout.sp_mode if layout.sp > 1 else "", layout.tp_sequence_parallel))
+    assert all(b.pp == 1 and b.zero_stage in SUPPORTED.zero_stages for b, _ in candidates)
+    if world >= 4:  # the search really covers tp and sp
+        assert any(tp for tp, _, _ in seen) and any(mode for _, mode, _ in seen)
+
+
+def test_the_trainer_rejects_what_the_planner_rules_out():
+    """The other direction, for the rules both sides state: each layout breaks one rule in each
+    (recompute has no trainer key: the planner alone must not offer it)."""
+    model = MODELS[1]  # 6 heads, seq_len 24, dropout
+    fw = FRAMEWORKS["meshtrain"]
+    for layout in (Layout(dp=1, tp=4), Layout(dp=1, tp=2, sp=2), Layout(dp=1, sp=8, sp_mode="ring"),
+                   Layout(dp=1, sp=2, sp_mode="ring"), Layout(dp=2, zero_stage=1), Layout(dp=1, pp=2)):
+        assert divisibility_errors(model, layout) + framework_errors(fw, layout, model), layout
+        with pytest.raises(ConfigError):
+            validate(trainer_config(model, layout))
+
+
+def test_framework_is_built_from_the_support_table():
+    fw = FRAMEWORKS["meshtrain"]
+    assert fw.zero_stages == SUPPORTED.zero_stages and fw.pp_schedules == SUPPORTED.pp_schedules
+    assert fw.recompute == SUPPORTED.recompute and fw.sp_modes == SUPPORTED.sp_modes
+    assert fw.sequence_parallel == SUPPORTED.tp_sequence_parallel and fw.tensor_parallel == SUPPORTED.tp
+    assert FRAMEWORKS["megatron-core"].recompute == ("none", "selective", "full")
+
+
+def test_plan_of_the_main_config_and_of_a_preset_ranks_only_runnable_layouts(capsys):
+    for args in (["configs/shakespeare_char.toml", "--num-gpus", "4"],
+                 ["--model", "gpt2-small", "--gpu", "H100", "--num-gpus", "64", "--global-batch-size", "512"]):
+        assert main(["plan", *args, "--json", "--top", "1000"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert rows
+        for r in rows:
+            assert r["pp"] == 1 and r["recompute"] in SUPPORTED.recompute and r["zero_stage"] in SUPPORTED.zero_stages
+
+
+def test_fix_and_explain_name_what_the_trainer_lacks(capsys):
+    job = ["--model", "gpt2-small", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "64"]
+    assert main(["plan", *job, "--explain", "recompute=full,zero_stage=1"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute = 'full' is not available in meshtrain" in out and "zero_stage = 1 is not available" in out
+    assert main(["plan", *job, "--fix", "recompute=full"]) == 2
+    assert "--fix asks for what meshtrain cannot run: recompute = 'full'" in capsys.readouterr().err

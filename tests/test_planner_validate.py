@@ -1,0 +1,120 @@
+"""``meshtrain plan --validate``: which measured fields a run may give, and the errors for the others."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.config import ConfigError
+from meshtrain.planner.validate import PREDICTABLE, validate_file
+
+# "mosaicml-mpt-a100-7B" of shared/validation/published_runs.toml without its measured table.
+MPT_A100 = {
+    "name": "mosaicml-mpt-a100-7B",
+    "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md",
+    "gpu": "A100-SXM-80GB",
+    "num_gpus": 8,
+    "model": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 50368, "seq_len": 2048},
+    "layout": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_size": 6, "gradient_accumulation_steps": 2,
+               "global_batch_size": 96, "recompute": "none", "zero_stage": 3},
+}
+TOKENS_PER_S_PER_GPU = 4641  # its published measurement
+TOKENS_PER_STEP = MPT_A100["layout"]["global_batch_size"] * MPT_A100["model"]["seq_len"]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def write_runs(path: Path, *runs: dict[str, Any]) -> Path:
+    """A validation file with one ``[[run]]`` table per dict."""
+    tables = ["[[run]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in run.items()) for run in runs]
+    path.write_text("\n".join(tables))
+    return path
+
+
+def run_with(name: str, **measured: Any) -> dict[str, Any]:
+    return {**MPT_A100, "name": name, "measured": measured}
+
+
+def test_iteration_time_is_predicted_in_sample_and_held_out(tmp_path):
+    # Two views of one measurement: seconds per step, and tokens/s per GPU (the same run and layout).
+    seconds = TOKENS_PER_STEP / (TOKENS_PER_S_PER_GPU * MPT_A100["num_gpus"])
+    path = write_runs(tmp_path / "runs.toml", run_with("time", iteration_time_s=seconds),
+                      run_with("tokens", tokens_per_s_per_gpu=TOKENS_PER_S_PER_GPU))
+    result = validate_file(path, profile=tmp_path / "none.toml")
+    time_run, tokens_run = result["runs"]
+    assert time_run["predicted"].keys() == time_run["measured"].keys() == {"iteration_time_s"}
+    predicted = time_run["predicted"]["iteration_time_s"]
+    assert math.isfinite(predicted) and predicted > 0
+    assert time_run["layout"] == tokens_run["layout"]
+    tokens_per_s = tokens_run["predicted"]["tokens_per_s_per_gpu"] * MPT_A100["num_gpus"]
+    assert predicted == pytest.approx(TOKENS_PER_STEP / tokens_per_s, rel=1e-9)
+    err = time_run["relative_error"]["iteration_time_s"]
+    assert err == pytest.approx((predicted - seconds) / seconds, rel=1e-12)
+    # a time is the inverse of a throughput: 1 + e_time = 1 / (1 + e_tokens)
+    assert 1 + err == pytest.approx(1 / (1 + tokens_run["relative_error"]["tokens_per_s_per_gpu"]), rel=1e-9)
+    assert result["median_abs_error"] is not None and math.isfinite(result["max_abs_error"])
+    # Held out, each run gets the efficiency fitted on the other; both describe the same measurement,
+    # so the fit must land on it (a time ratio taken the wrong way round moves the efficiency away).
+    held_out = [r["leave_one_out_relative_error"] for r in result["runs"]]
+    assert held_out[0].keys() == {"iteration_time_s"} and held_out[1].keys() == {"tokens_per_s_per_gpu"}
+    assert abs(held_out[0]["iteration_time_s"]) < 1e-3 and abs(held_out[1]["tokens_per_s_per_gpu"]) < 1e-3
+    assert abs(err) > 0.005  # the held-out errors are small because of the fit, not by chance
+
+
+@pytest.mark.parametrize("measured, words", [
+    ({"iteration_time_s": 5.0, "step_time": 5.0}, ["'step_time'", "cannot be predicted"]),
+    ({"foo": 1.0, "bar": 2.0}, ["'foo', 'bar'", "cannot be predicted"]),
+    ({}, ["no field"]),
+    ({"tflops_per_gpu_kind": "hardware"}, ["no field"]),
+])
+def test_unpredictable_measured_fields_are_one_line_errors(tmp_path, measured, words):
+    path = write_runs(tmp_path / "runs.toml", run_with("x", **measured))
+    with pytest.raises(ConfigError) as info:
+        validate_file(path, profile=tmp_path / "none.toml")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("run 'x': ")
+    assert all(w in message for w in words), message
+    assert message.endswith("use any of tflops_per_gpu, percent_of_peak, mfu_percent, tokens_per_s_per_gpu, "
+                            "iteration_time_s")
+
+
+@pytest.mark.parametrize("measured, words", [
+    ({"iteration_time_s": 0}, ["iteration_time_s = 0", "> 0"]),
+    ({"iteration_time_s": "5.2"}, ["iteration_time_s = '5.2'", "> 0"]),
+    ({"tflops_per_gpu": 137, "tflops_per_gpu_kind": "hw"}, ["'hw'", "model, hardware"]),
+])
+def test_bad_measured_values_are_one_line_errors(tmp_path, measured, words):
+    path = write_runs(tmp_path / "runs.toml", run_with("x", **measured))
+    with pytest.raises(ConfigError, match=r"^run 'x': ") as info:
+        validate_file(path, profile=tmp_path / "none.toml")
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_cli_reports_an_unknown_field_in_one_line_and_exits_2(tmp_path, capsys):
+    good = run_with("good", iteration_time_s=5.0)
+    path = write_runs(tmp_path / "runs.toml", good, run_with("bad", foo=1.0))
+    code = main(["plan", "--validate", str(path), "--profile", str(tmp_path / "none.toml")])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.splitlines() == [
+        f"meshtrain plan: error: run 'bad': measured field(s) 'foo' cannot be predicted: "
+        f"use any of {', '.join(PREDICTABLE)}"]
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_cli_prints_the_iteration_time_row(tmp_path, capsys):
+    path = write_runs(tmp_path / "runs.toml", run_with("only-time", iteration_time_s=5.0))
+    code = main(["plan", "--validate", str(path), "--json", "--profile", str(tmp_path / "none.toml")])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert result["runs"][0]["measured"] == {"iteration_time_s": 5.0}
+    assert result["runs"][0]["leave_one_out_relative_error"].keys() == {"iteration_time_s"}
