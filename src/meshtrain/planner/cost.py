@@ -219,16 +219,13 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     # dp_time uses: its all-reduces run between the GEMMs, on NICs that data-parallel traffic uses at the
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
-    tp_spans = layout.spans_nodes("tp", net.devices_per_node)
-    if layout.tp_sequence_parallel:
-        per_ar = (collective_time(hw, "all-gather", t, act, tp_spans)
-                  + collective_time(hw, "reduce-scatter", t, act, tp_spans))
-    else:
-        per_ar = collective_time(hw, "all-reduce", t, act, tp_spans)
-    tp = n * (4 + (2 if layout.recompute == "full" else 0)) * per_ar
+    comm = {"tp": 0.0, "sp": 0.0}
+    for c in layer_collectives(model, layout, prec):
+        spans = layout.spans_nodes(c.axis, net.devices_per_node)
+        comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
+    tp, sp = comm["tp"], comm["sp"]
     if fw.tp_comm_overlap:
         tp = max(0.0, tp - gemm)
-    sp = n * _sp_layer_comm(model, layout, hw, prec)
     # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
     # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
     p2p = 0.0
@@ -238,33 +235,62 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     return _MicroBatch(forward, backward, tp, sp, p2p)
 
 
-def _sp_layer_comm(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
-    """Seconds of one layer's sequence-parallel communication per micro-batch, forward + backward (+ the
-    forward again when fully recomputed).
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls of one collective per layer: ``kind`` over the ``ranks`` of mesh ``axis``, each on
+    a buffer of ``nbytes`` (the full buffer, as :func:`ring_time` takes it: the all-reduced tensor, the
+    gathered output, the scattered input, a rank's all-to-all buffer, one message)."""
 
-    Ulysses: an all-to-all for each of Q, K, V in (head width h/t, kv/t per token) and one for the
-    output back (h/t) (Jacobs et al. 2023, Sec. 3.1): 4 calls, each ``(sp-1)/sp`` of its buffer on the
-    wire; backward the same 4 reversed.
-    Ring attention (Liu et al. 2023, Sec. 3; the trainer's ``RingAttention``): passes of the stacked K and
-    V (2*kv/t per token) to the next rank, each a "send-recv" (every rank sends and receives at once):
-    ``sp-1`` forward; backward recomputes around the ring (FlashAttention-2 style, Dao 2023), ``sp-1``
-    passes of K/V and ``sp`` of their gradients; nothing overlapped with the block attention.
-    Bytes per token times the rank's ``b*s/sp`` tokens.
-    Takeaway: ring moves ~3(sp-1) times a rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens'
-    width: ring pays more wire and latency but keeps every head on every rank (no ``heads % (tp*sp)``).
+    axis: str
+    kind: str
+    ranks: int
+    nbytes: float
+    count: int
+
+
+def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list[Collective]:
+    """The tp and sp collectives of one transformer layer per micro-batch, forward + backward (+ the
+    forward again under full recomputation); ``tests/test_collectives.py`` counts them in a profiler
+    trace of the trainer.
+
+    Tensor parallelism: 2 all-reduces of the (b, s/sp, h) activations forward (after the row-parallel
+    attention output and MLP down-projection, Megatron's ``g``) and 2 backward (the column-parallel
+    inputs, ``f``) (Shoeybi et al. 2019, Sec. 3). With sequence parallelism each becomes an all-gather
+    plus a reduce-scatter of the same buffer (Korthikanti et al. 2022, Sec. 4.2.2).
+    Ulysses: one all-to-all for each of Q, K, V and one for the output, forward, and the same 4
+    reversed in backward (Jacobs et al. 2023, Sec. 3.1), each of the rank's (b, s/sp, width/tp) buffer.
+    Ring attention (Liu et al. 2023, Sec. 3; the trainer's ``RingAttention``): ``sp-1`` send-recv passes
+    of the stacked K and V forward; backward recomputes around the ring (FlashAttention-2 style, Dao
+    2023): ``sp-1`` passes of K/V and ``sp`` of their gradients. Takeaway: ring moves ~3(sp-1) times a
+    rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens' width: ring pays more wire and latency
+    but keeps every head on every rank (no ``heads % (tp*sp)`` rule).
     """
-    if layout.sp == 1:
-        return 0.0
     full = 1 if layout.recompute == "full" else 0
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
-    per_token = tokens * prec.activation_bytes / layout.tp
-    spans = layout.spans_nodes("sp", hw.network.devices_per_node)
-    if layout.sp_mode == "ring":
-        passes = (layout.sp - 1) * (1 + full) + (layout.sp - 1) + layout.sp
-        return passes * collective_time(hw, "send-recv", 2, 2 * model.kv_dim * per_token, spans)
-    forward = sum(collective_time(hw, "all-to-all", layout.sp, width * per_token, spans)
-                  for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden))
-    return (2 + full) * forward
+    act = tokens * model.hidden * prec.activation_bytes
+    out: list[Collective] = []
+    if layout.tp > 1:
+        per_pass = 2 * (2 + full)  # forward, backward, recomputed forward: 2 each
+        kinds = ("all-gather", "reduce-scatter") if layout.tp_sequence_parallel else ("all-reduce",)
+        out += [Collective("tp", kind, layout.tp, act, per_pass) for kind in kinds]
+    if layout.sp > 1:
+        per_token = tokens * prec.activation_bytes / layout.tp
+        if layout.sp_mode == "ring":
+            passes = (layout.sp - 1) * (1 + full) + (layout.sp - 1) + layout.sp
+            out.append(Collective("sp", "send-recv", 2, 2 * model.kv_dim * per_token, passes))
+        else:
+            out += [Collective("sp", "all-to-all", layout.sp, width * per_token, 2 + full)
+                    for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
+    return out
+
+
+def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list[Collective]:
+    """The tp collectives of one layer per optimizer step: with sequence parallelism each norm weight
+    (2 per layer) gets a partial gradient from each tp rank's tokens, summed by one all-reduce of h
+    values before the gradient norm (Korthikanti et al. 2022, Sec. 4.2.2; ``parallel.reduce``)."""
+    if layout.tp > 1 and layout.tp_sequence_parallel:
+        return [Collective("tp", "all-reduce", layout.tp, model.hidden * prec.grad_bytes, 2)]
+    return []
 
 
 def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
@@ -343,6 +369,9 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
     """Seconds per optimizer step, by cause (see the module docstring for the model of each part)."""
     mb = _micro_batch(model, layout, hw, prec, fw)
     m = layout.gradient_accumulation_steps
-    return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp, sp_comm=m * mb.sp,
+    tp_step = stage_layers(model, layout) * sum(
+        c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, layout.spans_nodes(c.axis, hw.network.devices_per_node))
+        for c in layer_step_collectives(model, layout, prec))
+    return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
                     pp_comm=m * mb.p2p, bubble=bubble_time(layout, mb),
                     dp_comm=dp_time(model, layout, hw, prec, fw, mb), optimizer=optimizer_time(model, layout, hw, prec))
