@@ -24,6 +24,7 @@ demo: venv
 	$(VENV)/bin/meshtrain generate --checkpoint $(DEMO_OUT) --prompt "ROMEO:" --max-new-tokens 300
 
 test: venv
+	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
 test-slow: venv

@@ -1,8 +1,8 @@
 """Planner vs trainer on this machine: predicted and measured time per step and peak memory per rank
 for layouts of ``configs/shakespeare_char.toml`` (dp 1/2, zero_stage 0/2/3, micro batch and
-accumulation splits, widths, fp32/bf16).
+accumulation splits, widths, fp32/bf16, tp 2 with and without sequence parallelism, sp 2 Ulysses and ring).
 
-    python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate]   # ~4 min per round on 2 CPU cores
+    python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate]   # ~8 min per round on 2 CPU cores
 
 Each run waits until the machine is idle (under 10% of the cores busy over 2 s) so that other work
 does not slow the measurement.
@@ -47,6 +47,14 @@ LAYOUTS = [  # (name, nproc, overrides)
     ("dp2 z2 C384 T128 mbs8", 2, {"parallel.zero_stage": 2, "model.n_embd": 384, "model.n_head": 6,
                                   "model.block_size": 128, "batch.micro_batch_size": 8}),
     ("dp2 z0 bf16", 2, {"train.dtype": "bfloat16"}),
+    ("tp2 mbs12", 2, {"parallel.tp": 2}),
+    ("tp2+SP mbs12", 2, {"parallel.tp": 2, "parallel.tp_sequence_parallel": "true"}),
+    ("tp2 C256", 2, {"parallel.tp": 2, "model.n_embd": 256}),
+    ("sp2 ulysses mbs12", 2, {"parallel.sp": 2}),
+    ("sp2 ring mbs12", 2, {"parallel.sp": 2, "parallel.sp_mode": "ring"}),
+    ("sp2 ulysses T256 mbs4", 2, {"parallel.sp": 2, "model.block_size": 256, "batch.micro_batch_size": 4}),
+    ("sp2 ring T256 mbs4", 2, {"parallel.sp": 2, "parallel.sp_mode": "ring", "model.block_size": 256,
+                               "batch.micro_batch_size": 4}),
 ]
 
 

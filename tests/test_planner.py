@@ -8,8 +8,7 @@ from dataclasses import replace
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.planner.cost import (_elementwise_bytes_per_token, attention_flops_per_token, bubble_time,
-                                    dense_flops_per_token, gemm_traffic_bytes, hardware_flops, layer_gemm_shapes,
+from meshtrain.planner.cost import (_elementwise_bytes_per_token, attention_flops_per_token, dense_flops_per_token, gemm_traffic_bytes, hardware_flops, layer_gemm_shapes,
                                     model_flops, ring_time, step_time)
 from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors

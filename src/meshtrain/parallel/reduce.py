@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -31,21 +32,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     scalars are all-reduced (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019, Sec. 3).
     Call ``backward`` on the result inside :func:`backward_context`.
     """
-    with loss_parallel() if isinstance(logits, DTensor) else _nothing():
+    with backward_context(logits):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def backward_context(loss: torch.Tensor):
-    """The context ``loss.backward()`` must run in (``loss_parallel`` for a DTensor loss)."""
-    return loss_parallel() if isinstance(loss, DTensor) else _nothing()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def backward_context(value: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a loss must be computed and ``backward()``-ed in: ``loss_parallel`` for a DTensor."""
+    return loss_parallel() if isinstance(value, DTensor) else contextlib.nullcontext()
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError, read_toml
-from meshtrain.planner.estimate import Estimate, Job, estimate
+from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 from meshtrain.planner.memory import PRECISIONS
