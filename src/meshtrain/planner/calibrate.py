@@ -39,6 +39,10 @@ COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 COLLECTIVE_REPEATS = 9
 PASSES = 3
 """Full passes over the compute measurements; each number is their median (see measure_compute_passes)."""
+SLOW_POINT_S = 0.25
+"""A GEMM or attention point slower than this per call ends its table: the larger sizes get its rate.
+Rates are flat by then (the kernel is compute-bound), and on a CPU without bf16 instructions the
+largest bf16 points take seconds per call (~25 min of calibration instead of ~2)."""
 
 
 def _timed(fn, min_time: float, repeats: int | None = None, sync=None) -> float:
@@ -60,11 +64,11 @@ def _timed(fn, min_time: float, repeats: int | None = None, sync=None) -> float:
 
 
 def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attention_lengths: tuple[int, ...],
-                           passes: int = PASSES, sync=None) -> dict:
+                           passes: int = PASSES, sync=None, agree=None) -> dict:
     """:func:`measure_compute` ``passes`` times, one full pass after another, and the median of every
     number over the passes: a shared or virtual machine slows down for seconds at a time, and
     spreading each point over the whole calibration keeps one slow moment from setting it."""
-    runs = [measure_compute(min_time, gemm_sizes, attention_lengths, sync) for _ in range(passes)]
+    runs = [measure_compute(min_time, gemm_sizes, attention_lengths, sync, agree) for _ in range(passes)]
     out = {}
     for key, value in runs[0].items():
         if isinstance(value, dict):  # tables: {dtype: [[size, rate], ...]}
@@ -83,7 +87,7 @@ def _autocast(dtype_name: str):
 
 
 def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_SIZES,
-                    attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS, sync=None) -> dict:
+                    attention_lengths: tuple[int, ...] = ATTENTION_LENGTHS, sync=None, agree=None) -> dict:
     """This process's rates, measured the way the trainer runs (fp32 weights, bf16 under autocast;
     ``sync``, e.g. ``dist.barrier``, is called before each point so that all ranks run the same kernel
     at the same time and share the caches and memory bandwidth as in training):
@@ -93,12 +97,15 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
       batch 8 x 4 heads x head size 32, by sequence length T (6*T^2*d FLOPs per head: causal half);
     - ``bandwidth``: bytes/s of LayerNorm + residual add on (1024 x 256) and GELU on (1024 x 1024),
       forward + backward, counted as the cost model counts element-wise work: 3 x the forward bytes;
-    and the host times of :func:`measure_host`.
+    and the host times of :func:`measure_host`. A point slower than :data:`SLOW_POINT_S` per call ends
+    its table (larger sizes get its rate); ``agree(flag) -> bool`` makes that decision the same on
+    every rank (e.g. any rank's flag), since each point starts with ``sync``.
     """
     import torch
     import torch.nn.functional as F
 
     sync = sync or (lambda: None)
+    agree = agree or bool
 
     def train_step(fn, *leaves):
         sync()
@@ -111,26 +118,39 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
 
     matmul, attention = {}, {}
     for name in ("float32", "bfloat16"):
-        rows = []
-        for k in gemm_sizes:
+        def gemm(k: int) -> float:
             x, w = torch.randn(1024, k, requires_grad=True), torch.randn(4 * k, k, requires_grad=True)
             with _autocast(name):
-                seconds = _timed(train_step(lambda: F.linear(x, w), x, w), min_time)
-            rows.append([k, 6.0 * 1024 * k * 4 * k / seconds])
-        matmul[name] = rows
-        rows = []
-        for T in attention_lengths:
+                return _timed(train_step(lambda: F.linear(x, w), x, w), min_time)
+
+        def sdpa(T: int) -> float:
             q, k_, v = (torch.randn(8, 4, T, 32, requires_grad=True) for _ in range(3))
             with _autocast(name):
-                seconds = _timed(train_step(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
-                                            q, k_, v), min_time)
-            rows.append([T, 6.0 * T * T * 32 * 8 * 4 / seconds])
-        attention[name] = rows
+                return _timed(train_step(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
+                                         q, k_, v), min_time)
+
+        matmul[name] = _rate_table(gemm_sizes, gemm, lambda k: 6.0 * 1024 * k * 4 * k, agree)
+        attention[name] = _rate_table(attention_lengths, sdpa, lambda T: 6.0 * T * T * 32 * 8 * 4, agree)
     x, h = torch.randn(1024, 256, requires_grad=True), torch.randn(1024, 1024, requires_grad=True)
     seconds = _timed(train_step(lambda: (F.layer_norm(x, (256,)) + x).sum() + F.gelu(h).sum(), x, h), min_time)
     forward_bytes = (2 + 3 + 8) * 1024 * 256 * 4  # norm read+write, add 2 reads + write, GELU on 4x the width
     return {"matmul_table": matmul, "attention_table": attention, "bandwidth": 3 * forward_bytes / seconds,
             **measure_host(min_time, sync)}
+
+
+def _rate_table(sizes: tuple[int, ...], seconds_of, flops_of, agree) -> list[list[float]]:
+    """``[[size, FLOP/s], ...]``; once a point takes over :data:`SLOW_POINT_S` (on any rank, by ``agree``),
+    the larger sizes get its rate without being run."""
+    rows: list[list[float]] = []
+    saturated = False
+    for size in sizes:
+        if saturated:
+            rows.append([size, rows[-1][1]])
+            continue
+        seconds = seconds_of(size)
+        rows.append([size, flops_of(size) / seconds])
+        saturated = agree(seconds > SLOW_POINT_S)
+    return rows
 
 
 def _tiny_model(n_layer: int, width: int = 8):
@@ -362,7 +382,13 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     dist.all_reduce(w)
     overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     per_char = _corpus_bytes_per_char()  # before the big measurement tensors raise the peak
-    compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier)
+    def any_rank(flag: bool) -> bool:
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier,
+                                     any_rank)
     comm = _collectives(rank, world, sizes["collective"])
     dp_host = _dp_host(world, comm)
     dist.destroy_process_group()
