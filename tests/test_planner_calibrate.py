@@ -101,7 +101,7 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
 
 def test_calibration_measures_every_collective_that_dp_tp_and_sp_issue(profile):
     """all-reduce, all-gather, reduce-scatter (dp and tp), all-to-all (Ulysses), send-recv (ring attention's
-    ring_shift) and p2p, each fitted to a positive bandwidth and latency."""
+    ring_pass) and p2p, each fitted to a positive bandwidth and latency."""
     from meshtrain.planner.calibrate import COLLECTIVES
 
     measured = load_hardware_file(profile)["cpu"].network.collectives

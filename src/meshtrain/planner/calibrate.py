@@ -221,14 +221,14 @@ def _fit(sizes: list[float], times: list[float], factor: float, steps: float) ->
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "send-recv")
 """What the trainer's axes issue: dp all-reduce (DDP) or all-gather + reduce-scatter (FSDP2); tp
 all-reduce, or all-gather + reduce-scatter with ``tp_sequence_parallel``; sp all-to-all (Ulysses) or
-send-recv (ring attention's ``ring_shift``: every rank sends to the next and receives from the previous
+send-recv (ring attention's ``ring_pass``: every rank sends to the next and receives from the previous
 at once); p2p is one send between two ranks (pipeline stages)."""
 
 
 def _collective_call(kind: str, rank: int, world: int, n: int):
     """A zero-argument call running one ``kind`` collective on ``n`` fp32 elements (the full buffer),
     with the single-tensor APIs FSDP2 and DTensor use (``all_gather_single``, ``reduce_scatter_single``),
-    and for send-recv the batched isend/irecv of the trainer's ``ring_shift``."""
+    and for send-recv the batched isend/irecv of the trainer's ``ring_pass``."""
     import torch
     import torch.distributed as dist
 
@@ -250,7 +250,7 @@ def _collective_call(kind: str, rank: int, world: int, n: int):
 
 def send_recv(send, received, rank: int, world: int) -> None:
     """Send ``send`` to rank ``rank+1`` and receive ``received`` from ``rank-1`` (mod ``world``) at once,
-    batched, as the trainer's ``ring_shift`` does every step of ring attention."""
+    batched, as the trainer's ``ring_pass`` does every step of ring attention."""
     import torch.distributed as dist
 
     ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, received, (rank - 1) % world)]
