@@ -37,6 +37,9 @@ def test_calibration_writes_a_loadable_profile(profile):
     host = cpu.device
     assert 0 < host.layer_host_s < 0.1 and 0 < host.tensor_update_host_s < host.sharded_tensor_update_host_s
     assert 0 <= host.ddp_bucket_overhead_s < 0.1 and 0 <= host.fsdp_unit_overhead_s < 0.1
+    text = profile.read_text()
+    for key in ("tp_layer_host_s", "tp_seqpar_layer_host_s", "ulysses_layer_host_s", "ring_layer_host_s"):
+        assert f"{key} = " in text and 0 <= getattr(host, key) < 0.1, key  # measured, not defaulted
     assert cpu.network.devices_per_node == 2 and cpu.network.intra_node_bandwidth > 1e6
     # the profile replaces the uncalibrated default
     assert get_hardware("cpu", profile=profile).device.framework_overhead_bytes == cpu.device.framework_overhead_bytes
@@ -237,3 +240,27 @@ def test_rank_threads_follow_torchrun():
         os.environ.pop("OMP_NUM_THREADS", None)
         if saved is not None:
             os.environ["OMP_NUM_THREADS"] = saved
+
+
+@pytest.mark.parametrize("layout, key", [
+    ({"tp": 2}, "tp_layer_host_s"), ({"tp": 2, "tp_sequence_parallel": True}, "tp_seqpar_layer_host_s"),
+    ({"sp": 2}, "ulysses_layer_host_s"), ({"sp": 2, "sp_mode": "ring"}, "ring_layer_host_s")])
+def test_tp_and_sp_host_time_is_charged_per_layer_and_micro_step(layout, key):
+    """The calibrated host time a strategy adds costs exactly layers * micro-steps * it per step."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+
+    hw = get_hardware("cpu")
+    model = from_config(load_config(CONFIG), 65)
+    lay = Layout(dp=1, micro_batch_size=4, gradient_accumulation_steps=3, **layout)
+
+    def seconds(host: float) -> float:
+        device = replace(hw.device, **{key: host})
+        return step_time(model, lay, replace(hw, device=device), PRECISIONS["fp32"], FRAMEWORKS["meshtrain"]).total
+
+    base, more = seconds(0.0), seconds(1e-3)
+    assert more - base == pytest.approx(model.layers * 3 * 1e-3, rel=1e-9)

@@ -348,6 +348,68 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
             "sharded_tensor_update_host_s": _update_time(params, 0.0) / len(params)}
 
 
+PARALLEL_HOST = {  # profile key: the trainer's parallel config on the calibration's ranks
+    "tp_layer_host_s": {"tp": "world"},
+    "tp_seqpar_layer_host_s": {"tp": "world", "tp_sequence_parallel": True},
+    "ulysses_layer_host_s": {"sp": "world", "sp_mode": "ulysses"},
+    "ring_layer_host_s": {"sp": "world", "sp_mode": "ring"},
+}
+
+
+def _parallel_host(world: int, comm: dict) -> dict:
+    """Host seconds per layer and micro-step that tp and sp add beyond their collectives' modeled ring
+    time: the trainer's GPT at width 4*world (``n_head = world``, 16 tokens, so the arithmetic is
+    negligible) parallelized by :func:`meshtrain.parallel.parallelize` over all ranks, forward +
+    backward at 1 and 5 layers; per layer = the difference / 4, minus the plain model's per layer,
+    minus :func:`~meshtrain.planner.cost.layer_collectives` at the measured gloo rates. This is
+    DTensor's dispatch of every sharded operator, the autograd functions of Ulysses and ring attention,
+    and the collectives' host work; 0 when it cannot be told from noise."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.config import Config, ModelConfig, ParallelConfig
+    from meshtrain.mesh import Axis, ParallelDims
+    from meshtrain.models.gpt import GPT
+    from meshtrain.parallel import local_batch, parallelize
+    from meshtrain.parallel.reduce import backward_context, cross_entropy
+    from meshtrain.parallel.rng import seed_step
+    from meshtrain.planner.actual import layout_from_config
+    from meshtrain.planner.cost import layer_collectives, ring_time
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+
+    def per_layer(parallel: ParallelConfig) -> float:
+        times = []
+        for n_layer in (1, 5):
+            dims = ParallelDims(pp=1, dp=world // (parallel.sp * parallel.tp), sp=parallel.sp, tp=parallel.tp,
+                                world_size=world)
+            dims.build_mesh("cpu")
+            torch.manual_seed(0)
+            model = GPT(ModelConfig(n_layer=n_layer, n_head=world, n_embd=4 * world, block_size=16), 65)
+            model = parallelize(model, dims, parallel)
+            seed_step(model, 0, 1, dist.get_rank(), parallel.tp)
+            x = torch.randint(0, 65, (1, 16), generator=torch.Generator().manual_seed(0))
+            x, y, pos = local_batch(x, x, dims, dims.rank_of(Axis.SP), parallel.sp_mode)
+
+            def step() -> None:
+                loss = cross_entropy(model(x, pos), y)
+                with backward_context(loss):
+                    loss.backward()
+            times.append(_timed(step, 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier))
+        return (times[1] - times[0]) / 4
+
+    plain = per_layer(ParallelConfig(dp=world))  # DDP over the ranks: no collective inside a layer
+    out = {}
+    for key, spec in PARALLEL_HOST.items():
+        parallel = ParallelConfig(**{k: world if v == "world" else v for k, v in spec.items()})
+        cfg = Config(model=ModelConfig(n_layer=1, n_head=world, n_embd=4 * world, block_size=16), parallel=parallel)
+        cfg.batch.micro_batch_size = 1
+        wire = sum(c.count * ring_time(c.kind, c.ranks, c.nbytes, *comm[c.kind])
+                   for c in layer_collectives(from_config(cfg, 65), layout_from_config(cfg, world), PRECISIONS["fp32"]))
+        out[key] = max(0.0, per_layer(parallel) - plain - wire)
+    return out
+
+
 TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
                    "meshtrain.fileio", "meshtrain.launch", "meshtrain.mesh", "meshtrain.metrics",
                    "meshtrain.models.gpt", "meshtrain.parallel", "meshtrain.parallel.data", "meshtrain.parallel.reduce",
@@ -390,7 +452,7 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier,
                                      any_rank)
     comm = _collectives(rank, world, sizes["collective"])
-    dp_host = _dp_host(world, comm)
+    dp_host = {**_dp_host(world, comm), **_parallel_host(world, comm)}
     dist.destroy_process_group()
     if rank == 0:
         queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "dp_host": dp_host})

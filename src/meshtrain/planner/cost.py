@@ -198,11 +198,22 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
     head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
     head += head_io
-    ops = (dev.layer_host_s * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
+    ops = (_layer_host_s(dev, layout) * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
     forward = dense + attn + core + elementwise + head + ops
     recompute = {"none": 0.0, "selective": attn + core, "full": dense + attn + core + elementwise}[layout.recompute]
     gemm = 3 * dense + (dense if layout.recompute == "full" else 0.0)
     return forward, 2 * forward + recompute, gemm
+
+
+def _layer_host_s(dev, layout: Layout) -> float:
+    """Host seconds per layer and micro-step: the plain model's, plus what tp and sp add (calibrated on
+    CPU; 0 on GPUs, whose host runs ahead of the kernels)."""
+    extra = 0.0
+    if layout.tp > 1:
+        extra += dev.tp_seqpar_layer_host_s if layout.tp_sequence_parallel else dev.tp_layer_host_s
+    if layout.sp > 1:
+        extra += dev.ring_layer_host_s if layout.sp_mode == "ring" else dev.ulysses_layer_host_s
+    return dev.layer_host_s + extra
 
 
 def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> _MicroBatch:

@@ -54,6 +54,15 @@ class Device:
     fsdp_unit_overhead_s: float = 0.0
     """Host time FSDP spends per unit collective beyond the transfer (copy-in/out, hooks, DTensor
     dispatch) that is not hidden: measured on CPU, 0 on GPUs whose host runs ahead of the kernels."""
+    tp_layer_host_s: float = 0.0
+    """Host time per layer and micro-step that tensor parallelism adds beyond its collectives (DTensor's
+    dispatch of every sharded operator): measured on CPU, 0 on GPUs, whose host runs ahead of the kernels."""
+    tp_seqpar_layer_host_s: float = 0.0
+    """The same with Megatron sequence parallelism."""
+    ulysses_layer_host_s: float = 0.0
+    """The same for Ulysses sequence parallelism (its all-to-all autograd functions)."""
+    ring_layer_host_s: float = 0.0
+    """The same for ring attention (its blockwise loop, forward and backward)."""
     ddp_bucket_overhead_s: float = 0.0
     """Time DDP's gradient all-reduce costs per bucket beyond the transfer when it is issued from
     inside backward (hooks, bucket copies, and on CPU gloo's thread taking the core from backward):
@@ -228,7 +237,8 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
 
 
 HOST_KEYS = ("layer_host_s", "microstep_host_s", "tensor_update_host_s", "sharded_tensor_update_host_s",
-             "fsdp_unit_overhead_s", "ddp_bucket_overhead_s")
+             "fsdp_unit_overhead_s", "ddp_bucket_overhead_s", "tp_layer_host_s", "tp_seqpar_layer_host_s",
+             "ulysses_layer_host_s", "ring_layer_host_s")
 
 
 def _number(table: dict[str, Any], key: str, where: str) -> float:
