@@ -146,7 +146,11 @@ class RingAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(2) % 2:
             raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
-        return _RingAttention.apply(q, k, v, self.group)
+        # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels
+        # accumulate in fp32 under bf16 autocast); the output returns in the input's dtype
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group)  # (B, nh, T/sp, hs)
+        return out.to(q.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
