@@ -132,7 +132,9 @@ class RingAttention(nn.Module):
     The backward is FlashAttention-2's (Dao 2023, arXiv:2307.08691, Algorithm 2) run around the same
     ring: each block's probabilities are recomputed from q, k and the final log-sum-exp,
     ``dS = P * (dO V^T - rowsum(dO * O))``, and the K/V gradients travel with K/V, arriving at their
-    owner after a full turn. So only q, k, v, the output and the log-sum-exp are kept for backward
+    owner after a full turn. On a CPU each block runs PyTorch's fused flash kernel (which returns the
+    log-sum-exp, and whose backward takes the final output and log-sum-exp); elsewhere the same math
+    in plain matmuls. So only q, k, v, the output and the log-sum-exp are kept for backward
     (O(T/sp) per rank), and one (c, c) block of scores exists at a time. Communication: sp-1 passes
     of K/V forward, sp-1 of K/V and sp of their gradients backward, 2*B*nh*(T/sp)*hs elements each,
     not overlapped with compute. No dropout: attention dropout is not supported here (the model's
@@ -185,8 +187,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(sp):
             for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
                 rows = slice(n * q_c.size(2), (n + 1) * q_c.size(2))
-                dq_c, dk_c, dv_c = _block_backward(q_c, kv_c[0], kv_c[1], dout[:, :, rows], lse[:, :, rows],
-                                                   delta[:, :, rows], causal, scale)
+                dq_c, dk_c, dv_c = _block_backward(q_c, kv_c[0], kv_c[1], dout[:, :, rows], out[:, :, rows],
+                                                   lse[:, :, rows], delta[:, :, rows], causal, scale)
                 dq[:, :, rows] += dq_c
                 cols = slice(j * kv_c.size(3), (j + 1) * kv_c.size(3))
                 dkv[0, :, :, cols] += dk_c
@@ -226,13 +228,19 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
     Every row keeps at least one key (the diagonal when ``causal``), so the log-sum-exp is finite.
     """
+    if q.device.type == "cpu":  # PyTorch's fused CPU flash kernel returns the log-sum-exp too
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.unsqueeze(-1)  # (B, nh, c, hs), (B, nh, c, 1)
     scores = _scores(q, k, causal, scale)  # (B, nh, c, c)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, nh, c, 1)
     return scores.sub_(lse).exp_() @ v, lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
+def _block_backward(q, k, v, dout, out, lse, delta, causal: bool, scale: float):
     """Gradients (dq, dk, dv) of one block, each (B, nh, c, hs), from the *final* lse and delta (B, nh, c, 1)."""
+    if q.device.type == "cpu":  # the fused kernel's backward, given the final output and log-sum-exp
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)
     p = _scores(q, k, causal, scale).sub_(lse).exp_()  # (B, nh, c, c): this block's share of the softmax
     dv = p.transpose(-2, -1) @ dout  # (B, nh, c, hs)
     ds = p.mul_((dout @ v.transpose(-2, -1)).sub_(delta))  # (B, nh, c, c): P * (dP - delta)

@@ -175,16 +175,18 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
-    # Ring attention runs plain GEMMs and softmax on (c x c) chunk pairs (c = s/(2sp)), one pair at a time
-    # (scores materialized, never kept: backward recomputes them), only the pairs not entirely in the
-    # future: (2sp+1)/(4sp) of all.
+    # Ring attention runs one (c x c) chunk pair at a time (c = s/(2sp)), only the pairs not entirely in
+    # the future: (2sp+1)/(4sp) of all, each without a causal half except the diagonal ones (counted in
+    # that fraction). On a CPU each pair is PyTorch's fused flash kernel at length c (the trainer's
+    # RingAttention); elsewhere plain GEMMs and softmax with the scores materialized, never kept.
     ring = layout.sp > 1 and layout.sp_mode == "ring"
-    materialized = fw.attention == "materialized" or ring
+    ring_fused = ring and dev.name.startswith("cpu")
+    materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
     layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
     dense = tokens * n * dense_flops_per_token(model) / t / rate + n * layer_io
-    attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not materialized) / t
+    attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized)
     core = executed * tokens * n * core_bytes / bw
     if materialized:
@@ -192,7 +194,8 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
         score_io = scores * 2 * prec.activation_bytes
         attn = max(attn_flops / attn_rate, score_io / bw)
     else:
-        attn = attn_flops / dev.attention_flops(prec.compute_dtype, model.seq_len, k)
+        length = model.seq_len // (2 * layout.sp) if ring_fused else model.seq_len
+        attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k)
     elementwise = tokens * n * layer_bytes / bw
     # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
     head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
