@@ -24,7 +24,7 @@ from torch import nn
 
 from meshtrain.parallel.sequence import (RingAttention, UlyssesAttention, apply_sp, sequence_positions,
                                          shard_sequence)
-from meshtrain.parallel.sp_comm import head_to_seq, ring_pass, seq_to_head
+from meshtrain.parallel.sequence.comm import head_to_seq, ring_pass, seq_to_head
 
 B, NH, HS = 2, 4, 8
 SEQ_LEN = {2: 16, 4: 32}  # per world size; divisible by 2*sp

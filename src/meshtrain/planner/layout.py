@@ -165,7 +165,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
     needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2). Ring attention needs no
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
-    2023; the trainer's ``parallel/sequence.py``). These are the trainer's rules too (``config._validate_shapes``).
+    2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """
     L, e = layout, []
     for key in ("dp", "tp", "pp", "sp", "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):

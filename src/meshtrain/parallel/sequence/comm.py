@@ -1,4 +1,4 @@
-"""The collectives of sequence parallelism; the attention math lives in ``sequence.py``.
+"""The collectives of sequence parallelism; the attention math lives in ``meshtrain.parallel.sequence``.
 
 Shapes (B, nh, T, hs) = (batch, heads, tokens, head size); ``sp`` is the size of the sp process
 group, ``T/sp`` the tokens one rank holds, ``nh/sp`` the heads one rank holds.

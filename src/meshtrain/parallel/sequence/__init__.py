@@ -14,7 +14,7 @@ the modules here replace it:
 :func:`apply_sp` swaps them into a model; everything else in a transformer is per token, so only
 attention communicates. :func:`shard_sequence` and :func:`sequence_positions` give each rank its
 tokens and their global positions in the layout each module expects. The collectives are in
-``sp_comm.py``.
+``sequence/comm.py``.
 
 PyTorch's ``context_parallel`` needs a CUDA SDPA kernel (flash, efficient or cuDNN): on CPU, SDPA
 dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor sharding
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtrain.parallel.sp_comm import head_to_seq, ring_pass, seq_to_head
+from meshtrain.parallel.sequence.comm import head_to_seq, ring_pass, seq_to_head
 
 SP_MODES = ("ulysses", "ring")
 
