@@ -18,21 +18,7 @@ import torch
 from common import REPO, write_results
 
 sys.path.insert(0, str(REPO / "tests"))
-from test_train_parallel import LAYOUTS, MODEL, REFERENCE, _launch, _load  # noqa: E402
-
-
-def _reference(root: Path) -> tuple:
-    import torch.distributed as dist
-
-    from layout_worker import run_layouts
-
-    out = root / "ref"
-    try:
-        run_layouts([{"out": str(out), "overrides": {**MODEL, **REFERENCE}}])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return _load(out)
+from test_train_parallel import LAYOUTS, MODEL, _launch, run_reference  # noqa: E402
 
 
 def errors(got: tuple, want: tuple) -> tuple[float, float]:
@@ -46,7 +32,7 @@ def errors(got: tuple, want: tuple) -> tuple[float, float]:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        ref = _reference(root)
+        ref = run_reference(root / "ref")
         results = {}
         for world in sorted({w for w, _ in LAYOUTS.values()}):
             (root / f"w{world}").mkdir()

@@ -21,6 +21,15 @@ TINY = {
 }
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a test's own gloo rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def override_args(overrides: dict[str, str]) -> list[str]:
     return [tok for key, value in overrides.items() for tok in (f"--{key}", str(value))]
 

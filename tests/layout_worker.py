@@ -10,7 +10,7 @@ every layout of one world size into one launch. ``SPEC.json`` is ``[{"out": DIR,
 2. builds a fresh trainer from the same seed and trains the whole run (``DIR/metrics.jsonl`` and
    the final checkpoint), exactly as ``meshtrain train`` would.
 
-:func:`run_layouts` also runs in the test process itself on one rank, for the reference.
+:func:`run_in_process` runs them in the test process itself on one rank, for the reference.
 """
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ def run_layouts(spec: list[dict]) -> None:
     for entry in spec:
         run_layout(entry["overrides"], Path(entry["out"]))
         dist.barrier()
+
+
+def run_in_process(spec: list[dict]) -> None:
+    """:func:`run_layouts` in this process on one rank, then leave no process group behind."""
+    try:
+        run_layouts(spec)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main() -> None:

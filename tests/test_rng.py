@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import losses, train_here
+from conftest import free_port, losses, train_here
 from meshtrain.parallel.rng import TPRegionRNG, seed_step
 
 
@@ -34,12 +33,6 @@ def test_tp_region_stream_is_separate_from_the_default_stream():
     assert torch.equal(after, torch.rand(3))
     torch.manual_seed(5)
     assert torch.equal(mask, nn.functional.dropout(torch.ones(64), 0.5) > 0)  # drawn from the tp stream
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
@@ -69,7 +62,7 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
 
 
 def _replicated_streams(tmp_path: Path, per_rank_seed: bool) -> list[torch.Tensor]:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), per_rank_seed), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), per_rank_seed), nprocs=2)
     return torch.load(tmp_path / "rank0.pt")
 
 

@@ -9,7 +9,6 @@ tests need no process group.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import free_port
 from meshtrain.parallel.sequence import (RingAttention, UlyssesAttention, apply_sp, sequence_positions,
                                          shard_sequence)
 from meshtrain.parallel.sequence.comm import head_to_seq, ring_pass, seq_to_head
@@ -29,12 +29,6 @@ from meshtrain.parallel.sequence.comm import head_to_seq, ring_pass, seq_to_head
 B, NH, HS = 2, 4, 8
 SEQ_LEN = {2: 16, 4: 32}  # per world size; divisible by 2*sp
 MODULES = {"ulysses": UlyssesAttention, "ring": RingAttention}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -85,7 +79,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     world, out = request.param, tmp_path_factory.mktemp(f"world{request.param}")
     failure = None
     try:
-        mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
     except mp.ProcessRaisedException as exc:  # reported below with every rank's traceback
         failure = "\n".join(f"--- {p.stem}:\n{p.read_text()}" for p in sorted(out.glob("rank*.err"))) or str(exc)
     if failure:

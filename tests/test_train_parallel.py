@@ -55,16 +55,14 @@ def _load(out) -> tuple[dict, dict, dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, micro batch 8, no accumulation."""
-    import torch.distributed as dist
+    return run_reference(tmp_path_factory.mktemp("ref"))
 
-    from layout_worker import run_layouts
 
-    out = tmp_path_factory.mktemp("ref")
-    try:
-        run_layouts([{"out": str(out), "overrides": {**MODEL, **REFERENCE}}])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def run_reference(out) -> tuple:
+    """Train the reference layout in this process into ``out``; return (losses, grads, params)."""
+    from layout_worker import run_in_process
+
+    run_in_process([{"out": str(out), "overrides": {**MODEL, **REFERENCE}}])
     return _load(out)
 
 
@@ -112,16 +110,10 @@ def test_eight_rank_layout_matches_single_process(reference, launched, name):
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(reference, tmp_path):
-    import torch.distributed as dist
+    from layout_worker import run_in_process
 
-    from layout_worker import run_layouts
-
-    try:
-        run_layouts([{"out": str(tmp_path), "overrides": {**MODEL, "batch.micro_batch_size": "2",
-                                                           "batch.gradient_accumulation_steps": "4"}}])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_in_process([{"out": str(tmp_path), "overrides": {**MODEL, "batch.micro_batch_size": "2",
+                                                          "batch.gradient_accumulation_steps": "4"}}])
     _check(_load(tmp_path), reference)
 
 
