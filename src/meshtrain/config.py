@@ -332,7 +332,6 @@ def _validate_support(cfg: Config) -> None:
              f"parallel.sp_mode = {p.sp_mode!r} is not valid: use one of {', '.join(S.sp_modes)}")
     _require(p.pp_schedule in S.pp_schedules + ("1f1b",),
              f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
-    _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} is not supported yet: use 1")
     _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
              "parallel.tp_sequence_parallel = true is not supported yet: use false")
     _require(not p.tp_sequence_parallel or p.tp > 1,

@@ -65,6 +65,10 @@ class ParallelDims:
         return self.dp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 

@@ -31,4 +31,4 @@ class Support:
 
 
 SUPPORTED = Support(zero_stages=(0, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
-                    pp_schedules=(), recompute=("none",), attention_dropout_sp_modes=("ulysses",))
+                    pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none",), attention_dropout_sp_modes=("ulysses",))

@@ -39,7 +39,7 @@ from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distribu
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models.gpt import GPT
-from meshtrain.parallel import local_batch, parallelize
+from meshtrain.parallel import local_batch, parallelize, parallelize_pipeline
 from meshtrain.parallel.data import gradient_sync
 from meshtrain.parallel.reduce import backward_context, batch_mean, clip_grad_norm_, cross_entropy, local_value
 from meshtrain.parallel.rng import seed_step
@@ -89,10 +89,17 @@ class Trainer:
                               f"({self.corpus.tokenizer.vocab_size}): use 0 or >= that")
         torch.manual_seed(cfg.train.seed)
         model = GPT(cfg.model, self.vocab_size).to(self.device)
-        self.model = parallelize(model, self.dims, cfg.parallel)
+        b = cfg.batch
+        self.pipeline = None
+        if self.dims.pp_enabled:
+            self.pipeline = parallelize_pipeline(model, self.dims, cfg.parallel, b.gradient_accumulation_steps,
+                                                 b.gradient_accumulation_steps * b.micro_batch_size * cfg.model.block_size,
+                                                 cross_entropy)
+            self.model = self.pipeline.model
+        else:
+            self.model = parallelize(model, self.dims, cfg.parallel)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         dp_rank = self.dims.rank_of(Axis.DP)
-        b = cfg.batch
         self.sampler = ShardedSampler(self.corpus.train, cfg.model.block_size, b.micro_batch_size,
                                       b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
         self.val = eval_batches(self.corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
@@ -113,16 +120,25 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         return int(meta["step"])
 
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's sp shard of ``x, y`` (B, T): (B, T/sp) each, and their positions (T/sp,)."""
+        return local_batch(x.to(self.device), y.to(self.device), self.dims, self.sp_rank, self.cfg.parallel.sp_mode)
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's tokens of the micro-batch ``x, y`` (mbs, T) (its sp shard of them)."""
-        x, y, positions = local_batch(x.to(self.device), y.to(self.device), self.dims, self.sp_rank,
-                                      self.cfg.parallel.sp_mode)  # (mbs, T/sp) each, positions (T/sp,)
+        x, y, positions = self._local(x, y)  # (mbs, T/sp) each, positions (T/sp,)
         with self.autocast:
             logits = self.model(x, positions)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
         return cross_entropy(logits, y)
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor)."""
+        """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor; with
+        pp > 1 the pipeline's micro-batches, the loss on the last stage and 0 on the others)."""
+        if self.pipeline is not None:
+            x, y, positions = self._local(torch.cat([mb[0] for mb in micro_batches]),
+                                          torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
+            with self.autocast:
+                return self.pipeline.step(x, y, positions)
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
@@ -137,17 +153,29 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean val loss over every token of the validation set (all dp and sp ranks)."""
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for x, y in self.val:
-            total += local_value(self._loss(x, y))
+        if self.pipeline is not None:
+            with self.autocast:
+                total = self.pipeline.evaluate([self._local(x, y) for x, y in self.val])
+        else:
+            total = torch.zeros((), device=self.device)
+            for x, y in self.val:
+                total += local_value(self._loss(x, y))
         self.model.train()
         return batch_mean(total / len(self.val), self.dims)
+
+    def clip_gradients(self) -> float:
+        """Clip to ``optim.grad_clip`` by the norm over every rank's gradients; return the norm."""
+        if self.pipeline is None:
+            return clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        return clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip,
+                               pp_group=self.dims.get_mesh(Axis.PP).get_group(), uncounted=self.pipeline.head_copy())
 
     def save(self, step: int) -> None:
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
                 "vocab_size": self.vocab_size, "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
-                "dp": self.dims.dp, "tp": self.dims.tp, "sp": self.dims.sp, "global_batch_size": self.sampler.global_batch_size}
+                "dp": self.dims.dp, "tp": self.dims.tp, "sp": self.dims.sp, "pp": self.dims.pp,
+                "global_batch_size": self.sampler.global_batch_size}
         ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
 
     def run(self) -> dict[str, Any]:
@@ -163,7 +191,7 @@ class Trainer:
                 seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
                 lr = self.scheduler.get_last_lr()[0]
                 local_loss = self.forward_backward(self.sampler.next_step())
-                grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+                grad_norm = self.clip_gradients()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()

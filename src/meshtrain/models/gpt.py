@@ -138,6 +138,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})  # keys survive a pipeline split
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=False)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.share_embedding = True
+        """Whether ``lm_head`` uses ``tok_emb``'s weight; a pipeline gives its last stage a copy (:meth:`untie_weights`)."""
         self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017; GPT-2)
         self.init_weights()
 
@@ -167,16 +169,49 @@ class GPT(nn.Module):
 
     def tie_weights(self) -> bool:
         """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both; return whether it does."""
-        tied = self.tok_emb is not None and self.lm_head is not None
+        tied = self.share_embedding and self.tok_emb is not None and self.lm_head is not None
         if tied:
             self.lm_head.weight = self.tok_emb.weight
         return tied
+
+    def untie_weights(self) -> None:
+        """Give ``lm_head`` its own copy of the shared weight, equal to it now. A pipeline whose
+        embedding and head sit in different stages keeps the two equal by summing their gradients
+        (Megatron-LM's embedding group, Shoeybi et al. 2019; :mod:`meshtrain.parallel.pipeline`)."""
+        self.share_embedding = False
+        self.lm_head.weight = nn.Parameter(self.tok_emb.weight.detach().clone())
+
+    def keep_only(self, layers: set[int], embedding: bool, head: bool) -> None:
+        """Drop every block not in ``layers``, and the embeddings / final norm and head unless kept:
+        what one pipeline rank holds. Block keys (parameter names) are unchanged."""
+        for key in [k for k in self.blocks if int(k) not in layers]:
+            del self.blocks[key]
+        if not embedding:
+            self.tok_emb = self.pos_emb = None
+        if not head:
+            self.norm = self.lm_head = None
+
+    def pipeline_chunk(self, layers: range, embedding: bool, head: bool) -> GPT:
+        """A GPT over blocks ``layers`` (with the embeddings and/or the head) that shares this model's
+        modules: one pipeline stage's forward, ``(B, T)`` ids or ``(B, T, C)`` hidden states in,
+        ``(B, T, V)`` logits or ``(B, T, C)`` hidden states out."""
+        chunk = GPT.__new__(GPT)
+        nn.Module.__init__(chunk)
+        chunk.init_seed, chunk.cfg, chunk.vocab_size, chunk.block_size = (
+            self.init_seed, self.cfg, self.vocab_size, self.block_size)
+        chunk.share_embedding = self.share_embedding
+        chunk.tok_emb, chunk.pos_emb = (self.tok_emb, self.pos_emb) if embedding else (None, None)
+        chunk.drop = self.drop
+        chunk.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
+        chunk.norm, chunk.lm_head = (self.norm, self.lm_head) if head else (None, None)
+        return chunk
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_parallel.tp_plan`)."""
         from meshtrain.models.gpt_parallel import tp_plan
 
-        return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel).items()
+        return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel,
+                                                                self.tok_emb is not None).items()
                 if self.get_submodule_or_none(name) is not None}
 
     def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:

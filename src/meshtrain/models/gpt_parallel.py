@@ -25,11 +25,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel)
 
 
-def tp_plan(layers: Iterable[str], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = True) -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan for :class:`meshtrain.models.gpt.GPT` on the "tp" mesh axis.
 
     Activation layouts at block boundaries: (B, T, C) replicated across tp, or (B, T/tp, C) with
     ``sequence_parallel``. ``layers`` are the keys of ``blocks`` this model (or pipeline stage) holds;
+    ``embedding``: whether it holds the embedding (a later pipeline stage receives the residual stream
+    already in its sequence-parallel layout, so its first block needs no input split);
     entries for modules a stage lacks are dropped by the caller. The head's output stays a ``DTensor`` (B, T, V) sharded on V, for
     :func:`torch.distributed.tensor.parallel.loss_parallel`.
     """
@@ -41,6 +43,7 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool) -> dict[str, Paralle
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
+    if sequence_parallel and embedding:
         # embedding output (B, T, C) replicated -> this rank's (B, T/tp, C) slice: no communication
         plan[f"blocks.{layers[0]}"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                               use_local_output=True)

@@ -47,19 +47,25 @@ def local_value(value: torch.Tensor) -> torch.Tensor:
 
 
 def batch_mean(value: torch.Tensor, dims: ParallelDims) -> float:
-    """Mean of a per-rank scalar over the ``"dp_sp"`` ranks (gloo has no AVG, so SUM / (dp*sp))."""
-    value = local_value(value).detach().clone().float()
+    """Mean of a per-rank scalar over the ``"dp_sp"`` ranks (gloo has no AVG, so SUM / (dp*sp)).
+
+    With pp > 1 only the last stage has a loss: the other stages pass 0 and the value is first summed
+    over the pipeline, so that every rank (the logging one included) gets the last stage's."""
+    value = local_value(value).detach().clone().float().cpu()
+    if dims.pp > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh("pp").get_group())
     if dims.batch_degree > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(BATCH_MESH).get_group())
     return float(value) / dims.batch_degree
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+def grad_norm(params: Iterable[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients of ``params``, each distinct shard counted once (fp32 scalar).
 
     Squares are summed locally per group of gradients that share a mesh and the mesh axes they are
     sharded on, then all-reduced over each of those axes (a sum over axis a, then over axis b, is the
-    sum over the a x b ranks).
+    sum over the a x b ranks). With a ``pp_group`` the stages' sums are added up (each pipeline stage
+    holds different parameters; pass each parameter on one stage only).
     """
     sums: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
     meshes = {}
@@ -83,6 +89,10 @@ def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         for axis in axes:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=meshes[(mesh_id, axes)].get_group(axis))
         norm_sq += float(value)
+    if pp_group is not None:
+        total = torch.tensor(norm_sq, dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+        norm_sq = float(total)
     return torch.tensor(math.sqrt(norm_sq))
 
 
@@ -96,13 +106,15 @@ def reduce_partial_grads(params: Iterable[torch.nn.Parameter]) -> None:
             p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    uncounted: torch.nn.Parameter | None = None) -> float:
     """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``);
-    ``max_norm = 0`` disables clipping. Returns the norm before clipping (:func:`grad_norm`), after
-    :func:`reduce_partial_grads`."""
+    ``max_norm = 0`` disables clipping. Returns the norm before clipping (:func:`grad_norm` over every
+    pipeline stage of ``pp_group``, leaving out ``uncounted``: a pipeline's second copy of a tied
+    weight), after :func:`reduce_partial_grads`."""
     params = [p for p in params if p.grad is not None]
     reduce_partial_grads(params)
-    norm = float(grad_norm(params))
+    norm = float(grad_norm([p for p in params if p is not uncounted], pp_group))
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
