@@ -131,3 +131,12 @@ def final_params(out: Path) -> dict:
     model = GPT(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
     ckpt.load(path, model, None)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_layout(got: tuple, want: tuple, overrides: dict[str, str]) -> None:
+    """The contract for one layout against the one-process reference, both ``(losses, grads, params)``
+    (:func:`layout_worker.load_result`): every step's loss, step-1 gradients, final parameters."""
+    assert len(got[0]) == int(overrides["train.steps"])
+    assert_close_losses(got[0], want[0])
+    assert_close_grads(got[1], want[1])
+    assert_close_params(got[2], want[2], atol=adamw_drift_bound(overrides))

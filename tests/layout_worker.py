@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -34,15 +37,22 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.tom
 GRADS_FILE = "grads_step1.pt"
 
 
-def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient (tp/FSDP shards gathered), keyed by the model's own names."""
-    model = trainer.model
+def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    """Every parameter's whole gradient (tp/FSDP shards gathered, pipeline stages merged on rank 0),
+    keyed by the model's own names; None on ranks other than 0. A pipeline's second copy of the tied
+    embedding (``lm_head.weight`` off the first stage) is left out, as one process lists the tied
+    weight once."""
+    model = unwrap(trainer.model)
     reduce_partial_grads(model.parameters())
     out = {}
-    for name, p in unwrap(model).named_parameters():
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight" and not model.share_embedding:
+            continue
         g = p.grad
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone().cpu()
-    return out
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(out, gathered, dst=0)
+    return {k: v for part in gathered for k, v in part.items()} if gathered else None
 
 
 def run_layout(overrides: dict[str, str], out: Path) -> None:
@@ -76,10 +86,39 @@ def run_in_process(spec: list[dict]) -> None:
             dist.destroy_process_group()
 
 
+def load_result(out: Path) -> tuple[dict, dict, dict]:
+    """(losses by step, step-1 gradients, final parameters) of a layout trained into ``out``."""
+    from conftest import final_params, losses, read_records
+
+    return losses(read_records(out)), torch.load(out / GRADS_FILE), final_params(out)
+
+
+def reference_run(out: Path, overrides: dict[str, str]) -> tuple[dict, dict, dict]:
+    """Train ``overrides`` in this process on one rank into ``out``; return :func:`load_result`."""
+    run_in_process([{"out": str(out), "overrides": overrides}])
+    return load_result(Path(out))
+
+
+def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]]) -> dict[str, tuple]:
+    """Train every layout (name -> overrides) on ``world`` gloo ranks in one torchrun launch into
+    ``root/NAME``; return {name: :func:`load_result`}."""
+    spec = [{"out": str(root / name), "overrides": overrides} for name, overrides in layouts.items()]
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           __file__, str(root / "spec.json")], capture_output=True, text=True, timeout=1200, env=env,
+                          cwd=CONFIG.parents[1])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {name: load_result(root / name) for name in layouts}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     try:
         run_layouts(spec)
+    except BaseException:
+        traceback.print_exc()  # now: the peers may hang in the barrier below until torchrun's timeout
+        raise
     finally:
         gc.collect()
         if dist.is_initialized():

@@ -9,15 +9,10 @@ last step (AdamW's drift bound). The tolerances are derived in ``conftest.py``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import (ROOT, TINY, adamw_drift_bound, assert_close_grads, assert_close_losses, assert_close_params,
-                      final_params, losses, read_records)
+from conftest import TINY, check_layout, read_records
+from layout_worker import launch_layouts, reference_run
 
 # 4 heads so that tp=4 and Ulysses over tp*sp=4 divide them; 6 steps (the contract asks for 5+).
 MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
@@ -44,14 +39,6 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
 REFERENCE = {"batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"}
 
 
-def _load(out) -> tuple[dict, dict, dict]:
-    import torch
-
-    from layout_worker import GRADS_FILE
-
-    return losses(read_records(out)), torch.load(out / GRADS_FILE), final_params(out)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, micro batch 8, no accumulation."""
@@ -60,23 +47,7 @@ def reference(tmp_path_factory):
 
 def run_reference(out) -> tuple:
     """Train the reference layout in this process into ``out``; return (losses, grads, params)."""
-    from layout_worker import run_in_process
-
-    run_in_process([{"out": str(out), "overrides": {**MODEL, **REFERENCE}}])
-    return _load(out)
-
-
-def _launch(world: int, root) -> dict[str, tuple]:
-    """Train every layout of ``world`` ranks in one torchrun launch; return {name: (losses, grads, params)}."""
-    names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    spec = [{"out": str(root / n), "overrides": {**MODEL, **LAYOUTS[n][1]}} for n in names]
-    (root / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           str(ROOT / "tests" / "layout_worker.py"), str(root / "spec.json")],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return {n: _load(root / n) for n in names}
+    return reference_run(out, {**MODEL, **REFERENCE})
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +56,14 @@ def launched(tmp_path_factory):
 
     def get(world: int) -> dict[str, tuple]:
         if world not in cache:
-            cache[world] = _launch(world, tmp_path_factory.mktemp(f"world{world}"))
+            cache[world] = launch_layouts(world, tmp_path_factory.mktemp(f"world{world}"),
+                                          {n: {**MODEL, **o} for n, (w, o) in LAYOUTS.items() if w == world})
         return cache[world]
     return get
 
 
 def _check(got: tuple, want: tuple) -> None:
-    assert len(got[0]) == int(MODEL["train.steps"])
-    assert_close_losses(got[0], want[0])
-    assert_close_grads(got[1], want[1])
-    assert_close_params(got[2], want[2], atol=adamw_drift_bound(MODEL))
+    check_layout(got, want, MODEL)
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w <= 4])
@@ -110,11 +79,8 @@ def test_eight_rank_layout_matches_single_process(reference, launched, name):
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(reference, tmp_path):
-    from layout_worker import run_in_process
-
-    run_in_process([{"out": str(tmp_path), "overrides": {**MODEL, "batch.micro_batch_size": "2",
-                                                          "batch.gradient_accumulation_steps": "4"}}])
-    _check(_load(tmp_path), reference)
+    got = reference_run(tmp_path, {**MODEL, "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"})
+    _check(got, reference)
 
 
 @pytest.mark.slow

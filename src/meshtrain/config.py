@@ -71,7 +71,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: each block's matrices split across tp ranks (Megatron); must divide n_head."""
     pp: int = 1
-    """Pipeline-parallel degree (not supported yet: must be 1)."""
+    """Pipeline-parallel degree: consecutive layers split across pp ranks (``pp_schedule``)."""
     sp: int = 1
     """Sequence-parallel degree (the seeds' ``sp_size``): each sample's sequence split across sp ranks."""
     zero_stage: int = 0
@@ -79,9 +79,10 @@ class ParallelConfig:
     sp_mode: str = "ulysses"
     """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule (not supported yet)."""
+    """Pipeline schedule: "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble" or "zbv"
+    (:mod:`meshtrain.schedules`); its micro-batches are the ``gradient_accumulation_steps``."""
     virtual_stages: int = 1
-    """Pipeline stages per rank for interleaved schedules (not supported yet)."""
+    """Model chunks per pipeline rank: 1, >= 2 for "interleaved-1f1b", 2 for "zbv"."""
     tp_sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
 
@@ -291,12 +292,11 @@ def validate(cfg: Config) -> Config:
     _require(p.dp == -1 or p.dp >= 1, f"parallel.dp = {p.dp} must be >= 1, or -1 to fill the remaining ranks")
     for key in ("tp", "pp", "sp"):
         _require(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
-    _validate_support(cfg)
-    _validate_shapes(cfg)
-
     _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
+    _validate_support(cfg)
+    _validate_shapes(cfg)
 
     _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
     _require(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
@@ -330,8 +330,15 @@ def _validate_support(cfg: Config) -> None:
     _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")
     _require(p.sp_mode in S.sp_modes + ("ulysses",),
              f"parallel.sp_mode = {p.sp_mode!r} is not valid: use one of {', '.join(S.sp_modes)}")
-    _require(p.pp_schedule in S.pp_schedules + ("1f1b",),
-             f"parallel.pp_schedule = {p.pp_schedule!r} is not supported yet: leave it '1f1b'")
+    _require(p.pp_schedule in S.pp_schedules,
+             f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
+    if p.pp > 1:
+        from meshtrain.schedules import schedule_error
+
+        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+                               cfg.model.n_layer, max(p.dp, 1) * p.sp)  # dp = -1 is checked in resolve_world
+        _require(error is None, error or "")
     _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
              "parallel.tp_sequence_parallel = true is not supported yet: use false")
     _require(not p.tp_sequence_parallel or p.tp > 1,
@@ -382,6 +389,12 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
     _require(p.dp in (-1, dp),
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} (pp*sp*tp = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
+    if p.pp > 1:
+        from meshtrain.schedules import schedule_error
+
+        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+                               cfg.model.n_layer, dp * p.sp)
+        _require(error is None, error or "")
     return nproc, dp
 
 

@@ -49,6 +49,14 @@ SUMMARY_FILE = "summary.json"
 TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
 
 
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
+    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` as a plain
+    tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward
+    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one)."""
+    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True))
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr``.
 
@@ -94,7 +102,7 @@ class Trainer:
         if self.dims.pp_enabled:
             self.pipeline = parallelize_pipeline(model, self.dims, cfg.parallel, b.gradient_accumulation_steps,
                                                  b.gradient_accumulation_steps * b.micro_batch_size * cfg.model.block_size,
-                                                 cross_entropy)
+                                                 pipeline_loss)
             self.model = self.pipeline.model
         else:
             self.model = parallelize(model, self.dims, cfg.parallel)
@@ -225,6 +233,9 @@ class Trainer:
                    "device": self.device.type}
         if summary["step_time_s"]:
             summary["tokens_per_s"] = tokens_per_step / summary["step_time_s"]
+        if self.pipeline is not None:
+            summary["pp"] = self.dims.pp
+            summary["pipeline"] = self.pipeline.report(self.out_dir, TIMING_WARMUP_STEPS)
         if self.rank == 0:
             plot_loss(self.out_dir)
             write_json_atomic(self.out_dir / SUMMARY_FILE, summary)

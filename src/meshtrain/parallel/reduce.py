@@ -24,15 +24,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtrain.mesh import BATCH_MESH, ParallelDims
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits (B, T, V) against targets (B, T) over this rank's B*T tokens.
 
     Logits that are a ``DTensor`` sharded on V (tensor parallelism) go through PyTorch's
     ``loss_parallel``: each rank computes the softmax terms of its vocabulary slice and only (B, T)
     scalars are all-reduced (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019, Sec. 3).
-    Call ``backward`` on the result inside :func:`backward_context`.
+    Call ``backward`` on the result inside :func:`backward_context`. ``inside_loss_parallel``: the caller
+    already entered ``loss_parallel`` (entering it again would end it on exit: it does not nest).
     """
-    with backward_context(logits):
+    with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 

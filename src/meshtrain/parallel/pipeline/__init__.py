@@ -29,8 +29,10 @@ one process. The gradient norm counts that weight once.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,11 +40,15 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtrain.fileio import write_json_atomic
 from meshtrain.models.split import Chunk, chunk_ranks, item_costs, split_layers
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
-from meshtrain.parallel.pipeline.trace import PipelineTracer, TimedStage
+from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
+                                               plot_timeline)
+from meshtrain.schedules import bubble_fraction
 
 SCHEDULES: dict[str, type] = {
     "naive": ScheduleNaive,
@@ -117,6 +123,7 @@ class Pipeline:
         stages = self.stages[0] if len(self.stages) == 1 and cls in (ScheduleNaive, ScheduleGPipe, Schedule1F1B) \
             else self.stages
         self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec={"positions": _Replicate()})
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.hidden_seq_divisor = hidden_seq_divisor
         self.loss_context = loss_parallel if use_loss_parallel else nullcontext
 
@@ -159,6 +166,24 @@ class Pipeline:
         (B, T', C), or (B, T'/tp, C) under Megatron sequence parallelism."""
         return (x.size(0), x.size(1) // self.hidden_seq_divisor, self.model.cfg.n_embd)
 
+    def report(self, out_dir: Path, skip_steps: int) -> dict | None:
+        """Collectively gather every pipeline rank's step records; on pipeline rank 0 write the last step as
+        ``OUT/pipeline_trace.json`` (Chrome trace) and ``OUT/pipeline_schedule.png`` (timeline), and return
+        the measured bubble (median over the steps after the first ``skip_steps``) beside the theory."""
+        per_rank = gather(self.tracer, self.pp_group)
+        if per_rank is None or not per_rank[0]:
+            return None
+        last = [steps[-1] for steps in per_rank]
+        measured = measured_bubble([steps[skip_steps:] or steps for steps in per_rank])
+        p, v = dist.get_world_size(self.pp_group), self.n_chunks // dist.get_world_size(self.pp_group)
+        theory = bubble_fraction(self.schedule_name, p, self.n_microbatches, v)
+        write_json_atomic(out_dir / "pipeline_trace.json", chrome_trace(last))
+        plot_timeline(last, out_dir / "pipeline_schedule.png",
+                      f"{self.schedule_name}: pp={p}, virtual_stages={v}, {self.n_microbatches} micro-batches -- "
+                      f"bubble {statistics.median(measured):.0%} measured, {theory:.0%} in theory")
+        return {"schedule": self.schedule_name, "pp": p, "virtual_stages": v, "microbatches": self.n_microbatches,
+                "bubble_measured": statistics.median(measured), "bubble_theory": theory}
+
     def _run(self, x, y, positions, losses) -> None:
         args = (x,) if self.is_first else ()
         kwargs = {"positions": positions} if self.is_first else {}
@@ -184,9 +209,15 @@ class Pipeline:
 
     @torch.no_grad()
     def sync_tied_gradients(self) -> None:
-        """Sum the gradients of the embedding and the head's copy of it, so both copies take the same step."""
-        weights = self.tied_weights()
-        grads = [_local(w.grad) for w in weights if w.grad is not None]
+        """Sum the gradients of the embedding and the head's copy of it, so both copies take the same step.
+
+        A tp-sharded copy's gradient is first brought to its weight's layout (the embedding's backward
+        yields a replicated gradient for a vocab-sharded weight), so both sides add matching shards."""
+        weights = [w for w in self.tied_weights() if w.grad is not None]
+        for w in weights:
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                w.grad = w.grad.redistribute(w.grad.device_mesh, w.placements)
+        grads = [_local(w.grad) for w in weights]
         if len(grads) == 2:  # both copies here (V placement): add locally
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -195,7 +226,7 @@ class Pipeline:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def embedding_group(mesh_ranks: torch.Tensor, schedule: str) -> dist.ProcessGroup | None:

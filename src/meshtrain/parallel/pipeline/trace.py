@@ -31,11 +31,10 @@ class StepRecord:
 
     start: int
     end: int = 0
+    compute_ns: int = 0
+    """Time spent in forward and backward passes."""
     events: list[dict] = field(default_factory=list)
-
-    @property
-    def compute_ns(self) -> int:
-        return sum(e["dur"] for e in self.events if e["cat"] in COMPUTE)
+    """Kept for the latest step only (the trace shows one step)."""
 
 
 class PipelineTracer:
@@ -73,6 +72,9 @@ class PipelineTracer:
         finally:
             torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
             self._current.end = time.time_ns()
+            self._current.compute_ns = sum(e["dur"] for e in self._current.events if e["cat"] in COMPUTE)
+            if self.steps:
+                self.steps[-1].events = []
             self.steps.append(self._current)
             self._current = None
 
@@ -111,4 +113,62 @@ def measured_bubble(per_rank: list[list[StepRecord]]) -> list[float]:
         span = max(r.end for r in records) - min(r.start for r in records)
         busy = sum(r.compute_ns for r in records) / len(records)
         out.append(1.0 - busy / span if span > 0 else 0.0)
+    return out
+
+
+COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "backward-input": "#dd8452", "backward-weight": "#55a868",
+          "send": "#c44e52", "recv": "#8172b3"}
+
+
+def chrome_trace(per_rank: list[StepRecord]) -> dict:
+    """One step of every pipeline rank (``per_rank[r]``) as a Chrome trace (``chrome://tracing``, Perfetto):
+    one process per rank, compute on thread 0, waits on sends/receives on thread 1, times in µs
+    from the step's first start."""
+    origin = min(r.start for r in per_rank)
+    events: list[dict] = []
+    for rank, record in enumerate(per_rank):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pp rank {rank}"}})
+        for e in record.events:
+            comm = e["cat"] in ("send", "recv")
+            name = e["name"] if comm else f"{e['name']} (stage {e['stage']})"
+            events.append({"name": name, "cat": e["cat"], "ph": "X", "pid": rank, "tid": int(comm),
+                           "ts": (e["ts"] - origin) / 1e3, "dur": e["dur"] / 1e3})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def plot_timeline(per_rank: list[StepRecord], path, title: str) -> None:
+    """Draw one step as a timeline PNG: one row per pipeline rank, compute as coloured bars (labelled with
+    the micro-batch), waits on receives as thin bars; the white space is the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    origin = min(r.start for r in per_rank)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
+    for rank, record in enumerate(per_rank):
+        for e in record.events:
+            start, width = (e["ts"] - origin) / 1e6, e["dur"] / 1e6  # ms
+            comm = e["cat"] in ("send", "recv")
+            y, h = (rank - 0.4, 0.15) if comm else (rank - 0.2, 0.6)
+            ax.broken_barh([(start, width)], (y, h), color=COLORS[e["cat"]], edgecolor="white" if not comm else None,
+                           linewidth=0.5)
+            if not comm and width > 0:
+                ax.text(start + width / 2, rank + 0.1, e["name"], ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(per_rank)), [f"pp rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k != "backward-input"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def gather(tracer: PipelineTracer, pp_group: dist.ProcessGroup) -> list[list[StepRecord]] | None:
+    """Every pipeline rank's records on pipeline rank 0 (``per_rank[r][step]``); None on the others."""
+    out: list | None = [None] * dist.get_world_size(pp_group) if dist.get_rank(pp_group) == 0 else None
+    dist.gather_object(tracer.steps, out, group=pp_group, group_dst=0)
     return out

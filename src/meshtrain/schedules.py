@@ -1,0 +1,106 @@
+"""Pipeline schedules: the rules each one sets on a layout, its idle fraction and its activations in flight.
+
+No torch here: config validation, the trainer's report and the planner read the same numbers. ``p``
+pipeline ranks, ``m`` micro-batches per step (``gradient_accumulation_steps``), ``v`` chunks per rank
+(``virtual_stages``). Bubbles assume every stage takes equally long, a backward twice a forward, and
+for the zero-bubble schedules the backward split into equal input-gradient (I) and weight-gradient
+(W) halves (the F = I = W case of Qi et al. 2024, arXiv:2401.10241, Sec. 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """What a schedule needs, in one place (the trainer rejects what torch would reject mid-run)."""
+
+    virtual_stages: str
+    """"1", "2" or ">=2": chunks per rank the schedule runs with."""
+    microbatches: str
+    """"any", ">=p" or "multiple of p"."""
+    placement: str = "loop"
+    """"loop": chunk c on rank c % p; "v": chunks r and 2p-1-r on rank r."""
+    data_parallel: bool = True
+    """Whether it runs under DDP/FSDP2 (dp*sp > 1). Torch 2.13's zero-bubble schedules split each
+    backward into an input pass and a weight pass, which DDP's reducer (each gradient hook fires twice:
+    an internal assert) and FSDP2 (the last stage's gradients are lost) do not follow."""
+
+
+RULES: dict[str, ScheduleRule] = {
+    "naive": ScheduleRule("1", "any"),
+    "gpipe": ScheduleRule("1", "any"),
+    "1f1b": ScheduleRule("1", ">=p"),
+    "interleaved-1f1b": ScheduleRule(">=2", "multiple of p"),
+    "zero-bubble": ScheduleRule(">=1", "multiple of p", data_parallel=False),
+    "zbv": ScheduleRule("2", ">=p", placement="v", data_parallel=False),
+}
+
+
+def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: int, n_layer: int,
+                   batch_degree: int = 1) -> str | None:
+    """The one-line reason ``schedule`` cannot run this pipeline, or None. ``microbatches`` is
+    ``batch.gradient_accumulation_steps``; ``batch_degree`` is dp*sp (ranks that each hold other tokens)."""
+    if schedule not in RULES:
+        return f"parallel.pp_schedule = {schedule!r} is not valid: use one of {', '.join(RULES)}"
+    rule, v, m = RULES[schedule], virtual_stages, microbatches
+    want_v = {"1": v == 1, "2": v == 2, ">=2": v >= 2, ">=1": v >= 1}[rule.virtual_stages]
+    if not want_v:
+        return (f"parallel.virtual_stages = {v} does not fit pp_schedule = {schedule!r}: it runs "
+                f"{rule.virtual_stages.replace('>=', 'at least ')} chunk(s) per rank; set virtual_stages accordingly")
+    if rule.microbatches == ">=p" and m < pp:
+        return (f"batch.gradient_accumulation_steps = {m} is below pp = {pp}: pp_schedule = {schedule!r} needs at "
+                f"least one micro-batch per stage; use gradient_accumulation_steps >= {pp} or pp_schedule = 'gpipe'")
+    if rule.microbatches == "multiple of p" and m % pp:
+        return (f"batch.gradient_accumulation_steps = {m} is not a multiple of pp = {pp}: pp_schedule = {schedule!r} "
+                f"runs micro-batches in rounds of pp; use a multiple of {pp}")
+    if not rule.data_parallel and batch_degree > 1:
+        return (f"pp_schedule = {schedule!r} cannot run with dp*sp = {batch_degree} > 1: PyTorch's DDP and FSDP2 do "
+                f"not support its split backward; use dp = sp = 1, or pp_schedule = '1f1b' / 'interleaved-1f1b'")
+    if pp * v > n_layer:
+        return (f"pp * virtual_stages = {pp * v} exceeds model.n_layer = {n_layer}: every pipeline chunk needs a "
+                f"block; use fewer stages or more layers")
+    return None
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a step of ``schedule`` with equal stage times.
+
+    - naive: ``(p-1)/p`` (one stage busy at a time);
+    - gpipe, 1f1b: ``(p-1)/(m+p-1)`` (Huang et al. 2019, arXiv:1811.06965, Sec. 2.3; Narayanan et al. 2021,
+      arXiv:2104.04473, Sec. 2.2.1);
+    - interleaved-1f1b: ``(p-1)/(v*m+p-1)`` (Narayanan et al. 2021, Sec. 2.2.2);
+    - zero-bubble (ZB-H1 per chunk): ``(p-1)(F+I-W)`` idle against ``m(F+I+W)`` busy (Qi et al. 2024,
+      Sec. 3.1), ``(p-1)/(3*v*m+p-1)`` at F = I = W;
+    - zbv: ``(p-1)(F+I-2W)`` (Qi et al. 2024, Sec. 6): 0 at F = I = W.
+    """
+    p, m, v = pp, microbatches, virtual_stages
+    if p == 1:
+        return 0.0
+    if schedule == "naive":
+        return (p - 1) / p
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zero-bubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    if schedule == "zbv":
+        return 0.0
+    return (p - 1) / (m + p - 1)
+
+
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches of one whole stage's activations the first (busiest) rank holds at its peak.
+
+    naive 1; GPipe ``m``; 1F1B, ZB-H1 and ZB-V ``min(m, p)`` (Narayanan et al. 2021, Sec. 2.2.1; Qi et al.
+    2024 keep 1F1B's memory); interleaved ``min(m, p + (p-1)/v)`` stage-equivalents (Korthikanti et al.
+    2022, arXiv:2205.05198, Sec. 4.2.3).
+    """
+    p, m, v = pp, microbatches, virtual_stages
+    if p == 1 or schedule == "naive":
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
+        return min(float(m), p + (p - 1) / v)
+    return float(min(m, p))
