@@ -41,7 +41,7 @@ def test_train_two_ranks_then_generate(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--nproc", "3", "--tp", "1", "--dp", "2"], "parallel.dp = 2 does not match --nproc = 3"),
-    (["--parallel.pp", "2"], "parallel.pp = 2 is not supported yet"),
+    (["--parallel.pp", "2"], "batch.gradient_accumulation_steps = 1 is below pp = 2"),
     (["--nproc", "6", "--tp", "2", "--sp", "2"], "--nproc = 6 is not divisible by pp*sp*tp = 4"),
     (["--nproc", "2", "--sp", "2", "--parallel.sp_mode", "ring", "--model.block_size", "66"],
      "model.block_size = 66 is not divisible by sp * 2 (ring chunks) = 4"),

@@ -61,3 +61,80 @@ def test_pipeline_layout_matches_single_process(reference, launched, name):
 def test_pp2_dp2_tp2_matches_single_process(reference, launched):
     """Eight gloo ranks on this 2-core machine."""
     check_layout(launched(8)["pp2-dp2-tp2"], reference, MODEL)
+
+
+RESUME = {**MODEL, "train.steps": "10", "checkpoint.interval": "5", "checkpoint.keep": "3"}
+
+
+def _train(out, nproc: int, **overrides: str) -> dict[int, float]:
+    from conftest import losses, read_records
+
+    proc = run_cli("train", str(CONFIG), "--nproc", str(nproc), *override_args({**RESUME, **overrides,
+                                                                                "train.out_dir": str(out)}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return losses(read_records(out))
+
+
+def test_resume_pp2_checkpoint_at_pp1_and_dp2_checkpoint_at_pp2(tmp_path):
+    """DCP reshards across pipeline layouts: stages' parameter names are the model's own, so a pp=2
+    checkpoint loads into one process and a dp=2 one into two stages; the next steps' losses equal the
+    uninterrupted run's (the tied embedding's two copies and their AdamW states included)."""
+    from conftest import assert_close_losses
+
+    pp2 = _train(tmp_path / "pp2", 2, **{"parallel.pp": "2"})
+    at_pp1 = _train(tmp_path / "pp1", 1, **{"checkpoint.resume": str(tmp_path / "pp2" / "checkpoints" / "step_000005")})
+    assert_close_losses(at_pp1, {s: pp2[s] for s in range(6, 11)})
+
+    dp2 = _train(tmp_path / "dp2", 2, **{"batch.micro_batch_size": "1"})
+    at_pp2 = _train(tmp_path / "pp2b", 2, **{"parallel.pp": "2", "parallel.pp_schedule": "interleaved-1f1b",
+                                             "parallel.virtual_stages": "2",
+                                             "checkpoint.resume": str(tmp_path / "dp2" / "checkpoints" / "step_000005")})
+    assert_close_losses(at_pp2, {s: dp2[s] for s in range(6, 11)})
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "1"},
+     "batch.gradient_accumulation_steps = 1 is below pp = 2: pp_schedule = '1f1b' needs at least one micro-batch"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2",
+      "batch.gradient_accumulation_steps": "3"}, "batch.gradient_accumulation_steps = 3 is not a multiple of pp = 2"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "interleaved-1f1b"},
+     "parallel.virtual_stages = 1 does not fit pp_schedule = 'interleaved-1f1b'"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "3"},
+     "parallel.virtual_stages = 3 does not fit pp_schedule = 'zbv'"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "gpipe", "parallel.virtual_stages": "2"},
+     "parallel.virtual_stages = 2 does not fit pp_schedule = 'gpipe'"),
+    ({"parallel.pp": "4", "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "4",
+      "model.n_layer": "8"}, "pp * virtual_stages = 16 exceeds model.n_layer = 8"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2", "--nproc": "4"},
+     "pp_schedule = 'zbv' cannot run with dp*sp = 2 > 1"),
+    ({"parallel.pp_schedule": "pipedream"}, "parallel.pp_schedule = 'pipedream' is not valid: use one of"),
+    ({"parallel.pp": "3", "--nproc": "4"}, "--nproc = 4 is not divisible by pp*sp*tp = 3"),
+])
+def test_bad_pipeline_configs_are_rejected_before_launch(tmp_path, overrides, needle):
+    """One line, exit 2, no rank started (no output folder created)."""
+    overrides = dict(overrides)
+    nproc = overrides.pop("--nproc", "2")
+    proc = run_cli("train", str(CONFIG), "--nproc", nproc, "--out", str(tmp_path / "run"),
+                   *override_args({**MODEL, **overrides}), timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_run_writes_trace_timeline_and_bubble(tmp_path):
+    """`meshtrain train` with pp=2 prints the split, then writes a Chrome trace with every forward and
+    backward of every micro-batch on both stages, the timeline PNG, and a bubble in the summary."""
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"),
+                   *override_args({**MODEL, "parallel.pp": "2", "train.steps": "5", "parallel.pp_schedule": "gpipe"}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chunk 0 on pp rank 0: embedding + blocks 0-" in proc.stderr and "pipeline bubble:" in proc.stderr
+    run = tmp_path / "run"
+    trace = json.loads((run / "pipeline_trace.json").read_text())["traceEvents"]
+    compute = [(e["pid"], e["name"].split()[0]) for e in trace if e.get("cat") in ("forward", "backward")]
+    m = int(MODEL["batch.gradient_accumulation_steps"])
+    assert sorted(compute) == sorted((r, f"{k}{i}") for r in (0, 1) for k in "FB" for i in range(m))
+    assert any(e.get("cat") == "recv" for e in trace)
+    assert (run / "pipeline_schedule.png").stat().st_size > 0
+    pipeline = json.loads((run / "summary.json").read_text())["pipeline"]
+    assert pipeline["bubble_theory"] == pytest.approx(1 / (m + 1))  # (p-1)/(m+p-1) at p = 2
+    assert 0 < pipeline["bubble_measured"] < 1

@@ -54,7 +54,7 @@ def test_search_honours_fixed_fields_and_the_framework():
     core = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["megatron-core"], job)
     assert {e.layout.zero_stage for e in core} <= {0, 1}
     # a pinned value the framework lacks yields nothing (the trainer has no activation recomputation, no ZeRO-1)
-    for pin in ({"recompute": "full"}, {"zero_stage": 1}, {"pp": 2}):
+    for pin in ({"recompute": "full"}, {"zero_stage": 1}):
         assert search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], job, fixed=pin, keep_unfit=True) == []
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from meshtrain.config import ConfigError
@@ -34,6 +34,10 @@ from meshtrain.fileio import write_json_atomic
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``): each
+pipeline stage saves and loads its own parameters' entries, so the state reshards across pp sizes like the
+weights do (a nested ``param_groups`` list would be one rank's, the others' lost)."""
 
 
 def step_dir(out_dir: Path, step: int) -> Path:
@@ -87,7 +91,7 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if rank == 0:
         write_json_atomic(tmp / META, {"step": step, **meta})
@@ -98,10 +102,12 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     return final
 
 
-def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """Collectively load a committed checkpoint into ``model`` (and ``optimizer``), resharding as needed.
 
-    Returns the checkpoint's ``meta.json`` contents.
+    ``aliases`` maps a parameter name to another one holding the same tensor in a checkpoint of another
+    layout: a pipeline's head copy of the tied embedding (``lm_head.weight``) reads the optimizer state
+    that a one-stage run saved under ``tok_emb.weight``. Returns the checkpoint's ``meta.json`` contents.
     """
     if optimizer is None:
         model_sd = {k: v for k, v in model.state_dict().items()}
@@ -110,8 +116,30 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str,
             dcp.load({"model": model_sd}, checkpoint_id=str(ckpt))
         model.load_state_dict(model_sd)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
+        optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(ckpt))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        back = {v: k for k, v in renamed.items()}
+        optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
     return read_meta(ckpt)
+
+
+def _aliased_keys(ckpt: Path, optim_sd: dict[str, Any], aliases: dict[str, str]) -> dict[str, str]:
+    """{requested optimizer key: the checkpoint's key for it} for keys the checkpoint lacks under their own
+    parameter name but holds under an alias (``state.lm_head.weight.exp_avg`` -> ``state.tok_emb.weight.exp_avg``)."""
+    if not aliases:
+        return {}
+    stored = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    out = {}
+    for key in optim_sd:
+        if f"optim.{key}" in stored:
+            continue
+        for name, alias in aliases.items():
+            if f".{name}." in f".{key}.":
+                other = f".{key}.".replace(f".{name}.", f".{alias}.", 1)[1:-1]
+                if f"optim.{other}" in stored:
+                    out[key] = other
+    return out

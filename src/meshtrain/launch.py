@@ -124,6 +124,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
     preflight(cfg, nproc * nnodes)
+    if cfg.parallel.pp > 1:
+        print_pipeline_split(cfg)
 
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -139,6 +141,21 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if args.node_rank == 0:
         report_plan_vs_actual(cfg, threads)
     return 0
+
+
+def print_pipeline_split(cfg: Config) -> None:
+    """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.models.split`)."""
+    from meshtrain.models.split import chunk_ranks, describe_split, item_costs, split_layers
+    from meshtrain.planner.models import corpus_vocab_size
+    from meshtrain.schedules import RULES
+
+    m, p, b = cfg.model, cfg.parallel, cfg.batch
+    vocab = m.vocab_size or corpus_vocab_size(cfg)
+    n_chunks = p.pp * p.virtual_stages
+    tokens = b.gradient_accumulation_steps * b.micro_batch_size * m.block_size
+    chunks = split_layers(m.n_layer, n_chunks, item_costs(m.n_layer, m.n_embd, m.block_size, vocab, tokens))
+    print(f"pipeline split ({p.pp_schedule}, pp={p.pp}, {p.virtual_stages} chunk(s) per rank, balanced by cost):\n"
+          + describe_split(chunks, chunk_ranks(p.pp, n_chunks, RULES[p.pp_schedule].placement)), file=sys.stderr)
 
 
 def rank_threads(nproc: int) -> int:
@@ -166,6 +183,11 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
         summary = json.loads(path.read_text())
         if summary.get("step_time_s") is None:
             return
+        pipeline = summary.get("pipeline")
+        if pipeline:
+            print(f"pipeline bubble: {pipeline['bubble_measured']:.1%} measured, {pipeline['bubble_theory']:.1%} in "
+                  f"theory; timeline {path.parent / 'pipeline_schedule.png'}, trace "
+                  f"{path.parent / 'pipeline_trace.json'}", file=sys.stderr)
         from meshtrain.planner.actual import report_run
         report_run(cfg, summary, threads)
     except (ConfigError, OSError, KeyError, TypeError, ValueError) as e:

@@ -123,7 +123,8 @@ class Trainer:
             resume = str(self.out_dir)  # continue this run, not the checkpoint it started from
         if not resume:
             return 0
-        meta = ckpt.load(ckpt.resolve_checkpoint(resume), self.model, self.optimizer)
+        meta = ckpt.load(ckpt.resolve_checkpoint(resume), self.model, self.optimizer,
+                         aliases={"lm_head.weight": "tok_emb.weight"})  # the tied weight, by its first name
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
         return int(meta["step"])

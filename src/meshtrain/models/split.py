@@ -104,3 +104,10 @@ def chunk_ranks(pp: int, n_chunks: int, style: str) -> list[int]:
     if style == "v":
         return [c if c < pp else n_chunks - 1 - c for c in range(n_chunks)]
     return [c % pp for c in range(n_chunks)]
+
+
+def describe_split(chunks: list[Chunk], ranks: list[int]) -> str:
+    """One line per chunk: ``chunk 0 on pp rank 0: embedding + blocks 0-3 (12.1 GFLOP/step, 28%)``."""
+    total = sum(c.cost for c in chunks)
+    return "\n".join(f"  chunk {c.index} on pp rank {ranks[c.index]}: {c.describe()} "
+                     f"({c.cost / 1e9:.3g} GFLOP/step, {c.cost / total:.0%})" for c in chunks)

@@ -48,7 +48,7 @@ from meshtrain.models.split import Chunk, chunk_ranks, item_costs, split_layers
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
                                                plot_timeline)
-from meshtrain.schedules import bubble_fraction
+from meshtrain.schedules import RULES, bubble_fraction
 
 SCHEDULES: dict[str, type] = {
     "naive": ScheduleNaive,
@@ -58,8 +58,6 @@ SCHEDULES: dict[str, type] = {
     "zero-bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-V_SHAPED = ("zbv",)
-"""Schedules that place chunks r and 2p-1-r on rank r (the others: chunk c on rank c % p)."""
 
 
 def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int, schedule: str,
@@ -74,7 +72,7 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int, sc
     n_chunks = pp * virtual_stages
     chunks = split_layers(cfg.n_layer, n_chunks, item_costs(cfg.n_layer, cfg.n_embd, cfg.block_size,
                                                             model.vocab_size, tokens))
-    ranks = chunk_ranks(pp, n_chunks, "v" if schedule in V_SHAPED else "loop")
+    ranks = chunk_ranks(pp, n_chunks, RULES[schedule].placement)
     mine = [c for c in chunks if ranks[c.index] == pp_rank]
     if n_chunks > 1:
         model.untie_weights()
@@ -110,7 +108,7 @@ class Pipeline:
         self.model = model
         self.parts = {c.index: part for c, part in zip(chunks, parts)}
         self.n_chunks = n_chunks
-        self.chunk_rank = chunk_ranks(dist.get_world_size(pp_group), n_chunks, "v" if schedule in V_SHAPED else "loop")
+        self.chunk_rank = chunk_ranks(dist.get_world_size(pp_group), n_chunks, RULES[schedule].placement)
         self.pp_group, self.pp_rank = pp_group, dist.get_rank(pp_group)
         self.loss_fn = loss_fn
         self.embedding_group = embedding_group
@@ -235,7 +233,7 @@ def embedding_group(mesh_ranks: torch.Tensor, schedule: str) -> dist.ProcessGrou
     ranks of the mesh. Every rank must call this (it creates one group per coordinate). None with pp = 1
     or a V-shaped schedule (both ends on pipeline rank 0)."""
     pp = mesh_ranks.size(0)
-    if pp == 1 or schedule in V_SHAPED:
+    if pp == 1 or RULES[schedule].placement == "v":
         return None
     pairs = mesh_ranks[[0, pp - 1]].reshape(2, -1).t().tolist()  # [[first-stage rank, last-stage rank], ...]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
