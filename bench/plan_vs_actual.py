@@ -1,8 +1,9 @@
 """Planner vs trainer on this machine: predicted and measured time per step and peak memory per rank
 for layouts of ``configs/shakespeare_char.toml`` (dp 1/2, zero_stage 0/2/3, micro batch and
-accumulation splits, widths, fp32/bf16, tp 2 with and without sequence parallelism, sp 2 Ulysses and ring).
+accumulation splits, widths, fp32/bf16, tp 2 with and without sequence parallelism, sp 2 Ulysses and ring,
+pp 2 with every pipeline schedule).
 
-    python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate]   # ~8 min per round on 2 CPU cores
+    python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate] [--match pp2]   # ~10 min per round
 
 Each run waits until the machine is idle (under 10% of the cores busy over 2 s) so that other work
 does not slow the measurement.
@@ -55,6 +56,14 @@ LAYOUTS = [  # (name, nproc, overrides)
     ("sp2 ulysses T256 mbs4", 2, {"parallel.sp": 2, "model.block_size": 256, "batch.micro_batch_size": 4}),
     ("sp2 ring T256 mbs4", 2, {"parallel.sp": 2, "parallel.sp_mode": "ring", "model.block_size": 256,
                                "batch.micro_batch_size": 4}),
+    *[(f"pp2 {name} mbs6 ga4", 2, {"parallel.pp": 2, "parallel.pp_schedule": sched, "parallel.virtual_stages": v,
+                                   "batch.micro_batch_size": 6, "batch.gradient_accumulation_steps": 4})
+      for name, sched, v in (("naive", "naive", 1), ("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
+                             ("interleaved v2", "interleaved-1f1b", 2), ("zero-bubble v2", "zero-bubble", 2),
+                             ("zbv", "zbv", 2))],
+    ("pp2 1f1b mbs3 ga8", 2, {"parallel.pp": 2, "batch.micro_batch_size": 3, "batch.gradient_accumulation_steps": 8}),
+    ("pp2 1f1b C256 mbs6 ga4", 2, {"parallel.pp": 2, "model.n_embd": 256, "batch.micro_batch_size": 6,
+                                   "batch.gradient_accumulation_steps": 4}),
 ]
 
 
@@ -90,7 +99,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the machine into the default profile at the start of every round")
+    parser.add_argument("--match", default="", help="only the layouts whose name contains this, e.g. pp2")
     args = parser.parse_args()
+    LAYOUTS[:] = [layout for layout in LAYOUTS if args.match in layout[0]]
     rounds = []
     for _ in range(args.repeats):
         if args.calibrate:

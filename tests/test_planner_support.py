@@ -51,9 +51,10 @@ def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, b
             layout = Layout(**{**base.to_dict(), "recompute": rc})
             validate(trainer_config(model, layout))  # raises ConfigError if the trainer would reject it
             seen.add((layout.tp > 1, layout.sp_mode if layout.sp > 1 else "", layout.tp_sequence_parallel))
-    assert all(b.pp == 1 and b.zero_stage in SUPPORTED.zero_stages for b, _ in candidates)
-    if world >= 4:  # the search really covers tp and sp
+    assert all(b.zero_stage in SUPPORTED.zero_stages for b, _ in candidates)
+    if world >= 4:  # the search really covers tp, sp and the pipeline schedules
         assert any(tp for tp, _, _ in seen) and any(mode for _, mode, _ in seen)
+        assert {b.pp_schedule for b, _ in candidates if b.pp > 1} >= {"gpipe", "naive"}
 
 
 def test_the_trainer_rejects_what_the_planner_rules_out():
@@ -83,7 +84,8 @@ def test_plan_of_the_main_config_and_of_a_preset_ranks_only_runnable_layouts(cap
         rows = json.loads(capsys.readouterr().out)
         assert rows
         for r in rows:
-            assert r["pp"] == 1 and r["recompute"] in SUPPORTED.recompute and r["zero_stage"] in SUPPORTED.zero_stages
+            assert r["recompute"] in SUPPORTED.recompute and r["zero_stage"] in SUPPORTED.zero_stages
+            assert r["pp"] == 1 or r["pp_schedule"] in SUPPORTED.pp_schedules
 
 
 def test_fix_and_explain_name_what_the_trainer_lacks(capsys):

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshtrain.planner.hardware import Hardware
+from meshtrain.schedules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.memory import Precision, stage_layers, stage_params
 from meshtrain.planner.models import ModelSpec
@@ -308,14 +309,17 @@ def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) ->
 
 
 def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
-    """Idle time of the pipeline per step: ``(pp-1)/v`` micro-batch times for GPipe, 1F1B and interleaved
-    1F1B (Narayanan et al. 2021, Sec. 2.2); ZB-H1 leaves ``(pp-1)`` forward times (Qi et al. 2023, Sec. 3)."""
+    """Idle time of the busiest stage per step: a bubble fraction ``f`` of the step
+    (:func:`meshtrain.schedules.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
+    busy time idle. Busy time is ``m`` micro-batch times (compute, tp/sp and p2p): ``(p-1)/v`` micro-batch
+    times for GPipe, 1F1B and interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), ``(p-1)/(3v)`` for
+    zero-bubble at F = I = W (Qi et al. 2024), ``(p-1) * m`` for naive model parallelism."""
     if layout.pp == 1:
         return 0.0
-    if layout.pp_schedule == "zero-bubble":
-        return (layout.pp - 1) * (mb.forward + mb.tp / 3)
+    m = layout.gradient_accumulation_steps
+    f = bubble_fraction(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     whole = mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p
-    return (layout.pp - 1) / layout.virtual_stages * whole
+    return f / (1.0 - f) * m * whole
 
 
 def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: _MicroBatch) -> float:
@@ -379,6 +383,16 @@ def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precisi
     return nbytes / dev.bandwidth() + per_tensor * model.param_tensors() / layout.pp
 
 
+def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+    """A pipeline whose tied embedding and head sit on different ranks all-reduces their (V, h/tp)
+    gradients once per step between the first and last stage (Megatron-LM's embedding group; the
+    trainer's ``Pipeline.sync_tied_gradients``). None under a V placement (both on pipeline rank 0)."""
+    if layout.pp == 1 or not model.tied_embeddings or RULES[layout.pp_schedule].placement == "v":
+        return 0.0
+    nbytes = model.vocab * model.hidden / layout.tp * prec.grad_bytes
+    return collective_time(hw, "all-reduce", 2, nbytes, layout.spans_nodes("pp", hw.network.devices_per_node))
+
+
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> StepTime:
     """Seconds per optimizer step, by cause (see the module docstring for the model of each part)."""
     mb = _micro_batch(model, layout, hw, prec, fw)
@@ -387,5 +401,5 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
         c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, layout.spans_nodes(c.axis, hw.network.devices_per_node))
         for c in layer_step_collectives(model, layout, prec))
     return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
-                    pp_comm=m * mb.p2p, bubble=bubble_time(layout, mb),
+                    pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
                     dp_comm=dp_time(model, layout, hw, prec, fw, mb), optimizer=optimizer_time(model, layout, hw, prec))

@@ -14,10 +14,12 @@ from typing import Any
 
 from meshtrain.config import ConfigError
 from meshtrain.planner.models import ModelSpec
+from meshtrain.schedules import RULES, schedule_error
 from meshtrain.support import SUPPORTED
 
 RECOMPUTE = ("none", "selective", "full")
-PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+PP_SCHEDULES = tuple(RULES)
+"""Every pipeline schedule the planner models: the trainer's (:mod:`meshtrain.schedules`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 SP_MODES = ("ulysses", "ring")
 """Sequence parallelism: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023) or ring attention
@@ -38,7 +40,7 @@ class Layout:
     recompute: str = "none"
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (Narayanan et al. 2021, Sec. 2.2.2); > 1 only for interleaved-1f1b."""
+    """Model chunks per pipeline rank (Narayanan et al. 2021, Sec. 2.2.2): > 1 for interleaved-1f1b, 2 for zbv."""
     tp_sequence_parallel: bool = False
     """Megatron sequence parallelism in the tp regions (Korthikanti et al. 2022, Sec. 4.2.2)."""
     sp_mode: str = "ulysses"
@@ -119,7 +121,7 @@ class Framework:
     sequence_parallel: bool = True
     mixed_precision: str = "bf16"
     zero_stages: tuple[int, ...] = ZERO_STAGES
-    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
     recompute: tuple[str, ...] = RECOMPUTE
     sp_modes: tuple[str, ...] = ("ulysses",)
     attention_dropout_sp_modes: tuple[str, ...] = SP_MODES
@@ -157,13 +159,15 @@ FRAMEWORKS = {f.name: f for f in (
 )}
 
 
-def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int | None = None) -> list[str]:
+def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int | None = None,
+                        schedule: bool = True) -> list[str]:
     """Every rule ``layout`` breaks for ``model``, as one line each (empty list: the layout is valid).
 
     Rules: Megatron tensor parallelism splits heads, kv heads (or replicates them) and the MLP width
     (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
-    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2). Ring attention needs no
+    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2), and each pipeline schedule
+    its own rules (:func:`meshtrain.schedules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
     2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """
@@ -190,15 +194,14 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"seq_len = {model.seq_len} is not divisible by {what} = {seq_split}")
     if L.tp_sequence_parallel and L.tp == 1:
         e.append("tp_sequence_parallel needs tp > 1")
-    if L.pp * L.virtual_stages > model.layers:
-        e.append(f"pp*virtual_stages = {L.pp * L.virtual_stages} exceeds layers = {model.layers}")
     if L.pp_schedule not in PP_SCHEDULES:
         e.append(f"pp_schedule = {L.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
-    if L.virtual_stages > 1 and L.pp_schedule != "interleaved-1f1b":
-        e.append(f"virtual_stages = {L.virtual_stages} needs pp_schedule = 'interleaved-1f1b'")
-    if L.pp_schedule == "interleaved-1f1b" and L.pp > 1 and L.gradient_accumulation_steps % L.pp:
-        e.append(f"interleaved-1f1b needs gradient_accumulation_steps = {L.gradient_accumulation_steps} "
-                 f"to be a multiple of pp = {L.pp}")
+    elif L.pp > 1 and schedule:
+        error = schedule_error(L.pp_schedule, L.pp, L.virtual_stages, L.gradient_accumulation_steps, model.layers,
+                               L.dp * L.sp)
+        e += [error] if error else []
+    elif L.virtual_stages > 1:
+        e.append(f"virtual_stages = {L.virtual_stages} needs pp > 1")
     if L.recompute not in RECOMPUTE:
         e.append(f"recompute = {L.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if L.zero_stage not in ZERO_STAGES:

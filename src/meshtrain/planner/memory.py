@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from meshtrain.planner.hardware import Hardware
+from meshtrain.schedules import microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.models import ModelSpec
 
@@ -121,15 +122,10 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
 
 
 def in_flight_microbatches(layout: Layout) -> float:
-    """Micro-batches whose activations the first (fullest) stage holds at its peak."""
-    if layout.pp == 1:
-        return 1.0
-    m = layout.gradient_accumulation_steps
-    if layout.pp_schedule == "gpipe":
-        return float(m)
-    if layout.pp_schedule == "interleaved-1f1b":
-        return min(m, layout.pp + (layout.pp - 1) / layout.virtual_stages)
-    return float(min(m, layout.pp))  # 1f1b and zero-bubble (ZB-H1 keeps 1F1B's memory, Qi et al. 2023)
+    """Micro-batches whose activations the first (fullest) stage holds at its peak
+    (:func:`meshtrain.schedules.microbatches_in_flight`, the trainer's schedules)."""
+    return microbatches_in_flight(layout.pp_schedule, layout.pp, layout.gradient_accumulation_steps,
+                                  layout.virtual_stages)
 
 
 def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:

@@ -20,6 +20,7 @@ from typing import Any
 
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import Hardware
+from meshtrain.schedules import schedule_error
 from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision, memory_breakdown
 from meshtrain.planner.models import ModelSpec
@@ -31,14 +32,18 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...]) -> Iterator[tuple[str, int]]:
+def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...], batch_degree: int) -> Iterator[tuple[str, int]]:
+    """(pp_schedule, virtual_stages) pairs the framework runs for ``pp`` stages and ``ga`` micro-batches:
+    the trainer's own rules (:func:`meshtrain.schedules.schedule_error`), virtual stages from the
+    divisors of a stage's layers."""
     if pp == 1:
         yield "1f1b", 1
         return
-    yield from ((s, 1) for s in ("1f1b", "gpipe", "zero-bubble") if s in allowed)
-    if ga % pp == 0 and "interleaved-1f1b" in allowed:
-        per_stage = -(-model.layers // pp)
-        yield from (("interleaved-1f1b", v) for v in divisors(per_stage) if v > 1 and pp * v <= model.layers)
+    per_stage = -(-model.layers // pp)
+    for sched in allowed:
+        for v in [1] + [v for v in divisors(per_stage) if v > 1]:
+            if schedule_error(sched, pp, v, ga, model.layers, batch_degree) is None:
+                yield sched, v
 
 
 def _choices(fixed: dict[str, Any], key: str, options: list[Any]) -> list[Any]:
@@ -70,7 +75,7 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
                 ga = gbs // (dp * mbs)
                 if (gbs // dp) % mbs or fixed.get("gradient_accumulation_steps", ga) != ga:
                     continue
-                for sched, v in _schedules(model, pp, ga, framework.pp_schedules):
+                for sched, v in _schedules(model, pp, ga, framework.pp_schedules, dp * sp):
                     if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
                         continue
                     for zero in zeros:
@@ -89,7 +94,7 @@ def _model_splits(model: ModelSpec, framework: Framework, fixed: dict[str, Any],
             if seqp and (tp == 1 or not framework.sequence_parallel) and "tp_sequence_parallel" not in fixed:
                 continue
             layout = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
-            if not divisibility_errors(model, layout) and not framework_errors(framework, layout, model):
+            if not divisibility_errors(model, layout, schedule=False) and not framework_errors(framework, layout, model):
                 yield sp_mode, seqp
                 break  # tp without sequence parallelism only where it is impossible
 
