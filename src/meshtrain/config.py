@@ -326,7 +326,6 @@ def _validate_support(cfg: Config) -> None:
     zeros = ", ".join(map(str, S.zero_stages))
     _require(p.zero_stage in S.zero_stages, f"parallel.zero_stage = {p.zero_stage} is not supported: use one of {zeros}")
     _require(S.tp or p.tp == 1, f"parallel.tp = {p.tp} is not supported yet: use 1")
-    _require(S.pp_schedules or p.pp == 1, f"parallel.pp = {p.pp} is not supported yet: use 1")
     _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")
     _require(p.sp_mode in S.sp_modes + ("ulysses",),
              f"parallel.sp_mode = {p.sp_mode!r} is not valid: use one of {', '.join(S.sp_modes)}")

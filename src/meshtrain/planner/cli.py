@@ -17,7 +17,7 @@ EPILOG = """examples:
   meshtrain plan --model llama3-405b --gpu H100 --num-gpus 16384 --global-batch-tokens 16777216 --top 5 --json
   meshtrain plan --model gpt2-xl --gpu A100-80GB --num-gpus 16 --global-batch-size 512 --explain zero_stage=2,micro_batch_size=4
   meshtrain plan configs/shakespeare_char.toml            (the trainer's model and layout, on this CPU)
-  meshtrain plan --validate ../shared/validation/published_runs.toml --json
+  meshtrain plan --validate --json
   meshtrain plan --calibrate                              (measure this machine, save a cpu profile)"""
 
 
@@ -60,9 +60,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--json", action="store_true", help="print JSON instead of tables")
     o.add_argument("--markdown", action="store_true", help="with --validate: print the Markdown table of docs/planner.md")
     o.add_argument("--plot", type=Path, metavar="PNG", help="write memory and step-time breakdowns of the top layouts")
-    o.add_argument("--validate", type=Path, metavar="FILE", help="predict published runs and report the errors")
+    o.add_argument("--validate", type=Path, nargs="?", const=PUBLISHED_RUNS, metavar="FILE",
+                   help="predict published runs and report the errors (default: the runs shipped with meshtrain, "
+                        "planner/data/published_runs.toml)")
     o.add_argument("--calibrate", action="store_true", help="measure this machine and save a cpu profile")
     p.set_defaults(func=run)
+
+
+PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
+"""Measured runs from papers and framework tables, with their sources, shipped inside the package."""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -155,6 +155,12 @@ FRAMEWORKS = {f.name: f for f in (
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES),
+    # Megatron-LM as Korthikanti et al. 2022 ran it: sequence parallelism and selective recomputation are
+    # new, attention still writes the s x s scores (which is what selective recomputation recomputes, their
+    # Sec. 5), no tp/dp communication overlap yet (that came with Megatron-Core and Transformer Engine).
+    Framework("megatron-2022", attention="materialized", dp_comm_overlap=False, zero_stages=(0,),
+              pp_schedules=("1f1b", "interleaved-1f1b"), grad_bucket_bytes=float("inf"),
+              cross_entropy_bytes=MEGATRON_CE_BYTES),
     Framework("fsdp", zero_stages=(0, 2, 3), pp_schedules=("1f1b",), grad_sync_every_microstep=True),
 )}
 

@@ -35,7 +35,7 @@ from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.models import from_table
 from meshtrain.planner.search import search
 
-SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
+SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"), ("korthikanti", "megatron-2022"),
                      ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
 FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
            "pp_schedule", "virtual_stages", "tp_sequence_parallel", "sp_mode")
