@@ -112,6 +112,20 @@ def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]]) -
     return {name: load_result(root / name) for name in layouts}
 
 
+def layout_launcher(tmp_path_factory, model: dict[str, str], layouts: dict[str, tuple[int, dict[str, str]]],
+                    prefix: str):
+    """``get(world)``: {name: :func:`load_result`} of every layout of ``layouts`` (name -> (world size,
+    overrides on top of ``model``)) of that world size, launched once per world size and cached."""
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict[str, tuple]:
+        if world not in cache:
+            cache[world] = launch_layouts(world, tmp_path_factory.mktemp(f"{prefix}{world}"),
+                                          {n: {**model, **o} for n, (w, o) in layouts.items() if w == world})
+        return cache[world]
+    return get
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     try:

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from conftest import CONFIG, TINY, check_layout, override_args, run_cli
-from layout_worker import launch_layouts, reference_run
+from layout_worker import layout_launcher, reference_run
 
 # 8 layers so that pp=4 with 2 chunks per rank has a block per chunk; 4 micro-batches so that every
 # schedule runs at pp=2 and pp=4 (1F1B needs >= pp, interleaved a multiple of pp).
@@ -28,7 +28,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "pp2-dp2-ddp": (4, {"parallel.pp": "2", "batch.micro_batch_size": "1"}),
     "pp2-dp2-fsdp2": (4, {"parallel.pp": "2", "parallel.zero_stage": "3", "batch.micro_batch_size": "1",
                           "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2"}),
+    "pp2-tp2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
     "pp2-tp2-seqpar": (4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "pp2-sp2-ulysses": (4, {"parallel.pp": "2", "parallel.sp": "2"}),
     "pp2-sp2-ring": (4, {"parallel.pp": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "pp2-dp2-tp2": (8, {"parallel.pp": "2", "parallel.tp": "2", "batch.micro_batch_size": "1"}),
 }
@@ -42,14 +44,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict[str, tuple]:
-        if world not in cache:
-            cache[world] = launch_layouts(world, tmp_path_factory.mktemp(f"pp-world{world}"),
-                                          {n: {**MODEL, **o} for n, (w, o) in LAYOUTS.items() if w == world})
-        return cache[world]
-    return get
+    return layout_launcher(tmp_path_factory, MODEL, LAYOUTS, "pp-world")
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w <= 4])

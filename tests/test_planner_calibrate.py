@@ -38,7 +38,8 @@ def test_calibration_writes_a_loadable_profile(profile):
     assert 0 < host.layer_host_s < 0.1 and 0 < host.tensor_update_host_s < host.sharded_tensor_update_host_s
     assert 0 <= host.ddp_bucket_overhead_s < 0.1 and 0 <= host.fsdp_unit_overhead_s < 0.1
     text = profile.read_text()
-    for key in ("tp_layer_host_s", "tp_seqpar_layer_host_s", "ulysses_layer_host_s", "ring_layer_host_s"):
+    for key in ("tp_layer_host_s", "tp_seqpar_layer_host_s", "ulysses_layer_host_s", "ring_layer_host_s",
+                "pipeline_action_host_s"):
         assert f"{key} = " in text and 0 <= getattr(host, key) < 0.1, key  # measured, not defaulted
     assert cpu.network.devices_per_node == 2 and cpu.network.intra_node_bandwidth > 1e6
     # the profile replaces the uncalibrated default
@@ -264,3 +265,29 @@ def test_tp_and_sp_host_time_is_charged_per_layer_and_micro_step(layout, key):
 
     base, more = seconds(0.0), seconds(1e-3)
     assert more - base == pytest.approx(model.layers * 3 * 1e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, v, actions", [("1f1b", 1, 2), ("interleaved-1f1b", 2, 2), ("zbv", 2, 3)])
+def test_pipeline_action_host_time_is_charged_per_action(schedule, v, actions):
+    """Each forward, backward (or zero-bubble half) of each chunk and micro-batch costs the calibrated host
+    time, on the busy path (m micro-batches) and in the bubble that scales with a micro-batch's time."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+    from meshtrain.schedules import bubble_fraction
+
+    hw = get_hardware("cpu")
+    model = from_config(load_config(CONFIG), 65)
+    m = 4
+    lay = Layout(dp=1, pp=2, micro_batch_size=3, gradient_accumulation_steps=m, pp_schedule=schedule,
+                 virtual_stages=v)
+
+    def seconds(host: float) -> float:
+        device = replace(hw.device, pipeline_action_host_s=host)
+        return step_time(model, lay, replace(hw, device=device), PRECISIONS["fp32"], FRAMEWORKS["meshtrain"]).total
+
+    f = bubble_fraction(schedule, 2, m, v)
+    assert seconds(1e-3) - seconds(0.0) == pytest.approx(m / (1 - f) * v * actions * 1e-3, rel=1e-9)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY, check_layout, read_records
-from layout_worker import launch_layouts, reference_run
+from layout_worker import layout_launcher, reference_run
 
 # 4 heads so that tp=4 and Ulysses over tp*sp=4 divide them; 6 steps (the contract asks for 5+).
 MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
@@ -52,14 +52,7 @@ def run_reference(out) -> tuple:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict[str, tuple]:
-        if world not in cache:
-            cache[world] = launch_layouts(world, tmp_path_factory.mktemp(f"world{world}"),
-                                          {n: {**MODEL, **o} for n, (w, o) in LAYOUTS.items() if w == world})
-        return cache[world]
-    return get
+    return layout_launcher(tmp_path_factory, MODEL, LAYOUTS, "world")
 
 
 def _check(got: tuple, want: tuple) -> None:

@@ -410,9 +410,49 @@ def _parallel_host(world: int, comm: dict) -> dict:
     return out
 
 
+def _pipeline_host(world: int, comm: dict) -> dict:
+    """Host seconds per pipeline action: the trainer's GPT at width 8 (one block per stage, 16 tokens per
+    micro-batch, so the arithmetic is negligible) split over all ranks by
+    :func:`meshtrain.parallel.parallelize_pipeline` and run by 1F1B with 2 and 10 micro-batches; the
+    step grows by one forward and one backward per stage per micro-batch, so per action = (t10 - t2) / 8
+    / 2, minus half the plain block's forward + backward and the modeled p2p of its activation (0 when it
+    cannot be told from noise)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from meshtrain.config import ModelConfig, ParallelConfig
+    from meshtrain.mesh import ParallelDims
+    from meshtrain.models.gpt import GPT
+    from meshtrain.parallel import parallelize_pipeline
+    from meshtrain.planner.cost import ring_time
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def step_time(m: int) -> float:
+        dims = ParallelDims(pp=world, dp=1, sp=1, tp=1, world_size=world)
+        dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(n_layer=world, n_head=2, n_embd=8, block_size=16), 65)
+        pipe = parallelize_pipeline(model, dims, ParallelConfig(pp=world, dp=1), m, 16 * m, loss_fn)
+        x = torch.randint(0, 65, (m, 16), generator=torch.Generator().manual_seed(0))
+        pos = torch.arange(16)
+        return _timed(lambda: pipe.step(x, x, pos), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+
+    torch.manual_seed(0)
+    block = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=8, block_size=16), 65).blocks["0"]
+    h = torch.randn(1, 16, 8, requires_grad=True)
+    plain = _timed(lambda: block(h).sum().backward(), 0.0, repeats=COLLECTIVE_REPEATS)
+    wire = 2 * ring_time("p2p", 2, 16 * 8 * 4, *comm["p2p"])  # the (1, 16, 8) fp32 activation and its gradient
+    per_micro_batch = (step_time(10) - step_time(2)) / 8
+    return {"pipeline_action_host_s": max(0.0, (per_micro_batch - plain - wire) / 2)}
+
+
 TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
                    "meshtrain.fileio", "meshtrain.launch", "meshtrain.mesh", "meshtrain.metrics",
                    "meshtrain.models.gpt", "meshtrain.parallel", "meshtrain.parallel.data", "meshtrain.parallel.reduce",
+                   "meshtrain.parallel.pipeline",
                    "meshtrain.parallel.rng", "torch.optim.lr_scheduler")
 """What ``meshtrain.train`` imports (the planner never imports the trainer: DESIGN.md, "Composition"):
 loaded, they hold the same modules and RSS as the trainer's imports (764 of its 767 modules beyond torch,
@@ -452,7 +492,7 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
     compute = measure_compute_passes(min_time, sizes["gemm"], sizes["attention"], sizes["passes"], dist.barrier,
                                      any_rank)
     comm = _collectives(rank, world, sizes["collective"])
-    dp_host = {**_dp_host(world, comm), **_parallel_host(world, comm)}
+    dp_host = {**_dp_host(world, comm), **_parallel_host(world, comm), **_pipeline_host(world, comm)}
     dist.destroy_process_group()
     if rank == 0:
         queue.put({"compute": compute, "comm": comm, "overhead": overhead, "per_char": per_char, "dp_host": dp_host})

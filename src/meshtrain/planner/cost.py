@@ -243,10 +243,14 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
         tp = max(0.0, tp - gemm)
     # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
     # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
+    # On a calibrated CPU each action of torch's schedule (a forward, a backward, or a zero-bubble half of
+    # one, per chunk) also costs its measured host time.
     p2p = 0.0
     if layout.pp > 1:
         pp_spans = layout.spans_nodes("pp", net.devices_per_node)
-        p2p = 2 * layout.virtual_stages * collective_time(hw, "p2p", 2, act / t, pp_spans)
+        actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
+        p2p = layout.virtual_stages * (2 * collective_time(hw, "p2p", 2, act / t, pp_spans)
+                                       + actions * hw.device.pipeline_action_host_s)
     return _MicroBatch(forward, backward, tp, sp, p2p)
 
 
