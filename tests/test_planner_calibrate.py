@@ -139,6 +139,7 @@ def _shift_worker(rank: int, world: int, store: str, queue) -> None:
     received = torch.empty(4)
     send_recv(torch.full((4,), float(rank)), received, rank, world)
     queue.put((rank, float(received[0])))
+    dist.barrier()
     dist.destroy_process_group()
 
 

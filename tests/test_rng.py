@@ -57,6 +57,7 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
         both = [torch.empty_like(seen[0]) for _ in range(2)]
         dist.all_gather(both, seen[0])
         torch.save(both, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while its peer is still in a collective (SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
 
