@@ -1,6 +1,6 @@
 """Pipeline bubble against the number of micro-batches: measured by the trainer, the theory, the planner.
 
-    python bench/pipeline_bubble.py [--steps 12] [--pp 2 4]      # ~10 min on 2 CPU cores
+    python bench/bench_pipeline_bubble.py [--steps 12] [--pp 2 4]      # ~10 min on 2 CPU cores
 
 For pp = 2 and 4, every schedule and micro-batch counts m in {pp, 2pp, 4pp} (where the schedule
 allows it), one real ``meshtrain train`` run of an 8-layer ``configs/shakespeare_char.toml`` model
@@ -88,7 +88,7 @@ def main() -> None:
     text = path.read_text()
     (REPO / "docs" / "pipeline_bubble.md").write_text(
         text.replace("# Pipeline bubble", "# Pipeline bubble (copied from bench/results/pipeline_bubble.md)", 1)
-        + "\nRegenerate: `python bench/pipeline_bubble.py`. How the schedules work: [pipeline.md](pipeline.md).\n")
+        + "\nRegenerate: `python bench/bench_pipeline_bubble.py`. How the schedules work: [pipeline.md](pipeline.md).\n")
     print(text)
 
 
