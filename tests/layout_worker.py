@@ -108,7 +108,8 @@ def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]]) -
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                            __file__, str(root / "spec.json")], capture_output=True, text=True, timeout=1200, env=env,
                           cwd=CONFIG.parents[1])
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    first = proc.stderr.find("Traceback")  # the failing rank's own error, before its peers' follow-ups
+    assert proc.returncode == 0, proc.stderr[max(first, 0):][:6000] + "\n...\n" + proc.stderr[-3000:]
     return {name: load_result(root / name) for name in layouts}
 
 
