@@ -41,6 +41,7 @@ def test_calibration_writes_a_loadable_profile(profile):
     for key in ("tp_layer_host_s", "tp_seqpar_layer_host_s", "ulysses_layer_host_s", "ring_layer_host_s",
                 "pipeline_action_host_s"):
         assert f"{key} = " in text and 0 <= getattr(host, key) < 0.1, key  # measured, not defaulted
+    assert "split_backward_factor = " in text and 1.0 <= host.split_backward_factor < 3.0
     assert cpu.network.devices_per_node == 2 and cpu.network.intra_node_bandwidth > 1e6
     # the profile replaces the uncalibrated default
     assert get_hardware("cpu", profile=profile).device.framework_overhead_bytes == cpu.device.framework_overhead_bytes
@@ -292,3 +293,25 @@ def test_pipeline_action_host_time_is_charged_per_action(schedule, v, actions):
 
     f = bubble_fraction(schedule, 2, m, v)
     assert seconds(1e-3) - seconds(0.0) == pytest.approx(m / (1 - f) * v * actions * 1e-3, rel=1e-9)
+
+
+def test_zero_bubble_backward_costs_the_calibrated_split_factor():
+    """Only the zero-bubble schedules run their backward as two passes; their compute grows by the factor."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.models import from_config
+
+    hw = get_hardware("cpu")
+    model = from_config(load_config(CONFIG), 65)
+
+    def compute(schedule: str, factor: float) -> float:
+        device = replace(hw.device, split_backward_factor=factor)
+        lay = Layout(dp=1, pp=2, micro_batch_size=3, gradient_accumulation_steps=4, pp_schedule=schedule,
+                     virtual_stages=2)
+        return step_time(model, lay, replace(hw, device=device), PRECISIONS["fp32"], FRAMEWORKS["meshtrain"]).compute
+
+    assert compute("interleaved-1f1b", 1.5) == compute("interleaved-1f1b", 1.0)
+    assert compute("zero-bubble", 1.5) > compute("zero-bubble", 1.0) == compute("interleaved-1f1b", 1.0)

@@ -446,7 +446,37 @@ def _pipeline_host(world: int, comm: dict) -> dict:
     plain = _timed(lambda: block(h).sum().backward(), 0.0, repeats=COLLECTIVE_REPEATS)
     wire = 2 * ring_time("p2p", 2, 16 * 8 * 4, *comm["p2p"])  # the (1, 16, 8) fp32 activation and its gradient
     per_micro_batch = (step_time(10) - step_time(2)) / 8
-    return {"pipeline_action_host_s": max(0.0, (per_micro_batch - plain - wire) / 2)}
+    return {"pipeline_action_host_s": max(0.0, (per_micro_batch - plain - wire) / 2),
+            "split_backward_factor": _split_backward_factor()}
+
+
+def _split_backward_factor() -> float:
+    """(input-gradient pass + weight-gradient pass) / one fused backward, for a GPT block at width 128 with
+    6 x 64 tokens (the main config's micro-batch): what the zero-bubble schedules' I and W cost together
+    against 1F1B's B, timed with torch's own ``stage_backward_input`` and ``stage_backward_weight``."""
+    import torch
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.gpt import GPT
+
+    torch.manual_seed(0)
+    block = GPT(ModelConfig(n_layer=1, n_head=4, n_embd=128, block_size=64), 65).blocks["0"]
+    params = list(block.parameters())
+    h = torch.randn(6, 64, 128, requires_grad=True)
+    grad = torch.randn(6, 64, 128)
+
+    def fused() -> None:
+        torch.autograd.backward(block(h), grad)
+
+    def split() -> None:  # what torch's zero-bubble stages run: I, then W from the saved intermediates
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        _, groups = stage_backward_input([block(h)], [grad], [h], iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    forward = _timed(lambda: block(h), 0.0, repeats=COLLECTIVE_REPEATS)
+    one, two = (_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS) - forward for fn in (fused, split))
+    return max(1.0, two / one) if one > 0 else 1.0
 
 
 TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",

@@ -223,6 +223,8 @@ def _layer_host_s(dev, layout: Layout) -> float:
 def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> _MicroBatch:
     """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
     forward, backward, gemm = _compute(model, layout, hw, prec, fw)
+    if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
+        backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
     net, n, t = hw.network, stage_layers(model, layout), layout.tp
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     act = tokens * model.hidden * prec.activation_bytes

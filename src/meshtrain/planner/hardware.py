@@ -68,6 +68,10 @@ class Device:
     backward through one chunk) that ``torch.distributed.pipelining``'s schedule adds beyond the chunk's
     own work and its transfer (bookkeeping, issuing and completing the p2p, the loss call): measured on
     CPU, 0 on GPUs, whose host runs ahead of the kernels."""
+    split_backward_factor: float = 1.0
+    """Time of a backward run as two autograd passes (input gradients, then weight gradients: the
+    zero-bubble schedules' I and W) over one fused backward: measured on CPU (a GPT block at width 128),
+    1 on GPUs (no published measurement)."""
     ddp_bucket_overhead_s: float = 0.0
     """Time DDP's gradient all-reduce costs per bucket beyond the transfer when it is issued from
     inside backward (hooks, bucket copies, and on CPU gloo's thread taking the core from backward):
@@ -243,7 +247,7 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
 
 HOST_KEYS = ("layer_host_s", "microstep_host_s", "tensor_update_host_s", "sharded_tensor_update_host_s",
              "fsdp_unit_overhead_s", "ddp_bucket_overhead_s", "tp_layer_host_s", "tp_seqpar_layer_host_s",
-             "ulysses_layer_host_s", "ring_layer_host_s", "pipeline_action_host_s")
+             "ulysses_layer_host_s", "ring_layer_host_s", "pipeline_action_host_s", "split_backward_factor")
 
 
 def _number(table: dict[str, Any], key: str, where: str) -> float:
