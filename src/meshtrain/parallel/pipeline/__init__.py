@@ -165,12 +165,12 @@ class Pipeline:
         return (x.size(0), x.size(1) // self.hidden_seq_divisor, self.model.cfg.n_embd)
 
     def report(self, out_dir: Path, skip_steps: int) -> dict | None:
-        """Collectively gather every pipeline rank's step records; on pipeline rank 0 write the last step as
+        """Collectively gather every pipeline rank's step records; on global rank 0 write the last step as
         ``OUT/pipeline_trace.json`` (Chrome trace) and ``OUT/pipeline_schedule.png`` (timeline), and return
         the measured bubble (median over the steps after the first ``skip_steps``) beside the theory."""
         per_rank = gather(self.tracer, self.pp_group)
-        if per_rank is None or not per_rank[0]:
-            return None
+        if per_rank is None or not per_rank[0] or dist.get_rank() != 0:
+            return None  # one writer: every dp/sp/tp replica of the pipeline gathers, global rank 0 writes
         last = [steps[-1] for steps in per_rank]
         measured = measured_bubble([steps[skip_steps:] or steps for steps in per_rank])
         p, v = dist.get_world_size(self.pp_group), self.n_chunks // dist.get_world_size(self.pp_group)
