@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -118,8 +119,7 @@ class Pipeline:
         self.is_first = any(c.has_embedding for c in chunks)
         self.is_last = any(c.has_head for c in chunks)
         cls = SCHEDULES[schedule]
-        stages = self.stages[0] if len(self.stages) == 1 and cls in (ScheduleNaive, ScheduleGPipe, Schedule1F1B) \
-            else self.stages
+        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages  # one chunk per rank
         self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec={"positions": _Replicate()})
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.hidden_seq_divisor = hidden_seq_divisor
