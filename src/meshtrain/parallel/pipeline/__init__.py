@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.fileio import write_json_atomic
+from meshtrain.parallel.reduce import local_value
 from meshtrain.models.split import Chunk, chunk_ranks, item_costs, split_layers
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
@@ -154,7 +155,7 @@ class Pipeline:
                 hidden = part(x, positions=positions) if c == 0 else part(hidden)
                 if c == self.n_chunks - 1:
                     with self.loss_context():
-                        total += float(_local(self.loss_fn(hidden, y)))
+                        total += float(local_value(self.loss_fn(hidden, y)))
                 elif self.chunk_rank[c + 1] != self.pp_rank:
                     dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.chunk_rank[c + 1])
         return total
@@ -191,7 +192,7 @@ class Pipeline:
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if not losses:
             return torch.zeros(())
-        return torch.stack([loss.detach().float().reshape(()) for loss in map(_local, losses)]).mean()
+        return torch.stack([loss.detach().float().reshape(()) for loss in map(local_value, losses)]).mean()
 
     def tied_weights(self) -> list[nn.Parameter]:
         """This rank's copies of the embedding/head weight that live on different ranks (0 or 1 of them,
@@ -215,16 +216,12 @@ class Pipeline:
         for w in weights:
             if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
                 w.grad = w.grad.redistribute(w.grad.device_mesh, w.placements)
-        grads = [_local(w.grad) for w in weights]
+        grads = [local_value(w.grad) for w in weights]
         if len(grads) == 2:  # both copies here (V placement): add locally
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
         elif len(grads) == 1 and self.embedding_group is not None:
             dist.all_reduce(grads[0], group=self.embedding_group)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def embedding_group(mesh_ranks: torch.Tensor, schedule: str) -> dist.ProcessGroup | None:
