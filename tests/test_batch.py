@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from meshtrain.batch import (data_parallel_size, global_batch_size, gradient_accumulation_for, open_sora_log,
-                             plan_batch, steps_per_epoch)
+                             plan_batch, scaled_lr, steps_per_epoch)
 from meshtrain.config import ConfigError
 
 degree = st.integers(1, 8)
@@ -204,3 +204,31 @@ def test_open_sora_log_worked_example():
     assert log.inner_micro_steps == 8
     assert log.real_steps_per_epoch == 500
     assert log.logged_steps_per_epoch == math.ceil(1000 / (8 * 2))
+
+
+# --- learning-rate scaling (Goyal et al. 2017; Krizhevsky 2014 / Malladi et al. 2022) ---------------
+
+@given(lr=st.floats(1e-6, 1.0), batch=size, reference=size)
+def test_linear_scaling_is_proportional_and_sqrt_its_square_root(lr, batch, reference):
+    linear = scaled_lr(lr, batch, reference, "linear")
+    sqrt = scaled_lr(lr, batch, reference, "sqrt")
+    assert linear == pytest.approx(lr * batch / reference, rel=1e-12)
+    assert sqrt * sqrt == pytest.approx(lr * linear, rel=1e-12)  # sqrt(r)^2 = r
+    assert scaled_lr(lr, batch, reference, "none") == lr
+    assert scaled_lr(lr, reference, reference, "sqrt") == pytest.approx(lr, rel=1e-15)
+
+
+def test_trainer_runs_the_scaled_schedule(tmp_path):
+    """Global batch 8 against a reference of 2 with linear scaling: every logged lr is 4x the unscaled
+    schedule's (warmup and cosine shape unchanged; both are computed by the same lr_at)."""
+    from conftest import CONFIG, TINY, train_here
+    from meshtrain.config import load_config
+    from meshtrain.train import lr_at
+
+    overrides = {"batch.micro_batch_size": "8", "optim.lr_scaling": "linear", "optim.reference_batch_size": "2"}
+    records = train_here(tmp_path / "run", **overrides)
+    plain = load_config(CONFIG, {**TINY, "batch.micro_batch_size": "8"}).optim
+    logged = {r["step"]: r["lr"] for r in records if "lr" in r}
+    assert len(logged) == int(TINY["train.steps"])
+    for step, lr in logged.items():
+        assert lr == pytest.approx(4 * lr_at(step - 1, plain, int(TINY["train.steps"])), rel=1e-12)

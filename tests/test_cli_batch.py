@@ -37,6 +37,14 @@ def test_json_has_the_whole_plan():
     assert out["total_time_s"] == pytest.approx(84 * 0.5)
 
 
+@pytest.mark.parametrize("rule, factor", [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])
+def test_json_scales_the_learning_rate_with_the_global_batch(rule, factor):
+    # 4 ranks x 12 samples = 48 = 4 x the reference batch of 12.
+    out = batch_json("--world-size", "4", "--micro-batch-size", "12", "--lr", "1e-3", "--lr-scaling", rule,
+                     "--reference-batch-size", "12")
+    assert out["lr"] == pytest.approx(1e-3 * factor, rel=1e-12)
+
+
 def test_json_sp_seed_example():
     out = batch_json("--world-size", "8", "--sp", "4", "--micro-batch-size", "1")
     assert (out["dp"], out["global_batch_size"]) == (2, 2)
@@ -85,6 +93,11 @@ def test_table_with_loader_batch_size_explains_the_open_sora_log():
      "not both"),
     (["--world-size", "8", "--sp", "4", "--micro-batch-size", "3", "--loader-batch-size", "1"],
      "not divisible by train_sp_batch_size = 3"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--lr-scaling", "linear", "--reference-batch-size", "2"],
+     "give --lr too"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--lr", "1e-3", "--lr-scaling", "sqrt"],
+     "optim.reference_batch_size = 0 both >= 1"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--lr", "-1"], "lr = -1.0 must be a finite number > 0"),
 ])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_bad_layout_exits_2_with_one_line(args, message, as_json):

@@ -140,6 +140,10 @@ BAD_VALUES = [
     ("checkpoint.keep", "0", "checkpoint.keep = 0 must be >= 1"),
     ("parallel.tp_sequence_parallel", '"maybe"', "parallel.tp_sequence_parallel = 'maybe' is not a valid bool"),
     ("modle.n_layer", "4", "unknown config section 'modle': did you mean 'model'?"),
+    ("optim.lr_scaling", '"cubic"', "optim.lr_scaling = 'cubic' is not valid: use one of none, linear, sqrt"),
+    ("optim.lr_scaling", '"linear"', "optim.lr_scaling = 'linear' needs optim.reference_batch_size >= 1"),
+    ("optim.reference_batch_size", "-4", "optim.reference_batch_size = -4 must be >= 0"),
+    ("model.tbptt_steps", "16", "model.tbptt_steps = 16 applies to recurrent models only"),
 ]
 
 

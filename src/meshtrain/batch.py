@@ -7,6 +7,7 @@ The general form (DESIGN.md, "The seeds' formulas")::
     tokens_per_step   = global_batch_size * seq_len                             [tokens / step]
     steps_per_epoch   = ceil(num_samples / global_batch_size)                   [optimizer steps]
     total_time_s      = total_steps * time_per_step_s                           [seconds]
+    lr                = base_lr * (global_batch_size / reference_batch_size) ** k  (k = 1 linear, 1/2 sqrt)
 
 Only the dp factor multiplies the batch: tp, pp and sp ranks work on the *same* samples. The
 "sp_size" seed (``(num_gpus / sp_size) * train_sp_batch_size * GA``) and the "training time" seed
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from meshtrain.config import ConfigError
+from meshtrain.config import LR_SCALINGS, ConfigError
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class BatchPlan:
     total_steps: int | None = None
     time_per_step_s: float | None = None
     total_time_s: float | None = None
+    base_lr: float | None = None
+    lr_scaling: str = "none"
+    reference_batch_size: int | None = None
+    lr: float | None = None
+    """Peak learning rate at this global batch (:func:`scaled_lr`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,16 +102,46 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return math.ceil(num_samples / global_batch)
 
 
+def scaled_lr(lr: float, global_batch: int, reference_batch_size: int, rule: str) -> float:
+    """The learning rate for ``global_batch`` samples per step, given ``lr`` tuned at ``reference_batch_size``.
+
+    - "linear": ``lr * B / B_ref`` -- Goyal et al. 2017 ("Accurate, Large Minibatch SGD", arXiv:1706.02677,
+      Sec. 2.1, the linear scaling rule, with gradual warmup, Sec. 2.2): k times the batch averages k
+      times the gradients, so k times the step keeps the SGD trajectory while the gradient changes slowly.
+    - "sqrt": ``lr * sqrt(B / B_ref)`` -- Krizhevsky 2014 (arXiv:1404.5997, Sec. 5) for SGD: keeps the
+      variance of the update constant; Malladi et al. 2022 (arXiv:2205.10287, Sec. 3) derive it as the
+      rule for Adam, whose update is normalised by the gradient's second moment.
+    - "none": ``lr``.
+
+    Takeaway: linear for SGD up to the "critical" batch, sqrt for Adam(W); both need warmup when the
+    scaled rate is large.
+
+    Raises:
+        ConfigError: an unknown rule, or a non-positive batch or reference.
+    """
+    if rule not in LR_SCALINGS:
+        raise ConfigError(f"optim.lr_scaling = {rule!r} is not valid: use one of {', '.join(LR_SCALINGS)}")
+    if rule == "none":
+        return lr
+    if global_batch < 1 or reference_batch_size < 1:
+        raise ConfigError(f"lr scaling needs global_batch_size = {global_batch} and "
+                          f"optim.reference_batch_size = {reference_batch_size} both >= 1")
+    ratio = global_batch / reference_batch_size
+    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
 def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_steps: int = 1, *,
                tp: int = 1, pp: int = 1, sp: int = 1, seq_len: int | None = None,
                num_samples: int | None = None, epochs: float | None = None, total_steps: int | None = None,
-               time_per_step_s: float | None = None) -> BatchPlan:
+               time_per_step_s: float | None = None, lr: float | None = None, lr_scaling: str = "none",
+               reference_batch_size: int | None = None) -> BatchPlan:
     """Derive the whole :class:`BatchPlan` of a layout.
 
     Give ``num_samples`` with ``epochs`` (-> total_steps = ceil(epochs * steps_per_epoch)) or with
     ``total_steps`` (-> epochs = total_steps / steps_per_epoch). ``time_per_step_s`` (seconds) gives
     ``total_time_s = total_steps * time_per_step_s``. ``micro_steps_per_epoch`` counts the forward/backward
-    passes one dp replica runs per epoch (steps_per_epoch * gradient_accumulation_steps).
+    passes one dp replica runs per epoch (steps_per_epoch * gradient_accumulation_steps). ``lr`` with
+    ``lr_scaling`` and ``reference_batch_size`` gives the scaled peak learning rate (:func:`scaled_lr`).
 
     Raises:
         ConfigError: non-divisible world size, non-positive sizes, or epochs and total_steps both given.
@@ -135,12 +171,18 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     elif epochs is not None:
         raise ConfigError("epochs needs num_samples: give --num-samples too")
     total_time = total_steps * time_per_step_s if (total_steps and time_per_step_s) else None
+    if lr_scaling != "none" and lr is None:
+        raise ConfigError(f"lr scaling '{lr_scaling}' needs the learning rate it scales: give --lr too")
+    if lr is not None and not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"lr = {lr} must be a finite number > 0")
+    scaled = scaled_lr(lr, gbs, reference_batch_size or 0, lr_scaling) if lr is not None else None
     return BatchPlan(world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, global_batch_size=gbs,
                      seq_len=seq_len, tokens_per_step=gbs * seq_len if seq_len else None,
                      num_samples=num_samples, steps_per_epoch=spe, micro_steps_per_epoch=mspe,
                      epochs=float(epochs) if epochs is not None else None, total_steps=total_steps,
-                     time_per_step_s=time_per_step_s, total_time_s=total_time)
+                     time_per_step_s=time_per_step_s, total_time_s=total_time, base_lr=lr,
+                     lr_scaling=lr_scaling, reference_batch_size=reference_batch_size, lr=scaled)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from meshtrain.config import ConfigError
+from meshtrain.config import LR_SCALINGS, ConfigError
 
 DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp, sp) and plan what a layout "
                "costs before launch: memory per device, time per step, MFU, total training time.")
@@ -33,6 +33,11 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=float, help="epochs to train (needs --num-samples; default 1)")
     p.add_argument("--steps", type=int, help="optimizer steps to train, instead of --epochs")
     p.add_argument("--time-per-step", type=float, help="seconds per optimizer step, for total_time_s")
+    p.add_argument("--lr", type=float, help="peak learning rate tuned at --reference-batch-size, to show it scaled")
+    p.add_argument("--lr-scaling", default="none", choices=LR_SCALINGS,
+                   help="how the learning rate follows the global batch (optim.lr_scaling; default none)")
+    p.add_argument("--reference-batch-size", type=int,
+                   help="global batch --lr was tuned at (optim.reference_batch_size)")
     p.add_argument("--loader-batch-size", type=int,
                    help="Open-Sora-Plan's per-rank train_batch_size (b): also show what its log would print")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -44,7 +49,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 
     plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, tp=args.tp, pp=args.pp, sp=args.sp,
                       seq_len=args.seq_len, num_samples=args.num_samples, epochs=args.epochs,
-                      total_steps=args.steps, time_per_step_s=args.time_per_step)
+                      total_steps=args.steps, time_per_step_s=args.time_per_step, lr=args.lr,
+                      lr_scaling=args.lr_scaling, reference_batch_size=args.reference_batch_size)
     osl = None
     if args.loader_batch_size is not None:
         osl = open_sora_log(args.world_size, args.sp, args.micro_batch_size, args.grad_accum,
@@ -82,6 +88,7 @@ def _print_batch_table(plan, osl) -> None:
         ("total_steps", plan.total_steps, "optimizer steps"),
         ("time_per_step_s", plan.time_per_step_s, "seconds"),
         ("total_time_s", plan.total_time_s, "total_steps * time_per_step_s"),
+        ("lr", plan.lr, _lr_how(plan)),
     ]
     for name, value, how in rows:
         if value is not None:
@@ -90,6 +97,14 @@ def _print_batch_table(plan, osl) -> None:
     console.print(t)
     if osl is not None:
         console.print(osl.explain())
+
+
+def _lr_how(plan) -> str:
+    if plan.lr_scaling == "none":
+        return "peak learning rate (no scaling)"
+    power = "" if plan.lr_scaling == "linear" else " ** 0.5"
+    return (f"{plan.base_lr:g} * ({plan.global_batch_size} / {plan.reference_batch_size}){power}: "
+            f"{plan.lr_scaling} scaling from reference_batch_size {plan.reference_batch_size}")
 
 
 def build_parser() -> argparse.ArgumentParser:

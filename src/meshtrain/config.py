@@ -3,11 +3,11 @@
 Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp --pp --sp --steps
 --seed --out``)::
 
-    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size
+    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps
     [data]       path, val_fraction
     [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel
     [batch]      micro_batch_size, gradient_accumulation_steps
-    [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2
+    [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir
     [checkpoint] interval, keep, resume
 
@@ -29,6 +29,10 @@ from typing import Any
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("float32", "bfloat16")
+MODEL_TYPES = ("gpt", "lstm", "gru")
+RECURRENT_TYPES = ("lstm", "gru")
+LR_SCALINGS = ("none", "linear", "sqrt")
+"""How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch.scaled_lr`)."""
 
 
 class ConfigError(ValueError):
@@ -38,11 +42,11 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     type: str = "gpt"
-    """Model family; only "gpt" (decoder-only transformer) is built so far."""
+    """Model family: "gpt" (decoder-only transformer), "lstm" or "gru" (recurrent, :mod:`meshtrain.models.rnn`)."""
     n_layer: int = 4
-    """Number of transformer blocks."""
+    """Number of blocks: transformer blocks, or recurrent layers."""
     n_head: int = 4
-    """Attention heads per block; must divide ``n_embd``."""
+    """Attention heads per block; must divide ``n_embd`` (gpt only; ignored by lstm/gru)."""
     n_embd: int = 128
     """Hidden size (embedding width)."""
     block_size: int = 64
@@ -51,6 +55,8 @@ class ModelConfig:
     """Dropout probability in [0, 1)."""
     vocab_size: int = 0
     """Vocabulary size; 0 means "take it from the tokenizer of the corpus"."""
+    tbptt_steps: int = 0
+    """lstm/gru: backpropagate through at most this many time steps (truncated BPTT); 0 = the whole block_size."""
 
 
 @dataclass
@@ -111,6 +117,10 @@ class OptimConfig:
     """AdamW beta1."""
     beta2: float = 0.99
     """AdamW beta2."""
+    lr_scaling: str = "none"
+    """Scale ``lr`` and ``min_lr`` with the global batch: "none", "linear" or "sqrt" (:func:`meshtrain.batch.scaled_lr`)."""
+    reference_batch_size: int = 0
+    """Global batch (samples) at which ``lr`` was tuned; needed (>= 1) when ``lr_scaling`` is not "none"."""
 
 
 @dataclass
@@ -277,11 +287,14 @@ def validate(cfg: Config) -> Config:
         ConfigError: the first violated rule, naming the key, the value and what is valid.
     """
     m, d, p, b, o, t, c = cfg.model, cfg.data, cfg.parallel, cfg.batch, cfg.optim, cfg.train, cfg.checkpoint
-    _require(m.type == "gpt", f"model.type = {m.type!r} is not supported: valid is 'gpt'")
+    _require(m.type in MODEL_TYPES, f"model.type = {m.type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
-    _require(m.n_embd % m.n_head == 0,
+    _require(m.type in RECURRENT_TYPES or m.n_embd % m.n_head == 0,
              f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
+    _require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
+    _require(m.tbptt_steps == 0 or m.type in RECURRENT_TYPES,
+             f"model.tbptt_steps = {m.tbptt_steps} applies to recurrent models only: use 0 with model.type = {m.type!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
     _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
 
@@ -296,6 +309,7 @@ def validate(cfg: Config) -> Config:
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
     _validate_support(cfg)
+    _validate_recurrent(cfg)
     _validate_shapes(cfg)
 
     _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
@@ -305,6 +319,12 @@ def validate(cfg: Config) -> Config:
     _require(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
     for key in ("beta1", "beta2"):
         _require(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
+    _require(o.lr_scaling in LR_SCALINGS,
+             f"optim.lr_scaling = {o.lr_scaling!r} is not valid: use one of {', '.join(LR_SCALINGS)}")
+    _require(o.reference_batch_size >= 0, f"optim.reference_batch_size = {o.reference_batch_size} must be >= 0")
+    _require(o.lr_scaling == "none" or o.reference_batch_size >= 1,
+             f"optim.lr_scaling = {o.lr_scaling!r} needs optim.reference_batch_size >= 1: the global batch "
+             f"optim.lr was tuned at")
 
     _require(t.steps >= 1, f"train.steps = {t.steps} must be >= 1")
     _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
@@ -345,6 +365,17 @@ def _validate_support(cfg: Config) -> None:
     _require(p.sp == 1 or cfg.model.dropout == 0 or p.sp_mode in S.attention_dropout_sp_modes,
              f"model.dropout = {cfg.model.dropout} is not supported with parallel.sp_mode = {p.sp_mode!r} "
              f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
+
+
+def _validate_recurrent(cfg: Config) -> None:
+    """What a recurrent model (lstm, gru) cannot run: tensor and sequence parallelism."""
+    m, p = cfg.model, cfg.parallel
+    if m.type not in RECURRENT_TYPES:
+        return
+    _require(p.tp == 1, f"parallel.tp = {p.tp} is not supported for model.type = {m.type!r}: recurrent layers "
+                        f"have no tensor-parallel plan; use tp = 1 (and dp or pp)")
+    _require(p.sp == 1, f"parallel.sp = {p.sp} is not supported for model.type = {m.type!r}: a recurrence runs "
+                        f"its sequence in order on one rank; use sp = 1 (and model.tbptt_steps for long sequences)")
 
 
 def _validate_shapes(cfg: Config) -> None:

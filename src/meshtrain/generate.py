@@ -36,7 +36,7 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
     from meshtrain import checkpoint as ckpt
     from meshtrain.config import ConfigError, ModelConfig
     from meshtrain.data.corpus import CharTokenizer
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models import build_model
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens = {max_new_tokens} must be >= 1")
@@ -51,7 +51,7 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
         ids = tokenizer.encode(prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}") from None
-    model = GPT(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
     ckpt.load(path, model, None)
     model.eval()
     idx = torch.tensor([ids], dtype=torch.long)  # (1, T0)

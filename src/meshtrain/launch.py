@@ -153,7 +153,7 @@ def print_pipeline_split(cfg: Config) -> None:
     vocab = m.vocab_size or corpus_vocab_size(cfg)
     n_chunks = p.pp * p.virtual_stages
     tokens = b.gradient_accumulation_steps * b.micro_batch_size * m.block_size
-    chunks = split_layers(m.n_layer, n_chunks, item_costs(m.n_layer, m.n_embd, m.block_size, vocab, tokens))
+    chunks = split_layers(m.n_layer, n_chunks, item_costs(m.n_layer, m.n_embd, m.block_size, vocab, tokens, m.type))
     print(f"pipeline split ({p.pp_schedule}, pp={p.pp}, {p.virtual_stages} chunk(s) per rank, balanced by cost):\n"
           + describe_split(chunks, chunk_ranks(p.pp, n_chunks, RULES[p.pp_schedule].placement)), file=sys.stderr)
 

@@ -14,6 +14,7 @@ have drawn without saving RNG state.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -31,6 +32,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain import checkpoint as ckpt
+from meshtrain.batch import global_batch_size, scaled_lr
 from meshtrain.config import Config, ConfigError, OptimConfig, load_config, parse_overrides, resolve_world
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
@@ -38,7 +40,7 @@ from meshtrain.launch import preflight
 from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
-from meshtrain.models.gpt import GPT
+from meshtrain.models import build_model
 from meshtrain.parallel import local_batch, parallelize, parallelize_pipeline
 from meshtrain.parallel.data import gradient_sync
 from meshtrain.parallel.reduce import backward_context, batch_mean, clip_grad_norm_, cross_entropy, local_value
@@ -69,13 +71,22 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, LambdaLR]:
-    """AdamW with weight decay on matrices only (norm weights and biases undecayed), and its schedule."""
+def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
+    """``cfg`` with ``lr`` and ``min_lr`` scaled to ``global_batch_size`` by ``cfg.lr_scaling``
+    (:func:`meshtrain.batch.scaled_lr`); the warmup and the cosine shape are unchanged."""
+    factor = scaled_lr(1.0, global_batch_size, cfg.reference_batch_size, cfg.lr_scaling)
+    return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
+
+
+def build_optimizer(model: nn.Module, cfg: Config, global_batch_size: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW with weight decay on matrices only (norm weights and biases undecayed), and its schedule,
+    at the learning rate of ``global_batch_size`` (:func:`scaled_optim`)."""
+    optim = scaled_optim(cfg.optim, global_batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
-    scheduler = LambdaLR(optimizer, lambda s: lr_at(s, cfg.optim, cfg.train.steps) / cfg.optim.lr)
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+    scheduler = LambdaLR(optimizer, lambda s: lr_at(s, optim, cfg.train.steps) / optim.lr)
     return optimizer, scheduler
 
 
@@ -96,7 +107,7 @@ class Trainer:
             raise ConfigError(f"model.vocab_size = {self.vocab_size} is smaller than the corpus vocabulary "
                               f"({self.corpus.tokenizer.vocab_size}): use 0 or >= that")
         torch.manual_seed(cfg.train.seed)
-        model = GPT(cfg.model, self.vocab_size).to(self.device)
+        model = build_model(cfg.model, self.vocab_size).to(self.device)
         b = cfg.batch
         self.pipeline = None
         if self.dims.pp_enabled:
@@ -106,7 +117,8 @@ class Trainer:
             self.model = self.pipeline.model
         else:
             self.model = parallelize(model, self.dims, cfg.parallel)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, batch)
         dp_rank = self.dims.rank_of(Axis.DP)
         self.sampler = ShardedSampler(self.corpus.train, cfg.model.block_size, b.micro_batch_size,
                                       b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.config import ModelConfig
+from meshtrain.models.base import LayeredLM, sample_token
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
@@ -110,7 +111,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(LayeredLM):
     """Decoder-only language model returning logits; the loss is computed by the caller.
 
     Args:
@@ -122,6 +123,10 @@ class GPT(nn.Module):
     ``to_empty(device=...)`` + :meth:`init_weights` gets the same weights as a normal build after the
     same ``torch.manual_seed(s)``.
     """
+
+    EMBEDDING_MODULES = ("tok_emb", "pos_emb")
+    HEAD_MODULES = ("norm", "lm_head")
+    SHARED_ATTRS = LayeredLM.SHARED_ATTRS + ("drop",)
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -167,45 +172,6 @@ class GPT(nn.Module):
                 w = module.weight
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
 
-    def tie_weights(self) -> bool:
-        """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both; return whether it does."""
-        tied = self.share_embedding and self.tok_emb is not None and self.lm_head is not None
-        if tied:
-            self.lm_head.weight = self.tok_emb.weight
-        return tied
-
-    def untie_weights(self) -> None:
-        """Give ``lm_head`` its own copy of the shared weight, equal to it now. A pipeline whose
-        embedding and head sit in different stages keeps the two equal by summing their gradients
-        (Megatron-LM's embedding group, Shoeybi et al. 2019; :mod:`meshtrain.parallel.pipeline`)."""
-        self.share_embedding = False
-        self.lm_head.weight = nn.Parameter(self.tok_emb.weight.detach().clone())
-
-    def keep_only(self, layers: set[int], embedding: bool, head: bool) -> None:
-        """Drop every block not in ``layers``, and the embeddings / final norm and head unless kept:
-        what one pipeline rank holds. Block keys (parameter names) are unchanged."""
-        for key in [k for k in self.blocks if int(k) not in layers]:
-            del self.blocks[key]
-        if not embedding:
-            self.tok_emb = self.pos_emb = None
-        if not head:
-            self.norm = self.lm_head = None
-
-    def pipeline_chunk(self, layers: range, embedding: bool, head: bool) -> GPT:
-        """A GPT over blocks ``layers`` (with the embeddings and/or the head) that shares this model's
-        modules: one pipeline stage's forward, ``(B, T)`` ids or ``(B, T, C)`` hidden states in,
-        ``(B, T, V)`` logits or ``(B, T, C)`` hidden states out."""
-        chunk = GPT.__new__(GPT)
-        nn.Module.__init__(chunk)
-        chunk.init_seed, chunk.cfg, chunk.vocab_size, chunk.block_size = (
-            self.init_seed, self.cfg, self.vocab_size, self.block_size)
-        chunk.share_embedding = self.share_embedding
-        chunk.tok_emb, chunk.pos_emb = (self.tok_emb, self.pos_emb) if embedding else (None, None)
-        chunk.drop = self.drop
-        chunk.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
-        chunk.norm, chunk.lm_head = (self.norm, self.lm_head) if head else (None, None)
-        return chunk
-
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_parallel.tp_plan`)."""
         from meshtrain.models.gpt_parallel import tp_plan
@@ -223,23 +189,6 @@ class GPT(nn.Module):
             if sequence_parallel:
                 out += [block.attn.resid_drop, block.mlp.drop]
         return out
-
-    def get_submodule_or_none(self, name: str) -> nn.Module | None:
-        try:
-            return self.get_submodule(name)
-        except AttributeError:
-            return None
-
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, the tied ``tok_emb``/``lm_head`` weight counted once.
-
-        ``exclude_embeddings=True`` leaves out the token and position embeddings (V*C + block_size*C),
-        the N of Kaplan et al. 2020 (arXiv:2001.08361, Sec. 2.1) used in ``6*N`` FLOP estimates.
-        """
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-        if exclude_embeddings:
-            n -= sum(e.weight.numel() for e in (self.tok_emb, self.pos_emb) if e is not None)
-        return n
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
@@ -272,17 +221,12 @@ class GPT(nn.Module):
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
 
-        The context fed to the model is cropped to the last ``block_size`` tokens. Logits of the last
-        position are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest,
-        and sampled with ``torch.multinomial`` from ``generator`` (same device as ``idx``) if given.
+        The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
+        by :func:`meshtrain.models.base.sample_token` (``temperature`` > 0, optional ``top_k``,
+        ``generator`` on the device of ``idx``).
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.block_size:]  # (B, <= block_size)
-            logits = self(ctx)[:, -1, :] / temperature  # (B, V)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)  # (B, V)
-            nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
         return idx

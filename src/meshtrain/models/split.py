@@ -1,4 +1,4 @@
-"""Where a GPT is cut into pipeline stages: a cost per layer, and the contiguous split that balances it.
+"""Where a model is cut into pipeline stages: a cost per layer, and the contiguous split that balances it.
 
 No torch here: the trainer (:mod:`meshtrain.parallel.pipeline`) and the planner use the same split,
 so the planner's busiest stage is the one the trainer runs.
@@ -52,14 +52,27 @@ class Chunk:
         return " + ".join(parts + (["head"] if self.has_head else []))
 
 
-def item_costs(n_layer: int, n_embd: int, block_size: int, vocab_size: int, tokens: int) -> tuple[float, float, float]:
-    """(embedding, one block, head) cost in FLOPs per step for ``tokens`` tokens of length-``block_size`` samples."""
+RECURRENT_GATES = {"lstm": 4, "gru": 3}
+"""Gates of a recurrent layer: each has a C x C input and a C x C recurrent matrix and two C biases."""
+
+
+def item_costs(n_layer: int, n_embd: int, block_size: int, vocab_size: int, tokens: int,
+               model_type: str = "gpt") -> tuple[float, float, float]:
+    """(embedding, one block, head) cost in FLOPs per step for ``tokens`` tokens of length-``block_size`` samples.
+
+    For "lstm" / "gru" a block is one recurrent layer: ``g`` gates (4 / 3) of two C x C matmuls per
+    token, ``2 * 2*g*C**2`` forward FLOPs, and ``g * (2*C**2 + 2*C)`` parameters; there are no position
+    embeddings and no final norm.
+    """
     C, T, V = n_embd, block_size, vocab_size
     opt = OPTIMIZER_FLOPS_PER_PARAM
+    head = 3 * 2 * C * V * tokens  # the output matrix is the tied embedding: its update counted there
+    if model_type in RECURRENT_GATES:
+        g = RECURRENT_GATES[model_type]
+        return opt * V * C, 3 * 4 * g * C * C * tokens + opt * g * (2 * C * C + 2 * C), head
     embedding = opt * (V + T) * C
     block = 3 * (24 * C * C + 4 * T * C) * tokens + opt * (12 * C * C + 2 * C)
-    head = 3 * 2 * C * V * tokens + opt * C  # the output matrix is the tied embedding: its update counted there
-    return embedding, block, head
+    return embedding, block, head + opt * C
 
 
 def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> list[Chunk]:

@@ -204,8 +204,14 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     Maps ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C, no biases,
     LayerNorm scales only, tied head, learned positions. ``vocab_size`` overrides the config; with
     neither, the vocabulary is the number of distinct characters of the corpus (char tokenizer).
+
+    Raises:
+        ConfigError: a recurrent model (``model.type`` "lstm" or "gru"), which the planner does not model.
     """
     m = cfg.model
+    if m.type != "gpt":
+        raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
+                          f"model.type = 'gpt'); train it without a plan")
     vocab = vocab_size or m.vocab_size or corpus_vocab_size(cfg)
     return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
                      seq_len=m.block_size, dropout=m.dropout > 0)

@@ -64,7 +64,7 @@ SCHEDULES: dict[str, type] = {
 
 def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int, schedule: str,
                 tokens: int) -> tuple[list[Chunk], list[Chunk], list[nn.Module]]:
-    """Cut ``model`` (a whole :class:`meshtrain.models.gpt.GPT`, the same on every rank) for pipeline rank ``pp_rank``.
+    """Cut ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, the same on every rank) for pipeline rank ``pp_rank``.
 
     Returns (every chunk of the pipeline, this rank's chunks, their modules). ``model`` itself is pruned
     to this rank's layers and keeps every parameter this rank trains (its optimizer, checkpoint and
@@ -73,7 +73,7 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int, sc
     cfg = model.cfg
     n_chunks = pp * virtual_stages
     chunks = split_layers(cfg.n_layer, n_chunks, item_costs(cfg.n_layer, cfg.n_embd, cfg.block_size,
-                                                            model.vocab_size, tokens))
+                                                            model.vocab_size, tokens, cfg.type))
     ranks = chunk_ranks(pp, n_chunks, RULES[schedule].placement)
     mine = [c for c in chunks if ranks[c.index] == pp_rank]
     if n_chunks > 1:

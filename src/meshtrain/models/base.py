@@ -1,0 +1,110 @@
+"""What every language model here shares: embedding -> blocks -> head, cut at block boundaries.
+
+A model is the sequence ``[embedding modules, blocks["0"], ..., blocks[str(L-1)], head modules]``.
+Blocks live in an ``nn.ModuleDict`` keyed by layer index, so a parameter's name
+(``blocks.3.rnn.weight_hh_l0``) is the same whichever pipeline stage holds the layer, and a
+checkpoint saved under one layout loads under another. The head's output matrix may share the
+token embedding's weight (Press & Wolf 2017, "Using the Output Embedding to Improve Language
+Models", arXiv:1608.05859); a pipeline that puts the two on different stages gives the head a copy
+and keeps them equal by summing their gradients (:mod:`meshtrain.parallel.pipeline`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """One sampled token id per row: ``logits`` (B, V) of the last position -> (B, 1) int64.
+
+    Logits are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest, and
+    sampled with ``torch.multinomial`` from ``generator`` (same device as ``logits``) if given.
+    """
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+
+
+class LayeredLM(nn.Module):
+    """Base of :class:`meshtrain.models.gpt.GPT` and :class:`meshtrain.models.rnn.RNNLM`.
+
+    Subclasses set ``tok_emb`` (``nn.Embedding``), ``blocks`` (``nn.ModuleDict``), ``lm_head``
+    (``nn.Linear``) and name their modules in the class attributes below.
+    """
+
+    EMBEDDING_MODULES: ClassVar[tuple[str, ...]] = ("tok_emb",)
+    """Modules of the first pipeline chunk (token ids in); None on other chunks."""
+    HEAD_MODULES: ClassVar[tuple[str, ...]] = ("lm_head",)
+    """Modules of the last pipeline chunk (logits out); None on other chunks."""
+    SHARED_ATTRS: ClassVar[tuple[str, ...]] = ("init_seed", "cfg", "vocab_size", "block_size", "share_embedding")
+    """Attributes (plain values or modules every chunk uses) a pipeline chunk shares with the whole model."""
+
+    tok_emb: nn.Embedding | None
+    lm_head: nn.Linear | None
+    blocks: nn.ModuleDict
+    share_embedding: bool
+
+    def tie_weights(self) -> bool:
+        """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both and tying is on;
+        return whether it does."""
+        tied = self.share_embedding and self.tok_emb is not None and self.lm_head is not None
+        if tied:
+            self.lm_head.weight = self.tok_emb.weight
+        return tied
+
+    def untie_weights(self) -> None:
+        """Give ``lm_head`` its own copy of the shared weight, equal to it now. A pipeline whose
+        embedding and head sit in different stages keeps the two equal by summing their gradients
+        (Megatron-LM's embedding group, Shoeybi et al. 2019; :mod:`meshtrain.parallel.pipeline`).
+        Nothing to do for an untied model."""
+        if self.share_embedding:
+            self.share_embedding = False
+            self.lm_head.weight = nn.Parameter(self.tok_emb.weight.detach().clone())
+
+    def keep_only(self, layers: set[int], embedding: bool, head: bool) -> None:
+        """Drop every block not in ``layers``, and the embedding / head modules unless kept: what one
+        pipeline rank holds. Block keys (parameter names) are unchanged."""
+        for key in [k for k in self.blocks if int(k) not in layers]:
+            del self.blocks[key]
+        for keep, names in ((embedding, self.EMBEDDING_MODULES), (head, self.HEAD_MODULES)):
+            if not keep:
+                for name in names:
+                    setattr(self, name, None)
+
+    def pipeline_chunk(self, layers: range, embedding: bool, head: bool) -> LayeredLM:
+        """A model of the same class over blocks ``layers`` (with the embedding and/or the head) that
+        shares this model's modules: one pipeline stage's forward, ``(B, T)`` ids or ``(B, T, C)``
+        hidden states in, ``(B, T, V)`` logits or ``(B, T, C)`` hidden states out."""
+        chunk = type(self).__new__(type(self))
+        nn.Module.__init__(chunk)
+        for name in self.SHARED_ATTRS:
+            setattr(chunk, name, getattr(self, name))
+        for keep, names in ((embedding, self.EMBEDDING_MODULES), (head, self.HEAD_MODULES)):
+            for name in names:
+                setattr(chunk, name, getattr(self, name) if keep else None)
+        chunk.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
+        return chunk
+
+    def get_submodule_or_none(self, name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, a tied ``tok_emb``/``lm_head`` weight counted once.
+
+        ``exclude_embeddings=True`` leaves out the embedding tables (token, and position where there is
+        one), the N of Kaplan et al. 2020 (arXiv:2001.08361, Sec. 2.1) used in ``6*N`` FLOP estimates.
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        if exclude_embeddings:
+            n -= sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return n
