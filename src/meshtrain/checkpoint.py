@@ -74,10 +74,11 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
 
 
 def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any],
-         keep: int) -> Path:
+         keep: int, group: dist.ProcessGroup | None = None) -> Path:
     """Collectively save model + optimizer state and ``meta``; commit atomically; keep the newest ``keep``.
 
-    Every rank must call this. Returns the committed step folder.
+    Every rank of ``group`` (default: all) must call this, global rank 0 among them. Returns the
+    committed step folder.
 
     Raises:
         FileExistsError: that step is already committed (nothing is overwritten).
@@ -90,20 +91,22 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    dist.barrier(group)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
     if rank == 0:
         write_json_atomic(tmp / META, {"step": step, **meta})
         os.replace(tmp, final)
         for old in list_checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old)
-    dist.barrier()
+    dist.barrier(group)
     return final
 
 
-def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
-    """Collectively load a committed checkpoint into ``model`` (and ``optimizer``), resharding as needed.
+def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None,
+         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Collectively (over ``group``, default all ranks) load a committed checkpoint into ``model`` (and
+    ``optimizer``), resharding as needed.
 
     ``aliases`` maps a parameter name to another one holding the same tensor in a checkpoint of another
     layout: a pipeline's head copy of the tied embedding (``lm_head.weight``) reads the optimizer state
@@ -120,7 +123,7 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(ckpt))
+        dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)

@@ -5,7 +5,8 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
 
     [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps
     [data]       path, val_fraction
-    [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel
+    [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
+                 local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir
@@ -31,6 +32,8 @@ BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 DTYPES = ("float32", "bfloat16")
 MODEL_TYPES = ("gpt", "lstm", "gru")
 RECURRENT_TYPES = ("lstm", "gru")
+SYNC_MODES = ("sync", "async", "local-sgd")
+STALE_POLICIES = ("drop", "wait")
 LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch.scaled_lr`)."""
 
@@ -91,6 +94,21 @@ class ParallelConfig:
     """Model chunks per pipeline rank: 1, >= 2 for "interleaved-1f1b", 2 for "zbv"."""
     tp_sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
+    sync_mode: str = "sync"
+    """How dp replicas combine their work: "sync" (gradients all-reduced every step), "local-sgd" (each
+    replica steps alone, parameters averaged every ``local_sgd_steps``) or "async" (a parameter server,
+    :mod:`meshtrain.parallel.async_ps`)."""
+    local_sgd_steps: int = 4
+    """local-sgd: optimizer steps between two parameter averages (H of Lin et al. 2020)."""
+    local_sgd_warmup: int = 0
+    """local-sgd: synchronous steps (gradient all-reduce) before local SGD starts (post-local SGD)."""
+    ps_servers: int = 1
+    """async: ranks 0..ps_servers-1 hold the parameters and the optimizer; the other ranks are workers."""
+    max_staleness: int = 4
+    """async: a gradient computed on parameters more than this many updates old is not applied."""
+    stale_policy: str = "drop"
+    """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
+    wait for parameters so that no gradient is ever too stale)."""
 
 
 @dataclass
@@ -310,6 +328,7 @@ def validate(cfg: Config) -> Config:
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
     _validate_support(cfg)
     _validate_recurrent(cfg)
+    _validate_sync_mode(cfg)
     _validate_shapes(cfg)
 
     _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
@@ -367,6 +386,30 @@ def _validate_support(cfg: Config) -> None:
              f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
 
 
+def _validate_sync_mode(cfg: Config) -> None:
+    """local-sgd and async replace the gradient all-reduce of plain data parallelism, so they run with
+    dp only (no tp, pp, sp, FSDP); the rank counts they need are checked in :func:`resolve_world`."""
+    p = cfg.parallel
+    _require(p.sync_mode in SYNC_MODES, f"parallel.sync_mode = {p.sync_mode!r} is not valid: use one of "
+                                        f"{', '.join(SYNC_MODES)}")
+    _require(p.local_sgd_steps >= 1, f"parallel.local_sgd_steps = {p.local_sgd_steps} must be >= 1")
+    _require(p.local_sgd_warmup >= 0, f"parallel.local_sgd_warmup = {p.local_sgd_warmup} must be >= 0")
+    _require(p.ps_servers >= 1, f"parallel.ps_servers = {p.ps_servers} must be >= 1")
+    _require(p.max_staleness >= 0, f"parallel.max_staleness = {p.max_staleness} must be >= 0 (0 = only fresh gradients)")
+    _require(p.stale_policy in STALE_POLICIES,
+             f"parallel.stale_policy = {p.stale_policy!r} is not valid: use one of {', '.join(STALE_POLICIES)}")
+    _require(p.sync_mode != "async" or p.stale_policy != "wait" or p.ps_servers == 1,
+             f"parallel.stale_policy = 'wait' needs parallel.ps_servers = 1 (got {p.ps_servers}): bounded waiting is "
+             f"decided by one server; use stale_policy = 'drop' with several servers")
+    if p.sync_mode == "sync":
+        return
+    for key, value in (("tp", p.tp), ("pp", p.pp), ("sp", p.sp)):
+        _require(value == 1, f"parallel.{key} = {value} cannot be combined with parallel.sync_mode = "
+                             f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
+    _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
+                                f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
+
+
 def _validate_recurrent(cfg: Config) -> None:
     """What a recurrent model (lstm, gru) cannot run: tensor and sequence parallelism."""
     m, p = cfg.model, cfg.parallel
@@ -408,9 +451,13 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
         ConfigError: nproc is not divisible by ``pp*sp*tp``, or disagrees with an explicit dp.
     """
     p = cfg.parallel
+    if p.sync_mode == "async":
+        return _resolve_async_world(p, nproc)
     inner = p.pp * p.sp * p.tp
     if nproc is None:
         dp = 1 if p.dp == -1 else p.dp
+        if p.sync_mode == "local-sgd":
+            dp = max(dp, 2)
         return dp * inner, dp
     _require(nproc >= 1, f"--nproc = {nproc} must be >= 1")
     _require(nproc % inner == 0,
@@ -425,7 +472,23 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, dp * p.sp)
         _require(error is None, error or "")
+    _require(p.sync_mode != "local-sgd" or dp >= 2,
+             f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
     return nproc, dp
+
+
+def _resolve_async_world(p: ParallelConfig, nproc: int | None) -> tuple[int, int]:
+    """``(world_size, workers)`` of a parameter-server run: ``ps_servers`` server ranks plus the workers
+    (``parallel.dp``; -1 = every rank that is not a server)."""
+    if nproc is None:
+        workers = 2 if p.dp == -1 else p.dp
+        return p.ps_servers + workers, workers
+    workers = nproc - p.ps_servers
+    _require(workers >= 1, f"parallel.sync_mode = 'async' needs at least one worker besides parallel.ps_servers = "
+                           f"{p.ps_servers} server(s), got --nproc = {nproc}: use --nproc {p.ps_servers + 1} or more")
+    _require(p.dp in (-1, workers), f"parallel.dp = {p.dp} workers does not match --nproc = {nproc} with "
+                                    f"{p.ps_servers} server(s) (= {workers} workers): set --dp {workers} or -1")
+    return nproc, workers
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,13 @@ from meshtrain.config import Config, ConfigError, OptimConfig, load_config, pars
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.launch import preflight
-from meshtrain.mesh import Axis, ParallelDims, device_and_backend, init_distributed
+from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
 from meshtrain.parallel import local_batch, parallelize, parallelize_pipeline
 from meshtrain.parallel.data import gradient_sync
+from meshtrain.parallel.local_sgd import LocalSGD
 from meshtrain.parallel.reduce import backward_context, batch_mean, clip_grad_norm_, cross_entropy, local_value
 from meshtrain.parallel.rng import seed_step
 
@@ -78,11 +80,12 @@ def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
     return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
 
 
-def build_optimizer(model: nn.Module, cfg: Config, global_batch_size: int) -> tuple[torch.optim.AdamW, LambdaLR]:
-    """AdamW with weight decay on matrices only (norm weights and biases undecayed), and its schedule,
-    at the learning rate of ``global_batch_size`` (:func:`scaled_optim`)."""
+def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,
+                    global_batch_size: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW over ``params`` with weight decay on matrices only (norm weights and biases undecayed), and
+    its schedule, at the learning rate of ``global_batch_size`` (:func:`scaled_optim`)."""
     optim = scaled_optim(cfg.optim, global_batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
@@ -117,8 +120,13 @@ class Trainer:
             self.model = self.pipeline.model
         else:
             self.model = parallelize(model, self.dims, cfg.parallel)
+        p = cfg.parallel
+        self.local_sgd = (LocalSGD(self.model, self.dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps,
+                                   p.local_sgd_warmup) if p.sync_mode == "local-sgd" else None)
+        self.replicas_equal = True
+        """False while local-SGD replicas hold different parameters (between two averages)."""
         batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, batch)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg, batch)
         dp_rank = self.dims.rank_of(Axis.DP)
         self.sampler = ShardedSampler(self.corpus.train, cfg.model.block_size, b.micro_batch_size,
                                       b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
@@ -192,6 +200,10 @@ class Trainer:
                                pp_group=self.dims.get_mesh(Axis.PP).get_group(), uncounted=self.pipeline.head_copy())
 
     def save(self, step: int) -> None:
+        """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point)."""
+        if not self.replicas_equal:
+            self.local_sgd.average_now(self.model.parameters())
+            self.replicas_equal = True
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
                 "vocab_size": self.vocab_size, "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
@@ -214,6 +226,8 @@ class Trainer:
                 local_loss = self.forward_backward(self.sampler.next_step())
                 grad_norm = self.clip_gradients()
                 self.optimizer.step()
+                if self.local_sgd is not None:
+                    self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 loss = batch_mean(local_loss, self.dims)
@@ -271,7 +285,12 @@ def train(cfg: Config) -> dict[str, Any]:
     """
     finished, trainer = False, None
     try:
-        trainer = Trainer(cfg)
+        if cfg.parallel.sync_mode == "async":
+            from meshtrain.train_async import AsyncRun
+
+            trainer = AsyncRun(cfg)
+        else:
+            trainer = Trainer(cfg)
         summary = trainer.run()
         finished = True
         return summary

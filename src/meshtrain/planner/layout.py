@@ -45,6 +45,9 @@ class Layout:
     """Megatron sequence parallelism in the tp regions (Korthikanti et al. 2022, Sec. 4.2.2)."""
     sp_mode: str = "ulysses"
     """How sp > 1 splits attention: "ulysses" (all-to-all) or "ring" (K/V around a ring), see :data:`SP_MODES`."""
+    local_sgd_steps: int = 0
+    """> 0: local SGD (``parallel.sync_mode = "local-sgd"``), parameters averaged over dp every this many
+    steps instead of a gradient all-reduce every step (:func:`meshtrain.planner.cost.dp_time`)."""
 
     @property
     def world_size(self) -> int:
