@@ -24,7 +24,7 @@ def trainer_config(model: ModelSpec, layout: Layout) -> Config:
     m.vocab_size, m.dropout = model.vocab, 0.1 if model.dropout else 0.0
     p.dp, p.tp, p.pp, p.sp, p.zero_stage = layout.dp, layout.tp, layout.pp, layout.sp, layout.zero_stage
     p.sp_mode, p.pp_schedule, p.virtual_stages = layout.sp_mode, layout.pp_schedule, layout.virtual_stages
-    p.tp_sequence_parallel = layout.tp_sequence_parallel
+    p.tp_sequence_parallel, p.hierarchical_allreduce = layout.tp_sequence_parallel, layout.hierarchical_allreduce
     b.micro_batch_size, b.gradient_accumulation_steps = layout.micro_batch_size, layout.gradient_accumulation_steps
     return cfg
 
@@ -42,7 +42,8 @@ MODELS = [
 @pytest.mark.parametrize("world, batch", [(2, 24), (4, 8), (8, 16), (12, 24)])
 def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, batch):
     framework = FRAMEWORKS["meshtrain"]
-    candidates = [(base, modes) for base, modes in candidate_layouts(model, Job(world, batch), framework)]
+    candidates = [(base, modes) for base, modes in candidate_layouts(model, Job(world, batch), framework,
+                                                                      devices_per_node=2)]
     assert candidates
     seen = set()
     for base, modes in candidates:
@@ -55,6 +56,7 @@ def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, b
     if world >= 4:  # the search really covers tp, sp and the pipeline schedules
         assert any(tp for tp, _, _ in seen) and any(mode for _, mode, _ in seen)
         assert {b.pp_schedule for b, _ in candidates if b.pp > 1} >= {"gpipe", "naive"}
+        assert any(b.hierarchical_allreduce for b, _ in candidates)  # dp groups spanning 2-device nodes
 
 
 def test_the_trainer_rejects_what_the_planner_rules_out():

@@ -6,7 +6,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
     [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps
     [data]       path, val_fraction
     [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
-                 local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, stale_policy
+                 local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir
@@ -106,6 +106,9 @@ class ParallelConfig:
     """async: ranks 0..ps_servers-1 hold the parameters and the optimizer; the other ranks are workers."""
     max_staleness: int = 4
     """async: a gradient computed on parameters more than this many updates old is not applied."""
+    hierarchical_allreduce: bool = False
+    """Reduce gradients inside each node first, then across nodes between one rank per node, then
+    broadcast inside the node (:mod:`meshtrain.parallel.hierarchical`); DDP (zero_stage 0, tp 1) only."""
     stale_policy: str = "drop"
     """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
     wait for parameters so that no gradient is ever too stale)."""
@@ -401,6 +404,10 @@ def _validate_sync_mode(cfg: Config) -> None:
     _require(p.sync_mode != "async" or p.stale_policy != "wait" or p.ps_servers == 1,
              f"parallel.stale_policy = 'wait' needs parallel.ps_servers = 1 (got {p.ps_servers}): bounded waiting is "
              f"decided by one server; use stale_policy = 'drop' with several servers")
+    if p.hierarchical_allreduce:
+        _require(p.sync_mode == "sync" and p.zero_stage == 0 and p.tp == 1,
+                 f"parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce: it needs sync_mode = "
+                 f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
     if p.sync_mode == "sync":
         return
     for key, value in (("tp", p.tp), ("pp", p.pp), ("sp", p.sp)):

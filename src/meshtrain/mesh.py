@@ -112,6 +112,12 @@ class ParallelDims:
             raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}, {BATCH_MESH}")
         return self.batch_mesh if str(axis) == BATCH_MESH else self.mesh[str(axis)]
 
+    def batch_groups(self) -> list[list[int]]:
+        """Global ranks of every ``"dp_sp"`` group of the mesh (one per pp and tp coordinate): the ranks
+        that average a gradient together. Needs ``build_mesh``."""
+        ranks = self.mesh.mesh.permute(0, 3, 1, 2)  # (pp, tp, dp, sp)
+        return ranks.reshape(-1, self.dp * self.sp).tolist()
+
     def rank_of(self, axis: Axis | str) -> int:
         """This process's coordinate on ``axis`` (0 without a process group)."""
         if self.mesh is None:

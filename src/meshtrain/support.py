@@ -28,6 +28,8 @@ class Support:
     """Activation recomputation modes (the planner's ``recompute``)."""
     attention_dropout_sp_modes: tuple[str, ...]
     """sp modes that apply ``model.dropout`` to attention weights (ring attention does not)."""
+    hierarchical_allreduce: bool = True
+    """``parallel.hierarchical_allreduce`` (DDP at zero_stage 0 without tp)."""
 
 
 SUPPORTED = Support(zero_stages=(0, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),

@@ -183,7 +183,8 @@ class AsyncRun:
         try:
             if self.rank in self.servers:
                 stats = self.server.serve()
-                mine = {"applied": stats.applied, "dropped": stats.dropped, "staleness": stats.staleness}
+                mine = {"applied": stats.applied, "dropped": stats.dropped, "staleness": stats.staleness,
+                        "applied_by": stats.applied_by}
             else:
                 worker = Worker(self.shards, self._compute, self.rank - len(self.servers))
                 pushed = worker.run()
@@ -205,6 +206,7 @@ class AsyncRun:
                              "staleness_mean": statistics.fmean(server0["staleness"]) if server0["staleness"] else 0.0,
                              "staleness_max": max(server0["staleness"], default=0),
                              "pushed": [w["pushed"] for w in workers],
+                             "applied_by_worker": [server0["applied_by"].get(i, 0) for i in range(len(workers))],
                              "worker_wait_s": [round(w["wait_s"], 3) for w in workers]}}
         if step_time:
             summary["tokens_per_s"] = self.batch * self.cfg.model.block_size / step_time

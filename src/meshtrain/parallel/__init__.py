@@ -7,7 +7,10 @@
 2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
 3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
 4. dp -- :func:`meshtrain.parallel.data.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
-   it wraps (and, for FSDP2, shards further) the parameters tp produced.
+   it wraps (and, for FSDP2, shards further) the parameters tp produced; optionally with DDP's
+   all-reduce made hierarchical (:mod:`meshtrain.parallel.hierarchical`). Local SGD and the parameter
+   server replace this all-reduce altogether (:mod:`meshtrain.parallel.local_sgd`,
+   :mod:`meshtrain.parallel.async_ps`).
 
 Dropout streams are set up after tp and sp (:mod:`meshtrain.parallel.rng`), since sp replaces the
 attention modules whose dropout runs on the per-tp-rank stream. No strategy module imports another.
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from meshtrain.config import ParallelConfig
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.parallel.data import apply_dp
+from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
 from meshtrain.parallel.rng import TPRegionRNG
 from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
@@ -40,7 +44,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn
         raise ValueError(f"pp = {dims.pp}: use parallelize_pipeline")
     model = _shard(model, dims, cfg)
     _attach_tp_rng(model, dims, cfg)
-    return apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage)
+    model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage)
+    _maybe_hierarchical(dims, cfg, [model])
+    return model
 
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, n_microbatches: int,
@@ -57,10 +63,18 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
     parts = [_shard(part, dims, cfg) for part in parts]
     _attach_tp_rng(model, dims, cfg)
     parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage) for part in parts]
+    _maybe_hierarchical(dims, cfg, parts)
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
                     next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,
                     hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1)
+
+
+def _maybe_hierarchical(dims: ParallelDims, cfg: ParallelConfig, models: list[nn.Module]) -> None:
+    """With ``hierarchical_allreduce``, DDP's all-reduce becomes reduce / all-reduce between nodes /
+    broadcast (:mod:`meshtrain.parallel.hierarchical`); nothing to do with one replica."""
+    if cfg.hierarchical_allreduce and dims.batch_degree > 1:
+        apply_hierarchical_allreduce(models, dims.batch_groups())
 
 
 def _shard(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:

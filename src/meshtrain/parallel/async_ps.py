@@ -78,6 +78,8 @@ class ServerStats:
     applied: int = 0
     dropped: int = 0
     staleness: list[int] = field(default_factory=list)
+    applied_by: dict[int, int] = field(default_factory=dict)
+    """Applied gradients per worker index."""
 
 
 class ParameterServer:
@@ -181,6 +183,8 @@ class ParameterServer:
             self._apply(grad, self.lr_of(self.stats.received))
             self.stats.applied += 1
             self.stats.staleness.append(staleness)
+            worker = int(header[4])
+            self.stats.applied_by[worker] = self.stats.applied_by.get(worker, 0) + 1
         else:
             self.stats.dropped += 1
         self.stats.received += 1

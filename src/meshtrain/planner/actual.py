@@ -45,7 +45,8 @@ def layout_from_config(cfg: Config, world_size: int) -> Layout:
     return Layout(dp=dp, tp=p.tp, pp=p.pp, sp=p.sp, zero_stage=p.zero_stage, micro_batch_size=b.micro_batch_size,
                   gradient_accumulation_steps=b.gradient_accumulation_steps, pp_schedule=p.pp_schedule,
                   virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel, sp_mode=p.sp_mode,
-                  local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0)
+                  local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
+                  hierarchical_allreduce=p.hierarchical_allreduce)
 
 
 def _torch_threads() -> int:

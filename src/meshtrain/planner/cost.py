@@ -374,6 +374,8 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     if z == 0:  # DDP's per-bucket cost beyond the wire (measured on CPU) is never hidden
         buckets = fw.grad_buckets(grads)
         host = hw.device.ddp_bucket_overhead_s * buckets
+        if layout.hierarchical_allreduce and spans:
+            return scalars + host + buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node)
         return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward) + host
     count = 1 if z == 1 else units
     host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden
@@ -385,6 +387,18 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
         return scalars + reduce + exposed(gather, mb.forward)
     per_micro = exposed(gather, mb.forward) + host + ((exposed(gather, mb.backward) + host) if z == 3 else 0.0)
     return scalars + reduce + m * per_micro
+
+
+def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_node: int) -> float:
+    """Seconds for one hierarchical all-reduce of ``nbytes`` over ``ranks`` ranks, ``per_node`` of them on
+    each node (:mod:`meshtrain.parallel.hierarchical`): a reduce to the node's leader and a broadcast back,
+    each moving the data of a ring all-reduce / all-gather inside the node, and a ring all-reduce between
+    the ``ranks / per_node`` leaders over one NIC each. The trainer's hook runs these blocking, bucket by
+    bucket, so none of it hides behind backward. Takeaway: it beats the flat ring when one NIC serves
+    the whole node; with a NIC per rank the flat ring's parallel NICs win."""
+    intra = collective_time(hw, "all-reduce", per_node, nbytes, False) + collective_time(
+        hw, "all-gather", per_node, nbytes, False)
+    return intra + collective_time(hw, "all-reduce", ranks // per_node, nbytes, True, 1)
 
 
 def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:

@@ -48,6 +48,9 @@ class Layout:
     local_sgd_steps: int = 0
     """> 0: local SGD (``parallel.sync_mode = "local-sgd"``), parameters averaged over dp every this many
     steps instead of a gradient all-reduce every step (:func:`meshtrain.planner.cost.dp_time`)."""
+    hierarchical_allreduce: bool = False
+    """zero_stage 0: gradients reduced inside each node, all-reduced between one rank per node, then
+    broadcast (:mod:`meshtrain.parallel.hierarchical`)."""
 
     @property
     def world_size(self) -> int:
@@ -75,13 +78,16 @@ class Layout:
         return asdict(self)
 
     def label(self) -> str:
-        """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention)."""
+        """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention,
+        ``dp8hier`` for a hierarchical all-reduce, ``dp8H4`` for local SGD averaging every 4 steps)."""
         sched = ""
         if self.pp > 1:
             sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         seqp = "+sp" if self.tp_sequence_parallel else ""
         ring = "ring" if self.sp > 1 and self.sp_mode == "ring" else ""
-        return (f"dp{self.dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp}{ring} z{self.zero_stage} "
+        dp = f"{self.dp}{'hier' if self.hierarchical_allreduce else ''}"
+        dp += f"H{self.local_sgd_steps}" if self.local_sgd_steps else ""
+        return (f"dp{dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp}{ring} z{self.zero_stage} "
                 f"mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} {self.recompute}{sched}")
 
 
@@ -134,6 +140,8 @@ class Framework:
     grad_first_bucket_bytes: float = 0.0
     grad_sync_every_microstep: bool = False
     cross_entropy_bytes: float = 24.0
+    hierarchical_allreduce: bool = False
+    """The zero_stage-0 gradient all-reduce can run hierarchically (node leaders only cross nodes)."""
 
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
@@ -147,7 +155,8 @@ MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
                       pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute, sp_modes=SUPPORTED.sp_modes,
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
-                      torch_buffers=True, grad_first_bucket_bytes=2**20)
+                      torch_buffers=True, grad_first_bucket_bytes=2**20,
+                      hierarchical_allreduce=SUPPORTED.hierarchical_allreduce)
 """The trainer: its features are the table of :mod:`meshtrain.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
@@ -244,6 +253,10 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
                  f"(it has {', '.join(framework.pp_schedules) or 'no pipeline parallelism'})")
     if layout.tp_sequence_parallel and not framework.sequence_parallel:
         e.append(f"tp_sequence_parallel is not available in {framework.name}")
+    if layout.hierarchical_allreduce and not (framework.hierarchical_allreduce and layout.zero_stage == 0
+                                              and layout.tp == 1):
+        e.append(f"hierarchical_allreduce is not available in {framework.name} with zero_stage = "
+                 f"{layout.zero_stage} and tp = {layout.tp} (meshtrain: zero_stage 0 and tp 1)")
     return e
 
 

@@ -62,7 +62,8 @@ def _row(rank: str, e: Estimate) -> list[str]:
     b = e.layout
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
     sp = f"{b.sp} {b.sp_mode}" if b.sp > 1 else "1"
-    return [rank, str(b.dp), f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), sp,
+    dp = f"{b.dp}{' hier' if b.hierarchical_allreduce else ''}{f' H{b.local_sgd_steps}' if b.local_sgd_steps else ''}"
+    return [rank, dp, f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), sp,
             str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
             f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
             duration(e.total_time_s)]

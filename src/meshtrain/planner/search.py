@@ -50,13 +50,14 @@ def _choices(fixed: dict[str, Any], key: str, options: list[Any]) -> list[Any]:
     return [fixed[key]] if key in fixed else options
 
 
-def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
-                      fixed: dict[str, Any] | None = None) -> Iterator[tuple[Layout, list[str]]]:
+def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: dict[str, Any] | None = None,
+                      devices_per_node: int | None = None) -> Iterator[tuple[Layout, list[str]]]:
     """Valid layouts the framework can run, as ``(layout, recompute modes)``: the layout holds the
     cheapest mode, the list every mode to try, cheapest first. ``fixed`` pins any Layout field (e.g.
     ``{"tp": 8, "recompute": "full"}``); a pinned value the framework lacks yields nothing. The model's
     divisibility rules are checked once per (tp, sp, sp_mode, pp, tp_sequence_parallel); batch and
-    schedule rules hold by construction.
+    schedule rules hold by construction. With ``devices_per_node``, DDP layouts whose dp group spans
+    nodes come both with a flat and a hierarchical gradient all-reduce.
     """
     fixed = fixed or {}
     world, gbs = job.num_devices, job.global_batch_size
@@ -79,7 +80,20 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework,
                     if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
                         continue
                     for zero in zeros:
-                        yield Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp, sp_mode), modes
+                        layout = Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp, sp_mode)
+                        for hier in _hierarchical(framework, layout, devices_per_node, fixed):
+                            yield replace(layout, hierarchical_allreduce=hier), modes
+
+
+def _hierarchical(framework: Framework, layout: Layout, devices_per_node: int | None,
+                  fixed: dict[str, Any]) -> list[bool]:
+    """Whether to try the gradient all-reduce flat, hierarchical, or both: hierarchical only where the
+    framework has it, for DDP (zero_stage 0, tp 1) whose dp group spans nodes."""
+    if "hierarchical_allreduce" in fixed:
+        return [fixed["hierarchical_allreduce"]]
+    possible = (framework.hierarchical_allreduce and layout.zero_stage == 0 and layout.tp == 1
+                and devices_per_node is not None and layout.spans_nodes("dp", devices_per_node))
+    return [False, True] if possible else [False]
 
 
 def _model_splits(model: ModelSpec, framework: Framework, fixed: dict[str, Any], dp: int, tp: int, pp: int,
@@ -107,7 +121,7 @@ def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fram
     construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged.
     """
     out = []
-    for base, modes in candidate_layouts(model, job, framework, fixed):
+    for base, modes in candidate_layouts(model, job, framework, fixed, hw.network.devices_per_node):
         chosen = None
         for rc in modes:
             layout = base if rc == base.recompute else replace(base, recompute=rc)
