@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int) -> None:
         self.out_dir, self.enabled = Path(out_dir), enabled
+        self.start_time = time.perf_counter()
         self.console = Console(stderr=True)
         self.progress: Progress | None = None
         if not enabled:
@@ -51,7 +53,9 @@ class MetricsLog:
         self.progress.start()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` with ``elapsed_s``: wall seconds since this log opened (this run's start)."""
         if self.enabled:
+            record = {**record, "elapsed_s": round(time.perf_counter() - self.start_time, 3)}
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
