@@ -267,3 +267,54 @@ def test_device_peak_errors_and_catalog_aliases():
     with pytest.raises(ConfigError, match="did you mean"):
         get_hardware("H10O-SXM-80GB")
     assert math.isclose(hw.device.peak("bfloat16"), 312e12)
+
+
+def test_local_sgd_all_reduces_the_weights_every_h_steps():
+    """Local SGD: one all-reduce of the weights per H steps replaces the per-step gradient all-reduce,
+    and only the loss scalar is all-reduced every step."""
+    m, hw, prec = preset("gpt2-small"), get_hardware("A100-80GB"), PRECISIONS["fp32"]
+    layout = Layout(dp=32, local_sgd_steps=8)
+    bw, lat = hw.network.link(True, "all-reduce", ranks_per_node=8)
+    weights = m.num_params() * 4
+    expected = ring_time("all-reduce", 32, weights, bw, lat) / 8 + ring_time("all-reduce", 32, 8, bw, lat)
+    assert step_time(m, layout, hw, prec, FRAMEWORKS["meshtrain"]).dp_comm == pytest.approx(expected, rel=1e-9)
+
+
+def test_hierarchical_all_reduce_is_reduce_leaders_ring_broadcast():
+    """2 nodes x 8: inside the node an all-reduce's and an all-gather's worth of traffic on NVLink, between
+    the 2 leaders a ring all-reduce over one NIC each. With one NIC per device the flat ring (8 NICs per
+    node) is faster; with one NIC per node the hierarchical one crosses it with half the bytes."""
+    from meshtrain.planner.cost import hierarchical_allreduce_time
+
+    m, hw, prec = preset("gpt2-small"), get_hardware("A100-80GB"), PRECISIONS["fp32"]
+    S = 25 * 2**20
+    intra_bw, intra_lat = hw.network.link(False, "all-reduce")
+    inter_bw, inter_lat = hw.network.link(True, "all-reduce", ranks_per_node=1)
+    expected = (ring_time("all-reduce", 8, S, intra_bw, intra_lat) + ring_time("all-gather", 8, S, intra_bw, intra_lat)
+                + ring_time("all-reduce", 2, S, inter_bw, inter_lat))
+    assert hierarchical_allreduce_time(hw, S, 16, 8) == pytest.approx(expected, rel=1e-12)
+    no_overlap = replace(FRAMEWORKS["meshtrain"], dp_comm_overlap=False)  # compare the wire times themselves
+    flat = step_time(m, Layout(dp=16), hw, prec, no_overlap)
+    hier = step_time(m, Layout(dp=16, hierarchical_allreduce=True), hw, prec, no_overlap)
+    assert hier.dp_comm > flat.dp_comm  # 8 NICs per node: the flat ring's parallel NICs win (docs/planner.md)
+    one_nic = replace(hw, network=replace(hw.network, nics_per_node=1))
+    flat = step_time(m, Layout(dp=16), one_nic, prec, no_overlap)
+    hier = step_time(m, Layout(dp=16, hierarchical_allreduce=True), one_nic, prec, no_overlap)
+    assert hier.dp_comm < flat.dp_comm
+
+
+def test_parameter_server_is_bound_by_the_slower_of_workers_and_server():
+    """Seconds per received gradient = max(worker cycle / W, server update): falls with more workers
+    until the server's update bounds it, and more servers lower that bound."""
+    m, hw, prec = preset("gpt2-small"), get_hardware("A100-80GB"), PRECISIONS["fp32"]
+    fw = FRAMEWORKS["meshtrain"]
+
+    def t(workers: int, servers: int = 1):  # 32 samples per gradient: a worker's cycle >> one AdamW update
+        return step_time(m, Layout(dp=workers, ps_servers=servers, micro_batch_size=32), hw, prec, fw)
+
+    assert t(1).compute > 0 and t(2).total == pytest.approx(t(1).total / 2, rel=1e-9)  # worker-bound: W in parallel
+    assert t(4096).compute == 0 and t(4096).optimizer > 0  # server-bound
+    assert t(8192).total == t(4096).total  # more workers no longer help
+    assert t(4096).total / 2 < t(4096, servers=2).total < t(4096).total  # two servers split each update (+ latency)
+    layout = Layout(dp=3, ps_servers=1, micro_batch_size=4)
+    assert layout.world_size == 4 and layout.global_batch_size == 4  # one worker's batch per update

@@ -127,3 +127,23 @@ def test_bad_sync_settings_are_refused_before_launch(tmp_path, args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_async_run_resumes_from_its_checkpoint(tmp_path):
+    """A parameter-server run saved at gradient 10 continues to 20: the count, the servers' AdamW state
+    and each worker's place in the data stream come back (the metrics run 1..20 once each)."""
+    from meshtrain import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    base = {**TINY, "parallel.sync_mode": "async", "checkpoint.interval": "10", "parallel.max_staleness": "1000"}
+    for steps, extra in (("10", []), ("20", ["--resume"])):
+        proc = run_cli("train", str(CONFIG), "--nproc", "3", "--out", str(run), *extra,
+                       *override_args({**base, "train.steps": steps}))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [r["step"] for r in read_records(run) if "loss" in r]
+    assert steps == list(range(1, 21))
+    meta = ckpt.read_meta(ckpt.resolve_checkpoint(run))
+    assert meta["step"] == 20 and meta["dp"] == 2
+    assert meta["async"]["version"] == 20  # nothing is too stale for a bound of 1000: every gradient applied
+    per_step = int(TINY.get("batch.micro_batch_size", "12")) * 2  # each worker's stride in the shared stream
+    assert all(seen % per_step == 0 and seen > 0 for seen in meta["async"]["samples_seen"])

@@ -252,7 +252,7 @@ class Trainer:
     def _finish(self, step_times: list[float], val_loss: float | None, tokens_per_step: int) -> dict[str, Any]:
         """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``
         and the loss plot. Whatever launched the run compares it with the planner (``meshtrain.launch``)."""
-        peak = torch.tensor([_peak_memory_bytes(self.device)], dtype=torch.float64)
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         summary = {"val_loss": val_loss, "step_time_s": statistics.median(step_times) if step_times else None,
                    "peak_memory_bytes": int(peak.item()), "world_size": self.dims.world_size, "dp": self.dims.dp,
@@ -269,7 +269,7 @@ class Trainer:
         return summary
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: CUDA allocator peak on GPU, peak resident set size (ru_maxrss, KiB) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)

@@ -176,6 +176,11 @@ class AsyncRun:
     # --- both ---------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """Serve or work until ``train.steps`` gradients were received; return the run's summary (rank 0's
+        ``OUT/summary.json``: val loss, seconds per received gradient, peak memory over ranks, and the
+        servers' counts of applied and dropped gradients and their staleness)."""
+        from meshtrain.train import peak_memory_bytes
+
         t = self.cfg.train
         if self.start >= t.steps:
             raise ConfigError(f"train.steps = {t.steps} but the checkpoint is already at step {self.start}")
@@ -192,6 +197,7 @@ class AsyncRun:
         finally:
             if self.log is not None:
                 self.log.close()
+        mine["peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return self._finish(everyone)
@@ -200,6 +206,7 @@ class AsyncRun:
         server0, workers = everyone[0], everyone[len(self.servers):]
         step_time = statistics.median(self.step_times[1:] or self.step_times) if self.step_times else None
         summary = {"val_loss": self.val_loss, "step_time_s": step_time, "world_size": dist.get_world_size(),
+                   "peak_memory_bytes": max(r["peak_memory_bytes"] for r in everyone),
                    "dp": len(self.workers), "tp": 1, "sp": 1, "vocab_size": self.vocab_size, "device": "cpu",
                    "async": {"servers": len(self.servers), "workers": len(self.workers),
                              "applied": server0["applied"], "dropped": server0["dropped"],

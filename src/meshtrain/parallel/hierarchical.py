@@ -20,7 +20,8 @@ torchrun's ``GROUP_RANK`` (the agent that started it), exchanged once with ``all
 """
 
 import os  # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,17 +70,29 @@ class HierarchicalState:
     """The leaders' group on a leader, None elsewhere."""
     world: int
     """Ranks of the whole dp group (the gradient is divided by it, as DDP's own all-reduce)."""
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "hierarchical-allreduce"))
+    """One thread that runs every bucket's three steps in bucket order: collectives of one group must be
+    issued in the same order on every rank, and backward goes on meanwhile (overlap, as DDP's own)."""
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the mean of ``bucket`` over the dp group by reduce -> all-reduce -> broadcast."""
-    grad = bucket.buffer().div_(state.world)
-    dist.reduce(grad, dst=state.leader, group=state.intra)
-    if state.inter is not None:
-        dist.all_reduce(grad, group=state.inter)
-    dist.broadcast(grad, src=state.leader, group=state.intra)
+    """DDP communication hook: the mean of ``bucket`` over the dp group by reduce -> all-reduce -> broadcast,
+    run on the state's thread; DDP waits for the returned future at the end of backward."""
+    grad = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(grad)
+
+    def run() -> None:
+        try:
+            grad.div_(state.world)
+            dist.reduce(grad, dst=state.leader, group=state.intra)
+            if state.inter is not None:
+                dist.all_reduce(grad, group=state.inter)
+            dist.broadcast(grad, src=state.leader, group=state.intra)
+            future.set_result(grad)
+        except Exception as e:  # surfaces in backward, where DDP waits for the future
+            future.set_exception(e)
+
+    state.executor.submit(run)
     return future
 
 

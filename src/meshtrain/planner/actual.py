@@ -39,14 +39,13 @@ GPU_NAMES = (("H200", "H200-SXM-141GB"), ("H100 PCIe", "H100-PCIe-80GB"), ("H100
 def layout_from_config(cfg: Config, world_size: int) -> Layout:
     """The :class:`Layout` a training config runs with on ``world_size`` ranks. Raises ConfigError."""
     p, b = cfg.parallel, cfg.batch
-    if p.sync_mode == "async":
-        raise ConfigError("parallel.sync_mode = 'async' (parameter server) is not modelled by the planner yet")
     _, dp = resolve_world(cfg, world_size)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, sp=p.sp, zero_stage=p.zero_stage, micro_batch_size=b.micro_batch_size,
                   gradient_accumulation_steps=b.gradient_accumulation_steps, pp_schedule=p.pp_schedule,
                   virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel, sp_mode=p.sp_mode,
                   local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
-                  hierarchical_allreduce=p.hierarchical_allreduce)
+                  hierarchical_allreduce=p.hierarchical_allreduce,
+                  ps_servers=p.ps_servers if p.sync_mode == "async" else 0)
 
 
 def _torch_threads() -> int:

@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--profile", type=Path, help="calibrated profile to read/write (default "
                                                 "~/.cache/meshtrain/hardware_profile.toml)")
     g.add_argument("--devices-per-node", type=int, help="override the node size of the device's network")
+    g.add_argument("--nics-per-node", type=int,
+                   help="NICs a node's devices share (default: one per device; 1 for a typical CPU/Ethernet cluster)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "bf16-autocast"),
                    help="precision (default: the framework's mixed precision; a config's train.dtype)")
     g.add_argument("--framework", choices=("meshtrain", "megatron-core", "megatron-2021", "fsdp"),
@@ -184,7 +186,7 @@ def build_context(args: argparse.Namespace):
         ranks = resolve_world(cfg, args.num_gpus)[0]
         hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if ranks == 1 else 1)
     else:
-        hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node)
+        hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node, args.nics_per_node)
     dtype = args.dtype or (("bf16-autocast" if cfg.train.dtype == "bfloat16" else "fp32") if cfg is not None
                            else framework.mixed_precision)
     world = args.num_gpus

@@ -27,7 +27,7 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.schedules import RULES, bubble_fraction
@@ -375,7 +375,8 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
         buckets = fw.grad_buckets(grads)
         host = hw.device.ddp_bucket_overhead_s * buckets
         if layout.hierarchical_allreduce and spans:
-            return scalars + host + buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node)
+            return scalars + host + exposed(buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node),
+                                            mb.backward)
         return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward) + host
     count = 1 if z == 1 else units
     host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden
@@ -393,9 +394,10 @@ def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_nod
     """Seconds for one hierarchical all-reduce of ``nbytes`` over ``ranks`` ranks, ``per_node`` of them on
     each node (:mod:`meshtrain.parallel.hierarchical`): a reduce to the node's leader and a broadcast back,
     each moving the data of a ring all-reduce / all-gather inside the node, and a ring all-reduce between
-    the ``ranks / per_node`` leaders over one NIC each. The trainer's hook runs these blocking, bucket by
-    bucket, so none of it hides behind backward. Takeaway: it beats the flat ring when one NIC serves
-    the whole node; with a NIC per rank the flat ring's parallel NICs win."""
+    the ``ranks / per_node`` leaders over one NIC each. The trainer's hook runs them on a thread of its
+    own, bucket after bucket, so like DDP's all-reduce they hide behind backward where the device can
+    overlap. Takeaway: it beats the flat ring when one NIC serves the whole node (``nics_per_node = 1``);
+    with a NIC per rank the flat ring's parallel NICs win."""
     intra = collective_time(hw, "all-reduce", per_node, nbytes, False) + collective_time(
         hw, "all-gather", per_node, nbytes, False)
     return intra + collective_time(hw, "all-reduce", ranks // per_node, nbytes, True, 1)
@@ -422,8 +424,36 @@ def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Pr
     return collective_time(hw, "all-reduce", 2, nbytes, layout.spans_nodes("pp", hw.network.devices_per_node))
 
 
+def async_step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> StepTime:
+    """Seconds per gradient a parameter server receives (:mod:`meshtrain.parallel.async_ps`), by cause.
+
+    A worker's cycle is the forward and backward of its ``micro_batch_size * GA`` samples plus pulling
+    the fp32 parameters and pushing the fp32 gradient (two point-to-point transfers of ``4 N`` bytes); W
+    workers run their cycles side by side. Each of the S servers handles its ``N / S`` of every update
+    in turn: receive the gradient shard, an AdamW step, send the parameter shard. The run goes at the
+    slower of the two rates (queueing theory's bottleneck), ``max(cycle / W, server time)``; the
+    breakdown names the side that bounds it: compute and ``dp_comm`` (the transfers) per worker cycle
+    / W, or ``optimizer`` and ``dp_comm`` of one server update. Takeaway: more workers help until the
+    server's update time is the bound; more servers split it.
+    """
+    single = replace(layout, dp=1, ps_servers=0, local_sgd_steps=0, hierarchical_allreduce=False)
+    worker = step_time(model, single, hw, prec, fw)
+    n = stage_params(model, single)
+    transfer = collective_time(hw, "p2p", 2, 4 * n, False)
+    cycle = worker.compute + 2 * transfer
+    server_transfer = collective_time(hw, "p2p", 2, 4 * n / layout.ps_servers, False)
+    server = worker.optimizer / layout.ps_servers + 2 * server_transfer
+    if cycle / layout.dp >= server:
+        return StepTime(compute=worker.compute / layout.dp, tp_comm=0.0, sp_comm=0.0, pp_comm=0.0, bubble=0.0,
+                        dp_comm=2 * transfer / layout.dp, optimizer=0.0)
+    return StepTime(compute=0.0, tp_comm=0.0, sp_comm=0.0, pp_comm=0.0, bubble=0.0, dp_comm=2 * server_transfer,
+                    optimizer=worker.optimizer / layout.ps_servers)
+
+
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> StepTime:
     """Seconds per optimizer step, by cause (see the module docstring for the model of each part)."""
+    if layout.ps_servers:
+        return async_step_time(model, layout, hw, prec, fw)
     mb = _micro_batch(model, layout, hw, prec, fw)
     m = layout.gradient_accumulation_steps
     tp_step = stage_layers(model, layout) * sum(

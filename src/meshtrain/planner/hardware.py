@@ -129,7 +129,8 @@ def _interpolate(table: list[tuple[int, float]], x: int) -> float:
 
 @dataclass(frozen=True)
 class Network:
-    """How devices talk. Bandwidths are per device, one direction, bytes/s; latencies in seconds."""
+    """How devices talk. Bandwidths are one direction, bytes/s (``inter_node_bandwidth`` per NIC, one NIC
+    per device unless ``nics_per_node`` says fewer); latencies in seconds."""
 
     devices_per_node: int
     intra_node_bandwidth: float
@@ -141,6 +142,9 @@ class Network:
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Measured (bandwidth, latency per ring step) of each collective inside a node (``--calibrate``);
     overrides the link's numbers for that kind."""
+    nics_per_node: int = 0
+    """NICs a node's devices share; 0 = one per device (GPU servers). A CPU or Ethernet cluster often has
+    one: then a ring crossing nodes gets one NIC however many ranks a node has."""
 
     def link(self, spans_nodes: bool, kind: str | None = None, ranks_per_node: int = 1) -> tuple[float, float]:
         """(achievable bandwidth bytes/s, latency s) of the slowest link a group uses (for ``kind``).
@@ -152,7 +156,8 @@ class Network:
         on DGX A100 / H100 is about the node's NIC total, 8 x 25 / 8 x 50 GB/s, not one NIC's). All-to-all
         and p2p send each rank's own data through its own NIC: ``inter``. The cost model passes g for
         data-parallel rings only (tp's reason: ``cost._micro_batch``). Takeaway: data parallelism over
-        whole nodes (tp = 1) reduces gradients ~8x faster than one NIC per rank would suggest.
+        whole nodes (tp = 1) reduces gradients ~8x faster than one NIC per rank would suggest. With
+        ``nics_per_node`` = n NICs per node a ring uses ``min(g, n)`` of them.
         """
         if not spans_nodes and kind in self.collectives:
             return self.collectives[kind]
@@ -160,7 +165,9 @@ class Network:
         if spans_nodes:
             inter = self.inter_node_bandwidth * self.inter_node_efficiency
             if kind in RING_KINDS:
-                inter = min(intra, max(1, ranks_per_node) * inter)
+                nics = max(1, ranks_per_node) if not self.nics_per_node else min(max(1, ranks_per_node),
+                                                                                   self.nics_per_node)
+                inter = min(intra, nics * inter)
             return inter, self.inter_node_latency_s
         return intra, self.intra_node_latency_s
 
@@ -217,15 +224,19 @@ def catalog() -> dict[str, Hardware]:
 
 
 def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | None = None,
-                 devices_per_node: int | None = None) -> Hardware:
+                 devices_per_node: int | None = None, nics_per_node: int | None = None) -> Hardware:
     """Resolve ``--gpu NAME``: built-ins, aliases, devices of ``hardware_file``, and ``cpu``.
 
     The calibrated profile at ``profile`` (default :data:`DEFAULT_PROFILE`), when it exists, replaces
     the default ``cpu`` (one thread per rank) and adds ``cpu-<n>threads`` (one rank using n threads).
+    ``devices_per_node`` and ``nics_per_node`` override the network's.
 
     Raises:
         ConfigError: unknown name (with the closest valid one) or a bad hardware file.
     """
+    for flag, value in (("--devices-per-node", devices_per_node), ("--nics-per-node", nics_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} = {value} must be >= 1")
     known = catalog()
     path = (profile or DEFAULT_PROFILE).expanduser()
     if path.is_file():
@@ -242,6 +253,8 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
     hw = known[key]
     if devices_per_node:
         hw = replace(hw, network=replace(hw.network, devices_per_node=devices_per_node))
+    if nics_per_node:
+        hw = replace(hw, network=replace(hw.network, nics_per_node=nics_per_node))
     return hw
 
 
@@ -278,6 +291,8 @@ def _network_from_table(t: dict[str, Any], where: str) -> Network:
     keys = ("intra_node_latency_s", "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
     kw: dict[str, Any] = {k: _number(t, k, where) for k in keys if k in t}
     kw["collectives"] = {kind: (float(b), float(a)) for kind, (b, a) in t.get("collectives", {}).items()}
+    if "nics_per_node" in t:
+        kw["nics_per_node"] = int(_number(t, "nics_per_node", where))
     return Network(int(_number(t, "devices_per_node", where)), _number(t, "intra_node_bandwidth", where),
                    _number(t, "inter_node_bandwidth", where), **kw)
 

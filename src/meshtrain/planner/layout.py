@@ -51,14 +51,18 @@ class Layout:
     hierarchical_allreduce: bool = False
     """zero_stage 0: gradients reduced inside each node, all-reduced between one rank per node, then
     broadcast (:mod:`meshtrain.parallel.hierarchical`)."""
+    ps_servers: int = 0
+    """> 0: an asynchronous parameter-server run (``sync_mode = "async"``): ``dp`` workers plus this many
+    server ranks; a "step" is one received gradient of one worker's batch (:func:`cost.async_step_time`)."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * self.sp + self.ps_servers
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.dp
+        """Samples per optimizer step (per parameter-server update: one worker's batch)."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * (1 if self.ps_servers else self.dp)
 
     def spans_nodes(self, axis: str, devices_per_node: int) -> bool:
         """Whether a group along ``axis`` crosses a node boundary (axes outer to inner: pp, dp, sp, tp)."""
@@ -87,6 +91,7 @@ class Layout:
         ring = "ring" if self.sp > 1 and self.sp_mode == "ring" else ""
         dp = f"{self.dp}{'hier' if self.hierarchical_allreduce else ''}"
         dp += f"H{self.local_sgd_steps}" if self.local_sgd_steps else ""
+        dp += f"+{self.ps_servers}ps" if self.ps_servers else ""
         return (f"dp{dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp}{ring} z{self.zero_stage} "
                 f"mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} {self.recompute}{sched}")
 

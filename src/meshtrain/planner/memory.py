@@ -26,7 +26,7 @@ no s x s scores; nor does the trainer's ring attention, which recomputes them in
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from meshtrain.planner.hardware import Hardware
@@ -151,6 +151,8 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
+    if layout.ps_servers:
+        return _parameter_server_memory(model, layout, hw, precision, framework)
     p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
     weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
     grads_sharded = z >= 2 and (layout.gradient_accumulation_steps == 1 or framework.grad_sync_every_microstep)
@@ -169,3 +171,21 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     acts = max(step_peak, optimizer_peak)
     return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer, activations=acts - gathered,
                            buffers=gathered, overhead=hw.device.framework_overhead_bytes)
+
+
+def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
+                             framework: Framework) -> MemoryBreakdown:
+    """The larger of a worker and a server of an async run (:mod:`meshtrain.parallel.async_ps`).
+
+    A worker: weights, gradients and activations as one process, no optimizer states, plus the fp32
+    parameters it receives and the flat fp32 gradient it sends. A server: the whole model's weights (it
+    evaluates and checkpoints it), the gradient and AdamW states of its 1/S shard, the received gradient
+    shard and one parameter reply in flight per worker."""
+    single = replace(layout, dp=1, ps_servers=0)
+    one = memory_breakdown(model, single, hw, precision, framework)
+    p, S = stage_params(model, single), layout.ps_servers
+    worker = replace(one, optimizer=0.0, buffers=one.buffers + 2 * 4 * p)
+    server = MemoryBreakdown(weights=one.weights, gradients=p * precision.grad_bytes / S,
+                             optimizer=p * precision.optimizer_bytes / S, activations=0.0,
+                             buffers=(1 + layout.dp) * 4 * p / S, overhead=one.overhead)
+    return max(worker, server, key=lambda m: m.total)

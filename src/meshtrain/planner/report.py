@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -63,6 +63,7 @@ def _row(rank: str, e: Estimate) -> list[str]:
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
     sp = f"{b.sp} {b.sp_mode}" if b.sp > 1 else "1"
     dp = f"{b.dp}{' hier' if b.hierarchical_allreduce else ''}{f' H{b.local_sgd_steps}' if b.local_sgd_steps else ''}"
+    dp += f" +{b.ps_servers}ps" if b.ps_servers else ""
     return [rank, dp, f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), sp,
             str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
             f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
@@ -96,7 +97,8 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
     config = ctx.config_layout
     if config is not None and not (divisibility_errors(ctx.model, config)
                                    + framework_errors(ctx.framework, config, ctx.model)):
-        mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, ctx.job)
+        job = replace(ctx.job, global_batch_size=config.global_batch_size) if config.ps_servers else ctx.job
+        mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, job)
         table.add_row(*_row("config", mine), style="bold")
     out.print(table)
     lines = [f"{len(fitting)} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
