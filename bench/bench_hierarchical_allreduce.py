@@ -110,7 +110,7 @@ def measure(ranks_per_node: int, steps: int, mode: str) -> dict:
         spec.write_text(json.dumps({"out": tmp, "steps": steps, "mode": mode}))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         port = 29400 + os.getpid() % 1000
-        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                    f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d",
                                    f"--rdzv-endpoint=127.0.0.1:{port}", __file__, "--worker", str(spec)],
                                   env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -97,7 +97,7 @@ def test_table_with_loader_batch_size_explains_the_open_sora_log():
      "give --lr too"),
     (["--world-size", "4", "--micro-batch-size", "1", "--lr", "1e-3", "--lr-scaling", "sqrt"],
      "optim.reference_batch_size = 0 both >= 1"),
-    (["--world-size", "4", "--micro-batch-size", "1", "--lr", "-1"], "lr = -1.0 must be a finite number > 0"),
+    (["--world-size", "4", "--micro-batch-size", "1", "--lr", "-1"], "argument --lr: -1 must be a finite number > 0"),
 ])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_bad_layout_exits_2_with_one_line(args, message, as_json):

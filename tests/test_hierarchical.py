@@ -26,7 +26,7 @@ def launch_two_nodes(root, layouts: dict[str, dict[str, str]]) -> dict[str, tupl
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
     port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                                str(ROOT / "tests/layout_worker.py"), str(root / "spec.json")],
                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,21 +11,30 @@ existing checkpoint is never overwritten. Model and optimizer state go through
 ``get_state_dict``/``set_state_dict``, which name tensors by their unwrapped parameter names, so a
 checkpoint saved with DDP loads into FSDP2 at another dp size and the other way round (DCP reshards
 from its global metadata). ``meta.json`` holds the step, config, tokenizer, sampler and LR-schedule state.
+
+Loading never runs code from a checkpoint: DCP's ``.metadata`` is a pickle, which torch reads with
+``pickle.load``; here it is read by an unpickler that accepts only the metadata classes
+(:class:`SafeFileSystemReader`), and tensors are read with ``torch.load(weights_only=True)`` (DCP's own).
+``meta.json`` is JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -38,6 +47,73 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``): each
 pipeline stage saves and loads its own parameters' entries, so the state reshards across pp sizes like the
 weights do (a nested ``param_groups`` list would be one rank's, the others' lost)."""
+
+
+METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+}
+"""The only globals a DCP ``.metadata`` pickle may name: the metadata classes, ``torch.Size``, dtypes
+(``torch.float32``, ...), the layout decoder and paths. Constructing any of them runs no code of the
+file's choosing."""
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A checkpoint's metadata names something outside :data:`METADATA_GLOBALS`: it may be crafted to
+    run code, and is not loaded."""
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """A global outside :data:`METADATA_GLOBALS`; the message is ``module.name``."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global outside :data:`METADATA_GLOBALS` (Python's
+    "Restricting Globals" recipe, pickle docs): ``pickle.load`` would import and call whatever the file
+    names, e.g. ``os.system``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise _ForbiddenGlobal(f"{module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata`` (torch's own calls
+    ``pickle.load``); tensor shards are read by torch with ``torch.load(weights_only=True)`` as before."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except _ForbiddenGlobal as e:
+            raise UnsafeCheckpointError(f"checkpoint {self.path} was not loaded: its .metadata names {e}, which a "
+                                        f"checkpoint never contains (it could run code); use a checkpoint you "
+                                        f"trust, or its safetensors export") from None
+        except (OSError, EOFError, ValueError, TypeError, AttributeError, pickle.UnpicklingError) as e:
+            raise ConfigError(f"checkpoint {self.path}: .metadata is missing or unreadable ({e}): "
+                              f"the checkpoint is incomplete or corrupt") from None
+        if not isinstance(metadata, Metadata):
+            raise ConfigError(f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(ckpt: Path) -> Metadata:
+    """The DCP metadata of a committed checkpoint, read without running code from it.
+
+    Raises:
+        UnsafeCheckpointError: it names a global outside :data:`METADATA_GLOBALS`.
+        ConfigError: it is missing or unreadable.
+    """
+    return SafeFileSystemReader(str(ckpt)).read_metadata()
 
 
 def step_dir(out_dir: Path, step: int) -> Path:
@@ -112,18 +188,19 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
     layout: a pipeline's head copy of the tied embedding (``lm_head.weight``) reads the optimizer state
     that a one-stage run saved under ``tok_emb.weight``. Returns the checkpoint's ``meta.json`` contents.
     """
+    read_metadata(ckpt)  # a crafted or broken .metadata is one ConfigError here, not an error inside DCP's load
     if optimizer is None:
         model_sd = {k: v for k, v in model.state_dict().items()}
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": model_sd}, checkpoint_id=str(ckpt))
+            dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(str(ckpt)))
         model.load_state_dict(model_sd)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
@@ -135,7 +212,7 @@ def _aliased_keys(ckpt: Path, optim_sd: dict[str, Any], aliases: dict[str, str])
     parameter name but holds under an alias (``state.lm_head.weight.exp_avg`` -> ``state.tok_emb.weight.exp_avg``)."""
     if not aliases:
         return {}
-    stored = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    stored = set(read_metadata(ckpt).state_dict_metadata)
     out = {}
     for key in optim_sd:
         if f"optim.{key}" in stored:

@@ -1,4 +1,4 @@
-"""The ``meshtrain`` command: ``train | plan | batch | generate`` (benchmarks live in ``bench/``, run by ``make bench``).
+"""The ``meshtrain`` command: ``train | plan | batch | generate | export`` (benchmarks live in ``bench/``, run by ``make bench``).
 
 Each subcommand lives next to what it drives and registers itself through ``add_parser(subparsers)``;
 this module only dispatches and turns user errors (:class:`ConfigError`) into one line on stderr
@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from meshtrain.argtypes import OneLineParser, positive_float
 from meshtrain.config import LR_SCALINGS, ConfigError
 
 DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp, sp) and plan what a layout "
@@ -30,10 +31,10 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sp", type=int, default=1)
     p.add_argument("--seq-len", type=int, help="tokens per sample, for tokens_per_step")
     p.add_argument("--num-samples", type=int, help="samples in one epoch of the dataset")
-    p.add_argument("--epochs", type=float, help="epochs to train (needs --num-samples; default 1)")
+    p.add_argument("--epochs", type=positive_float, help="epochs to train (needs --num-samples; default 1)")
     p.add_argument("--steps", type=int, help="optimizer steps to train, instead of --epochs")
-    p.add_argument("--time-per-step", type=float, help="seconds per optimizer step, for total_time_s")
-    p.add_argument("--lr", type=float, help="peak learning rate tuned at --reference-batch-size, to show it scaled")
+    p.add_argument("--time-per-step", type=positive_float, help="seconds per optimizer step, for total_time_s")
+    p.add_argument("--lr", type=positive_float, help="peak learning rate tuned at --reference-batch-size, to show it scaled")
     p.add_argument("--lr-scaling", default="none", choices=LR_SCALINGS,
                    help="how the learning rate follows the global batch (optim.lr_scaling; default none)")
     p.add_argument("--reference-batch-size", type=int,
@@ -108,15 +109,16 @@ def _lr_how(plan) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from meshtrain import generate, launch
+    from meshtrain import export, generate, launch
     from meshtrain.planner import cli as plan_cli
 
-    parser = argparse.ArgumentParser(prog="meshtrain", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate}")
+    parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export}")
     launch.add_parser(sub)
     plan_cli.add_parser(sub)
     _add_batch_parser(sub)
     generate.add_parser(sub)
+    export.add_parser(sub)
     return parser
 
 

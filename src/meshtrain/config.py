@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -211,11 +212,14 @@ def _suggest(name: str, options: list[str]) -> str:
     return f"did you mean '{close[0]}'? " if close else ""
 
 
-def _coerce(key: str, value: Any, typ: type) -> Any:
-    """Convert ``value`` (from TOML or a CLI string) to ``typ``, or raise ConfigError naming ``key``."""
+def _coerce(key: str, value: Any, typ: type, from_text: bool = True) -> Any:
+    """Convert ``value`` to ``typ``, or raise ConfigError naming ``key``. A string is parsed when it comes
+    from the command line (``from_text``); in a TOML file, which is typed, a quoted number is an error."""
     if isinstance(typ, types.UnionType):  # pragma: no cover - no union fields today
         typ = typing.get_args(typ)[0]
     if isinstance(value, str) and typ is not str:
+        if not from_text:
+            raise ConfigError(f"{key} = {value!r} is a string but must be a {typ.__name__}: write it without quotes")
         text = value.strip()
         try:
             if typ is bool:
@@ -225,10 +229,12 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
             if typ is int:
                 return int(text)
             if typ is float:
-                return float(text)
+                value = float(text)
         except ValueError:
             raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}") from None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} = {value} must be a finite number")
         return float(value)
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"{key} = {value!r} is not a valid bool (use true or false)")
@@ -239,7 +245,7 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     return value
 
 
-def set_key(cfg: Config, dotted: str, value: Any) -> None:
+def set_key(cfg: Config, dotted: str, value: Any, from_text: bool = True) -> None:
     """Set ``section.key`` on ``cfg`` from a TOML value or CLI string.
 
     Raises:
@@ -257,7 +263,7 @@ def set_key(cfg: Config, dotted: str, value: Any) -> None:
     if key not in ftypes:
         raise ConfigError(f"unknown config key '{dotted}': {_suggest(key, list(ftypes))}"
                           f"valid keys of [{section}] are {', '.join(ftypes)}")
-    setattr(obj, key, _coerce(dotted, value, ftypes[key]))
+    setattr(obj, key, _coerce(dotted, value, ftypes[key], from_text))
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -275,7 +281,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             if not isinstance(table, dict):
                 raise ConfigError(f"'{section}' in {p} must be a [section] table, got {table!r}")
             for key, value in table.items():
-                set_key(cfg, f"{section}.{key}", value)
+                set_key(cfg, f"{section}.{key}", value, from_text=False)
     for dotted, value in (overrides or {}).items():
         set_key(cfg, dotted, value)
     validate(cfg)

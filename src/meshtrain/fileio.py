@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from meshtrain.config import ConfigError
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -14,3 +17,33 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def check_writable_dir(folder: str | Path, what: str) -> None:
+    """Raise ConfigError (one line naming ``what``) unless ``folder`` is a folder, or can be made as one,
+    in which new files can be created. The nearest existing ancestor is probed by making and removing an
+    empty temporary folder in it (permissions alone do not tell: root may "write" to /proc).
+    """
+    path = Path(folder).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} = '{folder}' is a file, not a folder: choose a folder path")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{what} = '{folder}' is under '{ancestor}', which is a file: choose a folder path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".meshtrain-probe-", dir=ancestor))
+    except OSError as e:
+        raise ConfigError(f"{what} = '{folder}' cannot be written ({e.strerror} in '{ancestor}'): choose a "
+                          f"writable folder") from None
+
+
+def check_new_file(path: str | Path, what: str) -> Path:
+    """Raise ConfigError unless ``path`` names a file that can be written: not a folder, in a writable
+    folder (made if missing). Returns it as a Path."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{what} = '{path}' is a folder: give a file name, e.g. {Path(path) / 'plan.png'}")
+    check_writable_dir(p.parent if str(p.parent) else Path("."), f"the folder of {what}")
+    return p

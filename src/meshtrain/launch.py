@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from meshtrain.argtypes import nonnegative_int
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides, resolve_world
 
 SHORT = ("dp", "tp", "pp", "sp", "steps", "seed")
@@ -42,9 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from a checkpoint: a step folder or a run folder (its latest); "
                         "without PATH, the latest checkpoint in the output folder")
     p.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4 for elastic)")
-    p.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
+    p.add_argument("--node-rank", type=nonnegative_int, default=None,
+                   help="this node's rank, 0..nnodes-1 (static rendezvous at --rdzv-endpoint; without it the c10d "
+                        "rendezvous numbers the nodes as they join)")
     p.add_argument("--rdzv-endpoint", default="", help="torchrun --rdzv-endpoint HOST:PORT for multi-node")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=nonnegative_int, default=0,
                    help="restart all ranks this often after a failure; they resume from the latest checkpoint")
     p.set_defaults(func=run, accepts_overrides=True)
 
@@ -70,6 +73,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     resolve_world(cfg, nproc_total)  # before importing torch: layout mistakes are reported at once
     from meshtrain import checkpoint as ckpt
     from meshtrain.data.corpus import load_corpus
+    from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
     load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
@@ -78,19 +82,50 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     if resume:
         found = ckpt.resolve_checkpoint(resume)
         meta = ckpt.read_meta(found)
+        ckpt.read_metadata(found)  # refuses a crafted .metadata here, before any rank would unpickle it
         if meta["step"] >= cfg.train.steps:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
     if (out / METRICS_FILE).exists() and not resuming_here:
         raise ConfigError(f"train.out_dir = '{out}' already holds a run ({METRICS_FILE}): choose another --out, "
                           f"or continue it with --resume")
+    if ckpt.list_checkpoints(out) and not resuming_here:
+        raise ConfigError(f"train.out_dir = '{out}' already holds checkpoints: choose another --out, or continue "
+                          f"from them with --resume")
+    check_writable_dir(out, "train.out_dir")  # last: it probes the folder the run is about to write in
+
+
+def check_rendezvous(args: argparse.Namespace, nnodes: int) -> None:
+    """The multi-node options make sense together. Raises ConfigError with one line."""
+    if args.rdzv_endpoint:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"--rdzv-endpoint = {args.rdzv_endpoint!r} is not HOST:PORT with a port in 1..65535, "
+                              f"e.g. node0.cluster:29500")
+    elif nnodes > 1:
+        raise ConfigError(f"--nnodes = {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes meet")
+    if args.node_rank is not None:
+        if not args.rdzv_endpoint:
+            raise ConfigError(f"--node-rank = {args.node_rank} needs --rdzv-endpoint HOST:PORT (one node numbers "
+                              f"itself 0 without it)")
+        if ":" in str(args.nnodes):
+            raise ConfigError(f"--node-rank needs a fixed --nnodes, got {args.nnodes!r}: drop --node-rank for an "
+                              f"elastic range")
+        if args.node_rank >= nnodes:
+            raise ConfigError(f"--node-rank = {args.node_rank} must be below --nnodes = {nnodes}")
 
 
 def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int) -> list[str]:
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
-    if args.rdzv_endpoint:
-        argv += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    if args.rdzv_endpoint and args.node_rank is not None:  # the user numbered the nodes: static rendezvous
+        host, port = args.rdzv_endpoint.rsplit(":", 1)
+        argv += [f"--node-rank={args.node_rank}", "--rdzv-backend=static", f"--master-addr={host}",
+                 f"--master-port={port}"]
+    elif args.rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
     else:
         argv += ["--standalone"]
     argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
@@ -123,6 +158,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         nproc = args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
+    check_rendezvous(args, nnodes)
     preflight(cfg, nproc * nnodes)
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
@@ -138,7 +174,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     except ChildFailedError as e:
         print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
         return 1
-    if args.node_rank == 0:
+    if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
         report_plan_vs_actual(cfg, threads)
     return 0
 

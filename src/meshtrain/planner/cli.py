@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.config import ConfigError
 
 EPILOG = """examples:
@@ -33,29 +34,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t) or a TOML "
                                    "file with a [model] table")
-    g.add_argument("--seq-len", type=int, help="tokens per sample (overrides the model's)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sample (overrides the model's)")
     g.add_argument("--gpu", help="device type, e.g. H100-SXM-80GB, A100-80GB, MI300X, cpu (default: cpu for a "
                                  "config, else required)")
     g.add_argument("--hardware", type=Path, help="TOML with extra [[device]] tables and a [network] table")
     g.add_argument("--profile", type=Path, help="calibrated profile to read/write (default "
                                                 "~/.cache/meshtrain/hardware_profile.toml)")
-    g.add_argument("--devices-per-node", type=int, help="override the node size of the device's network")
-    g.add_argument("--nics-per-node", type=int,
+    g.add_argument("--devices-per-node", type=positive_int, help="override the node size of the device's network")
+    g.add_argument("--nics-per-node", type=positive_int,
                    help="NICs a node's devices share (default: one per device; 1 for a typical CPU/Ethernet cluster)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "bf16-autocast"),
                    help="precision (default: the framework's mixed precision; a config's train.dtype)")
     g.add_argument("--framework", choices=("meshtrain", "megatron-core", "megatron-2021", "fsdp"),
                    default=None, help="software whose overlaps and features to model (default meshtrain)")
     j = p.add_argument_group("job")
-    j.add_argument("--num-gpus", type=int, help="devices in the job (world_size)")
-    j.add_argument("--global-batch-size", type=int, help="samples per optimizer step")
-    j.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (instead of samples)")
-    j.add_argument("--dataset-samples", type=int, help="samples in one epoch")
-    j.add_argument("--dataset-tokens", type=float, help="tokens in one epoch")
-    j.add_argument("--epochs", type=float, help="epochs over the dataset (default 1)")
-    j.add_argument("--token-budget", type=float, help="tokens to train on (instead of a dataset)")
+    j.add_argument("--num-gpus", type=positive_int, help="devices in the job (world_size)")
+    j.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step")
+    j.add_argument("--global-batch-tokens", type=positive_int, help="tokens per optimizer step (instead of samples)")
+    j.add_argument("--dataset-samples", type=positive_int, help="samples in one epoch")
+    j.add_argument("--dataset-tokens", type=positive_float, help="tokens in one epoch")
+    j.add_argument("--epochs", type=positive_float, help="epochs over the dataset (default 1)")
+    j.add_argument("--token-budget", type=positive_float, help="tokens to train on (instead of a dataset)")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    o.add_argument("--top", type=positive_int, default=10, help="layouts to show (default 10)")
     o.add_argument("--fix", default="", help="pin layout fields in the search, e.g. tp=8,pp=4,recompute=full")
     o.add_argument("--explain", metavar="LAYOUT", help="explain one layout, e.g. tp=8,pp=4,zero_stage=1,"
                                                        "micro_batch_size=2,recompute=selective")
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             report.print_validation(result)
         return 0
+    if args.plot is not None:
+        from meshtrain.fileio import check_new_file
+        check_new_file(args.plot, "--plot")
     ctx = build_context(args)
     if args.explain is not None:
         from meshtrain.planner.layout import parse_layout

@@ -46,9 +46,12 @@ def plot_breakdowns(estimates: list[Estimate], path: Path, capacity_bytes: float
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)  # a reader never sees a half-written picture
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)  # a reader never sees a half-written picture
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -1,0 +1,168 @@
+"""The catalogue of bad inputs: every subcommand, as a user types them (docs/bad_inputs.md lists the same).
+
+Each case runs the installed CLI in a fresh process and must end with exit code 2 and exactly one
+line on stderr, ``meshtrain CMD: error: ...``. The line names the value and what would be valid
+(the expected fragment), and there is no traceback. No file of the user's is created or changed: the
+user's folder (with a run, a checkpoint, a plain file, a folder of checkpoints, configs) is the same,
+name for name, size for size and mtime for mtime, after the command.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIG, ROOT, run_cli, train_here
+
+C = str(CONFIG)
+TRAIN = ["train", C, "--nproc", "1"]
+PLAN = ["plan", "--model", "gpt2-small", "--gpu", "A100", "--num-gpus", "8", "--global-batch-size", "8"]
+BATCH = ["batch", "--world-size", "8", "--micro-batch-size", "1"]
+
+# (id, arguments with {user} = the user's folder and {run} = a trained run in it, fragment of the error line)
+CATALOGUE: list[tuple[str, list[str], str]] = [
+    # train: config values
+    ("zero-layers", [*TRAIN, "--model.n_layer", "0"], "model.n_layer = 0 must be >= 1"),
+    ("heads-not-dividing", [*TRAIN, "--model.n_embd", "130"], "model.n_embd = 130 must be divisible by model.n_head = 4"),
+    ("unknown-model-type", [*TRAIN, "--model.type", "rnn"], "model.type = 'rnn' is not supported: use one of gpt, lstm, gru"),
+    ("dropout-one", [*TRAIN, "--model.dropout", "1.0"], "model.dropout = 1.0 must be in [0, 1)"),
+    ("dropout-nan", [*TRAIN, "--model.dropout", "nan"], "model.dropout = nan must be a finite number"),
+    ("key-typo", [*TRAIN, "--model.n_layers", "4"], "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
+    ("section-typo", [*TRAIN, "--modle.n_layer", "4"], "unknown config section 'modle': did you mean 'model'?"),
+    ("zero-stage-1", [*TRAIN, "--parallel.zero_stage", "1"], "parallel.zero_stage = 1 is not supported: use one of 0, 2, 3"),
+    ("tp-not-dividing-heads", ["train", C, "--nproc", "3", "--parallel.tp", "3"], "model.n_head = 4 is not divisible by parallel.tp = 3"),
+    ("pp-without-microbatches", ["train", C, "--nproc", "2", "--parallel.pp", "2"], "batch.gradient_accumulation_steps = 1 is below pp = 2"),
+    ("unknown-schedule", [*TRAIN, "--parallel.pp_schedule", "pipedream"], "parallel.pp_schedule = 'pipedream' is not valid"),
+    ("ulysses-heads", ["train", C, "--nproc", "3", "--parallel.sp", "3"], "model.n_head = 4 is not divisible by tp*sp = 3"),
+    ("unknown-sp-mode", [*TRAIN, "--parallel.sp_mode", "zigzag"], "parallel.sp_mode = 'zigzag' is not valid: use one of ulysses, ring"),
+    ("seqpar-without-tp", [*TRAIN, "--parallel.tp_sequence_parallel", "true"], "parallel.tp_sequence_parallel = true needs parallel.tp > 1"),
+    ("bool-typo", [*TRAIN, "--parallel.tp_sequence_parallel", "maybe"], "parallel.tp_sequence_parallel = 'maybe' is not a valid bool"),
+    ("dp-vs-nproc", ["train", C, "--nproc", "2", "--dp", "3"], "parallel.dp = 3 does not match --nproc = 2"),
+    ("nproc-not-divisible", ["train", C, "--nproc", "3", "--tp", "2"], "--nproc = 3 is not divisible by pp*sp*tp = 2"),
+    ("micro-batch-zero", [*TRAIN, "--batch.micro_batch_size", "0"], "batch.micro_batch_size = 0 must be >= 1"),
+    ("micro-batch-word", [*TRAIN, "--batch.micro_batch_size", "twelve"], "batch.micro_batch_size = 'twelve' is not a valid int"),
+    ("lr-nan", [*TRAIN, "--optim.lr", "nan"], "optim.lr = nan must be a finite number"),
+    ("lr-inf", [*TRAIN, "--optim.lr", "inf"], "optim.lr = inf must be a finite number"),
+    ("lr-zero", [*TRAIN, "--optim.lr", "0"], "optim.lr = 0.0 must be > 0"),
+    ("min-lr-above-lr", [*TRAIN, "--optim.min_lr", "0.01"], "optim.min_lr = 0.01 must be in [0, optim.lr = 0.001]"),
+    ("beta2-one", [*TRAIN, "--optim.beta2", "1.0"], "optim.beta2 = 1.0 must be in [0, 1)"),
+    ("lr-scaling-unknown", [*TRAIN, "--optim.lr_scaling", "cubic"], "optim.lr_scaling = 'cubic' is not valid"),
+    ("lr-scaling-without-reference", [*TRAIN, "--optim.lr_scaling", "linear"], "needs optim.reference_batch_size >= 1"),
+    ("steps-zero", [*TRAIN, "--steps", "0"], "train.steps = 0 must be >= 1"),
+    ("steps-nan", [*TRAIN, "--steps", "nan"], "train.steps = 'nan' is not a valid int"),
+    ("dtype-float16", [*TRAIN, "--train.dtype", "float16"], "train.dtype = 'float16' is not valid: use one of float32, bfloat16"),
+    ("log-interval-zero", [*TRAIN, "--train.log_interval", "0"], "train.log_interval = 0 must be >= 1"),
+    ("val-fraction", [*TRAIN, "--data.val_fraction", "1.5"], "data.val_fraction = 1.5 must be in (0, 1)"),
+    ("missing-corpus", [*TRAIN, "--data.path", "/nonexistent/corpus.txt"], "data.path = '/nonexistent/corpus.txt' does not exist"),
+    ("keep-zero", [*TRAIN, "--checkpoint.keep", "0"], "checkpoint.keep = 0 must be >= 1"),
+    ("async-one-rank", [*TRAIN, "--parallel.sync_mode", "async"], "needs at least one worker besides parallel.ps_servers = 1"),
+    ("local-sgd-one-rank", [*TRAIN, "--parallel.sync_mode", "local-sgd"], "needs dp >= 2 replicas to average"),
+    ("negative-staleness", ["train", C, "--nproc", "2", "--parallel.sync_mode", "async", "--parallel.max_staleness", "-1"],
+     "parallel.max_staleness = -1 must be >= 0"),
+    ("lstm-with-tp", ["train", C, "--nproc", "2", "--model.type", "lstm", "--tp", "2"], "parallel.tp = 2 is not supported for model.type = 'lstm'"),
+    ("tbptt-on-gpt", [*TRAIN, "--model.tbptt_steps", "8"], "model.tbptt_steps = 8 applies to recurrent models only"),
+    ("hierarchical-with-fsdp", [*TRAIN, "--parallel.hierarchical_allreduce", "true", "--parallel.zero_stage", "3"],
+     "parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce"),
+    ("unknown-option", [*TRAIN, "--foo", "1"], "unknown option --foo"),
+    ("option-without-value", [*TRAIN, "--optim.lr"], "--optim.lr needs a value"),
+    # train: files and folders
+    ("missing-config", ["train", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
+    ("config-not-toml", ["train", "{user}/broken.toml"], "is not valid TOML"),
+    ("toml-string-for-int", ["train", "{user}/quoted.toml", "--nproc", "1"], "model.n_layer = '4' is a string but must be a int"),
+    ("toml-key-outside-section", ["train", "{user}/flat.toml"], "'steps' in"),
+    ("out-under-proc", [*TRAIN, "--out", "/proc/meshtrain-run"], "train.out_dir = '/proc/meshtrain-run' cannot be written"),
+    ("out-is-a-file", [*TRAIN, "--out", "{user}/notes.txt"], "is a file, not a folder"),
+    ("out-under-a-file", [*TRAIN, "--out", "{user}/notes.txt/run"], "which is a file: choose a folder path"),
+    ("out-holds-a-run", [*TRAIN, "--out", "{run}"], "already holds a run (metrics.jsonl)"),
+    ("out-holds-checkpoints", [*TRAIN, "--out", "{user}/only-checkpoints"], "already holds checkpoints"),
+    ("resume-nothing", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/new"], "holds no checkpoint"),
+    ("resume-past-the-end", [*TRAIN, "--out", "{run}", "--resume", "--steps", "2"], "is already at step 2"),
+    # train: launcher
+    ("nproc-zero", ["train", C, "--nproc", "0"], "--nproc = 0 must be >= 1"),
+    ("nnodes-word", [*TRAIN, "--nnodes", "abc"], "--nnodes = 'abc' is not valid: use N or MIN:MAX"),
+    ("nnodes-without-endpoint", [*TRAIN, "--nnodes", "2"], "--nnodes = 2 needs --rdzv-endpoint HOST:PORT"),
+    ("endpoint-without-port", [*TRAIN, "--rdzv-endpoint", "node0"], "--rdzv-endpoint = 'node0' is not HOST:PORT"),
+    ("endpoint-port-range", [*TRAIN, "--rdzv-endpoint", "node0:99999"], "with a port in 1..65535"),
+    ("node-rank-without-endpoint", [*TRAIN, "--node-rank", "1"], "--node-rank = 1 needs --rdzv-endpoint HOST:PORT"),
+    ("node-rank-too-large", [*TRAIN, "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--node-rank", "2"],
+     "--node-rank = 2 must be below --nnodes = 2"),
+    ("max-restarts-negative", [*TRAIN, "--max-restarts", "-1"], "argument --max-restarts: -1 must be an integer >= 0"),
+    # generate
+    ("generate-no-checkpoint", ["generate", "--checkpoint", "/nonexistent"], "holds no checkpoint"),
+    ("temperature-nan", ["generate", "--checkpoint", "{run}", "--temperature", "nan"], "argument --temperature: nan must be a finite number > 0"),
+    ("temperature-zero", ["generate", "--checkpoint", "{run}", "--temperature", "0"], "argument --temperature: 0 must be a finite number > 0"),
+    ("max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--max-new-tokens", "0"], "--max-new-tokens = 0 must be >= 1"),
+    ("top-k-zero", ["generate", "--checkpoint", "{run}", "--top-k", "0"], "--top-k = 0 must be >= 1"),
+    ("prompt-outside-vocabulary", ["generate", "--checkpoint", "{run}", "--prompt", "€"], "is not in the vocabulary"),
+    # plan
+    ("plan-zero-gpus", ["plan", "--model", "gpt2-small", "--gpu", "A100", "--num-gpus", "0", "--global-batch-size", "8"],
+     "argument --num-gpus: 0 must be an integer > 0"),
+    ("plan-negative-batch", ["plan", "--model", "gpt2-small", "--gpu", "A100", "--num-gpus", "8", "--global-batch-size", "-8"],
+     "argument --global-batch-size: -8 must be an integer > 0"),
+    ("plan-top-zero", [*PLAN, "--top", "0"], "argument --top: 0 must be an integer > 0"),
+    ("plan-epochs-nan", [*PLAN, "--epochs", "nan"], "argument --epochs: nan must be a finite number > 0"),
+    ("plan-seq-len-zero", [*PLAN, "--seq-len", "0"], "argument --seq-len: 0 must be an integer > 0"),
+    ("plan-token-budget-negative", [*PLAN, "--token-budget", "-5"], "argument --token-budget: -5 must be a finite number > 0"),
+    ("plan-plot-under-proc", [*PLAN, "--plot", "/proc/plan.png"], "the folder of --plot = '/proc' cannot be written"),
+    ("plan-plot-is-a-folder", [*PLAN, "--plot", "{user}"], "is a folder: give a file name"),
+    ("plan-unknown-gpu", ["plan", "--model", "gpt2-small", "--gpu", "B300X", "--num-gpus", "8", "--global-batch-size", "8"],
+     "unknown device 'B300X'"),
+    ("plan-unknown-model", ["plan", "--model", "gpt5", "--gpu", "A100", "--num-gpus", "8", "--global-batch-size", "8"], "gpt5"),
+    ("plan-nics-zero", [*PLAN, "--nics-per-node", "0"], "argument --nics-per-node: 0 must be an integer > 0"),
+    ("plan-fix-unknown-field", [*PLAN, "--fix", "bogus=1"], "bogus"),
+    ("plan-lstm-config", ["plan", "{user}/lstm.toml"], "model.type = 'lstm' is not modelled by the planner yet"),
+    # batch
+    ("batch-time-nan", [*BATCH, "--time-per-step", "nan"], "argument --time-per-step: nan must be a finite number > 0"),
+    ("batch-epochs-inf", [*BATCH, "--epochs", "inf", "--num-samples", "10"], "argument --epochs: inf must be a finite number > 0"),
+    ("batch-samples-negative", [*BATCH, "--num-samples", "-3"], "num_samples = -3 must be >= 1"),
+    ("batch-world-not-divisible", ["batch", "--world-size", "6", "--sp", "4", "--micro-batch-size", "1"], "world_size = 6 is not divisible"),
+    ("batch-scaling-without-lr", [*BATCH, "--lr-scaling", "linear", "--reference-batch-size", "2"], "give --lr too"),
+    # export
+    ("export-not-safetensors", ["export", "--checkpoint", "{run}", "--out", "{user}/model.pt"], "must end in .safetensors"),
+    ("export-over-a-file", ["export", "--checkpoint", "{run}", "--out", "{user}/taken.safetensors"], "already exists"),
+    ("export-no-checkpoint", ["export", "--checkpoint", "/nonexistent", "--out", "{user}/m.safetensors"], "holds no checkpoint"),
+]
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory) -> Path:
+    """A user's folder: a trained run (2 steps), files and folders the commands must not touch."""
+    folder = tmp_path_factory.mktemp("user")
+    train_here(folder / "run", **{"train.steps": "2"})
+    (folder / "notes.txt").write_text("my notes\n")
+    (folder / "taken.safetensors").write_bytes(b"not mine to overwrite")
+    (folder / "broken.toml").write_text("[model\nn_layer = 4\n")
+    (folder / "quoted.toml").write_text('[model]\nn_layer = "4"\n')
+    (folder / "flat.toml").write_text("steps = 10\n")
+    (folder / "lstm.toml").write_text('[model]\ntype = "lstm"\n')
+    step = folder / "only-checkpoints" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text('{"step": 1}')
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("args, fragment", [(a, f) for _, a, f in CATALOGUE], ids=[i for i, _, _ in CATALOGUE])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(user, args, fragment):
+    before = snapshot(user)
+    proc = run_cli(*[a.format(user=user, run=user / "run") for a in args])
+    command = args[0]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"meshtrain {command}: error: ") and fragment.format(user=user) in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert snapshot(user) == before
+
+
+def test_the_catalogue_is_large_distinct_and_documented():
+    ids = [i for i, _, _ in CATALOGUE]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+    doc = (ROOT / "docs" / "bad_inputs.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", doc, flags=re.MULTILINE))
+    assert documented == set(ids), sorted(set(ids) ^ documented)

@@ -1,0 +1,120 @@
+"""Loading a checkpoint never runs code from it (DCP's ``.metadata`` is a pickle).
+
+A planted ``.metadata`` whose unpickling calls ``os.system`` (proved live: plain ``pickle.loads`` of
+it creates a marker file) is refused by ``meshtrain generate`` and ``meshtrain train --resume`` with
+one line and exit 2, and the marker never appears. A real checkpoint's metadata passes the same
+reader (every global it names is on the allow-list), and a truncated one is one line too.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIG, TINY, override_args, run_cli, train_here
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("safety") / "run"
+    train_here(out, **{"train.steps": "2"})
+    return out
+
+
+def _checkpoint(run):
+    from meshtrain import checkpoint as ckpt
+
+    return ckpt.resolve_checkpoint(run)
+
+
+def test_a_real_checkpoint_names_only_allowed_globals(run):
+    from meshtrain import checkpoint as ckpt
+
+    metadata = ckpt.read_metadata(_checkpoint(run))
+    assert "model.tok_emb.weight" in metadata.state_dict_metadata
+
+
+def test_planted_pickle_is_refused_and_runs_nothing(run, tmp_path):
+    import shutil
+
+    evil = tmp_path / "evil"
+    shutil.copytree(run, evil)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(str(marker)))
+    live = tmp_path / "live"
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.loads({pickle.dumps(_Payload(str(live)))!r})"],
+                   check=True)
+    assert live.exists()  # the payload really runs under plain pickle.load, as torch's reader would call it
+    (_checkpoint(evil) / ".metadata").write_bytes(payload)
+    before = sorted(p.relative_to(evil) for p in evil.rglob("*"))
+    for args in (["generate", "--checkpoint", str(evil), "--max-new-tokens", "5"],
+                 ["train", str(CONFIG), "--nproc", "1", "--out", str(evil), "--resume", "--steps", "4",
+                  *override_args(TINY | {"train.steps": "4"})]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "was not loaded: its .metadata names posix.system" in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not marker.exists()
+    assert sorted(p.relative_to(evil) for p in evil.rglob("*")) == before  # nothing of the user's changed
+
+
+def test_truncated_metadata_is_one_line(run, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    path = _checkpoint(broken) / ".metadata"
+    path.write_bytes(path.read_bytes()[:40])
+    proc = run_cli("generate", "--checkpoint", str(broken), "--max-new-tokens", "5")
+    assert proc.returncode == 2 and "is missing or unreadable" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_export_holds_the_checkpoints_weights_and_samples_the_same_text(run, tmp_path):
+    """The export is the checkpoint's model bit for bit (fp32 bytes copied), so sampling with one seed
+    gives the same text from either; the header carries the config and tokenizer; nothing is overwritten."""
+    import json
+
+    import torch
+
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.config import ModelConfig
+    from meshtrain.export import load_export
+    from meshtrain.models import build_model
+
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("export", "--checkpoint", str(run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    exported, info = load_export(out)
+    meta = ckpt.read_meta(_checkpoint(run))
+    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    ckpt.load(_checkpoint(run), model, None)
+    for (name, a), (_, b) in zip(model.state_dict().items(), exported.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert info["tokenizer"] == meta["tokenizer"] and json.loads(out.with_suffix(".json").read_text()) == info
+    texts = [run_cli("generate", "--checkpoint", str(src), "--prompt", "ROMEO:", "--max-new-tokens", "30").stdout
+             for src in (run, out)]
+    assert texts[0] == texts[1] and texts[0].startswith("ROMEO:")
+    again = run_cli("export", "--checkpoint", str(run), "--out", str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("out, message", [("model.pt", "must end in .safetensors"),
+                                           ("missing/model.safetensors", "does not exist")])
+def test_export_refuses_bad_outputs(run, tmp_path, out, message):
+    proc = run_cli("export", "--checkpoint", str(run), "--out", str(tmp_path / out))
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
