@@ -9,8 +9,8 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
-    [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir
-    [checkpoint] interval, keep, resume
+    [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, max_nonfinite_steps
+    [checkpoint] interval, keep, resume, allow_batch_change
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
 key, the value and what would be valid.
@@ -161,6 +161,9 @@ class TrainConfig:
     """Compute dtype: "float32" or "bfloat16" (autocast; master weights stay fp32)."""
     out_dir: str = "out"
     """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
+    max_nonfinite_steps: int = 5
+    """A step whose loss or gradient norm is NaN/inf is skipped (no update) and logged; this many in a row
+    stop the run, keeping the checkpoints written before."""
 
 
 @dataclass
@@ -171,6 +174,9 @@ class CheckpointConfig:
     """Number of most recent checkpoints kept on disk (>= 1)."""
     resume: str = ""
     """Checkpoint to resume from: a step folder, a run folder (its latest step), or "" for none."""
+    allow_batch_change: bool = False
+    """Resume at another global batch size than the checkpoint's (by default that is refused, since it
+    changes the loss and the learning-rate schedule's meaning)."""
 
 
 @dataclass
@@ -360,6 +366,7 @@ def validate(cfg: Config) -> Config:
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
+    _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")
 
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")

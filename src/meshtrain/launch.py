@@ -86,6 +86,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
         if meta["step"] >= cfg.train.steps:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
+        check_global_batch(cfg, meta, nproc_total, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
@@ -116,6 +117,28 @@ def check_rendezvous(args: argparse.Namespace, nnodes: int) -> None:
                               f"elastic range")
         if args.node_rank >= nnodes:
             raise ConfigError(f"--node-rank = {args.node_rank} must be below --nnodes = {nnodes}")
+
+
+def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -> None:
+    """Refuse to resume at another global batch than the checkpoint's (it changes the loss and what a step
+    means) unless ``checkpoint.allow_batch_change``; name the flag that keeps it. Raises ConfigError."""
+    saved = meta.get("global_batch_size")
+    b = cfg.batch
+    dp = resolve_world(cfg, nproc_total)[1]
+    per_rank = 1 if cfg.parallel.sync_mode == "async" else dp
+    now = b.micro_batch_size * b.gradient_accumulation_steps * per_rank
+    if saved is None or saved == now or cfg.checkpoint.allow_batch_change:
+        return
+    fixes = []
+    if saved % (b.micro_batch_size * per_rank) == 0:
+        fixes.append(f"--batch.gradient_accumulation_steps {saved // (b.micro_batch_size * per_rank)}")
+    if saved % (b.gradient_accumulation_steps * per_rank) == 0:
+        fixes.append(f"--batch.micro_batch_size {saved // (b.gradient_accumulation_steps * per_rank)}")
+    keep = f"keep it with {' or '.join(fixes)}, " if fixes else ""
+    raise ConfigError(f"checkpoint {found} was trained at global batch {saved}; this layout (dp = {dp}, "
+                      f"micro_batch_size {b.micro_batch_size}, gradient_accumulation_steps "
+                      f"{b.gradient_accumulation_steps}) gives {now}: {keep}or change it on purpose with "
+                      f"--checkpoint.allow_batch_change true")
 
 
 def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int) -> list[str]:

@@ -50,6 +50,10 @@ from meshtrain.parallel.rng import seed_step
 
 SUMMARY_FILE = "summary.json"
 
+
+class TrainingDiverged(RuntimeError):
+    """``train.max_nonfinite_steps`` steps in a row had a NaN/inf loss or gradient norm; the message is one line."""
+
 TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
 
 
@@ -143,10 +147,16 @@ class Trainer:
             resume = str(self.out_dir)  # continue this run, not the checkpoint it started from
         if not resume:
             return 0
-        meta = ckpt.load(ckpt.resolve_checkpoint(resume), self.model, self.optimizer,
+        path = ckpt.resolve_checkpoint(resume)
+        meta = ckpt.load(path, self.model, self.optimizer,
                          aliases={"lm_head.weight": "tok_emb.weight"})  # the tied weight, by its first name
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
+        if self.rank == 0:
+            saved = " ".join(f"{axis}={meta.get(axis, 1)}" for axis in ("dp", "tp", "pp", "sp"))
+            print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
+                  f"{meta.get('global_batch_size')}; now dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} "
+                  f"sp={self.dims.sp}, global batch {self.sampler.global_batch_size})", file=sys.stderr, flush=True)
         return int(meta["step"])
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,6 +228,7 @@ class Trainer:
         tokens_per_step = self.sampler.global_batch_size * self.cfg.model.block_size
         step_times: list[float] = []
         val_loss = None
+        nonfinite = 0
         try:
             for step in range(self.start_step + 1, t.steps + 1):
                 t0 = time.perf_counter()
@@ -225,21 +236,32 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 local_loss = self.forward_backward(self.sampler.next_step())
                 grad_norm = self.clip_gradients()
-                self.optimizer.step()
-                if self.local_sgd is not None:
-                    self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
+                loss = batch_mean(local_loss, self.dims)  # the same on every rank, as grad_norm: all skip together
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if finite:
+                    self.optimizer.step()
+                    if self.local_sgd is not None:
+                        self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
-                loss = batch_mean(local_loss, self.dims)
+                nonfinite = 0 if finite else nonfinite + 1
                 dt = time.perf_counter() - t0
                 if step > self.start_step + TIMING_WARMUP_STEPS:
                     step_times.append(dt)
                 last = step == t.steps
                 record = None
-                if step % t.log_interval == 0 or last:
+                if step % t.log_interval == 0 or last or not finite:
                     record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                               "grad_norm": grad_norm, "step_time_s": dt}
+                    if not finite:
+                        record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
                 log.step(step, record)
+                if nonfinite >= t.max_nonfinite_steps:
+                    kept = ckpt.list_checkpoints(self.out_dir)
+                    raise TrainingDiverged(
+                        f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
+                        f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
+                        f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
                 if last or (t.eval_interval and step % t.eval_interval == 0):
                     val_loss = self.evaluate()
                     log.eval(step, val_loss)
@@ -324,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except TrainingDiverged as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops at the same step; one says why
+            print(f"meshtrain train: error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -1,0 +1,65 @@
+"""Runs that go wrong: non-finite steps are skipped and stop the run, a resume never changes the batch silently.
+
+- ``optim.lr = 1e30``: step 1 is finite and applied; its update makes every later loss non-finite.
+  Those steps are skipped (no update, a ``"skipped": true`` record each), so the model stays at step
+  1's finite weights. ``train.max_nonfinite_steps`` of them in a row stop the run with one line from
+  rank 0 and a non-zero exit, and the checkpoint written before stays loadable.
+- Resuming on another number of ranks would change the global batch: refused with the flag that
+  keeps it, and with that flag the run resumes and says from which step and layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conftest import CONFIG, TINY, override_args, read_records, run_cli, train_cli
+
+
+def _params(run):
+    from conftest import final_params
+
+    return final_params(run)
+
+
+def test_nonfinite_steps_are_skipped_and_the_weights_stay_finite(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(run),
+                   *override_args({**TINY, "optim.lr": "1e30", "optim.warmup_steps": "0", "train.steps": "6",
+                                   "train.max_nonfinite_steps": "100", "train.log_interval": "1"}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [r for r in read_records(run) if "loss" in r]
+    assert math.isfinite(records[0]["loss"]) and not records[0].get("skipped")
+    skipped = [r for r in records if r.get("skipped")]
+    assert [r["step"] for r in skipped] == [2, 3, 4, 5, 6]
+    assert all(torch.isfinite(p).all() for p in _params(run).values())
+
+
+def test_too_many_nonfinite_steps_stop_the_run_keeping_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(run),
+                   *override_args({**TINY, "optim.lr": "1e30", "optim.warmup_steps": "0", "train.steps": "20",
+                                   "train.max_nonfinite_steps": "3", "checkpoint.interval": "1",
+                                   "train.log_interval": "100"}))
+    assert proc.returncode != 0
+    skipped = [r["step"] for r in read_records(run) if r.get("skipped")]
+    assert skipped == [2, 3, 4]  # each logged although log_interval is 100
+    said = [line for line in proc.stderr.splitlines() if "steps in a row" in line]
+    assert len(said) == 1 and said[0].startswith("meshtrain train: error: 3 steps in a row (up to step 4)"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert all(torch.isfinite(p).all() for p in _params(run).values())  # the newest checkpoint loads, finite
+
+
+def test_resume_on_other_ranks_keeps_the_global_batch_or_says_how(tmp_path):
+    run = tmp_path / "run"
+    train_cli(run, 1, **{"train.steps": "2", "checkpoint.interval": "2"})  # global batch 12 on one rank
+    base = ["train", str(CONFIG), "--nproc", "2", "--out", str(run), "--resume",
+            *override_args({**TINY, "train.steps": "4"})]
+    refused = run_cli(*base)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "was trained at global batch 12" in refused.stderr and "--batch.micro_batch_size 6" in refused.stderr
+    resumed = run_cli(*base, "--batch.micro_batch_size", "6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 2 of" in resumed.stderr and "global batch 12; now dp=2" in resumed.stderr
+    assert [r["step"] for r in read_records(run) if "loss" in r] == [1, 2, 3, 4]
