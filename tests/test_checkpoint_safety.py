@@ -39,6 +39,17 @@ def _checkpoint(run):
     return ckpt.resolve_checkpoint(run)
 
 
+def _rerecord(step_folder) -> None:
+    """Make meta.json's recorded sizes and digests match the folder's current files."""
+    import json
+
+    from meshtrain import checkpoint as ckpt
+
+    meta = json.loads((step_folder / "meta.json").read_text())
+    meta["files"] = ckpt.file_digests(step_folder)
+    (step_folder / "meta.json").write_text(json.dumps(meta))
+
+
 def test_a_real_checkpoint_names_only_allowed_globals(run):
     from meshtrain import checkpoint as ckpt
 
@@ -58,6 +69,7 @@ def test_planted_pickle_is_refused_and_runs_nothing(run, tmp_path):
                    check=True)
     assert live.exists()  # the payload really runs under plain pickle.load, as torch's reader would call it
     (_checkpoint(evil) / ".metadata").write_bytes(payload)
+    _rerecord(_checkpoint(evil))  # an attacker rewrites meta.json's digests too: the unpickler must stop it
     before = sorted(p.relative_to(evil) for p in evil.rglob("*"))
     for args in (["generate", "--checkpoint", str(evil), "--max-new-tokens", "5"],
                  ["train", str(CONFIG), "--nproc", "1", "--out", str(evil), "--resume", "--steps", "4",
@@ -78,6 +90,7 @@ def test_truncated_metadata_is_one_line(run, tmp_path):
     shutil.copytree(run, broken)
     path = _checkpoint(broken) / ".metadata"
     path.write_bytes(path.read_bytes()[:40])
+    _rerecord(_checkpoint(broken))  # past the digest check: the reader itself must say it in one line
     proc = run_cli("generate", "--checkpoint", str(broken), "--max-new-tokens", "5")
     assert proc.returncode == 2 and "is missing or unreadable" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -118,3 +131,46 @@ def test_export_refuses_bad_outputs(run, tmp_path, out, message):
     proc = run_cli("export", "--checkpoint", str(run), "--out", str(tmp_path / out))
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def _shard(step_folder):
+    return sorted(step_folder.glob("*.distcp"))[0]
+
+
+@pytest.mark.parametrize("damage, message", [("flip", "the bytes of"), ("truncate", "bytes when saved"),
+                                             ("delete", "is missing")])
+def test_a_damaged_shard_is_refused_before_sampling(run, tmp_path, damage, message):
+    """Every file's size and SHA-256 are recorded at save; a flipped byte, a cut or a missing shard is one
+    line (a checkpoint with zeroed bytes used to sample garbage silently)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    shard = _shard(_checkpoint(broken))
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        shard.unlink()
+    proc = run_cli("generate", "--checkpoint", str(_checkpoint(broken)), "--max-new-tokens", "5")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    from meshtrain import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    train_here(run, **{"train.steps": "2", "checkpoint.interval": "1", "checkpoint.keep": "2"})
+    older, newest = ckpt.list_checkpoints(run)
+    shard = _shard(newest)
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(run), "--resume",
+                   *override_args({**TINY, "train.steps": "3"}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: warning:")]
+    assert len(warning) == 1 and str(newest) in warning[0] and f"using {older} instead" in warning[0]
+    assert "resumed from step 1 of" in proc.stderr

@@ -63,3 +63,19 @@ def test_resume_on_other_ranks_keeps_the_global_batch_or_says_how(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 2 of" in resumed.stderr and "global batch 12; now dp=2" in resumed.stderr
     assert [r["step"] for r in read_records(run) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_another_model_or_text_before_launch(tmp_path):
+    """A checkpoint of another width or another corpus would fail inside every rank's DCP load (a
+    traceback per rank); it is one line before launch, naming the override that fits."""
+    run = tmp_path / "run"
+    train_cli(run, 1, **{"train.steps": "2"})
+    other = tmp_path / "other.txt"
+    other.write_text("abcdefgh " * 2000)
+    for extra, message in ((["--model.n_embd", "64"], "holds a model with model.n_embd = 32, this config has 64: "
+                                                      "resume it with --model.n_embd 32"),
+                           (["--data.path", str(other)], "was trained on a text with other characters")):
+        proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(run), "--resume",
+                       *override_args({**TINY, "train.steps": "4"}), *extra)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1

@@ -15,14 +15,18 @@ from its global metadata). ``meta.json`` holds the step, config, tokenizer, samp
 Loading never runs code from a checkpoint: DCP's ``.metadata`` is a pickle, which torch reads with
 ``pickle.load``; here it is read by an unpickler that accepts only the metadata classes
 (:class:`SafeFileSystemReader`), and tensors are read with ``torch.load(weights_only=True)`` (DCP's own).
-``meta.json`` is JSON.
+``meta.json`` is JSON. It also records the size and SHA-256 of every file of the checkpoint, checked
+before a checkpoint is used (:func:`verify_files`): a truncated or altered shard is refused, and a run
+folder falls back to its newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import sys
 import re
 import shutil
 import warnings
@@ -129,20 +133,71 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 
-def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume") -> Path:
+def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify: bool = False) -> Path:
     """A committed step folder from a step folder or a run folder (its latest checkpoint).
 
+    With ``verify``, the checkpoint's files are checked against the sizes and SHA-256 digests recorded
+    when it was saved (:func:`verify`). A run folder then yields its newest intact checkpoint, with one
+    warning line on stderr naming each newer damaged one and why.
+
     Raises:
-        ConfigError: nothing committed there.
+        ConfigError: nothing committed there, or (``verify``) no intact checkpoint there.
     """
     p = Path(path).expanduser()
     if (p / META).is_file():
+        if verify:
+            verify_files(p)
         return p
     found = list_checkpoints(p)
     if not found:
         raise ConfigError(f"{key} = '{path}' holds no checkpoint: give a run folder with "
                           "checkpoints/step_* or a step folder with meta.json")
-    return found[-1]
+    if not verify:
+        return found[-1]
+    damaged = []
+    for candidate in reversed(found):
+        try:
+            verify_files(candidate)
+        except ConfigError as e:
+            damaged.append(str(e))
+            continue
+        for reason in damaged:
+            print(f"meshtrain: warning: {reason}; using {candidate} instead", file=sys.stderr)
+        return candidate
+    raise ConfigError(f"{key} = '{path}': no intact checkpoint ({damaged[0]})")
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": hex digest}}`` of every file of a checkpoint folder but meta.json."""
+    out = {}
+    for f in sorted(Path(folder).iterdir()):
+        if f.is_file() and f.name != META:
+            with f.open("rb") as stream:
+                out[f.name] = {"bytes": f.stat().st_size, "sha256": hashlib.file_digest(stream, "sha256").hexdigest()}
+    return out
+
+
+def verify_files(ckpt: Path) -> None:
+    """Check every file recorded in ``meta.json["files"]`` at save time: present, same size, same SHA-256.
+    Checkpoints saved before sizes were recorded pass unchecked.
+
+    Raises:
+        ConfigError: the first missing, truncated or altered file, in one line.
+    """
+    recorded = read_meta(ckpt).get("files")
+    if recorded is None:
+        return
+    for name, want in recorded.items():
+        f = Path(ckpt) / name
+        if not f.is_file():
+            raise ConfigError(f"checkpoint {ckpt} is incomplete: {name} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise ConfigError(f"checkpoint {ckpt} is damaged: {name} has {size:,} bytes, {want['bytes']:,} bytes when saved")
+        with f.open("rb") as stream:
+            if hashlib.file_digest(stream, "sha256").hexdigest() != want["sha256"]:
+                raise ConfigError(f"checkpoint {ckpt} is damaged: the bytes of {name} changed since it was saved "
+                                  f"(SHA-256 differs)")
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
@@ -170,8 +225,8 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     dist.barrier(group)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
-    if rank == 0:
-        write_json_atomic(tmp / META, {"step": step, **meta})
+    if rank == 0:  # every rank's files are in (DCP's save ends with a barrier); record them for verify_files
+        write_json_atomic(tmp / META, {"step": step, **meta, "files": file_digests(tmp)})
         os.replace(tmp, final)
         for old in list_checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old)

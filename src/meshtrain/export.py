@@ -66,7 +66,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     from meshtrain.models import build_model
 
     path, sidecar = _outputs(out)
-    found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint")
+    found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
     meta = ckpt.read_meta(found)
     model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
     ckpt.load(found, model, None)

@@ -67,7 +67,7 @@ def _load(checkpoint: str | Path):
 
     if Path(checkpoint).suffix == SUFFIX and Path(checkpoint).is_file():
         return load_export(Path(checkpoint))
-    path = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint")
+    path = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
     meta = ckpt.read_meta(path)
     model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
     ckpt.load(path, model, None)

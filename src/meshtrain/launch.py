@@ -76,17 +76,19 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
-    load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
     if resume:
-        found = ckpt.resolve_checkpoint(resume)
+        found = ckpt.resolve_checkpoint(resume, verify=True)
+        cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here
         meta = ckpt.read_meta(found)
         ckpt.read_metadata(found)  # refuses a crafted .metadata here, before any rank would unpickle it
         if meta["step"] >= cfg.train.steps:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
         check_global_batch(cfg, meta, nproc_total, found)
+        check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
@@ -117,6 +119,24 @@ def check_rendezvous(args: argparse.Namespace, nnodes: int) -> None:
                               f"elastic range")
         if args.node_rank >= nnodes:
             raise ConfigError(f"--node-rank = {args.node_rank} must be below --nnodes = {nnodes}")
+
+
+def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
+    """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
+    width, heads, and the GPT's positions) and the characters of the corpus. Raises ConfigError naming
+    the override that makes it loadable."""
+    saved = meta["config"]["model"]
+    keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size") if cfg.model.type == "gpt" else ())
+    for key in keys:
+        if saved.get(key) != getattr(cfg.model, key):
+            raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {saved.get(key)!r}, this config "
+                              f"has {getattr(cfg.model, key)!r}: resume it with --model.{key} {saved.get(key)}")
+    if meta.get("tokenizer") != tokenizer:
+        raise ConfigError(f"checkpoint {found} was trained on a text with other characters than data.path = "
+                          f"'{cfg.data.resolved_path()}': resume it with the data it was trained on")
+    if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:
+        raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, this config "
+                          f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
 
 
 def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -> None:
