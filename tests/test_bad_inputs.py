@@ -57,6 +57,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("val-fraction", [*TRAIN, "--data.val_fraction", "1.5"], "data.val_fraction = 1.5 must be in (0, 1)"),
     ("missing-corpus", [*TRAIN, "--data.path", "/nonexistent/corpus.txt"], "data.path = '/nonexistent/corpus.txt' does not exist"),
     ("keep-zero", [*TRAIN, "--checkpoint.keep", "0"], "checkpoint.keep = 0 must be >= 1"),
+    ("model-too-wide", [*TRAIN, "--model.n_embd", "100000"], "GiB CPU (MemAvailable): shrink the model or batch"),
+    ("model-too-deep", [*TRAIN, "--model.n_layer", "100000"], "or skip this check with --train.check_memory false"),
     ("async-one-rank", [*TRAIN, "--parallel.sync_mode", "async"], "needs at least one worker besides parallel.ps_servers = 1"),
     ("local-sgd-one-rank", [*TRAIN, "--parallel.sync_mode", "local-sgd"], "needs dp >= 2 replicas to average"),
     ("negative-staleness", ["train", C, "--nproc", "2", "--parallel.sync_mode", "async", "--parallel.max_staleness", "-1"],

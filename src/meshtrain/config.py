@@ -9,7 +9,8 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
-    [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, max_nonfinite_steps
+    [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
+                 max_nonfinite_steps
     [checkpoint] interval, keep, resume, allow_batch_change
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
@@ -161,6 +162,9 @@ class TrainConfig:
     """Compute dtype: "float32" or "bfloat16" (autocast; master weights stay fp32)."""
     out_dir: str = "out"
     """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
+    check_memory: bool = True
+    """Before launch, refuse a run whose predicted peak memory (the planner's, all ranks of this node)
+    exceeds the memory available (CPU: MemAvailable; GPU: each device's). false skips the check."""
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient norm is NaN/inf is skipped (no update) and logged; this many in a row
     stop the run, keeping the checkpoints written before."""

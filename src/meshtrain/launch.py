@@ -203,6 +203,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
     check_rendezvous(args, nnodes)
     preflight(cfg, nproc * nnodes)
+    if cfg.train.check_memory:
+        check_memory(cfg, nproc, nnodes)
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
 
@@ -220,6 +222,44 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
         report_plan_vs_actual(cfg, threads)
     return 0
+
+
+def available_memory() -> tuple[str, float]:
+    """(what, bytes) one device of this node offers: the smallest CUDA device's memory, or the CPU's
+    MemAvailable (``/proc/meminfo``; ``os.sysconf`` physical pages where there is none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "GPU", min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return "CPU (MemAvailable)", int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return "CPU", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
+    """Refuse a run that cannot fit: the planner's predicted peak per rank (:func:`meshtrain.planner.actual.
+    predict_for_run`), times the ranks sharing this node's CPU memory, against what is available. Models
+    the planner does not cover (lstm, gru) are not checked. Raises ConfigError with the numbers."""
+    if cfg.model.type != "gpt":
+        return
+    from meshtrain.planner.actual import predict_for_run
+    from meshtrain.planner.models import corpus_vocab_size
+
+    what, available = available_memory()
+    world = resolve_world(cfg, nproc * nnodes)[0]
+    vocab = cfg.model.vocab_size or corpus_vocab_size(cfg)
+    predicted = predict_for_run(cfg, world, vocab, "cuda" if what == "GPU" else "cpu", threads=1)
+    peak = predicted["peak_memory_bytes"]
+    needed = peak * (1 if what == "GPU" else nproc)
+    if needed == needed and needed > available:  # NaN (unknown GPU) is never refused
+        per = "per GPU" if what == "GPU" else f"for {nproc} rank(s) of {peak / 2**30:,.2f} GiB"
+        raise ConfigError(f"the run needs about {needed / 2**30:,.2f} GiB {per} (planner prediction), this node has "
+                          f"{available / 2**30:,.2f} GiB {what}: shrink the model or batch, add ranks to shard it "
+                          f"(zero_stage 3, tp, pp), or skip this check with --train.check_memory false")
 
 
 def print_pipeline_split(cfg: Config) -> None:
