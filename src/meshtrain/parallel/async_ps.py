@@ -105,7 +105,9 @@ class ParameterServer:
         self.stats = ServerStats(received=received)
         self.version = received
         self.on_gradient = on_gradient or (lambda header, applied, staleness: None)
-        self.sends: list[dist.Work] = []
+        self.sends: dict[int, list[dist.Work]] = {}
+        """Each worker's last reply in flight; waited for before the next (the worker has received it by
+        then, having sent its next request), so a server holds one reply's buffers per worker."""
         self.outstanding: list[tuple[int, int]] = []  # "wait": (worker, version pulled), in admission order
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # "wait": pushed, not yet applied
         self.waiting: collections.deque[int] = collections.deque()  # "wait": pulls without a slot yet
@@ -133,8 +135,9 @@ class ParameterServer:
                 self._handle_waiting(src, kind, header, grad)
             else:
                 self._handle_dropping(src, kind, header, grad)
-        for work in self.sends:
-            work.wait()
+        for works in self.sends.values():
+            for work in works:
+                work.wait()
         return self.stats
 
     def _handle_dropping(self, src: int, kind: int, header: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -202,12 +205,13 @@ class ParameterServer:
         self.version += 1
 
     def _reply(self, worker: int) -> None:
+        for work in self.sends.pop(worker, []):
+            work.wait()
         header = torch.tensor([self.version, float(self.finished)], dtype=torch.float64)
-        self.sends = [w for w in self.sends if not w.is_completed()]
-        self.sends.append(dist.isend(header, worker, tag=HEADER_TAG))
+        works = [dist.isend(header, worker, tag=HEADER_TAG)]
         if not self.finished:
-            self.sends.append(dist.isend(parameters_to_vector(self.params).detach().float(), worker,
-                                         tag=PAYLOAD_TAG))
+            works.append(dist.isend(parameters_to_vector(self.params).detach().float(), worker, tag=PAYLOAD_TAG))
+        self.sends[worker] = works
 
 
 class Worker:
