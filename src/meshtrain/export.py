@@ -61,15 +61,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     """
     from safetensors.torch import save_model
 
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
-
     path, sidecar = _outputs(out)
-    found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
-    meta = ckpt.read_meta(found)
-    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
-    ckpt.load(found, model, None)
+    model, meta, found = load_checkpoint_model(checkpoint)
     info = {"model": meta["config"]["model"], "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"],
             "step": meta["step"], "source": str(found)}
     text = json.dumps(info)
@@ -83,6 +76,24 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         for leftover in (tmp, tmp_sidecar):
             leftover.unlink(missing_ok=True)
     return path
+
+
+def load_checkpoint_model(checkpoint: str | Path):
+    """(model, meta, step folder): the model of a verified DCP checkpoint (run or step folder) in one
+    process, whatever layout saved it.
+
+    Raises:
+        ConfigError: no intact checkpoint there, or an unsafe one.
+    """
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
+    meta = ckpt.read_meta(found)
+    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    ckpt.load(found, model, None)
+    return model, meta, found
 
 
 def read_export(path: Path) -> dict[str, Any]:

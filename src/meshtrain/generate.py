@@ -60,18 +60,11 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
 
 def _load(checkpoint: str | Path):
     """(model, info with "tokenizer") from a DCP checkpoint folder or a ``meshtrain export`` file."""
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
-    from meshtrain.export import SUFFIX, load_export
-    from meshtrain.models import build_model
+    from meshtrain.export import SUFFIX, load_checkpoint_model, load_export
 
     if Path(checkpoint).suffix == SUFFIX and Path(checkpoint).is_file():
         return load_export(Path(checkpoint))
-    path = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
-    meta = ckpt.read_meta(path)
-    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
-    ckpt.load(path, model, None)
-    return model, meta
+    return load_checkpoint_model(checkpoint)[:2]
 
 
 def run(args: argparse.Namespace) -> int:

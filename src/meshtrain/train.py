@@ -142,12 +142,9 @@ class Trainer:
                          if cfg.train.dtype == "bfloat16" else nullcontext())
 
     def _maybe_resume(self) -> int:
-        resume = self.cfg.checkpoint.resume
-        if elastic_restart() and ckpt.list_checkpoints(self.out_dir):
-            resume = str(self.out_dir)  # continue this run, not the checkpoint it started from
-        if not resume:
+        path = resume_checkpoint(self.cfg)
+        if path is None:
             return 0
-        path = ckpt.resolve_checkpoint(resume)
         meta = ckpt.load(path, self.model, self.optimizer,
                          aliases={"lm_head.weight": "tok_emb.weight"})  # the tied weight, by its first name
         self.sampler.load_state_dict(meta["sampler"])
@@ -325,6 +322,15 @@ def train(cfg: Config) -> dict[str, Any]:
             if finished:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def resume_checkpoint(cfg: Config) -> Path | None:
+    """The step folder a rank resumes from: ``checkpoint.resume``, or, in ranks torchrun restarted after a
+    failure, the newest checkpoint of this run's own output folder; None to start fresh."""
+    resume = cfg.checkpoint.resume
+    if elastic_restart() and ckpt.list_checkpoints(cfg.train.out_dir):
+        resume = cfg.train.out_dir  # continue this run, not the checkpoint it started from
+    return ckpt.resolve_checkpoint(resume) if resume else None
 
 
 def elastic_restart() -> bool:

@@ -46,7 +46,7 @@ class AsyncRun:
     """One rank of a parameter-server run; :meth:`run` trains and returns rank 0's summary."""
 
     def __init__(self, cfg: Config) -> None:
-        from meshtrain.train import build_optimizer, lr_at, scaled_optim
+        from meshtrain.train import build_optimizer, lr_at, resume_checkpoint, scaled_optim
 
         self.cfg = cfg
         p, b, t = cfg.parallel, cfg.batch, cfg.train
@@ -63,7 +63,7 @@ class AsyncRun:
         self.server_group = dist.new_group(self.servers)  # every rank takes part in creating it
         self.out_dir = Path(t.out_dir)
         self.batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1)  # one gradient
-        self.resume = self._resume_path()
+        self.resume = resume_checkpoint(cfg)
         meta = ckpt.read_meta(self.resume) if self.resume else {}
         self.start = int(meta.get("step", 0))
         state = meta.get("async", {})
@@ -88,14 +88,6 @@ class AsyncRun:
         self.window_start = time.perf_counter()
         self.step_times: list[float] = []
         self.val_loss: float | None = None
-
-    def _resume_path(self) -> Path | None:
-        from meshtrain.train import elastic_restart
-
-        resume = self.cfg.checkpoint.resume
-        if elastic_restart() and ckpt.list_checkpoints(self.out_dir):
-            resume = str(self.out_dir)
-        return ckpt.resolve_checkpoint(resume) if resume else None
 
     # --- workers ------------------------------------------------------------------------------------
 
