@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (checks, planning): nothing was written
+        print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

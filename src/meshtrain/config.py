@@ -10,7 +10,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
-                 max_nonfinite_steps
+                 max_nonfinite_steps, collective_timeout_s
     [checkpoint] interval, keep, resume, allow_batch_change
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
@@ -168,6 +168,10 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient norm is NaN/inf is skipped (no update) and logged; this many in a row
     stop the run, keeping the checkpoints written before."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for its peers before the waiting rank stops with a message naming
+    the step's phase and the ranks it waited on (torch's default for gloo, 30 min). Bounds every hang on
+    a stuck or dead rank; keep it above the longest checkpoint save."""
 
 
 @dataclass
@@ -370,6 +374,7 @@ def validate(cfg: Config) -> Config:
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
+    _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
     _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")
 
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")

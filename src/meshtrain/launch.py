@@ -4,7 +4,8 @@ Everything that can be checked without a process group is checked here, before a
 spawned: the config, the layout against ``--nproc``, the corpus, the output folder (never reuse a
 folder that holds another run) and the checkpoint to resume. Then ``torch.distributed.run`` starts
 ``nproc`` ranks of ``python -m meshtrain.train`` (the elastic agent, so ``--max-restarts`` and
-multi-node rendezvous work exactly as with ``torchrun``).
+multi-node rendezvous work exactly as with ``torchrun``). Ctrl-C or SIGTERM here is forwarded to the
+ranks, which stop after a step and save (:mod:`meshtrain.faults`); the launcher then exits 128 + N.
 
 After a successful run, node rank 0 compares plan and actual (DESIGN.md, "Composition": the trainer
 does not import the planner): it reads ``OUT/summary.json``, which global rank 0 writes at the end of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -212,16 +214,44 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     from torch.distributed.run import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from meshtrain.faults import LAUNCHER_PID_ENV
+
     torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc))
     threads = rank_threads(nproc)  # before torchrun, which sets OMP_NUM_THREADS in this process too
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
+    # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
+    # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    quiet = _QuietForwarding()
+    for name in _FORWARDING_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         torchrun(torch_args)
+    except SignalException as e:  # Ctrl-C or SIGTERM here: torchrun forwarded it; rank 0 said where it stopped
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
         return 1
+    finally:
+        os.environ.pop(LAUNCHER_PID_ENV, None)
+        for name in _FORWARDING_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
         report_plan_vs_actual(cfg, threads)
     return 0
+
+
+_FORWARDING_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietForwarding(logging.Filter):
+    """Drops torchrun's warnings that it received a signal and forwards it to each rank: the ranks stop
+    after a step, save, and rank 0 says so in one line (:mod:`meshtrain.faults`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in ("death signal", "closing signal"))
 
 
 def available_memory() -> tuple[str, float]:

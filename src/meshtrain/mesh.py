@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
 
 import torch
@@ -97,6 +98,10 @@ class ParallelDims:
             self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
                                          mesh_dim_names=tuple(str(a) for a in AXES))
             self.batch_mesh = self.mesh[(str(Axis.DP), str(Axis.SP))]._flatten(BATCH_MESH)
+            # DeviceMesh creates its groups with torch's default timeout (30 min for gloo), not the
+            # default group's; give them the run's (torchtitan sets its mesh groups' timeouts the same way).
+            for group in {*(self.mesh.get_group(str(a)) for a in AXES), self.batch_mesh.get_group()}:
+                dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
         return self.mesh
 
     def get_mesh(self, axis: Axis | str) -> DeviceMesh:
@@ -134,15 +139,29 @@ def device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str) -> tuple[int, int]:
+_TIMEOUT = timedelta(minutes=30)
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective of this run may wait for its peers (``train.collective_timeout_s``, set by
+    :func:`init_distributed`): every group the run creates is given it."""
+    return _TIMEOUT
+
+
+def init_distributed(backend: str, timeout_s: float | None = None) -> tuple[int, int]:
     """Join the process group torchrun set up (``RANK``/``WORLD_SIZE`` env), or make a 1-rank group.
 
+    ``timeout_s`` (seconds; None: torch's default, 30 min) bounds every collective's wait for its peers;
+    past it gloo raises ``Timed out waiting ...`` in the waiting rank (NCCL's watchdog aborts it).
     Returns ``(rank, world_size)``. A single process without torchrun gets a world of one through an
     in-memory store, so the same trainer code runs with and without a launcher.
     """
+    global _TIMEOUT
+    if timeout_s is not None:
+        _TIMEOUT = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=_TIMEOUT)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()

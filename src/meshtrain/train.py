@@ -14,11 +14,21 @@ have drawn without saving RNG state.
 
 from __future__ import annotations
 
+import os
+
+if __name__ == "__main__":  # a rank: from its first moment (torch takes seconds to import), a Ctrl-C or
+    # SIGTERM is recorded for the loop to stop on, and the rank dies with its launcher
+    from meshtrain.faults import STOP, die_with_parent
+
+    STOP.install()
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
+
 import dataclasses
 import gc
 import math
-import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -37,6 +47,7 @@ from meshtrain.batch import global_batch_size, scaled_lr
 from meshtrain.config import Config, ConfigError, OptimConfig, load_config, parse_overrides, resolve_world
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
+from meshtrain.faults import STOP, Stopped, describe_collective_error, die_with_parent
 from meshtrain.launch import preflight
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
@@ -103,11 +114,13 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device, backend = device_and_backend()
-        self.rank, world = init_distributed(backend)
+        self.rank, world = init_distributed(backend, cfg.train.collective_timeout_s)
         _, dp = resolve_world(cfg, world)
         self.dims = ParallelDims(pp=cfg.parallel.pp, dp=dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, world_size=world)
         self.dims.build_mesh(self.device.type)
         self.sp_rank = self.dims.rank_of(Axis.SP)
+        self.world_ranks = list(range(world))
+        self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
         self.corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
         self.vocab_size = cfg.model.vocab_size or self.corpus.tokenizer.vocab_size
         if self.vocab_size < self.corpus.tokenizer.vocab_size:
@@ -206,8 +219,9 @@ class Trainer:
         return clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip,
                                pp_group=self.dims.get_mesh(Axis.PP).get_group(), uncounted=self.pipeline.head_copy())
 
-    def save(self, step: int) -> None:
-        """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point)."""
+    def save(self, step: int) -> Path:
+        """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point); return
+        the committed step folder."""
         if not self.replicas_equal:
             self.local_sgd.average_now(self.model.parameters())
             self.replicas_equal = True
@@ -216,11 +230,15 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
                 "dp": self.dims.dp, "tp": self.dims.tp, "sp": self.dims.sp, "pp": self.dims.pp,
                 "global_batch_size": self.sampler.global_batch_size}
-        ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
+        return ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
 
     def run(self) -> dict[str, Any]:
         """Train from ``start_step`` to ``train.steps``; return a summary (rank 0's view)."""
         t, c = self.cfg.train, self.cfg.checkpoint
+        at(f"the stop check before step {self.start_step + 1}", self.world_ranks)
+        signum = STOP.agreed(self.device)
+        if signum:  # stopped while starting: nothing is written (a resumed run keeps its checkpoint)
+            raise Stopped(signum, self.start_step, t.steps, None)
         log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps)
         tokens_per_step = self.sampler.global_batch_size * self.cfg.model.block_size
         step_times: list[float] = []
@@ -231,8 +249,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
                 lr = self.scheduler.get_last_lr()[0]
+                at(f"step {step}: forward/backward", self.world_ranks)
                 local_loss = self.forward_backward(self.sampler.next_step())
+                at(f"step {step}: gradient norm all-reduce", self.world_ranks)
                 grad_norm = self.clip_gradients()
+                at(f"step {step}: loss all-reduce", self.batch_ranks)
                 loss = batch_mean(local_loss, self.dims)  # the same on every rank, as grad_norm: all skip together
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
                 if finite:
@@ -260,10 +281,21 @@ class Trainer:
                         f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
                         f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
                 if last or (t.eval_interval and step % t.eval_interval == 0):
+                    at(f"step {step}: evaluation", self.world_ranks)
                     val_loss = self.evaluate()
                     log.eval(step, val_loss)
+                saved = None
                 if last or (c.interval and step % c.interval == 0):
-                    self.save(step)
+                    at(f"step {step}: checkpoint save", self.world_ranks)
+                    saved = self.save(step)
+                if not last:
+                    at(f"step {step}: the stop check", self.world_ranks)
+                    signum = STOP.agreed(self.device)  # every rank stops after the same step
+                    if signum:
+                        if saved is None:
+                            at(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
+                            saved = self.save(step)
+                        raise Stopped(signum, step, t.steps, saved)
         finally:
             log.close()
         return self._finish(step_times, val_loss, tokens_per_step)
@@ -298,9 +330,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 def train(cfg: Config) -> dict[str, Any]:
     """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun).
 
-    On success every rank meets at a barrier before the process group is destroyed, so that no rank
-    tears down gloo's worker threads while a peer still has collectives in flight (a rank that exits
-    early can otherwise abort with "terminate called without an active exception").
+    On success, and on a stop all ranks agreed on (:class:`meshtrain.faults.Stopped`), every rank meets
+    at a barrier before the process group is destroyed, so that no rank tears down gloo's worker
+    threads while a peer still has collectives in flight (a rank that exits early can otherwise abort
+    with "terminate called without an active exception").
+
+    Raises:
+        Stopped: SIGTERM/SIGINT; the synchronous trainer saved a checkpoint after the step all ranks stopped at.
+        TrainingDiverged: too many non-finite steps in a row.
     """
     finished, trainer = False, None
     try:
@@ -313,6 +350,9 @@ def train(cfg: Config) -> dict[str, Any]:
         summary = trainer.run()
         finished = True
         return summary
+    except Stopped:
+        finished = not STOP.immediate  # the synchronous trainer's ranks all stopped after the same step
+        raise
     finally:
         # FSDP/DDP state forms reference cycles that hold the process groups; free it while the
         # interpreter is whole rather than at exit.
@@ -338,12 +378,30 @@ def elastic_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+_PHASE: tuple[str, list[int]] = ("setup", [])
+"""What this rank is doing and the global ranks it depends on, for :func:`main`'s one-line errors."""
+
+
+def at(phase: str, ranks: list[int]) -> None:
+    """Record the phase this rank enters (``"step 3: loss all-reduce"``) and the ranks its collectives wait on."""
+    global _PHASE
+    _PHASE = (phase, ranks)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun)."""
+    """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun).
+
+    Exit codes: 0 done; 1 a collective failed because of another rank (one line; the failed rank prints
+    its own error); 2 a bad config; 3 training diverged; 128 + N stopped by signal N after saving.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
         print("usage: python -m meshtrain.train CONFIG [--section.key VALUE ...]", file=sys.stderr)
         return 2
+    if "LOCAL_RANK" in os.environ and not STOP.installed:  # a rank started by torchrun: stop with the
+        die_with_parent()  # launcher, never train on as an orphan (done on import when run as __main__)
+    STOP.install()
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], parse_overrides(argv[1:]))
         if not elastic_restart():  # the same checks as `meshtrain train`, for ranks started by torchrun itself;
@@ -352,12 +410,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 2
+    STOP.install(immediate=cfg.parallel.sync_mode == "async")  # no step boundary the async ranks share
     try:
+        if STOP.signum:  # while starting: every rank got it (torchrun signals each), none joins the group
+            raise Stopped(STOP.signum, 0, cfg.train.steps, None)
         train(cfg)
     except TrainingDiverged as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops at the same step; one says why
+        if rank == 0:  # every rank stops at the same step; one says why
             print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:
+        if rank == 0:
+            print(f"meshtrain train: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except RuntimeError as e:  # gloo's errors (DistBackendError is one) when a peer died or a wait timed out
+        line = describe_collective_error(e, rank, *_PHASE, cfg.train.collective_timeout_s)
+        if line is None:
+            raise
+        if not STOP.signum:  # after a stop signal, a peer that went first is expected, not news
+            print(f"meshtrain train: error: {line}", file=sys.stderr, flush=True)
+        return 128 + STOP.signum if STOP.signum else 1
     return 0
 
 

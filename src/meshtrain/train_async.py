@@ -37,7 +37,7 @@ from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
-from meshtrain.mesh import init_distributed
+from meshtrain.mesh import collective_timeout, init_distributed
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
 
@@ -50,7 +50,7 @@ class AsyncRun:
 
         self.cfg = cfg
         p, b, t = cfg.parallel, cfg.batch, cfg.train
-        self.rank, world = init_distributed("gloo")
+        self.rank, world = init_distributed("gloo", cfg.train.collective_timeout_s)
         self.servers = list(range(p.ps_servers))
         self.workers = list(range(p.ps_servers, world))
         self.corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
@@ -60,7 +60,7 @@ class AsyncRun:
         params = list(self.model.parameters())
         owners = shard_parameters([q.numel() for q in params], len(self.servers))
         self.shards = {s: [params[i] for i in owners[s]] for s in self.servers}
-        self.server_group = dist.new_group(self.servers)  # every rank takes part in creating it
+        self.server_group = dist.new_group(self.servers, timeout=collective_timeout())  # every rank takes part in creating it
         self.out_dir = Path(t.out_dir)
         self.batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1)  # one gradient
         self.resume = resume_checkpoint(cfg)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshtrain.mesh import collective_timeout
+
 
 def inter_node_bytes(nbytes: float, ranks: int, nodes: int, hierarchical: bool) -> float:
     """Bytes crossing node boundaries for one ring all-reduce of ``nbytes`` over ``ranks`` ranks spread
@@ -100,9 +102,9 @@ def hierarchical_state(groups: list[list[int]]) -> HierarchicalState:
     """Build the sub-groups for every dp group of the mesh (``groups``: global ranks of each); every
     rank calls this (group creation is collective). Returns this rank's state."""
     intra_lists, leader_lists = split_by_node(groups, node_ids())
-    intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
+    intra, _ = dist.new_subgroups_by_enumeration(intra_lists, timeout=collective_timeout())
     spanning = [ranks for ranks in leader_lists if len(ranks) > 1]  # the same on every rank
-    inter = dist.new_subgroups_by_enumeration(spanning)[0] if spanning else None  # None off the leaders
+    inter = dist.new_subgroups_by_enumeration(spanning, timeout=collective_timeout())[0] if spanning else None  # None off the leaders
     rank = dist.get_rank()
     mine = next(ranks for ranks in intra_lists if rank in ranks)
     group = next(g for g in groups if rank in g)

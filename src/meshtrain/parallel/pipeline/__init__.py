@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.fileio import write_json_atomic
+from meshtrain.mesh import collective_timeout
 from meshtrain.parallel.reduce import local_value
 from meshtrain.models.split import Chunk, chunk_ranks, item_costs, split_layers
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
@@ -233,5 +234,5 @@ def embedding_group(mesh_ranks: torch.Tensor, schedule: str) -> dist.ProcessGrou
     if pp == 1 or RULES[schedule].placement == "v":
         return None
     pairs = mesh_ranks[[0, pp - 1]].reshape(2, -1).t().tolist()  # [[first-stage rank, last-stage rank], ...]
-    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=collective_timeout())
     return group
