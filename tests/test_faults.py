@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from conftest import CONFIG, TINY, override_args, read_records, run_cli, train_cli
@@ -79,3 +82,36 @@ def test_resume_refuses_another_model_or_text_before_launch(tmp_path):
                        *override_args({**TINY, "train.steps": "4"}), *extra)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+
+@pytest.fixture
+def held_port():
+    """A TCP port held by a program that is no rendezvous (it accepts connections and never answers)."""
+    from conftest import free_port
+
+    port = free_port()
+    holder = subprocess.Popen([sys.executable, "-c", "import socket, time\n"
+                               "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                               f"s.bind(('0.0.0.0', {port})); s.listen(); print('up', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "up"
+    yield port, holder.pid
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["c10d", "node-rank-0"])
+def test_a_rendezvous_port_held_by_another_program_is_refused_not_waited_on(tmp_path, held_port, static):
+    """Before: a c10d rendezvous on it waited forever, a static one (--node-rank 0) was a traceback."""
+    port, pid = held_port
+    out = tmp_path / "run"
+    extra = ["--node-rank", "0"] if static else []
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   *extra, *override_args(TINY), timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert line.startswith(f"meshtrain train: error: --rdzv-endpoint = 127.0.0.1:{port}: port {port} on this machine "
+                           f"is already held by pid {pid} ({sys.executable} -c import socket"), line
+    assert line.endswith("; choose a free port") and not out.exists()

@@ -98,7 +98,7 @@ class AsyncRun:
         for x, y in micro_batches:
             loss = cross_entropy(self.model(x), y)
             (loss / len(micro_batches)).backward()
-            total += float(loss)
+            total += float(loss.detach())
         clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         return total / len(micro_batches), self.sampler.samples_seen
 
