@@ -77,6 +77,20 @@ def assert_close_losses(got: dict[int, float], want: dict[int, float], rel: floa
         assert got[step] == pytest.approx(want[step], rel=rel), f"step {step}: {got[step]} vs {want[step]}"
 
 
+def assert_resumed_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    """A run resumed from step k, perhaps at another layout, against the uninterrupted run's steps k+1...
+
+    Step k+1 within 1e-6 relative: resharding moves bytes, so it starts from bit-identical parameters and
+    optimizer state, and its loss differs only by the forward's summation order under the new layout
+    (each logit a dot product over n_embd = 32 terms in 2 layers, each sum's rounding ~log2(32) * 2**-24
+    ~ 3e-7 relative, averaged over the B*T terms of the mean): 1e-6 leaves 3x for that, while a value
+    read from the wrong shard or a lost optimizer state moves it by >= 1e-4. Later steps as
+    :func:`assert_close_losses` (1e-5: AdamW amplifies the rounding over steps)."""
+    first = min(want)
+    assert got.get(first) == pytest.approx(want[first], rel=1e-6), f"step {first}: {got.get(first)} vs {want[first]}"
+    assert_close_losses(got, want)
+
+
 def assert_close_grads(got: dict, want: dict, rel: float = 1e-5) -> None:
     """Gradients after step 1, element by element, within ``rel`` of the global gradient norm.
 
