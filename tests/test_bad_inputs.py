@@ -9,17 +9,23 @@ name for name, size for size and mtime for mtime, after the command.
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIG, ROOT, run_cli, train_here
+from conftest import CONFIG, ROOT, TINY, run_cli, train_here
 
 C = str(CONFIG)
 TRAIN = ["train", C, "--nproc", "1"]
 PLAN = ["plan", "--model", "gpt2-small", "--gpu", "A100", "--num-gpus", "8", "--global-batch-size", "8"]
 BATCH = ["batch", "--world-size", "8", "--micro-batch-size", "1"]
+RUN_MODEL = [tok for key, value in TINY.items() if key.startswith("model.") for tok in (f"--{key}", value)]
+"""The model options of the user's trained run (conftest's tiny model)."""
 
 # (id, arguments with {user} = the user's folder and {run} = a trained run in it, fragment of the error line)
 CATALOGUE: list[tuple[str, list[str], str]] = [
@@ -81,6 +87,18 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("out-holds-checkpoints", [*TRAIN, "--out", "{user}/only-checkpoints"], "already holds checkpoints"),
     ("resume-nothing", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/new"], "holds no checkpoint"),
     ("resume-past-the-end", [*TRAIN, "--out", "{run}", "--resume", "--steps", "2"], "is already at step 2"),
+    ("resume-other-global-batch", ["train", C, "--nproc", "2", "--out", "{run}", "--resume", "--steps", "4"],
+     "was trained at global batch 12"),
+    ("resume-other-model-size", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4"],
+     "holds a model with model.n_layer = 2, this config has 4: resume it with --model.n_layer 2"),
+    ("resume-other-corpus", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4", *RUN_MODEL, "--data.path",
+                             "{user}/other.txt"], "was trained on a text with other characters"),
+    ("resume-crafted-metadata", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/crafted", "--steps", "4"],
+     "was not loaded: its .metadata names posix.system"),
+    ("resume-damaged-shard", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/damaged", "--steps", "4"],
+     "changed since it was saved (SHA-256 differs)"),
+    ("collective-timeout-zero", [*TRAIN, "--train.collective_timeout_s", "0"], "train.collective_timeout_s = 0.0 must be > 0"),
+    ("collective-timeout-inf", [*TRAIN, "--train.collective_timeout_s", "inf"], "must be a finite number"),
     # train: launcher
     ("nproc-zero", ["train", C, "--nproc", "0"], "--nproc = 0 must be >= 1"),
     ("nnodes-word", [*TRAIN, "--nnodes", "abc"], "--nnodes = 'abc' is not valid: use N or MIN:MAX"),
@@ -93,6 +111,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("max-restarts-negative", [*TRAIN, "--max-restarts", "-1"], "argument --max-restarts: -1 must be an integer >= 0"),
     # generate
     ("generate-no-checkpoint", ["generate", "--checkpoint", "/nonexistent"], "holds no checkpoint"),
+    ("generate-crafted-metadata", ["generate", "--checkpoint", "{user}/crafted"], "its .metadata names posix.system"),
+    ("generate-damaged-shard", ["generate", "--checkpoint", "{user}/damaged"], "(SHA-256 differs)"),
     ("temperature-nan", ["generate", "--checkpoint", "{run}", "--temperature", "nan"], "argument --temperature: nan must be a finite number > 0"),
     ("temperature-zero", ["generate", "--checkpoint", "{run}", "--temperature", "0"], "argument --temperature: 0 must be a finite number > 0"),
     ("max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--max-new-tokens", "0"], "--max-new-tokens = 0 must be >= 1"),
@@ -125,6 +145,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("export-not-safetensors", ["export", "--checkpoint", "{run}", "--out", "{user}/model.pt"], "must end in .safetensors"),
     ("export-over-a-file", ["export", "--checkpoint", "{run}", "--out", "{user}/taken.safetensors"], "already exists"),
     ("export-no-checkpoint", ["export", "--checkpoint", "/nonexistent", "--out", "{user}/m.safetensors"], "holds no checkpoint"),
+    ("export-crafted-metadata", ["export", "--checkpoint", "{user}/crafted", "--out", "{user}/m.safetensors"],
+     "its .metadata names posix.system"),
 ]
 
 
@@ -142,7 +164,43 @@ def user(tmp_path_factory) -> Path:
     step = folder / "only-checkpoints" / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
     (step / "meta.json").write_text('{"step": 1}')
+    (folder / "other.txt").write_text("abcdefgh " * 2000)
+    crafted = _checkpoint_copy(folder / "run", folder / "crafted")  # its .metadata runs `touch pwned` if unpickled
+    (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(str(folder / "pwned"))))
+    _rerecord(crafted)  # digests rewritten too, as an attacker would: the unpickler must stop it
+    damaged = _checkpoint_copy(folder / "run", folder / "damaged")  # one flipped byte in a shard
+    shard = next(f for f in sorted(damaged.iterdir()) if f.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
     return folder
+
+
+class _Payload:
+    """Unpickles to ``os.system("touch MARKER")``: code a crafted checkpoint would run under ``pickle.load``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _checkpoint_copy(run: Path, to: Path) -> Path:
+    """A copy of ``run``'s newest step folder at ``to``."""
+    from meshtrain import checkpoint as ckpt
+
+    shutil.copytree(ckpt.resolve_checkpoint(run), to)
+    return to
+
+
+def _rerecord(step_folder: Path) -> None:
+    """meta.json's recorded sizes and digests made to match the folder's files."""
+    from meshtrain import checkpoint as ckpt
+
+    meta = json.loads((step_folder / "meta.json").read_text())
+    meta["files"] = ckpt.file_digests(step_folder)
+    (step_folder / "meta.json").write_text(json.dumps(meta))
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
