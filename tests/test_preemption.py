@@ -125,6 +125,21 @@ def catches_sigterm(pid: int) -> bool:
     return bool(caught & 1 << (signal.SIGTERM - 1))
 
 
+def listening_addresses(pid: int) -> set[str]:
+    """IPv4/IPv6 addresses (hex, as in /proc/net/tcp{,6}) of the TCP sockets ``pid`` listens on."""
+    inodes = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:")}
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in inodes:
+                out.add(fields[1].rsplit(":", 1)[0])
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} write them
+
+
 def stop_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "stopped by" in line or "error" in line.lower()]
 
@@ -180,6 +195,10 @@ def test_killed_launcher_leaves_no_orphans_and_its_ranks_save(reference, tmp_pat
     proc = start_train(out)
     ranks = ranks_of(proc)
     wait_for_step(out, 3, proc)
+    # one machine: the ranks' gloo connections listen on loopback only (rank 0 also hosts torch's
+    # rendezvous store, which torch binds to every interface: it has no address option)
+    rank1 = next(pid for pid in ranks if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
+    assert listening_addresses(rank1) <= LOOPBACK, listening_addresses(rank1)
     proc.kill()  # SIGKILL: torchrun cannot forward anything
     proc.wait()
     end = time.monotonic() + 60

@@ -301,6 +301,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
     # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if not args.rdzv_endpoint:  # one machine: the ranks' gloo/NCCL connections listen on loopback only
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
     quiet = _QuietForwarding()
     for name in _FORWARDING_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
