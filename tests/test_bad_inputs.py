@@ -93,6 +93,12 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
      "holds a model with model.n_layer = 2, this config has 4: resume it with --model.n_layer 2"),
     ("resume-other-corpus", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4", *RUN_MODEL, "--data.path",
                              "{user}/other.txt"], "was trained on a text with other characters"),
+    ("resume-other-text-same-characters", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4", *RUN_MODEL,
+                                           "--data.path", "{user}/reversed.txt"], "same characters, other bytes"),
+    ("resume-other-seed", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4", *RUN_MODEL, "--seed", "7"],
+     "was trained with train.seed = 1337, this config has 7, which would change the data order: resume it with --seed 1337"),
+    ("resume-other-split", [*TRAIN, "--out", "{run}", "--resume", "--steps", "4", *RUN_MODEL, "--data.val_fraction",
+                            "0.2"], "resume it with --data.val_fraction 0.1"),
     ("resume-crafted-metadata", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/crafted", "--steps", "4"],
      "was not loaded: its .metadata names posix.system"),
     ("resume-damaged-shard", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/damaged", "--steps", "4"],
@@ -165,6 +171,8 @@ def user(tmp_path_factory) -> Path:
     step.mkdir(parents=True)
     (step / "meta.json").write_text('{"step": 1}')
     (folder / "other.txt").write_text("abcdefgh " * 2000)
+    text = (ROOT / "src/meshtrain/assets/tinyshakespeare.txt").read_text()
+    (folder / "reversed.txt").write_text(text[::-1])  # the run's characters, another text
     crafted = _checkpoint_copy(folder / "run", folder / "crafted")  # its .metadata runs `touch pwned` if unpickled
     (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(str(folder / "pwned"))))
     _rerecord(crafted)  # digests rewritten too, as an attacker would: the unpickler must stop it

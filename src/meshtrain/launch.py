@@ -91,6 +91,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
                               f"{meta['step']}: give --steps larger than {meta['step']}")
         check_global_batch(cfg, meta, nproc_total, found)
         check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
+        check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
@@ -216,6 +217,22 @@ def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> N
     if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:
         raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, this config "
                           f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
+
+
+def check_same_data(cfg: Config, meta: dict, corpus_sha256: str, found: Path) -> None:
+    """The run continues on the same data in the same order: the text (its SHA-256, recorded since
+    checkpoints carry it), the train/val split and ``train.seed`` (which orders the samples and seeds
+    dropout). Raises ConfigError naming the value that makes it continue."""
+    saved = meta["config"]
+    if meta.get("corpus_sha256", corpus_sha256) != corpus_sha256:
+        raise ConfigError(f"checkpoint {found} was trained on another text than data.path = "
+                          f"'{cfg.data.resolved_path()}' (same characters, other bytes: SHA-256 differs): resume it "
+                          f"with the file it was trained on")
+    for section, key, flag in (("data", "val_fraction", "--data.val_fraction"), ("train", "seed", "--seed")):
+        was, now = saved[section][key], getattr(getattr(cfg, section), key)
+        if was != now:
+            raise ConfigError(f"checkpoint {found} was trained with {section}.{key} = {was}, this config has {now}, "
+                              f"which would change the data order: resume it with {flag} {was}")
 
 
 def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -> None:

@@ -226,6 +226,7 @@ class Trainer:
             self.local_sgd.average_now(self.model.parameters())
             self.replicas_equal = True
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
+                "corpus_sha256": self.corpus.sha256,
                 "vocab_size": self.vocab_size, "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "world_size": self.dims.world_size,
                 "dp": self.dims.dp, "tp": self.dims.tp, "sp": self.dims.sp, "pp": self.dims.pp,

@@ -159,6 +159,7 @@ class AsyncRun:
     def _save(self, k: int) -> None:
         sampler = ShardedSampler(self.corpus.train, self.cfg.model.block_size, 1, 1, 1, 0, self.cfg.train.seed)
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
+                "corpus_sha256": self.corpus.sha256,
                 "vocab_size": self.vocab_size, "sampler": sampler.state_dict(), "world_size": dist.get_world_size(),
                 "dp": len(self.workers), "tp": 1, "sp": 1, "pp": 1, "global_batch_size": self.batch,
                 "async": {"version": self.server.version, "samples_seen": self.samples_seen}}

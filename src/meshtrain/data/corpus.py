@@ -7,6 +7,7 @@ text (in characters) is train, the rest val. The bundled Tiny Shakespeare corpus
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,8 @@ class Corpus:
     val: torch.Tensor
     """(N_val,) int64 token ids."""
     tokenizer: CharTokenizer
+    sha256: str = ""
+    """Hex SHA-256 of the text's UTF-8 bytes: a checkpoint records it, so a resume on another text is refused."""
 
 
 def load_corpus(path: Path, val_fraction: float, block_size: int) -> Corpus:
@@ -102,4 +105,4 @@ def load_corpus(path: Path, val_fraction: float, block_size: int) -> Corpus:
             raise ConfigError(f"data.path = '{path}' gives a {name} split of {len(split)} tokens "
                               f"(data.val_fraction = {val_fraction}); model.block_size = {block_size} needs "
                               f">= {need}: use a longer text or a smaller block_size")
-    return Corpus(train=train, val=val, tokenizer=tokenizer)
+    return Corpus(train=train, val=val, tokenizer=tokenizer, sha256=hashlib.sha256(text.encode()).hexdigest())
