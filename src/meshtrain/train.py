@@ -47,7 +47,7 @@ from meshtrain.batch import global_batch_size, scaled_lr
 from meshtrain.config import Config, ConfigError, OptimConfig, load_config, parse_overrides, resolve_world
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
-from meshtrain.faults import STOP, Stopped, describe_collective_error, die_with_parent
+from meshtrain.faults import LAUNCHER_PID_ENV, STOP, Stopped, describe_collective_error, die_with_parent
 from meshtrain.launch import preflight
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
@@ -405,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], parse_overrides(argv[1:]))
-        if not elastic_restart():  # the same checks as `meshtrain train`, for ranks started by torchrun itself;
-            # every rank runs them before joining the group, so none can see another rank's new files
+        if not elastic_restart() and LAUNCHER_PID_ENV not in os.environ:  # the checks of `meshtrain train`
+            # (which ran them once, before starting the ranks) for ranks started by torchrun itself; every rank
+            # runs them before joining the group, so none can see another rank's new files
             preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         print(f"meshtrain train: error: {e}", file=sys.stderr)
