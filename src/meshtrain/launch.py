@@ -20,7 +20,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from meshtrain.argtypes import nonnegative_int
@@ -257,7 +259,11 @@ def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -
                       f"--checkpoint.allow_batch_change true")
 
 
-def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int) -> list[str]:
+def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int,
+                  local_store: str | None = None) -> list[str]:
+    """torchrun's arguments. ``local_store`` (a file path; one machine, no ``--rdzv-endpoint``): the agents'
+    rendezvous goes through that file instead of a TCP server, so nothing of the launcher listens on the
+    network (:func:`meshtrain.mesh.init_distributed` binds the ranks' store to 127.0.0.1)."""
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint and args.node_rank is not None:  # the user numbered the nodes: static rendezvous
         host, port = args.rdzv_endpoint.rsplit(":", 1)
@@ -265,6 +271,8 @@ def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg
                  f"--master-port={port}"]
     elif args.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    elif local_store:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={local_store}", "--rdzv-conf=store_type=file"]
     else:
         argv += ["--standalone"]
     argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
@@ -311,14 +319,18 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from meshtrain.faults import LAUNCHER_PID_ENV
+    from meshtrain.mesh import LOOPBACK_ENV
 
-    torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc))
+    rdzv_dir = None if args.rdzv_endpoint else tempfile.mkdtemp(prefix="meshtrain-rdzv-")
+    local_store = str(Path(rdzv_dir) / "store") if rdzv_dir else None
+    torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc, local_store))
     threads = rank_threads(nproc)  # before torchrun, which sets OMP_NUM_THREADS in this process too
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
     # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
     # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if not args.rdzv_endpoint:  # one machine: the ranks' gloo/NCCL connections listen on loopback only
+    if local_store:  # one machine: every socket of the run listens on 127.0.0.1 only
+        os.environ[LOOPBACK_ENV] = "1"
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
     quiet = _QuietForwarding()
@@ -333,6 +345,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         return 1
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)
+        os.environ.pop(LOOPBACK_ENV, None)
+        if rdzv_dir:
+            shutil.rmtree(rdzv_dir, ignore_errors=True)
         for name in _FORWARDING_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
