@@ -260,10 +260,10 @@ def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -
 
 
 def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int,
-                  local_store: str | None = None) -> list[str]:
-    """torchrun's arguments. ``local_store`` (a file path; one machine, no ``--rdzv-endpoint``): the agents'
-    rendezvous goes through that file instead of a TCP server, so nothing of the launcher listens on the
-    network (:func:`meshtrain.mesh.init_distributed` binds the ranks' store to 127.0.0.1)."""
+                  local_store: str | None) -> list[str]:
+    """torchrun's arguments. ``local_store`` (a file path; needed without ``--rdzv-endpoint``, one machine):
+    the agents' rendezvous goes through that file instead of a TCP server, so nothing of the launcher
+    listens on the network (:func:`meshtrain.mesh.init_distributed` binds the ranks' store to 127.0.0.1)."""
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint and args.node_rank is not None:  # the user numbered the nodes: static rendezvous
         host, port = args.rdzv_endpoint.rsplit(":", 1)
@@ -271,10 +271,8 @@ def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg
                  f"--master-port={port}"]
     elif args.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-    elif local_store:
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={local_store}", "--rdzv-conf=store_type=file"]
     else:
-        argv += ["--standalone"]
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={local_store}", "--rdzv-conf=store_type=file"]
     argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
              "--parallel.dp", str(resolve_world(cfg, nproc * _nnodes_max(args.nnodes))[1])]
     for name in ("steps", "seed", "tp", "pp", "sp"):
