@@ -25,12 +25,14 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
 
+# The contenders (Accelerate, Lightning Fabric) come with torch==2.13.0 named again, so pip keeps it.
 bench: venv
+	$(PY) -m pip install --quiet torch==2.13.0 -e '.[bench]'
 	$(PY) bench/run_all.py
 
 clean:

@@ -1,0 +1,202 @@
+"""What a user would write instead of meshtrain: the same GPT trained by hand-written loops.
+
+    python bench/contenders.py plain OUT.json [--steps S] [--batch B] [--dtype float32|bfloat16]
+    torchrun --nproc-per-node 2 bench/contenders.py ddp OUT.json ...
+    accelerate launch --cpu --num_processes 2 bench/contenders.py accelerate OUT.json ...
+    python bench/contenders.py fabric OUT.json --devices 2 ...     (Fabric starts its own processes)
+
+Every contender trains meshtrain's GPT of ``configs/shakespeare_char.toml`` (``meshtrain.models.GPT``:
+the model is the same object, so only the loop around it differs) on the bundled Tiny Shakespeare,
+global batch ``--batch`` samples of block_size tokens split over the ranks, AdamW with the config's
+hyperparameters, weight decay on matrices only, linear warmup then cosine (meshtrain's ``lr_at``),
+global-norm clipping at 1.0, ``--steps`` steps. Batches are random windows drawn from a generator
+seeded per rank (the way nanoGPT's ``get_batch`` does), the val loss is the mean over the same
+fixed val windows for everyone. Rank 0 writes OUT.json: per-step seconds, peak RSS per rank, val loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "shakespeare_char.toml"
+VAL_WINDOWS = 96
+"""Val loss: the mean over these many fixed windows of the val split (the same for every contender)."""
+
+
+def setup(steps: int, seed: int):
+    """(config, corpus, model) of the main job, the model's weights drawn from ``seed``."""
+    from meshtrain.config import load_config
+    from meshtrain.data.corpus import load_corpus
+    from meshtrain.models import build_model
+
+    cfg = load_config(CONFIG, {"train.steps": str(steps)})
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
+    return cfg, corpus, model
+
+
+def optimizer_for(model: torch.nn.Module, cfg, fused: bool = False):
+    """AdamW (decay on matrices only) and meshtrain's warmup + cosine schedule."""
+    from meshtrain.train import lr_at
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  **({"fused": True} if fused else {}))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg.optim, cfg.train.steps) / cfg.optim.lr)
+    return optimizer, scheduler
+
+
+def get_batch(data: torch.Tensor, batch: int, block: int, generator: torch.Generator):
+    """``batch`` random windows of ``data``: x (batch, block), y the next tokens."""
+    start = torch.randint(len(data) - block - 1, (batch,), generator=generator)
+    x = torch.stack([data[i:i + block] for i in start.tolist()])
+    y = torch.stack([data[i + 1:i + 1 + block] for i in start.tolist()])
+    return x, y
+
+
+@torch.no_grad()
+def val_loss(model: torch.nn.Module, corpus, block: int) -> float:
+    """Mean loss over VAL_WINDOWS evenly spaced windows of the val split."""
+    model.eval()
+    data = corpus.val
+    starts = torch.linspace(0, len(data) - block - 2, VAL_WINDOWS).long().tolist()
+    x = torch.stack([data[i:i + block] for i in starts])
+    y = torch.stack([data[i + 1:i + 1 + block] for i in starts])
+    logits = model(x)
+    model.train()
+    return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process, bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int, rank: int, dtype: str,
+               backward=lambda loss: loss.backward(), clip=None) -> list[float]:
+    """The loop everyone writes: get a batch, forward, loss, backward, clip, step. Returns seconds per step."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x, y = get_batch(corpus.train, batch, cfg.model.block_size, generator)
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        backward(loss)
+        clip()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def report(out: str, times: list[float], model, corpus, cfg, world: int, gather=None) -> None:
+    """Rank 0 writes the result; ``gather`` collects every rank's peak RSS (default: this process's only)."""
+    rss = gather(peak_rss()) if gather else [peak_rss()]
+    result = {"step_times_s": times, "peak_rss_bytes": rss, "val_loss": val_loss(model, corpus, cfg.model.block_size),
+              "world_size": world, "threads": torch.get_num_threads()}
+    Path(out).write_text(json.dumps(result))
+
+
+def run_plain(args) -> None:
+    cfg, corpus, model = setup(args.steps, args.seed)
+    optimizer, scheduler = optimizer_for(model, cfg)
+    times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch, 0, args.dtype)
+    report(args.out, times, model, corpus, cfg, 1)
+
+
+def _gather_ints(value: int) -> list[int]:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_ddp(args) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, corpus, model = setup(args.steps, args.seed)
+    ddp = DDP(model)
+    optimizer, scheduler = optimizer_for(ddp, cfg)
+    times = train_loop(ddp, optimizer, scheduler, corpus, cfg, args.steps, args.batch // world, rank, args.dtype)
+    rss = _gather_ints(peak_rss())
+    if rank == 0:
+        report(args.out, times, model, corpus, cfg, world, gather=lambda _: rss)
+    dist.destroy_process_group()
+
+
+def run_accelerate(args) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.dtype == "bfloat16" else "no")
+    cfg, corpus, model = setup(args.steps, args.seed)
+    optimizer, scheduler = optimizer_for(model, cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch // world, rank, "float32",
+                       backward=accelerator.backward,
+                       clip=lambda: accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+    rss = accelerator.gather_for_metrics([peak_rss()]) if world > 1 else [peak_rss()]
+    if accelerator.is_main_process:
+        report(args.out, times, accelerator.unwrap_model(model), corpus, cfg, world, gather=lambda _: list(rss))
+    accelerator.end_training()
+
+
+def run_fabric(args) -> None:
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+                      precision="bf16-mixed" if args.dtype == "bfloat16" else "32-true")
+    fabric.launch()
+    cfg, corpus, model = setup(args.steps, args.seed)
+    optimizer, scheduler = optimizer_for(model, cfg)
+    model, optimizer = fabric.setup(model, optimizer)
+    world, rank = fabric.world_size, fabric.global_rank
+    times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch // world, rank, "float32",
+                       backward=fabric.backward,
+                       clip=lambda: fabric.clip_gradients(model, optimizer, max_norm=cfg.optim.grad_clip))
+    rss = fabric.all_gather(torch.tensor(peak_rss())).reshape(-1).tolist() if world > 1 else [peak_rss()]
+    if rank == 0:
+        report(args.out, times, model.module if hasattr(model, "module") else model, corpus, cfg, world,
+               gather=lambda _: rss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("contender", choices=["plain", "ddp", "accelerate", "fabric"])
+    parser.add_argument("out", help="result JSON (written by rank 0)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=24, help="global batch, samples")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--devices", type=int, default=1, help="fabric: processes it starts")
+    args = parser.parse_args()
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    {"plain": run_plain, "ddp": run_ddp, "accelerate": run_accelerate, "fabric": run_fabric}[args.contender](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
