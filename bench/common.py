@@ -68,3 +68,18 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+BENCHMARKS_DOC = REPO / "docs" / "benchmarks.md"
+
+
+def update_benchmarks_doc(name: str) -> None:
+    """Copy ``results/<name>.md`` (without its title) into docs/benchmarks.md between the markers
+    ``<!-- results:<name> -->`` and ``<!-- /results:<name> -->``; the prose around them is hand-written."""
+    start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
+    doc = BENCHMARKS_DOC.read_text()
+    if start not in doc or end not in doc:
+        return
+    table = (RESULTS_DIR / f"{name}.md").read_text().split("\n", 2)[2].strip()
+    head, rest = doc.split(start, 1)
+    _atomic_write(BENCHMARKS_DOC, f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}")

@@ -54,6 +54,7 @@ def test_too_many_nonfinite_steps_stop_the_run_keeping_the_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in _params(run).values())  # the newest checkpoint loads, finite
 
 
+@pytest.mark.slow  # the refusal itself is in the bad-input catalogue (resume-other-global-batch)
 def test_resume_on_other_ranks_keeps_the_global_batch_or_says_how(tmp_path):
     run = tmp_path / "run"
     train_cli(run, 1, **{"train.steps": "2", "checkpoint.interval": "2"})  # global batch 12 on one rank

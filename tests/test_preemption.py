@@ -144,8 +144,8 @@ def stop_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "stopped by" in line or "error" in line.lower()]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
-                         ids=["sigint", "sigterm"])
+@pytest.mark.slow  # make test covers the stop, save and bit-identical resume through the killed launcher's SIGTERM
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_signal_stops_after_a_step_saves_and_resume_is_bit_identical(reference, tmp_path, sig):
     out = tmp_path / "run"
     proc = start_train(out)
@@ -282,8 +282,8 @@ def kill_in_save_trial(tmp_path: Path, rank: int, point: str) -> Path:
     return found
 
 
-@pytest.mark.parametrize(("rank", "point"), [(1, "shard"), pytest.param(0, "meta", marks=pytest.mark.slow)],
-                         ids=["rank1-shard", "rank0-meta"])
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "point"), [(1, "shard"), (0, "meta")], ids=["rank1-shard", "rank0-meta"])
 def test_kill_during_save_keeps_a_complete_checkpoint_and_resume_runs(tmp_path, rank, point):
     kill_in_save_trial(tmp_path, rank, point)
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--resume",

@@ -129,6 +129,7 @@ def test_bad_sync_settings_are_refused_before_launch(tmp_path, args, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_async_run_resumes_from_its_checkpoint(tmp_path):
     """A parameter-server run saved at gradient 10 continues to 20: the count, the servers' AdamW state
     and each worker's place in the data stream come back (the metrics run 1..20 once each)."""

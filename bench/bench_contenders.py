@@ -1,0 +1,230 @@
+"""meshtrain against what a user would pick instead, side by side on this machine.
+
+Contenders train the main job's GPT (``configs/shakespeare_char.toml``) on the same data, global batch,
+optimizer, schedule and step count (``bench/contenders.py`` holds the hand-written loops):
+
+1. a plain single-process PyTorch loop (the reference for overhead), fp32 and bf16 autocast;
+2. hand-written DDP started with torchrun;
+3. Hugging Face Accelerate (``accelerate launch``, 2 CPU processes);
+4. Lightning Fabric (DDP strategy, 2 CPU processes);
+5. meshtrain at dp=1 and dp=2, fp32 and bf16, and with its default settings (``meshtrain train CONFIG --nproc 2``).
+
+The contenders run one at a time in interleaved rounds (A B C ... A B C ...), so drift of the machine
+hits all of them alike. Per run: the median step time over the steps after ``SKIP_STEPS``; per
+contender: the median over rounds (spread = min..max over rounds). tokens/s = global batch * block_size
+/ step time. MFU = model FLOPs per step (Korthikanti et al. 2022, Eq. 7, ``planner.cost.model_flops``)
+/ step time / this machine's matmul peak for the dtype, measured in this run (a 1024^3 GEMM on every
+core, best of 20). Val loss: every contender's final weights on the same 96 val windows.
+
+    python bench/bench_contenders.py [--steps 200] [--rounds 3]     # ~10 min on 2 CPU cores
+
+Writes ``bench/results/contenders.{md,json}``, ``docs/benchmarks.md`` and ``docs/contenders.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, machine, meshtrain_command, update_benchmarks_doc, write_results  # noqa: E402
+
+CONFIG = REPO / "configs" / "shakespeare_char.toml"
+CONTENDERS = REPO / "bench" / "contenders.py"
+SKIP_STEPS = 10  # first steps of a run left out (allocator, thread pools, autograd warm-up)
+GLOBAL_BATCH = 24  # what `meshtrain train CONFIG --nproc 2` (micro-batch 12 per rank) trains with
+
+
+@dataclass
+class Contender:
+    name: str
+    ranks: int
+    dtype: str
+    kind: str  # "hand" (bench/contenders.py) or "meshtrain"
+    argv: list[str] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
+
+
+def contenders(steps: int) -> list[Contender]:
+    py, common = sys.executable, ["--steps", str(steps), "--batch", str(GLOBAL_BATCH)]
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    hand = [
+        Contender("plain PyTorch loop, fp32", 1, "float32", "hand", [py, str(CONTENDERS), "plain", "{out}", *common]),
+        Contender("plain PyTorch loop, bf16", 1, "bfloat16", "hand",
+                  [py, str(CONTENDERS), "plain", "{out}", *common, "--dtype", "bfloat16"]),
+        Contender("torchrun + DDP, fp32", 2, "float32", "hand",
+                  [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(CONTENDERS), "ddp",
+                   "{out}", *common]),
+        Contender("Accelerate, fp32", 2, "float32", "hand",
+                  [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", str(CONTENDERS), "accelerate", "{out}", *common]),
+        Contender("Lightning Fabric DDP, fp32", 2, "float32", "hand",
+                  [py, str(CONTENDERS), "fabric", "{out}", *common, "--devices", "2"]),
+    ]
+    mesh = [
+        Contender("meshtrain dp=1, fp32", 1, "float32", "meshtrain",
+                  ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), "--train.dtype", "float32"]),
+        Contender("meshtrain dp=1, bf16", 1, "bfloat16", "meshtrain",
+                  ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), "--train.dtype", "bfloat16"]),
+        Contender("meshtrain dp=2 DDP, fp32", 2, "float32", "meshtrain",
+                  ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2), "--train.dtype", "float32"]),
+        Contender("meshtrain dp=2, default settings", 2, "default", "meshtrain", ["--nproc", "2"]),
+    ]
+    for c in mesh:
+        c.argv = [*meshtrain_command(), "train", str(CONFIG), *c.argv, "--steps", str(steps), "--out", "{out}",
+                  "--train.log_interval", "1", "--train.eval_interval", "0", "--checkpoint.interval", "0"]
+    return hand + mesh
+
+
+def run_one(c: Contender, steps: int, work: Path) -> dict:
+    """Run contender ``c`` once; return its step times, peak RSS per rank and val loss."""
+    out = work / f"{len(c.rounds)}-{c.name.replace(' ', '_').replace(',', '').replace('/', '')}"
+    target = out if c.kind == "meshtrain" else out.with_suffix(".json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // c.ranks)), "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([a.replace("{out}", str(target)) for a in c.argv], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{c.name} failed:\n{proc.stderr[-3000:]}")
+    if c.kind == "hand":
+        result = json.loads(target.read_text())
+    else:
+        result = meshtrain_result(out)
+    result["wall_s"] = wall
+    return result
+
+
+def meshtrain_result(out: Path) -> dict:
+    """The same fields as a hand-written contender's JSON, from a meshtrain run folder: step times from
+    metrics.jsonl, peak memory from summary.json, val loss of the final checkpoint on the same windows."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from contenders import val_loss
+
+    from meshtrain.config import load_config
+    from meshtrain.data.corpus import load_corpus
+    from meshtrain.export import load_checkpoint_model
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    summary = json.loads((out / "summary.json").read_text())
+    model = load_checkpoint_model(out)[0]
+    cfg = load_config(CONFIG, {})
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    return {"step_times_s": times, "peak_rss_bytes": [summary["peak_memory_bytes"]],
+            "val_loss": val_loss(model, corpus, cfg.model.block_size), "world_size": summary["world_size"]}
+
+
+def matmul_peak(dtype: str, n: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of an n^3 GEMM on every core of this machine (bf16 under CPU autocast), best of ``repeats``."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    if dtype == "bfloat16":
+        a, b = a.bfloat16(), b.bfloat16()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def step_flops() -> float:
+    """Model FLOPs of one optimizer step of the main job at GLOBAL_BATCH samples (forward + backward)."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.cost import model_flops
+    from meshtrain.planner.models import from_config
+
+    cfg = load_config(CONFIG, {})
+    return model_flops(from_config(cfg, 65), GLOBAL_BATCH)
+
+
+def summarize(c: Contender, block: int) -> dict:
+    per_round = [statistics.median(r["step_times_s"][SKIP_STEPS:]) for r in c.rounds]
+    step = statistics.median(per_round)
+    return {"step_s": step, "tokens_per_s": GLOBAL_BATCH * block / step,
+            "tokens_per_s_rounds": [GLOBAL_BATCH * block / s for s in per_round],
+            "peak_rss_mib": max(max(r["peak_rss_bytes"]) for r in c.rounds) / 2 ** 20,
+            "val_loss": statistics.median(r["val_loss"] for r in c.rounds),
+            "wall_s": statistics.median(r["wall_s"] for r in c.rounds)}
+
+
+def plot(names: list[str], stats: dict, path: Path) -> None:
+    """Horizontal bars of median tokens/s per contender, each round's value as a dot (the spread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    y = list(range(len(names)))[::-1]
+    ax.barh(y, [stats[n]["tokens_per_s"] for n in names], color=["#4c72b0" if n.startswith("meshtrain") else "#999999"
+                                                                 for n in names])
+    for yi, n in zip(y, names):
+        ax.plot(stats[n]["tokens_per_s_rounds"], [yi] * len(stats[n]["tokens_per_s_rounds"]), "k.", markersize=4)
+    ax.set_yticks(y, names)
+    ax.set_xlabel("tokens/s (bar: median over rounds; dots: each round)")
+    ax.set_title(f"Main job's GPT, global batch {GLOBAL_BATCH}, this machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run only contenders whose name contains this")
+    args = parser.parse_args()
+    from meshtrain.config import load_config
+
+    block = load_config(CONFIG, {}).model.block_size
+    field_list = [c for c in contenders(args.steps) if args.only in c.name]
+    peaks = {d: matmul_peak(d) for d in ("float32", "bfloat16")}
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
+        for round_ in range(args.rounds):
+            for c in field_list:
+                print(f"round {round_ + 1}/{args.rounds}: {c.name}", file=sys.stderr, flush=True)
+                c.rounds.append(run_one(c, args.steps, Path(tmp)))
+    flops = step_flops()
+    stats = {c.name: summarize(c, block) for c in field_list}
+    reference = stats.get("plain PyTorch loop, fp32")
+    columns = ["contender", "ranks x threads", "tokens/s (median)", "per round", "vs plain fp32 loop",
+               "ms/step", "MFU", "peak RSS/rank (MiB)", f"val loss @ {args.steps}", "wall s"]
+    rows = []
+    for c in field_list:
+        s = stats[c.name]
+        peak = peaks["bfloat16" if c.dtype == "bfloat16" else "float32"]
+        ratio = f"{s['tokens_per_s'] / reference['tokens_per_s']:.2f}x" if reference else "-"
+        rows.append([c.name, f"{c.ranks} x {max(1, (os.cpu_count() or 1) // c.ranks)}", f"{s['tokens_per_s']:,.0f}",
+                     " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
+                     f"{flops / s['step_s'] / peak:.1%}", f"{s['peak_rss_mib']:.0f}", f"{s['val_loss']:.4f}",
+                     f"{s['wall_s']:.0f}"])
+    notes = [f"Global batch {GLOBAL_BATCH} samples x {block} tokens, {args.steps} steps, {args.rounds} interleaved rounds; "
+             f"medians over steps {SKIP_STEPS + 1}..{args.steps} of a run, then over rounds.",
+             f"Matmul peak of this machine measured in this run (1024^3 GEMM, all cores): fp32 "
+             f"{peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s; model FLOPs per step "
+             f"{flops / 1e9:.2f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
+             "OMP_NUM_THREADS = CPUs / ranks for every contender. Val loss: the final weights on the same 96 val "
+             "windows; the hand-written loops draw random windows, meshtrain its sampler's, so val losses agree "
+             "only up to data order."]
+    write_results("contenders", "meshtrain against the alternatives (configs/shakespeare_char.toml)", columns, rows,
+                  notes, {"machine": machine(), "peaks_flops": peaks, "step_flops": flops, "stats": stats,
+                          "rounds": {c.name: c.rounds for c in field_list}})
+    plot([c.name for c in field_list], stats, REPO / "docs" / "contenders.png")
+    update_benchmarks_doc("contenders")
+    print("\n".join(["| " + " | ".join(map(str, r)) + " |" for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
