@@ -3,11 +3,14 @@
 Contenders train the main job's GPT (``configs/shakespeare_char.toml``) on the same data, global batch,
 optimizer, schedule and step count (``bench/contenders.py`` holds the hand-written loops):
 
-1. a plain single-process PyTorch loop (the reference for overhead), fp32 and bf16 autocast;
+1. a plain single-process PyTorch loop (the reference for overhead), fp32;
 2. hand-written DDP started with torchrun;
 3. Hugging Face Accelerate (``accelerate launch``, 2 CPU processes);
 4. Lightning Fabric (DDP strategy, 2 CPU processes);
-5. meshtrain at dp=1 and dp=2, fp32 and bf16, and with its default settings (``meshtrain train CONFIG --nproc 2``).
+5. meshtrain at dp=1 and dp=2, fp32, and with its default settings (``meshtrain train CONFIG --nproc 2``).
+
+No bf16 rows: on a CPU without bf16 matmul instructions (AVX2 only, like the EPYC these numbers were
+first taken on) torch's bf16 GEMMs of this model's shapes run 30-180x slower than fp32.
 
 The contenders run one at a time in interleaved rounds (A B C ... A B C ...), so drift of the machine
 hits all of them alike. Per run: the median step time over the steps after ``SKIP_STEPS``; per
@@ -58,8 +61,6 @@ def contenders(steps: int) -> list[Contender]:
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     hand = [
         Contender("plain PyTorch loop, fp32", 1, "float32", "hand", [py, str(CONTENDERS), "plain", "{out}", *common]),
-        Contender("plain PyTorch loop, bf16", 1, "bfloat16", "hand",
-                  [py, str(CONTENDERS), "plain", "{out}", *common, "--dtype", "bfloat16"]),
         Contender("torchrun + DDP, fp32", 2, "float32", "hand",
                   [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(CONTENDERS), "ddp",
                    "{out}", *common]),
@@ -72,8 +73,6 @@ def contenders(steps: int) -> list[Contender]:
     mesh = [
         Contender("meshtrain dp=1, fp32", 1, "float32", "meshtrain",
                   ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), "--train.dtype", "float32"]),
-        Contender("meshtrain dp=1, bf16", 1, "bfloat16", "meshtrain",
-                  ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), "--train.dtype", "bfloat16"]),
         Contender("meshtrain dp=2 DDP, fp32", 2, "float32", "meshtrain",
                   ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2), "--train.dtype", "float32"]),
         Contender("meshtrain dp=2, default settings", 2, "default", "meshtrain", ["--nproc", "2"]),
@@ -190,7 +189,7 @@ def main() -> None:
 
     block = load_config(CONFIG, {}).model.block_size
     field_list = [c for c in contenders(args.steps) if args.only in c.name]
-    peaks = {d: matmul_peak(d) for d in ("float32", "bfloat16")}
+    peaks = {d: matmul_peak(d) for d in sorted({"float32", *(c.dtype for c in field_list)} - {"default"})}
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for round_ in range(args.rounds):
             for c in field_list:
@@ -204,7 +203,7 @@ def main() -> None:
     rows = []
     for c in field_list:
         s = stats[c.name]
-        peak = peaks["bfloat16" if c.dtype == "bfloat16" else "float32"]
+        peak = peaks.get(c.dtype, peaks["float32"])
         ratio = f"{s['tokens_per_s'] / reference['tokens_per_s']:.2f}x" if reference else "-"
         rows.append([c.name, f"{c.ranks} x {max(1, (os.cpu_count() or 1) // c.ranks)}", f"{s['tokens_per_s']:,.0f}",
                      " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
@@ -212,9 +211,9 @@ def main() -> None:
                      f"{s['wall_s']:.0f}"])
     notes = [f"Global batch {GLOBAL_BATCH} samples x {block} tokens, {args.steps} steps, {args.rounds} interleaved rounds; "
              f"medians over steps {SKIP_STEPS + 1}..{args.steps} of a run, then over rounds.",
-             f"Matmul peak of this machine measured in this run (1024^3 GEMM, all cores): fp32 "
-             f"{peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s; model FLOPs per step "
-             f"{flops / 1e9:.2f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
+             "Matmul peak of this machine measured in this run (1024^3 GEMM, all cores): "
+             + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in peaks.items())
+             + f"; model FLOPs per step {flops / 1e9:.2f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
              "OMP_NUM_THREADS = CPUs / ranks for every contender. Val loss: the final weights on the same 96 val "
              "windows; the hand-written loops draw random windows, meshtrain its sampler's, so val losses agree "
              "only up to data order."]

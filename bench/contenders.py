@@ -144,6 +144,7 @@ def run_ddp(args) -> None:
     rss = _gather_ints(peak_rss())
     if rank == 0:
         report(args.out, times, model, corpus, cfg, world, gather=lambda _: rss)
+    dist.barrier()  # no rank tears gloo down while another still talks (it aborts: "terminate called ...")
     dist.destroy_process_group()
 
 
@@ -161,6 +162,7 @@ def run_accelerate(args) -> None:
     rss = accelerator.gather_for_metrics([peak_rss()]) if world > 1 else [peak_rss()]
     if accelerator.is_main_process:
         report(args.out, times, accelerator.unwrap_model(model), corpus, cfg, world, gather=lambda _: list(rss))
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
@@ -181,6 +183,7 @@ def run_fabric(args) -> None:
     if rank == 0:
         report(args.out, times, model.module if hasattr(model, "module") else model, corpus, cfg, world,
                gather=lambda _: rss)
+    fabric.barrier()
 
 
 def main() -> None:
