@@ -29,6 +29,9 @@ def test_train_two_ranks_then_generate(tmp_path):
     assert compared["measured"]["step_time_s"] == json.loads((out / "summary.json").read_text())["step_time_s"]
     assert compared["predicted"]["layout"].startswith("dp2 tp1 pp1 sp1 z0") and compared["predicted"]["step_time_s"] > 0
     assert (out / "loss.png").stat().st_size > 1000
+    import torch  # bf16 on a CPU without bf16 matmul is warned about (30-180x slower there), once, by the launcher
+    slow_bf16 = not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert proc.stderr.count("has no bf16 matmul, so bf16 runs far slower than float32 here") == int(slow_bf16)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["step_000020", "step_000030"]  # keep = 2, nothing half-written left behind
     meta = json.loads((out / "checkpoints" / "step_000030" / "meta.json").read_text())

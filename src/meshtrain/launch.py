@@ -307,6 +307,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     preflight(cfg, nproc * nnodes)
     if cfg.train.check_memory:
         check_memory(cfg, nproc, nnodes)
+    warn_slow_bf16(cfg)
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
 
@@ -362,6 +363,22 @@ class _QuietForwarding(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in ("death signal", "closing signal"))
+
+
+def warn_slow_bf16(cfg: Config) -> None:
+    """One warning line when ``train.dtype = bfloat16`` runs on a CPU without bf16 matmul instructions
+    (no AVX512-BF16/AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False). torch's bf16 GEMMs
+    there are emulated and ran 30-180x slower than fp32 on this model's shapes (AVX2-only EPYC,
+    docs/benchmarks.md). The user's choice stands: it is a warning, not an error."""
+    if cfg.train.dtype != "bfloat16":
+        return
+    import torch
+
+    if torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return
+    print(f"meshtrain train: warning: train.dtype = bfloat16, but this CPU ({torch.backends.cpu.get_cpu_capability()}) "
+          f"has no bf16 matmul, so bf16 runs far slower than float32 here (docs/benchmarks.md): "
+          f"use --train.dtype float32", file=sys.stderr)
 
 
 def available_memory() -> tuple[str, float]:
