@@ -27,7 +27,8 @@ from layout_worker import layout_launcher, reference_run
 
 MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
 CONVERGE = {**TINY, "train.steps": "150", "optim.warmup_steps": "10", "train.log_interval": "10",
-            "batch.micro_batch_size": "8"}
+            "batch.micro_batch_size": "8", "train.eval_steps": "8"}
+"""8 val micro-batches (2,048 tokens), not 2: the val estimate's noise is a fraction of the margin."""
 
 
 def unigram_entropy() -> float:
@@ -76,7 +77,9 @@ def test_local_sgd_replicas_agree_exactly_after_each_average_and_only_then(tmp_p
 
 @pytest.mark.parametrize("mode, extra", [
     ("local-sgd", {"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "4", "batch.micro_batch_size": "4"}),
-    ("async-drop", {"parallel.sync_mode": "async", "parallel.max_staleness": "1"}),
+    # async-drop counts a dropped gradient as a step: 150 steps with 7 of 150 dropped reached val 3.16, but a
+    # loaded CI machine dropped more and ended at 3.32 (> 3.31); 400 steps (val 3.09 at 300) leave room
+    ("async-drop", {"parallel.sync_mode": "async", "parallel.max_staleness": "1", "train.steps": "400"}),
     ("async-wait", {"parallel.sync_mode": "async", "parallel.max_staleness": "1", "parallel.stale_policy": "wait"}),
 ])
 def test_runs_converge_below_the_unigram_entropy(tmp_path, mode, extra):
