@@ -56,8 +56,14 @@ class Contender:
     rounds: list[dict] = field(default_factory=list)
 
 
-def contenders(steps: int) -> list[Contender]:
-    py, common = sys.executable, ["--steps", str(steps), "--batch", str(GLOBAL_BATCH)]
+LARGE = {"model.n_layer": "6", "model.n_head": "6", "model.n_embd": "384", "model.block_size": "256"}
+"""``--large``: the issue's larger model (6 layers, 384 wide, 256 tokens: 10.7 M parameters)."""
+FP32 = ["--train.dtype", "float32"]
+
+
+def contenders(steps: int, model: dict[str, str]) -> list[Contender]:
+    py = sys.executable
+    common = ["--steps", str(steps), "--batch", str(GLOBAL_BATCH), *[a for k, v in model.items() for a in ("--set", f"{k}={v}")]]
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     hand = [
         Contender("plain PyTorch loop, fp32", 1, "float32", "hand", [py, str(CONTENDERS), "plain", "{out}", *common]),
@@ -70,20 +76,29 @@ def contenders(steps: int) -> list[Contender]:
         Contender("Lightning Fabric DDP, fp32", 2, "float32", "hand",
                   [py, str(CONTENDERS), "fabric", "{out}", *common, "--devices", "2"]),
     ]
+    half = ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2)]
+    whole = ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH)]  # one replica: tp, sp, pp
     mesh = [
         Contender("meshtrain dp=1, fp32", 1, "float32", "meshtrain",
-                  ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), "--train.dtype", "float32"]),
-        Contender("meshtrain dp=2 DDP, fp32", 2, "float32", "meshtrain",
-                  ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2), "--train.dtype", "float32"]),
+                  ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), *FP32]),
+        Contender("meshtrain dp=2 DDP, fp32", 2, "float32", "meshtrain", [*half, *FP32]),
         Contender("meshtrain dp=2, default settings", 2, "default", "meshtrain", ["--nproc", "2"]),
+        Contender("meshtrain dp=2 FSDP2 (zero 3), fp32", 2, "float32", "meshtrain",
+                  [*half, "--parallel.zero_stage", "3", *FP32]),
+        Contender("meshtrain tp=2, fp32", 2, "float32", "meshtrain", [*whole, "--parallel.tp", "2", *FP32]),
+        Contender("meshtrain sp=2 (Ulysses), fp32", 2, "float32", "meshtrain", [*whole, "--parallel.sp", "2", *FP32]),
+        Contender("meshtrain pp=2 (1F1B, 2 micro-batches), fp32", 2, "float32", "meshtrain",
+                  ["--nproc", "2", "--parallel.pp", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2),
+                   "--batch.gradient_accumulation_steps", "2", *FP32]),
     ]
     for c in mesh:
         c.argv = [*meshtrain_command(), "train", str(CONFIG), *c.argv, "--steps", str(steps), "--out", "{out}",
-                  "--train.log_interval", "1", "--train.eval_interval", "0", "--checkpoint.interval", "0"]
+                  "--train.log_interval", "1", "--train.eval_interval", "0", "--checkpoint.interval", "0",
+                  *[a for k, v in model.items() for a in (f"--{k}", v)]]
     return hand + mesh
 
 
-def run_one(c: Contender, steps: int, work: Path) -> dict:
+def run_one(c: Contender, steps: int, work: Path, model: dict[str, str]) -> dict:
     """Run contender ``c`` once; return its step times, peak RSS per rank and val loss."""
     out = work / f"{len(c.rounds)}-{c.name.replace(' ', '_').replace(',', '').replace('/', '')}"
     target = out if c.kind == "meshtrain" else out.with_suffix(".json")
@@ -97,12 +112,12 @@ def run_one(c: Contender, steps: int, work: Path) -> dict:
     if c.kind == "hand":
         result = json.loads(target.read_text())
     else:
-        result = meshtrain_result(out)
+        result = meshtrain_result(out, model)
     result["wall_s"] = wall
     return result
 
 
-def meshtrain_result(out: Path) -> dict:
+def meshtrain_result(out: Path, overrides: dict[str, str]) -> dict:
     """The same fields as a hand-written contender's JSON, from a meshtrain run folder: step times from
     metrics.jsonl, peak memory from summary.json, val loss of the final checkpoint on the same windows."""
     sys.path.insert(0, str(REPO / "bench"))
@@ -116,7 +131,7 @@ def meshtrain_result(out: Path) -> dict:
     times = [r["step_time_s"] for r in records if "step_time_s" in r]
     summary = json.loads((out / "summary.json").read_text())
     model = load_checkpoint_model(out)[0]
-    cfg = load_config(CONFIG, {})
+    cfg = load_config(CONFIG, overrides)
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     return {"step_times_s": times, "peak_rss_bytes": [summary["peak_memory_bytes"]],
             "val_loss": val_loss(model, corpus, cfg.model.block_size), "world_size": summary["world_size"]}
@@ -138,13 +153,14 @@ def matmul_peak(dtype: str, n: int = 1024, repeats: int = 20) -> float:
     return 2.0 * n ** 3 / best
 
 
-def step_flops() -> float:
-    """Model FLOPs of one optimizer step of the main job at GLOBAL_BATCH samples (forward + backward)."""
+def step_flops(overrides: dict[str, str]) -> float:
+    """Model FLOPs of one optimizer step of the main job's model (with ``overrides``) at GLOBAL_BATCH samples
+    (forward + backward)."""
     from meshtrain.config import load_config
     from meshtrain.planner.cost import model_flops
     from meshtrain.planner.models import from_config
 
-    cfg = load_config(CONFIG, {})
+    cfg = load_config(CONFIG, overrides)
     return model_flops(from_config(cfg, 65), GLOBAL_BATCH)
 
 
@@ -158,7 +174,7 @@ def summarize(c: Contender, block: int) -> dict:
             "wall_s": statistics.median(r["wall_s"] for r in c.rounds)}
 
 
-def plot(names: list[str], stats: dict, path: Path) -> None:
+def plot(names: list[str], stats: dict, path: Path, title: str) -> None:
     """Horizontal bars of median tokens/s per contender, each round's value as a dot (the spread)."""
     import matplotlib
 
@@ -173,29 +189,55 @@ def plot(names: list[str], stats: dict, path: Path) -> None:
         ax.plot(stats[n]["tokens_per_s_rounds"], [yi] * len(stats[n]["tokens_per_s_rounds"]), "k.", markersize=4)
     ax.set_yticks(y, names)
     ax.set_xlabel("tokens/s (bar: median over rounds; dots: each round)")
-    ax.set_title(f"Main job's GPT, global batch {GLOBAL_BATCH}, this machine")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+LARGE_FIELD = ("plain PyTorch loop, fp32", "torchrun + DDP, fp32", "meshtrain dp=1, fp32", "meshtrain dp=2 DDP, fp32",
+               "meshtrain dp=2, default settings")
+"""``--large`` runs these only: each step of the larger model takes seconds on 2 cores."""
+
+
+def cuda_row(columns: list[str]) -> list[str]:
+    """The CUDA row: where bench/bench_cuda.py's GPU numbers are, or that no GPU took part."""
+    kept = REPO / "bench" / "results" / "cuda.json"
+    data = json.loads(kept.read_text()) if kept.exists() else {}
+    if data.get("device"):
+        best = max(data["stats"].items(), key=lambda kv: kv[1]["tokens_per_s"] if kv[0].startswith("meshtrain") else 0)
+        where = (f"not on this machine (no GPU): {data['device']}, 355M GPT, {best[0]} "
+                 f"{best[1]['tokens_per_s']:,.0f} tokens/s, bench/results/cuda.md")
+    else:
+        where = "not run: no GPU on this machine or lent to this run"
+    return ["meshtrain on CUDA (bf16)", where] + ["-"] * (len(columns) - 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="default 200 (--large: 20)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (--large: 2)")
     parser.add_argument("--only", default="", help="run only contenders whose name contains this")
+    parser.add_argument("--large", action="store_true",
+                        help="the larger model (6 x 384, 256 tokens) and the data-parallel contenders only; "
+                             "writes contenders_large.*")
     args = parser.parse_args()
+    args.steps = args.steps or (20 if args.large else 200)
+    args.rounds = args.rounds or (2 if args.large else 3)
     from meshtrain.config import load_config
 
-    block = load_config(CONFIG, {}).model.block_size
-    field_list = [c for c in contenders(args.steps) if args.only in c.name]
+    model = LARGE if args.large else {}
+    name = "contenders_large" if args.large else "contenders"
+    block = load_config(CONFIG, model).model.block_size
+    field_list = [c for c in contenders(args.steps, model)
+                  if args.only in c.name and (not args.large or c.name in LARGE_FIELD)]
     peaks = {d: matmul_peak(d) for d in sorted({"float32", *(c.dtype for c in field_list)} - {"default"})}
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for round_ in range(args.rounds):
             for c in field_list:
                 print(f"round {round_ + 1}/{args.rounds}: {c.name}", file=sys.stderr, flush=True)
-                c.rounds.append(run_one(c, args.steps, Path(tmp)))
-    flops = step_flops()
+                c.rounds.append(run_one(c, args.steps, Path(tmp), model))
+    flops = step_flops(model)
     stats = {c.name: summarize(c, block) for c in field_list}
     reference = stats.get("plain PyTorch loop, fp32")
     columns = ["contender", "ranks x threads", "tokens/s (median)", "per round", "vs plain fp32 loop",
@@ -209,19 +251,23 @@ def main() -> None:
                      " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
                      f"{flops / s['step_s'] / peak:.1%}", f"{s['peak_rss_mib']:.0f}", f"{s['val_loss']:.4f}",
                      f"{s['wall_s']:.0f}"])
-    notes = [f"Global batch {GLOBAL_BATCH} samples x {block} tokens, {args.steps} steps, {args.rounds} interleaved rounds; "
+    rows.append(cuda_row(columns))
+    cfg = load_config(CONFIG, model).model
+    notes = [f"Model {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, {block} tokens; global batch "
+             f"{GLOBAL_BATCH} samples x {block} tokens, {args.steps} steps, {args.rounds} interleaved rounds; "
              f"medians over steps {SKIP_STEPS + 1}..{args.steps} of a run, then over rounds.",
              "Matmul peak of this machine measured in this run (1024^3 GEMM, all cores): "
              + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in peaks.items())
              + f"; model FLOPs per step {flops / 1e9:.2f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
              "OMP_NUM_THREADS = CPUs / ranks for every contender. Val loss: the final weights on the same 96 val "
              "windows; the hand-written loops draw random windows, meshtrain its sampler's, so val losses agree "
-             "only up to data order."]
-    write_results("contenders", "meshtrain against the alternatives (configs/shakespeare_char.toml)", columns, rows,
-                  notes, {"machine": machine(), "peaks_flops": peaks, "step_flops": flops, "stats": stats,
-                          "rounds": {c.name: c.rounds for c in field_list}})
-    plot([c.name for c in field_list], stats, REPO / "docs" / "contenders.png")
-    update_benchmarks_doc("contenders")
+             "only up to data order. tp, sp and pp hold one replica on both ranks (micro-batch 24; pp: 2 of 12)."]
+    write_results(name, f"meshtrain against the alternatives (configs/shakespeare_char.toml{' --large' if args.large else ''})",
+                  columns, rows, notes, {"machine": machine(), "model": model, "peaks_flops": peaks, "step_flops": flops,
+                                         "stats": stats, "rounds": {c.name: c.rounds for c in field_list}})
+    title = f"GPT {cfg.n_layer}x{cfg.n_embd}, {block} tokens, global batch {GLOBAL_BATCH}, this machine"
+    plot([c.name for c in field_list], stats, REPO / "docs" / f"{name}.png", title)
+    update_benchmarks_doc(name)
     print("\n".join(["| " + " | ".join(map(str, r)) + " |" for r in rows]))
 
 

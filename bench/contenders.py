@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 bench/contenders.py ddp OUT.json ...
     accelerate launch --cpu --num_processes 2 bench/contenders.py accelerate OUT.json ...
     python bench/contenders.py fabric OUT.json --devices 2 ...     (Fabric starts its own processes)
+    python bench/contenders.py plain OUT.json --device cuda --dtype bfloat16 --fused --set model.n_layer=24 ...
 
 Every contender trains meshtrain's GPT of ``configs/shakespeare_char.toml`` (``meshtrain.models.GPT``:
 the model is the same object, so only the loop around it differs) on the bundled Tiny Shakespeare,
@@ -34,17 +35,19 @@ VAL_WINDOWS = 96
 """Val loss: the mean over these many fixed windows of the val split (the same for every contender)."""
 
 
-def setup(steps: int, seed: int):
-    """(config, corpus, model) of the main job, the model's weights drawn from ``seed``."""
+def setup(args):
+    """(config, corpus, model) of the main job with ``args.set`` overrides (``model.n_layer=24``, ...), the
+    model's weights drawn from ``args.seed``, on ``args.device``."""
     from meshtrain.config import load_config
     from meshtrain.data.corpus import load_corpus
     from meshtrain.models import build_model
 
-    cfg = load_config(CONFIG, {"train.steps": str(steps)})
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    cfg = load_config(CONFIG, {"train.steps": str(args.steps), **overrides})
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
-    torch.manual_seed(seed)
-    model = build_model(cfg.model, corpus.tokenizer.vocab_size)
-    return cfg, corpus, model
+    torch.manual_seed(args.seed)
+    model = build_model(cfg.model, cfg.model.vocab_size or corpus.tokenizer.vocab_size)
+    return cfg, corpus, model.to(args.device)
 
 
 def optimizer_for(model: torch.nn.Module, cfg, fused: bool = False):
@@ -69,16 +72,19 @@ def get_batch(data: torch.Tensor, batch: int, block: int, generator: torch.Gener
 
 
 @torch.no_grad()
-def val_loss(model: torch.nn.Module, corpus, block: int) -> float:
-    """Mean loss over VAL_WINDOWS evenly spaced windows of the val split."""
+def val_loss(model: torch.nn.Module, corpus, block: int, chunk: int = VAL_WINDOWS) -> float:
+    """Mean loss over VAL_WINDOWS evenly spaced windows of the val split (fp32, ``chunk`` windows at a time)."""
     model.eval()
-    data = corpus.val
+    data, device = corpus.val, next(model.parameters()).device
     starts = torch.linspace(0, len(data) - block - 2, VAL_WINDOWS).long().tolist()
-    x = torch.stack([data[i:i + block] for i in starts])
-    y = torch.stack([data[i + 1:i + 1 + block] for i in starts])
-    logits = model(x)
+    total = 0.0
+    for i in range(0, VAL_WINDOWS, chunk):
+        x = torch.stack([data[j:j + block] for j in starts[i:i + chunk]]).to(device)
+        y = torch.stack([data[j + 1:j + 1 + block] for j in starts[i:i + chunk]]).to(device)
+        logits = model(x)
+        total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"))
     model.train()
-    return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
+    return total / (VAL_WINDOWS * block)
 
 
 def peak_rss() -> int:
@@ -90,12 +96,14 @@ def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int,
                backward=lambda loss: loss.backward(), clip=None) -> list[float]:
     """The loop everyone writes: get a batch, forward, loss, backward, clip, step. Returns seconds per step."""
     generator = torch.Generator().manual_seed(1000 + rank)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         x, y = get_batch(corpus.train, batch, cfg.model.block_size, generator)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -104,6 +112,8 @@ def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are done: its time is real
         times.append(time.perf_counter() - t0)
     return times
 
@@ -111,14 +121,18 @@ def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int,
 def report(out: str, times: list[float], model, corpus, cfg, world: int, gather=None) -> None:
     """Rank 0 writes the result; ``gather`` collects every rank's peak RSS (default: this process's only)."""
     rss = gather(peak_rss()) if gather else [peak_rss()]
-    result = {"step_times_s": times, "peak_rss_bytes": rss, "val_loss": val_loss(model, corpus, cfg.model.block_size),
-              "world_size": world, "threads": torch.get_num_threads()}
+    result = {"step_times_s": times, "peak_rss_bytes": rss, "world_size": world, "threads": torch.get_num_threads(),
+              "val_loss": val_loss(model, corpus, cfg.model.block_size, chunk=8 if torch.cuda.is_available() else 96)}
+    if torch.cuda.is_available():
+        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     Path(out).write_text(json.dumps(result))
 
 
 def run_plain(args) -> None:
-    cfg, corpus, model = setup(args.steps, args.seed)
-    optimizer, scheduler = optimizer_for(model, cfg)
+    cfg, corpus, model = setup(args)
+    optimizer, scheduler = optimizer_for(model, cfg, fused=args.fused)
+    if args.compile:
+        model.compile()
     times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch, 0, args.dtype)
     report(args.out, times, model, corpus, cfg, 1)
 
@@ -137,7 +151,7 @@ def run_ddp(args) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, corpus, model = setup(args.steps, args.seed)
+    cfg, corpus, model = setup(args)
     ddp = DDP(model)
     optimizer, scheduler = optimizer_for(ddp, cfg)
     times = train_loop(ddp, optimizer, scheduler, corpus, cfg, args.steps, args.batch // world, rank, args.dtype)
@@ -152,7 +166,7 @@ def run_accelerate(args) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.dtype == "bfloat16" else "no")
-    cfg, corpus, model = setup(args.steps, args.seed)
+    cfg, corpus, model = setup(args)
     optimizer, scheduler = optimizer_for(model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -172,7 +186,7 @@ def run_fabric(args) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
                       precision="bf16-mixed" if args.dtype == "bfloat16" else "32-true")
     fabric.launch()
-    cfg, corpus, model = setup(args.steps, args.seed)
+    cfg, corpus, model = setup(args)
     optimizer, scheduler = optimizer_for(model, cfg)
     model, optimizer = fabric.setup(model, optimizer)
     world, rank = fabric.world_size, fabric.global_rank
@@ -195,6 +209,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--devices", type=int, default=1, help="fabric: processes it starts")
+    parser.add_argument("--device", default="cpu", help="plain: cpu or cuda")
+    parser.add_argument("--fused", action="store_true", help="plain: AdamW(fused=True)")
+    parser.add_argument("--compile", action="store_true", help="plain: model.compile() (torch.compile)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. model.n_layer=24 (repeatable)")
     args = parser.parse_args()
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
+RUNS = {"bench_contenders.py": [[], ["--large"]]}
+"""Scripts run more than once, with these arguments each time (the others once, with none)."""
 
 
 def main(argv: list[str]) -> int:
@@ -25,13 +27,15 @@ def main(argv: list[str]) -> int:
         return 1
     failed = []
     for script in scripts:
-        print(f"== {script.name}", flush=True)
-        t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, str(script)], cwd=BENCH_DIR.parent).returncode
-        print(f"== {script.name}: {'ok' if rc == 0 else f'failed (exit {rc})'} in {time.perf_counter() - t0:.0f} s",
-              flush=True)
-        if rc:
-            failed.append(script.name)
+        for extra in RUNS.get(script.name, [[]]):
+            label = " ".join([script.name, *extra])
+            print(f"== {label}", flush=True)
+            t0 = time.perf_counter()
+            rc = subprocess.run([sys.executable, str(script), *extra], cwd=BENCH_DIR.parent).returncode
+            print(f"== {label}: {'ok' if rc == 0 else f'failed (exit {rc})'} in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            if rc:
+                failed.append(label)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -149,7 +149,7 @@ BAD_VALUES = [
     ("optim.min_lr", "0.01", "optim.min_lr = 0.01 must be in [0, optim.lr = 0.001]"),
     ("optim.lr", '"fast"', "optim.lr = 'fast' is"),
     ("optim.beta2", "1.0", "optim.beta2 = 1.0 must be in [0, 1)"),
-    ("train.dtype", '"float16"', "train.dtype = 'float16' is not valid: use one of float32, bfloat16"),
+    ("train.dtype", '"float16"', "train.dtype = 'float16' is not valid: use one of auto, float32, bfloat16"),
     ("train.log_interval", "0", "train.log_interval = 0 must be >= 1"),
     ("data.val_fraction", "1.5", "data.val_fraction = 1.5 must be in (0, 1)"),
     ("checkpoint.keep", "0", "checkpoint.keep = 0 must be >= 1"),

@@ -258,8 +258,15 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
+        kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
+        for g, chosen in zip(optimizer.param_groups, kernels):
+            g.update(chosen)  # this layout's kernels, not the saving layout's (fused fails on DTensor states)
     return read_meta(ckpt)
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Optimizer options that choose kernels, not the training state: a resumed run keeps its own."""
 
 
 def _aliased_keys(ckpt: Path, optim_sd: dict[str, Any], aliases: dict[str, str]) -> dict[str, str]:

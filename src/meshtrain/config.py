@@ -31,7 +31,8 @@ from typing import Any
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+COMPILES = ("auto", "on", "off")
 MODEL_TYPES = ("gpt", "lstm", "gru")
 RECURRENT_TYPES = ("lstm", "gru")
 SYNC_MODES = ("sync", "async", "local-sgd")
@@ -144,6 +145,11 @@ class OptimConfig:
     """Scale ``lr`` and ``min_lr`` with the global batch: "none", "linear" or "sqrt" (:func:`meshtrain.batch.scaled_lr`)."""
     reference_batch_size: int = 0
     """Global batch (samples) at which ``lr`` was tuned; needed (>= 1) when ``lr_scaling`` is not "none"."""
+    fused: bool = True
+    """AdamW's fused kernel (``torch.optim.AdamW(fused=True)``: one kernel over all parameters) where every
+    parameter is a plain tensor (one rank, DDP, pp); false, or DTensor parameters (tp, sp, FSDP2: the
+    fused kernel fails on their resumed states), use torch's default (foreach on CUDA, a loop on CPU).
+    The same update up to rounding."""
 
 
 @dataclass
@@ -158,10 +164,15 @@ class TrainConfig:
     """Micro-batches (of ``micro_batch_size`` per dp rank) averaged for one val loss."""
     log_interval: int = 10
     """Write a metrics record every this many steps (and at the last step)."""
-    dtype: str = "float32"
-    """Compute dtype: "float32" or "bfloat16" (autocast; master weights stay fp32)."""
+    dtype: str = "auto"
+    """Compute dtype: "bfloat16" (autocast; master weights stay fp32), "float32", or "auto": bfloat16 where
+    the device has bf16 matmul (:func:`meshtrain.mesh.compute_dtype`), else float32."""
     out_dir: str = "out"
     """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
+    compile: str = "auto"
+    """``torch.compile`` each transformer block (``nn.Module.compile``: parameter names unchanged): "on",
+    "off", or "auto": on for a GPT on CUDA, off on CPU, where it measured no faster (docs/benchmarks.md).
+    Layouts with pp, tp or sp > 1 and sync_mode "async" run uncompiled; "on" there is refused."""
     check_memory: bool = True
     """Before launch, refuse a run whose predicted peak memory (the planner's, all ranks of this node)
     exceeds the memory available (CPU: MemAvailable; GPU: each device's). false skips the check."""
@@ -373,6 +384,10 @@ def validate(cfg: Config) -> Config:
     _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
+    _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
+    _require(t.compile != "on" or (p.pp, p.tp, p.sp) == (1, 1, 1) and p.sync_mode != "async" and m.type == "gpt",
+             f"train.compile = \"on\" compiles a GPT at pp = tp = sp = 1 without sync_mode async (here pp={p.pp} "
+             f"tp={p.tp} sp={p.sp}, {p.sync_mode}, {m.type}): use \"auto\" or \"off\"")
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
     _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
     _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")

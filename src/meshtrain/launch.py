@@ -369,7 +369,8 @@ def warn_slow_bf16(cfg: Config) -> None:
     """One warning line when ``train.dtype = bfloat16`` runs on a CPU without bf16 matmul instructions
     (no AVX512-BF16/AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False). torch's bf16 GEMMs
     there are emulated and ran 30-180x slower than fp32 on this model's shapes (AVX2-only EPYC,
-    docs/benchmarks.md). The user's choice stands: it is a warning, not an error."""
+    docs/benchmarks.md). The user's choice stands: it is a warning, not an error. ``auto`` picks float32
+    there by itself (:func:`meshtrain.mesh.compute_dtype`)."""
     if cfg.train.dtype != "bfloat16":
         return
     import torch

@@ -140,6 +140,20 @@ def device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def compute_dtype(name: str, device_type: str) -> str:
+    """The dtype ``train.dtype = name`` trains in on ``device_type`` ("cpu"/"cuda"): "float32" or "bfloat16".
+
+    "auto" is bfloat16 where matmuls have bf16 hardware: a CUDA GPU with bf16 (Ampere and newer,
+    ``torch.cuda.is_bf16_supported()``) or a CPU with AVX512-BF16/AMX (oneDNN's bf16 path,
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``); elsewhere float32, because bf16 GEMMs emulated on
+    an AVX2-only CPU ran 30-180x slower than fp32 (docs/benchmarks.md)."""
+    if name != "auto":
+        return name
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
 _TIMEOUT = timedelta(minutes=30)
 LOOPBACK_ENV = "MESHTRAIN_LOOPBACK_STORE"
 """Set by ``meshtrain train`` on one machine: rank 0 hosts the ranks' store on 127.0.0.1 only."""
@@ -178,12 +192,15 @@ def init_distributed(backend: str, timeout_s: float | None = None) -> tuple[int,
     if timeout_s is not None:
         _TIMEOUT = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        # nccl: bind the group to this rank's GPU (set by device_and_backend) rather than let torch guess it
+        device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
         if os.environ.get(LOOPBACK_ENV) == "1" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend, store=loopback_store(rank, world), rank=rank, world_size=world,
-                                    timeout=_TIMEOUT)
+                                    timeout=_TIMEOUT, **device)
         elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=_TIMEOUT)
+            dist.init_process_group(backend, timeout=_TIMEOUT, **device)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_TIMEOUT)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_TIMEOUT,
+                                    **device)
     return dist.get_rank(), dist.get_world_size()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain import checkpoint as ckpt
@@ -49,7 +50,7 @@ from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.faults import LAUNCHER_PID_ENV, STOP, Stopped, describe_collective_error, die_with_parent
 from meshtrain.launch import preflight
-from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, device_and_backend, init_distributed
+from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, compute_dtype, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
@@ -103,9 +104,19 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+    plain = not any(isinstance(p, DTensor) for p in params)
+    fused = {"fused": True} if optim.fused and plain else {}  # resumed DTensor states fail in the fused kernel
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), **fused)
     scheduler = LambdaLR(optimizer, lambda s: lr_at(s, optim, cfg.train.steps) / optim.lr)
     return optimizer, scheduler
+
+
+def compiles(cfg: Config, device_type: str) -> bool:
+    """Whether ``train.compile`` compiles the blocks on ``device_type``: "auto" on CUDA only (on the CPU
+    it measured no faster for the main job, docs/benchmarks.md); only a GPT at pp = tp = sp = 1, sync."""
+    p = cfg.parallel
+    eligible = (p.pp, p.tp, p.sp) == (1, 1, 1) and p.sync_mode != "async" and cfg.model.type == "gpt"
+    return eligible and (cfg.train.compile == "on" or (cfg.train.compile == "auto" and device_type == "cuda"))
 
 
 class Trainer:
@@ -136,6 +147,9 @@ class Trainer:
                                                  pipeline_loss)
             self.model = self.pipeline.model
         else:
+            if compiles(cfg, self.device.type):
+                for block in model.blocks.values():
+                    block.compile()  # before DDP/FSDP2 wrap it, as torchtitan orders them; names unchanged
             self.model = parallelize(model, self.dims, cfg.parallel)
         p = cfg.parallel
         self.local_sgd = (LocalSGD(self.model, self.dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps,
@@ -151,8 +165,9 @@ class Trainer:
                                 dp, dp_rank, cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
+        self.dtype = compute_dtype(cfg.train.dtype, self.device.type)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if cfg.train.dtype == "bfloat16" else nullcontext())
+                         if self.dtype == "bfloat16" else nullcontext())
 
     def _maybe_resume(self) -> int:
         path = resume_checkpoint(self.cfg)
@@ -304,12 +319,13 @@ class Trainer:
     def _finish(self, step_times: list[float], val_loss: float | None, tokens_per_step: int) -> dict[str, Any]:
         """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``
         and the loss plot. Whatever launched the run compares it with the planner (``meshtrain.launch``)."""
-        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64)
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)  # nccl: on GPU
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         summary = {"val_loss": val_loss, "step_time_s": statistics.median(step_times) if step_times else None,
                    "peak_memory_bytes": int(peak.item()), "world_size": self.dims.world_size, "dp": self.dims.dp,
                    "tp": self.dims.tp, "sp": self.dims.sp, "vocab_size": self.vocab_size,
-                   "device": self.device.type}
+                   "device": self.device.type, "dtype": self.dtype,
+                   "compiled": compiles(self.cfg, self.device.type)}
         if summary["step_time_s"]:
             summary["tokens_per_s"] = tokens_per_step / summary["step_time_s"]
         if self.pipeline is not None:

@@ -66,9 +66,11 @@ def grad_norm(params: Iterable[torch.nn.Parameter], pp_group: dist.ProcessGroup 
     Squares are summed locally per group of gradients that share a mesh and the mesh axes they are
     sharded on, then all-reduced over each of those axes (a sum over axis a, then over axis b, is the
     sum over the a x b ranks). With a ``pp_group`` the stages' sums are added up (each pipeline stage
-    holds different parameters; pass each parameter on one stage only).
+    holds different parameters; pass each parameter on one stage only). The local sums run as a few
+    foreach kernels (``torch.nn.utils.get_total_norm``), not one per gradient: on a GPU the per-gradient
+    loop cost a kernel launch per tensor (docs/benchmarks.md).
     """
-    sums: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    local: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     meshes = {}
     for p in params:
         g = p.grad
@@ -83,8 +85,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter], pp_group: dist.ProcessGroup 
             g = g.to_local()
         else:
             key = (None, ())
-        total = sums[key]
-        sums[key] = total.to(g.device) + g.detach().float().pow(2).sum()
+        local[key].append(g.detach())
+    sums = {key: torch.nn.utils.get_total_norm(grads, 2.0).float() ** 2 for key, grads in local.items()}
     norm_sq = 0.0
     for (mesh_id, axes), value in sums.items():
         for axis in axes:
@@ -116,9 +118,10 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, pp_gr
     params = [p for p in params if p.grad is not None]
     reduce_partial_grads(params)
     norm = float(grad_norm([p for p in params if p is not uncounted], pp_group))
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for p in params:
-                p.grad.mul_(coef)
+    if max_norm > 0 and max_norm / (norm + 1e-6) < 1:
+        kinds: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
+        for p in params:  # foreach kernels take one kind: plain tensors, or DTensors of one mesh
+            kinds[getattr(p.grad, "device_mesh", None)].append(p)
+        for same in kinds.values():
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, torch.tensor(norm, dtype=torch.float64))  # x max_norm / (norm + 1e-6)
     return norm

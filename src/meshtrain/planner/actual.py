@@ -100,7 +100,9 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
         return {"step_time_s": math.nan, "peak_memory_bytes": math.nan, "profile": str(e)}
     model = from_config(cfg, vocab_size)
     layout = layout_from_config(cfg, world_size)
-    precision = PRECISIONS["bf16-autocast" if cfg.train.dtype == "bfloat16" else "fp32"]
+    from meshtrain.mesh import compute_dtype
+
+    precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
     framework = FRAMEWORKS["meshtrain"]
     memory = memory_breakdown(model, layout, hw, precision, framework)
     time = step_time(model, layout, hw, precision, framework)

@@ -122,6 +122,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_precision(dtype: str, gpu: str) -> str:
+    """The precision a config's ``train.dtype`` trains in on ``gpu``: ``auto`` is bf16 autocast on a GPU
+    (every GPU in the catalogue has bf16 matmul) and, for ``cpu``, what this machine's CPU resolves it to."""
+    if dtype == "auto":
+        from meshtrain.mesh import compute_dtype
+
+        dtype = compute_dtype(dtype, "cpu") if gpu == "cpu" else "bfloat16"
+    return "bf16-autocast" if dtype == "bfloat16" else "fp32"
+
+
 def _raise_for_unavailable(framework, fixed: dict, model) -> None:
     """Raise ConfigError naming the pinned ``--fix`` fields ``framework`` cannot run (if any)."""
     from meshtrain.planner.layout import Layout, framework_errors
@@ -191,8 +201,7 @@ def build_context(args: argparse.Namespace):
         hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if ranks == 1 else 1)
     else:
         hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node, args.nics_per_node)
-    dtype = args.dtype or (("bf16-autocast" if cfg.train.dtype == "bfloat16" else "fp32") if cfg is not None
-                           else framework.mixed_precision)
+    dtype = args.dtype or (_config_precision(cfg.train.dtype, gpu) if cfg is not None else framework.mixed_precision)
     world = args.num_gpus
     gbs = args.global_batch_size
     config_layout = None

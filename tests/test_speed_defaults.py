@@ -1,0 +1,79 @@
+"""The fast defaults (docs/training.md, "Fast by default"): ``train.dtype = auto``, ``train.compile``,
+``optim.fused``, and the foreach gradient-norm clipping. Each must change speed only: the arithmetic
+stays what the explicit fp32 / uncompiled / for-loop settings compute, up to rounding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CONFIG, TINY, assert_close_losses, losses, train_here
+
+
+def test_auto_dtype_is_bf16_exactly_where_matmuls_have_bf16_hardware():
+    from meshtrain.mesh import compute_dtype
+
+    cpu_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX512-BF16 / AMX: oneDNN's bf16 GEMMs
+    assert compute_dtype("auto", "cpu") == ("bfloat16" if cpu_bf16 else "float32")
+    assert compute_dtype("float32", "cpu") == "float32" and compute_dtype("bfloat16", "cpu") == "bfloat16"
+    if torch.cuda.is_available():
+        assert compute_dtype("auto", "cuda") == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
+
+
+def test_a_run_records_the_dtype_auto_picked_and_its_arithmetic(tmp_path):
+    from meshtrain.mesh import compute_dtype
+
+    auto = losses(train_here(tmp_path / "auto", **{"train.dtype": "auto", "train.steps": "3"}))
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert summary["dtype"] == compute_dtype("auto", "cpu") and summary["compiled"] is False  # auto: CPU uncompiled
+    explicit = losses(train_here(tmp_path / "explicit", **{"train.dtype": summary["dtype"], "train.steps": "3"}))
+    assert auto == explicit  # the same dtype, the same operations in the same order: bit-identical
+
+
+def test_fused_adamw_is_chosen_for_plain_tensors_unless_turned_off():
+    from meshtrain.config import load_config
+    from meshtrain.models import build_model
+    from meshtrain.train import build_optimizer
+
+    model = build_model(load_config(CONFIG, TINY).model, 65)
+    fused, _ = build_optimizer(model.parameters(), load_config(CONFIG, TINY), 12)
+    loop, _ = build_optimizer(model.parameters(), load_config(CONFIG, {**TINY, "optim.fused": "false"}), 12)
+    assert fused.defaults["fused"] is True and not loop.defaults["fused"]
+
+
+def test_fused_adamw_trains_as_the_for_loop_does(tmp_path):
+    fused = losses(train_here(tmp_path / "fused", **{"optim.fused": "true"}))
+    loop = losses(train_here(tmp_path / "loop", **{"optim.fused": "false"}))
+    # The fused kernel computes AdamW's update with the same formula in another operation order: each
+    # parameter differs by a few ulps per step, which conftest's 1e-5 on the losses covers (its docstring).
+    assert_close_losses(fused, loop)
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    from meshtrain.parallel.reduce import clip_grad_norm_
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 4096)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape) * 3
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, 1.0)
+    want = float(torch.nn.utils.clip_grad_norm_(theirs, 1.0))
+    # Both sum 4403 squares in fp32 (ours per tensor in fp32, then the squares of 3 norms in fp64): the
+    # relative rounding of such sums is <= log2(4403) * 2**-24 ~ 7e-7 each; 2e-6 covers both.
+    assert norm == pytest.approx(want, rel=2e-6)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=0)  # scaled by the same coefficient
+
+
+def test_compiled_blocks_train_as_the_eager_ones(tmp_path):
+    eager = losses(train_here(tmp_path / "eager", **{"train.compile": "off"}))
+    compiled = losses(train_here(tmp_path / "compiled", **{"train.compile": "on"}))
+    assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"] is True
+    # Inductor fuses each block's elementwise work (GELU, residual adds, layer norm) into loops that round
+    # in another order; the matmuls stay oneDNN's. Per-op differences are a few ulps, as for a layout's
+    # reordered sums, so DESIGN.md's 1e-5 applies (conftest.assert_close_losses).
+    assert_close_losses(compiled, eager)
