@@ -6,9 +6,10 @@ default settings unless overridden), and its step is driven piece by piece so ea
 Operator self-times are grouped into matmul, attention, elementwise/norm/loss, optimizer and
 communication; what the ranges took beyond their operators is Python and dispatch overhead.
 
-    python bench/bench_profile.py [--steps 20] [--section.key value ...]
+    python bench/bench_profile.py [--steps 20] [--name profile] [--section.key value ...]
 
-Writes ``bench/results/profile.{md,json}``.
+Writes ``bench/results/NAME.{md,json}``; ``make bench`` also profiles the larger model of
+``bench_contenders.py --large`` into ``profile_large``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def group_of(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="profiled steps (after a warm-up)")
+    parser.add_argument("--name", default="profile", help="results/NAME.md (and the docs/benchmarks.md markers)")
     args, args.overrides = parser.parse_known_args()  # the rest: --section.key value, as meshtrain train takes them
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -101,7 +103,7 @@ def main() -> None:
                                                                                            key=lambda kv: -kv[1])]
     rows.append(["**step (wall)**", f"{statistics.median(walls) * 1e3:.2f} (median)", "100%"])
     notes = [f"{args.steps} steps after {WARMUP} warm-up steps, one rank with {torch.get_num_threads()} threads, "
-             f"train.dtype = {cfg.train.dtype}, micro_batch_size {cfg.batch.micro_batch_size} x block_size "
+             f"{trainer.dtype}, micro_batch_size {cfg.batch.micro_batch_size} x block_size "
              f"{cfg.model.block_size}; overrides: {' '.join(args.overrides) or 'none'}.",
              "Ranges of the step (ms/step, inclusive): " + ", ".join(f"{k} {v / args.steps / 1e3:.2f}"
                                                                     for k, v in ranges.items()) + ".",
@@ -109,11 +111,11 @@ def main() -> None:
              + ".",
              "The rest = wall time minus every operator's self time: Python in the loop and the model, "
              "dispatcher and autograd overhead, allocator."]
-    write_results("profile", "One training step of the main job, by where the time goes",
+    write_results(args.name, "One training step of the main job, by where the time goes",
                   ["where", "ms/step", "share"], rows, notes,
                   {"per_step_ms": per_step, "ranges_ms": {k: v / args.steps / 1e3 for k, v in ranges.items()},
                    "top_ops_ms": {k: v / args.steps / 1e3 for k, v in top}, "walls_s": walls})
-    update_benchmarks_doc("profile")
+    update_benchmarks_doc(args.name)
     print("\n".join("| " + " | ".join(r) + " |" for r in rows))
 
 

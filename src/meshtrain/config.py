@@ -146,10 +146,10 @@ class OptimConfig:
     reference_batch_size: int = 0
     """Global batch (samples) at which ``lr`` was tuned; needed (>= 1) when ``lr_scaling`` is not "none"."""
     fused: bool = True
-    """AdamW's fused kernel (``torch.optim.AdamW(fused=True)``: one kernel over all parameters) where every
-    parameter is a plain tensor (one rank, DDP, pp); false, or DTensor parameters (tp, sp, FSDP2: the
-    fused kernel fails on their resumed states), use torch's default (foreach on CUDA, a loop on CPU).
-    The same update up to rounding."""
+    """AdamW's fastest kernels: the fused kernel (``torch.optim.AdamW(fused=True)``) where every parameter
+    is a plain tensor (one rank, DDP, pp), foreach kernels where every one is a DTensor (FSDP2: the fused
+    kernel fails on their resumed states); false, or a mix of both (tp), torch's default (a per-tensor
+    loop on CPU). The same update up to rounding."""
 
 
 @dataclass

@@ -96,6 +96,17 @@ def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
     return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
 
 
+def adamw_kernels(params: list[nn.Parameter], optim: OptimConfig) -> dict[str, bool]:
+    """AdamW's implementation for ``params``: with ``optim.fused``, the fused kernel for plain tensors and
+    foreach kernels (one per operation over all tensors) for DTensors, whose resumed optimizer states the
+    fused kernel rejects; otherwise, or for a mix of both (tp keeps some parameters plain; neither kind
+    of kernel takes a mix), torch's default (a per-tensor loop on CPU)."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    if not optim.fused or len(kinds) != 1:
+        return {}
+    return {"foreach": True} if kinds == {True} else {"fused": True}
+
+
 def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,
                     global_batch_size: int) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW over ``params`` with weight decay on matrices only (norm weights and biases undecayed), and
@@ -104,9 +115,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    plain = not any(isinstance(p, DTensor) for p in params)
-    fused = {"fused": True} if optim.fused and plain else {}  # resumed DTensor states fail in the fused kernel
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), **fused)
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), **adamw_kernels(params, optim))
     scheduler = LambdaLR(optimizer, lambda s: lr_at(s, optim, cfg.train.steps) / optim.lr)
     return optimizer, scheduler
 

@@ -198,10 +198,14 @@ def measure_host(min_time: float = 0.05, sync=None) -> dict:
 
 
 def _update_time(params: list, min_time: float) -> float:
-    """Seconds of one gradient-norm clip + AdamW step over ``params`` (their gradients already set)."""
+    """Seconds of one gradient-norm clip + AdamW step over ``params`` (their gradients already set), with
+    the kernels the trainer picks for them (``train.build_optimizer``: fused for plain tensors)."""
     import torch
 
-    optimizer = torch.optim.AdamW(params)
+    from meshtrain.config import OptimConfig
+    from meshtrain.train import adamw_kernels
+
+    optimizer = torch.optim.AdamW(params, **adamw_kernels(params, OptimConfig()))
 
     def update() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
