@@ -18,9 +18,10 @@ warm-ups, CUDA events). Step time: the median over the steps after ``SKIP_STEPS`
 rounds. Without CUDA it keeps the results of an earlier GPU run, or writes a table that says no GPU
 was there, rather than leaving the row out.
 
-    python bench/bench_cuda.py [--steps 40] [--rounds 2] [--batch 16]
+    python bench/bench_cuda.py [--job gpt2-medium|main-job] [--steps 30] [--rounds 2] [--batch 16]
 
-Writes ``bench/results/cuda.{md,json}`` and the table into ``docs/benchmarks.md``.
+``--job main-job`` runs the same contenders on the main job's own model and global batch (24 x 64).
+Writes ``bench/results/cuda.{md,json}`` (main-job: ``cuda_main``) and the table into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -44,19 +45,25 @@ SKIP_STEPS = 10  # first steps of a run left out (cuBLAS heuristics, allocator g
 MODEL = {"model.n_layer": "24", "model.n_head": "16", "model.n_embd": "1024", "model.block_size": "1024",
          "model.vocab_size": "50304"}
 """GPT-2 medium (Radford et al. 2019, Table 2: 24 layers, 1024 wide; 345 M there with vocabulary 50257)."""
+JOBS = {"gpt2-medium": {"model": MODEL, "block": 1024, "vocab": 50304, "batch": 16, "steps": 30, "name": "cuda",
+                        "title": "meshtrain on one GPU (355M GPT)", "what": "24 x 1024, 16 heads, 1024 tokens, vocabulary 50304"},
+        "main-job": {"model": {}, "block": 64, "vocab": 65, "batch": 24, "steps": 200, "name": "cuda_main",
+                     "title": "meshtrain on one GPU (the main job's GPT)", "what": "the main job's: 4 x 128, 4 heads, 64 tokens, vocabulary 65"}}
+"""``--job``: the 355M GPT, or the main job's own model at its own global batch."""
+JOB = JOBS["gpt2-medium"]
 COLUMNS = ["contender", "device", "tokens/s (median)", "per round", "vs plain fp32 loop", "ms/step", "MFU",
            "peak GPU memory (GiB)", "val loss @ steps", "wall s"]
 
 
 def contenders(steps: int, batch: int) -> list[dict]:
     py = sys.executable
-    sets = [a for k, v in MODEL.items() for a in ("--set", f"{k}={v}")]
+    sets = [a for k, v in JOB["model"].items() for a in ("--set", f"{k}={v}")]
     hand = [py, str(CONTENDERS), "plain", "{out}", "--device", "cuda", "--steps", str(steps), "--batch", str(batch),
             *sets]
     mesh = [*meshtrain_command(), "train", str(CONFIG), "--nproc", "1", "--steps", str(steps), "--out", "{out}",
             "--batch.micro_batch_size", str(batch), "--train.log_interval", "1", "--train.eval_interval", "0",
             "--train.eval_steps", "1", "--checkpoint.interval", "0", "--checkpoint.keep", "1",
-            *[a for k, v in MODEL.items() for a in (f"--{k}", v)]]
+            *[a for k, v in JOB["model"].items() for a in (f"--{k}", v)]]
     return [{"name": "plain PyTorch loop, fp32", "dtype": "float32", "kind": "hand", "argv": [*hand, "--dtype", "float32"]},
             {"name": "plain PyTorch loop, bf16 autocast + fused AdamW", "dtype": "bfloat16", "kind": "hand",
              "argv": [*hand, "--dtype", "bfloat16", "--fused"]},
@@ -116,10 +123,10 @@ def meshtrain_result(out: Path) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     model = load_checkpoint_model(out)[0].cuda()
-    cfg = load_config(CONFIG, MODEL)
+    cfg = load_config(CONFIG, JOB["model"])
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     return {"step_times_s": [r["step_time_s"] for r in records if "step_time_s" in r],
-            "peak_cuda_bytes": summary["peak_memory_bytes"], "val_loss": val_loss(model, corpus, 1024, chunk=8)}
+            "peak_cuda_bytes": summary["peak_memory_bytes"], "val_loss": val_loss(model, corpus, JOB["block"], chunk=8)}
 
 
 def step_flops(batch: int) -> tuple[float, int]:
@@ -129,33 +136,36 @@ def step_flops(batch: int) -> tuple[float, int]:
     from meshtrain.planner.cost import model_flops
     from meshtrain.planner.models import from_config
 
-    cfg = load_config(CONFIG, MODEL)
+    cfg = load_config(CONFIG, JOB["model"])
     import torch
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in build_model(cfg.model, 50304).parameters())
-    return model_flops(from_config(cfg, 50304), batch), params
+        params = sum(p.numel() for p in build_model(cfg.model, JOB["vocab"]).parameters())
+    return model_flops(from_config(cfg, JOB["vocab"]), batch), params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--job", choices=list(JOBS), default="gpt2-medium")
+    parser.add_argument("--steps", type=int, default=None, help="default 30 (main-job: 200)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16, help="global batch, sequences of 1024 tokens")
+    parser.add_argument("--batch", type=int, default=None, help="global batch, sequences (default 16; main-job: 24)")
     parser.add_argument("--only", default="", help="run only contenders whose name contains this")
     args = parser.parse_args()
+    JOB.update(JOBS[args.job])
+    args.steps, args.batch = args.steps or JOB["steps"], args.batch or JOB["batch"]
     import torch
 
     if not torch.cuda.is_available():
-        kept = RESULTS_DIR / "cuda.json"
+        kept = RESULTS_DIR / f"{JOB['name']}.json"
         if kept.exists() and json.loads(kept.read_text()).get("device"):  # a GPU's numbers are not overwritten
             print(f"no CUDA device here: kept {kept.relative_to(REPO)} ({json.loads(kept.read_text())['device']})")
-            update_benchmarks_doc("cuda")
+            update_benchmarks_doc(JOB["name"])
             return
         rows = [["CUDA row: not run", "no GPU on this machine"] + ["-"] * (len(COLUMNS) - 2)]
-        write_results("cuda", "meshtrain on one GPU (355M GPT)", COLUMNS, rows,
+        write_results(JOB["name"], JOB["title"], COLUMNS, rows,
                       ["No CUDA device here: run `python bench/bench_cuda.py` on a machine with one."], {})
-        update_benchmarks_doc("cuda")
+        update_benchmarks_doc(JOB["name"])
         return
     device = torch.cuda.get_device_name()
     peaks = {d: matmul_peak(d) for d in ("bfloat16", "float32")}
@@ -171,7 +181,7 @@ def main() -> None:
 
 def report(field: list[dict], args, device: str, peaks: dict, flops: float, params: int, rounds: int) -> None:
     """Write the table of the ``rounds`` rounds run so far."""
-    tokens = args.batch * 1024
+    tokens = args.batch * JOB["block"]
     stats = {}
     for c in field:
         if any("failed" in run for run in c["rounds"]):
@@ -196,17 +206,17 @@ def report(field: list[dict], args, device: str, peaks: dict, flops: float, para
                      " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
                      f"{flops / s['step_s'] / peaks[c['dtype']]:.1%} of {c['dtype']}", f"{s['peak_gib']:.1f}",
                      f"{s['val_loss']:.4f} @ {args.steps}", f"{s['wall_s']:.0f}"])
-    notes = [f"GPT {params / 1e6:.0f} M parameters (24 x 1024, 16 heads, 1024 tokens, vocabulary 50304), global "
-             f"batch {args.batch} x 1024 tokens, {args.steps} steps, {rounds} interleaved rounds; medians over "
+    notes = [f"GPT {params / 1e6:.1f} M parameters ({JOB['what']}), global "
+             f"batch {args.batch} x {JOB['block']} tokens, {args.steps} steps, {rounds} interleaved rounds; medians over "
              f"steps {SKIP_STEPS + 1}..{args.steps} of a run, then over rounds.",
              "Dense matmul peak of this GPU measured in this run (8192^3): "
              + ", ".join(f"{d} {v / 1e12:.0f} TFLOP/s" for d, v in peaks.items())
-             + f"; model FLOPs per step {flops / 1e12:.1f} TFLOP (Korthikanti et al. 2022, Eq. 7).",
-             "Wall time includes process start, model build and (meshtrain) the final checkpoint of 4 GiB."]
-    write_results("cuda", "meshtrain on one GPU (355M GPT)", COLUMNS, rows, notes,
+             + f"; model FLOPs per step {flops / 1e9:,.1f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
+             "Wall time includes process start, compilation, model build and (meshtrain) the final checkpoint."]
+    write_results(JOB["name"], JOB["title"], COLUMNS, rows, notes,
                   {"device": device, "peaks_flops": peaks, "step_flops": flops, "params": params, "stats": stats,
                    "rounds": {c["name"]: c["rounds"] for c in field}})
-    update_benchmarks_doc("cuda")
+    update_benchmarks_doc(JOB["name"])
     print("\n".join(["| " + " | ".join(map(str, r)) + " |" for r in rows]))
 
 
