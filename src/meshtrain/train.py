@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain import checkpoint as ckpt
@@ -54,6 +53,7 @@ from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, compute_dtype, device
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
+from meshtrain.optim import adamw_kernels
 from meshtrain.parallel import local_batch, parallelize, parallelize_pipeline
 from meshtrain.parallel.data import gradient_sync
 from meshtrain.parallel.local_sgd import LocalSGD
@@ -94,17 +94,6 @@ def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
     (:func:`meshtrain.batch.scaled_lr`); the warmup and the cosine shape are unchanged."""
     factor = scaled_lr(1.0, global_batch_size, cfg.reference_batch_size, cfg.lr_scaling)
     return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
-
-
-def adamw_kernels(params: list[nn.Parameter], optim: OptimConfig) -> dict[str, bool]:
-    """AdamW's implementation for ``params``: with ``optim.fused``, the fused kernel for plain tensors and
-    foreach kernels (one per operation over all tensors) for DTensors, whose resumed optimizer states the
-    fused kernel rejects; otherwise, or for a mix of both (tp keeps some parameters plain; neither kind
-    of kernel takes a mix), torch's default (a per-tensor loop on CPU)."""
-    kinds = {isinstance(p, DTensor) for p in params}
-    if not optim.fused or len(kinds) != 1:
-        return {}
-    return {"foreach": True} if kinds == {True} else {"fused": True}
 
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,

@@ -199,11 +199,11 @@ def measure_host(min_time: float = 0.05, sync=None) -> dict:
 
 def _update_time(params: list, min_time: float) -> float:
     """Seconds of one gradient-norm clip + AdamW step over ``params`` (their gradients already set), with
-    the kernels the trainer picks for them (``train.build_optimizer``: fused for plain tensors)."""
+    the kernels the trainer picks for them (:func:`meshtrain.optim.adamw_kernels`)."""
     import torch
 
     from meshtrain.config import OptimConfig
-    from meshtrain.train import adamw_kernels
+    from meshtrain.optim import adamw_kernels
 
     optimizer = torch.optim.AdamW(params, **adamw_kernels(params, OptimConfig()))
 
