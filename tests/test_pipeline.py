@@ -52,6 +52,7 @@ def test_pipeline_layout_matches_single_process(reference, launched, name):
     check_layout(launched(LAYOUTS[name][0])[name], reference, MODEL)
 
 
+@pytest.mark.slow  # 8 gloo ranks on 2 cores, ~40 s: in `make test-slow` to keep `make test` under 15 min
 def test_pp2_dp2_tp2_matches_single_process(reference, launched):
     """Eight gloo ranks on this 2-core machine (~30 s). Four pipelines (dp x tp): it caught each
     pipeline's first rank writing the trace through the same temporary file."""

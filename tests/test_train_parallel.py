@@ -64,6 +64,7 @@ def test_layout_matches_single_process(reference, launched, name):
     _check(launched(LAYOUTS[name][0])[name], reference)
 
 
+@pytest.mark.slow  # 8 gloo ranks on 2 cores, ~35 s: in `make test-slow` to keep `make test` under 15 min
 @pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w == 8])
 def test_eight_rank_layout_matches_single_process(reference, launched, name):
     """Eight gloo ranks on this 2-core machine (the contract holds up to world_size 8; ~25 s)."""
