@@ -77,3 +77,21 @@ def test_compiled_blocks_train_as_the_eager_ones(tmp_path):
     # in another order; the matmuls stay oneDNN's. Per-op differences are a few ulps, as for a layout's
     # reordered sums, so DESIGN.md's 1e-5 applies (conftest.assert_close_losses).
     assert_close_losses(compiled, eager)
+
+
+def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
+    """One server and one worker: each gradient is computed on the parameters the previous one updated
+    (the worker waits for the server's answer), so the run is the synchronous dp = 1 run, in its dtype."""
+    from conftest import override_args, read_records, run_cli
+
+    bf16 = {"train.dtype": "bfloat16", "train.steps": "3"}
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "async"),
+                   *override_args({**TINY, **bf16, "parallel.sync_mode": "async", "parallel.max_staleness": "1000"}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((tmp_path / "async" / "summary.json").read_text())["dtype"] == "bfloat16"
+    sync_bf16 = losses(train_here(tmp_path / "sync_bf16", **bf16))
+    sync_fp32 = losses(train_here(tmp_path / "sync_fp32", **{**bf16, "train.dtype": "float32"}))
+    assert sync_bf16[1] != sync_fp32[1]  # bf16 logits round at 2**-9: the test can tell the dtypes apart
+    # The same operations on the same batches; only the servers' AdamW step runs over the parameters as
+    # one shard instead of the model's parameter list (the same fused kernel): DESIGN.md's 1e-5 applies.
+    assert_close_losses(losses(read_records(tmp_path / "async")), sync_bf16)

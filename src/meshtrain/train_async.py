@@ -8,9 +8,11 @@ same model, data, optimizer, metrics and checkpoints as :class:`meshtrain.train.
   gradient_accumulation_steps`` samples per gradient, and clips its own gradient's norm.
 - ``train.steps`` counts gradients received by the servers; the learning rate of the update made by
   gradient ``k`` is the synchronous schedule's at step ``k`` (scaled, with ``optim.lr_scaling``, to one
-  worker's batch). Server 0 logs every ``log_interval`` gradients (mean worker loss, mean staleness,
-  gradients dropped so far), evaluates and checkpoints on the synchronous schedule; with several
-  servers they first exchange their shards.
+  worker's batch). Workers compute under bf16 autocast where ``train.dtype`` resolves to bfloat16
+  (:func:`meshtrain.mesh.compute_dtype`), as the synchronous trainer does.
+- Server 0 logs every ``log_interval`` gradients (mean worker loss, mean staleness, gradients
+  dropped so far), evaluates and checkpoints on the synchronous schedule; with several servers they
+  first exchange their shards.
 - A checkpoint holds the parameters, every server's AdamW state, the count and each worker's position
   in the data stream, so ``--resume`` continues the run (asynchrony makes the order of updates, and so
   the exact numbers, differ from run to run).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
-from meshtrain.mesh import collective_timeout, init_distributed
+from meshtrain.mesh import collective_timeout, compute_dtype, init_distributed
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
 
@@ -57,6 +60,10 @@ class AsyncRun:
         self.vocab_size = cfg.model.vocab_size or self.corpus.tokenizer.vocab_size
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, self.vocab_size)
+        self.dtype = compute_dtype(t.dtype, "cpu")
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.dtype == "bfloat16" else nullcontext()
+        """The workers' forward (and server 0's evaluation) under bf16 autocast where ``train.dtype`` asks for
+        it, as in the synchronous trainer; parameters, gradients and the servers' AdamW stay fp32."""
         params = list(self.model.parameters())
         owners = shard_parameters([q.numel() for q in params], len(self.servers))
         self.shards = {s: [params[i] for i in owners[s]] for s in self.servers}
@@ -96,7 +103,9 @@ class AsyncRun:
         micro_batches = self.sampler.next_step()
         total = 0.0
         for x, y in micro_batches:
-            loss = cross_entropy(self.model(x), y)
+            with self.autocast:
+                logits = self.model(x)  # (mbs, T, V)
+            loss = cross_entropy(logits, y)
             (loss / len(micro_batches)).backward()
             total += float(loss.detach())
         clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -152,7 +161,8 @@ class AsyncRun:
         batches = [xy for w in range(W) for xy in eval_batches(self.corpus.val, self.cfg.model.block_size,
                                                                  b.micro_batch_size, t.eval_steps, W, w, t.seed)]
         self.model.eval()
-        loss = statistics.fmean(float(cross_entropy(self.model(x), y)) for x, y in batches)
+        with self.autocast:
+            loss = statistics.fmean(float(cross_entropy(self.model(x), y)) for x, y in batches)
         self.model.train()
         return loss
 
@@ -201,6 +211,7 @@ class AsyncRun:
         summary = {"val_loss": self.val_loss, "step_time_s": step_time, "world_size": dist.get_world_size(),
                    "peak_memory_bytes": max(r["peak_memory_bytes"] for r in everyone),
                    "dp": len(self.workers), "tp": 1, "sp": 1, "vocab_size": self.vocab_size, "device": "cpu",
+                   "dtype": self.dtype, "compiled": False,
                    "async": {"servers": len(self.servers), "workers": len(self.workers),
                              "applied": server0["applied"], "dropped": server0["dropped"],
                              "staleness_mean": statistics.fmean(server0["staleness"]) if server0["staleness"] else 0.0,
