@@ -38,6 +38,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("key-typo", [*TRAIN, "--model.n_layers", "4"], "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
     ("section-typo", [*TRAIN, "--modle.n_layer", "4"], "unknown config section 'modle': did you mean 'model'?"),
     ("zero-stage-1", [*TRAIN, "--parallel.zero_stage", "1"], "parallel.zero_stage = 1 is not supported: use one of 0, 2, 3"),
+    ("fsdp-unit-negative", [*TRAIN, "--parallel.fsdp_unit_mb", "-1"], "parallel.fsdp_unit_mb = -1.0 must be >= 0 (0 = one FSDP2 unit per block)"),
     ("tp-not-dividing-heads", ["train", C, "--nproc", "3", "--parallel.tp", "3"], "model.n_head = 4 is not divisible by parallel.tp = 3"),
     ("pp-without-microbatches", ["train", C, "--nproc", "2", "--parallel.pp", "2"], "batch.gradient_accumulation_steps = 1 is below pp = 2"),
     ("unknown-schedule", [*TRAIN, "--parallel.pp_schedule", "pipedream"], "parallel.pp_schedule = 'pipedream' is not valid"),

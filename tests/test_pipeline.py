@@ -27,7 +27,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
        for pp in (2, 4) for s, v in SCHEDULES.items()},
     "pp2-dp2-ddp": (4, {"parallel.pp": "2", "batch.micro_batch_size": "1"}),
     "pp2-dp2-fsdp2": (4, {"parallel.pp": "2", "parallel.zero_stage": "3", "batch.micro_batch_size": "1",
-                          "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2"}),
+                          "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2",
+                          "parallel.fsdp_unit_mb": "0"}),  # a unit per block: gathered again per micro-batch
     "pp2-tp2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
     "pp2-tp2-seqpar": (4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
     "pp2-sp2-ulysses": (4, {"parallel.pp": "2", "parallel.sp": "2"}),

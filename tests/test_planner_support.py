@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import CONFIG
 from meshtrain.cli import main
 from meshtrain.config import Config, ConfigError, validate
 from meshtrain.planner.estimate import Job
@@ -97,3 +98,40 @@ def test_fix_and_explain_name_what_the_trainer_lacks(capsys):
     assert "recompute = 'full' is not available in meshtrain" in out and "zero_stage = 1 is not available" in out
     assert main(["plan", *job, "--fix", "recompute=full"]) == 2
     assert "--fix asks for what meshtrain cannot run: recompute = 'full'" in capsys.readouterr().err
+
+
+def test_fsdp_units_group_consecutive_blocks_up_to_the_unit_size():
+    from meshtrain.support import fsdp_units
+
+    assert fsdp_units([10.0] * 4, 0.0) == ([[0], [1], [2], [3]], [])  # one unit per block (torchtitan)
+    assert fsdp_units([10.0] * 5, 20.0) == ([[0, 1], [2, 3]], [4])  # the rest stays in the root
+    assert fsdp_units([10.0] * 3, 100.0) == ([], [0, 1, 2])  # a small model: the root unit only
+    assert fsdp_units([30.0, 5.0, 5.0, 20.0], 25.0) == ([[0], [1, 2, 3]], [])
+
+
+def test_the_planner_counts_the_trainers_fsdp_units():
+    """Memory: ZeRO-3 holds two units and the root (with its gradients) unsharded; a model under the unit
+    size is all root, as unsharded as ZeRO-2's weights. Time: fewer units, fewer collectives to pay for."""
+    from dataclasses import replace
+
+    from meshtrain.config import load_config
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import meshtrain_framework
+    from meshtrain.planner.memory import PRECISIONS, fsdp_unit_shape, memory_breakdown, stage_params
+    from meshtrain.planner.models import from_config
+
+    cfg = load_config(CONFIG)
+    model, prec = from_config(cfg, 65), PRECISIONS["fp32"]
+    hw = get_hardware("H100-SXM-80GB")
+    hw = replace(hw, device=replace(hw.device, fsdp_unit_overhead_s=1e-4))  # a host cost per collective, as on a CPU
+    layout = Layout(dp=2, zero_stage=3, micro_batch_size=12)
+    whole, per_block = meshtrain_framework(cfg), replace(FRAMEWORKS["meshtrain"], fsdp_unit_bytes=0.0)
+    assert whole.fsdp_unit_bytes == cfg.parallel.fsdp_unit_mb * 2**20
+    assert fsdp_unit_shape(model, layout, whole) == (0, 0) and fsdp_unit_shape(model, layout, per_block) == (4, 1)
+    p, block, wg = stage_params(model, layout), model.layer_params(), prec.weight_bytes + prec.grad_bytes
+    assert memory_breakdown(model, layout, hw, prec, whole).buffers == pytest.approx(p * wg)
+    assert memory_breakdown(model, layout, hw, prec, per_block).buffers == pytest.approx((p - 2 * block) * wg)
+    # 2 collectives (root gather, reduce-scatter) against 5 + 3 + 5, each paying the host time (never hidden)
+    saved = step_time(model, layout, hw, prec, per_block).dp_comm - step_time(model, layout, hw, prec, whole).dp_comm
+    assert saved >= (13 - 2) * 1e-4 * (1 - 1e-9)

@@ -95,3 +95,34 @@ def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
     # The same operations on the same batches; only the servers' AdamW step runs over the parameters as
     # one shard instead of the model's parameter list (the same fused kernel): DESIGN.md's 1e-5 applies.
     assert_close_losses(losses(read_records(tmp_path / "async")), sync_bf16)
+
+
+def test_fsdp2_wraps_the_units_that_fsdp_units_names():
+    """The trainer's FSDP2 units are :func:`meshtrain.support.fsdp_units`' (which the planner reads): one
+    parameter group per unit, every unit but the last resharded after forward at zero_stage 3."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.config import load_config
+    from meshtrain.models import build_model
+    from meshtrain.parallel.data import apply_dp, local_bytes
+    from meshtrain.support import fsdp_units
+
+    cfg = load_config(CONFIG, {**TINY, "model.n_layer": "5"})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for unit_mb in (0.0, 0.06, 25.0):  # a unit per block; two blocks of 49.7 kB each; all in the root
+            model = build_model(cfg.model, 65)
+            blocks = list(model.blocks.values())
+            units, rest = fsdp_units([local_bytes(b) for b in blocks], unit_mb * 2**20)
+            apply_dp(model, mesh, 3, unit_mb)
+            for i, unit in enumerate(units):
+                groups = [blocks[j]._get_fsdp_state()._fsdp_param_group for j in unit]
+                assert all(g is groups[0] for g in groups)  # one all-gather, one reduce-scatter per unit
+                assert (groups[0].post_forward_mesh_info is None) == (i == len(units) - 1)
+            assert not any(hasattr(blocks[j], "_get_fsdp_state") for j in rest)  # the root's parameters
+            assert model._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None  # kept for backward
+        assert (len(units), rest) == (0, [0, 1, 2, 3, 4])
+    finally:
+        dist.destroy_process_group()

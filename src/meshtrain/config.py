@@ -5,7 +5,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
 
     [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps
     [data]       path, val_fraction
-    [parallel]   dp, tp, pp, sp, zero_stage, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
+    [parallel]   dp, tp, pp, sp, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
@@ -88,6 +88,10 @@ class ParallelConfig:
     """Sequence-parallel degree (the seeds' ``sp_size``): each sample's sequence split across sp ranks."""
     zero_stage: int = 0
     """0 = DDP (replicated); 2 = FSDP2 without resharding after forward; 3 = FSDP2 ``fully_shard``."""
+    fsdp_unit_mb: float = 25.0
+    """zero_stage 2/3: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter) until it
+    holds this many MiB of fp32 parameters, like DDP's 25 MiB buckets; 0 = one unit per block
+    (:func:`meshtrain.support.fsdp_units`)."""
     sp_mode: str = "ulysses"
     """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
     pp_schedule: str = "1f1b"
@@ -404,6 +408,7 @@ def _validate_support(cfg: Config) -> None:
     p = cfg.parallel
     zeros = ", ".join(map(str, S.zero_stages))
     _require(p.zero_stage in S.zero_stages, f"parallel.zero_stage = {p.zero_stage} is not supported: use one of {zeros}")
+    _require(p.fsdp_unit_mb >= 0, f"parallel.fsdp_unit_mb = {p.fsdp_unit_mb} must be >= 0 (0 = one FSDP2 unit per block)")
     _require(S.tp or p.tp == 1, f"parallel.tp = {p.tp} is not supported yet: use 1")
     _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")
     _require(p.sp_mode in S.sp_modes + ("ulysses",),

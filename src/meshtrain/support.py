@@ -7,6 +7,7 @@ never ranks a layout that ``meshtrain train`` would reject. When a feature lands
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -34,3 +35,30 @@ class Support:
 
 SUPPORTED = Support(zero_stages=(0, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
                     pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none",), attention_dropout_sp_modes=("ulysses",))
+
+
+def fsdp_units(block_bytes: Sequence[float], unit_bytes: float) -> tuple[list[list[int]], list[int]]:
+    """How FSDP2 (``zero_stage`` 2 and 3) groups a model's transformer blocks into units, each unit one
+    all-gather and one reduce-scatter (``fully_shard`` of a list of modules).
+
+    Consecutive blocks join a unit until it holds at least ``unit_bytes`` (bytes of the blocks' fp32
+    parameters on this rank, before dp sharding); ``unit_bytes = 0`` gives every block its own unit, as
+    torchtitan and FSDP's transformer auto-wrap policy do. Blocks after the last full unit stay in the
+    root unit (embedding, final norm, head), which ``fully_shard`` gathers for the whole step. The
+    trainer (:func:`meshtrain.parallel.data.apply_dp`) and the planner's cost and memory models read the
+    same grouping. Like DDP's gradient buckets (``bucket_cap_mb = 25``, Li et al. 2020, Sec. 3.2.3),
+    fewer larger collectives pay the per-collective latency and host cost fewer times.
+
+    Returns:
+        ``(units, rest)``: lists of block indices, one per unit in order, and the indices left to the root.
+    """
+    units: list[list[int]] = []
+    current: list[int] = []
+    held = 0.0
+    for i, nbytes in enumerate(block_bytes):
+        current.append(i)
+        held += nbytes
+        if held >= unit_bytes:
+            units.append(current)
+            current, held = [], 0.0
+    return units, current

@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn
         raise ValueError(f"pp = {dims.pp}: use parallelize_pipeline")
     model = _shard(model, dims, cfg)
     _attach_tp_rng(model, dims, cfg)
-    model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage)
+    model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb)
     _maybe_hierarchical(dims, cfg, [model])
     return model
 
@@ -62,7 +62,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
                                       cfg.pp_schedule, tokens_per_step)
     parts = [_shard(part, dims, cfg) for part in parts]
     _attach_tp_rng(model, dims, cfg)
-    parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage) for part in parts]
+    parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb) for part in parts]
     _maybe_hierarchical(dims, cfg, parts)
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,

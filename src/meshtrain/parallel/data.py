@@ -6,12 +6,17 @@ sample; a gradient is averaged over both, DESIGN.md "Composition").
   buckets, overlapped with backward (Li et al. 2020, "PyTorch Distributed", VLDB, Sec. 3.2). DDP does
   not take the ``DTensor`` parameters of tensor parallelism, so with tp > 1 zero_stage 0 uses PyTorch's
   FSDP2-based ``replicate`` instead (the same all-reduce of gradients, per parameter group).
-- zero_stage 3: every transformer block and then the root are ``fully_shard``-ed: parameters,
-  gradients and AdamW states are sharded 1/dp; parameters are all-gathered before each block's
-  forward and backward, gradients reduce-scattered (Rajbhandari et al. 2020, ZeRO, Sec. 5, stage P_os+g+p).
-- zero_stage 2: the same wrapping with ``reshard_after_forward=False``: parameters gathered in forward
-  stay unsharded through backward (one all-gather per step instead of two), so in-step memory is
-  that of ZeRO-2 (sharded gradients and optimizer states, full parameters), as torchtitan maps it.
+- zero_stage 3: units of consecutive transformer blocks (:func:`meshtrain.support.fsdp_units`: at
+  least ``parallel.fsdp_unit_mb`` of parameters each, one block per unit at 0) and then the root are
+  ``fully_shard``-ed: parameters, gradients and AdamW states are sharded 1/dp; each unit's parameters
+  are all-gathered before its forward and again before its backward, gradients reduce-scattered
+  (Rajbhandari et al. 2020, ZeRO, Sec. 5, stage P_os+g+p). As in torchtitan, the last unit and the
+  root keep their parameters after forward: backward starts with them, so gathering them again would
+  only cost time.
+- zero_stage 2: the same wrapping with ``reshard_after_forward=False`` everywhere: parameters gathered
+  in forward stay unsharded through backward (one all-gather per step instead of two), so in-step
+  memory is that of ZeRO-2 (sharded gradients and optimizer states, full parameters), as torchtitan
+  maps it.
 
 Gradient accumulation: :func:`gradient_sync` turns the gradient collective off on all but the last
 micro-step, so a step costs one all-reduce (or one reduce-scatter) whatever the accumulation.
@@ -30,13 +35,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshtrain.support import fsdp_units
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> nn.Module:
+
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: float = 0.0) -> nn.Module:
     """Wrap ``model`` for data parallelism over the 1-D ``dp_mesh``; return the module to train.
 
-    ``model`` must expose ``blocks`` (an ``nn.ModuleDict``) for per-block sharding with FSDP2. Its
-    parameters may already be ``DTensor`` shards of a tp mesh of the same root mesh (2-D: FSDP2
-    shards them further along dp). With one rank and zero_stage 0 the model is returned as is.
+    ``model`` must expose ``blocks`` (an ``nn.ModuleDict``) for sharding with FSDP2, in units of at
+    least ``unit_mb`` MiB of this rank's fp32 parameters (``parallel.fsdp_unit_mb``; 0 = one unit per
+    block). Its parameters may already be ``DTensor`` shards of a tp mesh of the same root mesh (2-D:
+    FSDP2 shards them further along dp). With one rank and zero_stage 0 the model is returned as is.
 
     Raises:
         ValueError: ``zero_stage`` not in (0, 2, 3).
@@ -51,11 +59,20 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> nn.Modul
         return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage = {zero_stage} is not supported: use 0, 2 or 3")
-    reshard = zero_stage == 3
-    for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    blocks = list(model.blocks.values())
+    units, _ = fsdp_units([local_bytes(block) for block in blocks], unit_mb * 2**20)  # the rest stays in the root
+    for i, unit in enumerate(units):
+        modules = [blocks[j] for j in unit]
+        last = i == len(units) - 1
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
+                    reshard_after_forward=zero_stage == 3 and not last)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     return model
+
+
+def local_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters on this rank (a ``DTensor``'s local shard), as fp32."""
+    return sum(4 * (p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -24,7 +24,7 @@ from meshtrain.config import Config, ConfigError, resolve_world
 from meshtrain.fileio import write_json_atomic
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
-from meshtrain.planner.layout import FRAMEWORKS, Layout
+from meshtrain.planner.layout import Layout, meshtrain_framework
 from meshtrain.planner.memory import PRECISIONS, memory_breakdown
 from meshtrain.planner.models import from_config
 
@@ -103,7 +103,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     from meshtrain.mesh import compute_dtype
 
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
-    framework = FRAMEWORKS["meshtrain"]
+    framework = meshtrain_framework(cfg)
     memory = memory_breakdown(model, layout, hw, precision, framework)
     time = step_time(model, layout, hw, precision, framework)
     peak = memory.total + (_corpus_bytes(cfg, profile) if device == "cpu" else 0.0)

@@ -294,7 +294,8 @@ def _tiny_training_step() -> None:
 
 
 def _block_stack(units: int, width: int):
-    """``units`` blocks shaped like a transformer block's parameters (two norms, four matrices)."""
+    """``units`` blocks shaped like a transformer block's parameters (two norms, four matrices), run one
+    after another; held in ``blocks`` as the trainer's models hold theirs (for FSDP2's units)."""
     import torch
     from torch import nn
 
@@ -303,8 +304,18 @@ def _block_stack(units: int, width: int):
                              nn.Linear(3 * width, width, bias=False), nn.LayerNorm(width, bias=False),
                              nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False))
 
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleDict({str(i): block() for i in range(units)})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks.values():
+                x = b(x)
+            return x
+
     torch.manual_seed(0)
-    return nn.Sequential(*(block() for _ in range(units)))
+    return Stack()
 
 
 def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
@@ -313,15 +324,18 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
     once plain and then wrapped, minus the modeled ring time of the wrapper's collectives:
 
     - DDP -> ``ddp_bucket_overhead_s`` per gradient bucket (DDP's buckets: 1 MiB first, then 25 MiB);
-    - FSDP2 on every block and the root (3 collectives per unit: gather, gather, reduce-scatter) ->
-      ``fsdp_unit_overhead_s`` per unit collective; and the clip + AdamW step over the sharded
-      parameters -> ``sharded_tensor_update_host_s`` per parameter tensor.
+    - FSDP2 as the trainer wraps it at zero_stage 3 with one block per unit
+      (:func:`meshtrain.parallel.data.apply_dp`, ``fsdp_unit_mb = 0``): a gather before each block's
+      forward and, but for the last block's, before its backward, and a reduce-scatter, ``3 * units - 1``
+      collectives -> ``fsdp_unit_overhead_s`` per unit collective; and the clip + AdamW step over the
+      sharded parameters -> ``sharded_tensor_update_host_s`` per parameter tensor.
     """
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from meshtrain.parallel.data import apply_dp
     from meshtrain.planner.cost import ring_time
     from meshtrain.planner.layout import FRAMEWORKS
 
@@ -338,17 +352,15 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
     wire = buckets * ring_time("all-reduce", world, grads / buckets, *comm["all-reduce"])
     ddp_extra = step_time(DDP(_block_stack(units, width))) - base - wire
 
-    sharded = _block_stack(units, width)
-    for block in sharded:
-        fully_shard(block)
-    fully_shard(sharded)
+    sharded = apply_dp(_block_stack(units, width), init_device_mesh("cpu", (world,)), zero_stage=3, unit_mb=0.0)
     unit_bytes = 4 * (14 * width * width + 2 * width)
-    wire = units * (2 * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
-                    + ring_time("reduce-scatter", world, unit_bytes, *comm["reduce-scatter"]))
+    gathers = 2 * units - 1
+    wire = (gathers * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
+            + units * ring_time("reduce-scatter", world, unit_bytes, *comm["reduce-scatter"]))
     fsdp_extra = step_time(sharded) - base - wire
     params = list(sharded.parameters())
     return {"ddp_bucket_overhead_s": max(0.0, ddp_extra / buckets),
-            "fsdp_unit_overhead_s": max(0.0, fsdp_extra / (3 * (units + 1))),
+            "fsdp_unit_overhead_s": max(0.0, fsdp_extra / (gathers + units)),
             "sharded_tensor_update_host_s": _update_time(params, 0.0) / len(params)}
 
 

@@ -173,7 +173,7 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.report import Context
     from meshtrain.planner.estimate import Job
     from meshtrain.planner.hardware import get_hardware
-    from meshtrain.planner.layout import FRAMEWORKS
+    from meshtrain.planner.layout import FRAMEWORKS, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.models import from_config, load_model
 
@@ -190,6 +190,8 @@ def build_context(args: argparse.Namespace):
     else:
         raise ConfigError("give --model (a preset or a TOML file) or a training config")
     framework = FRAMEWORKS[args.framework or "meshtrain"]
+    if cfg is not None and framework.name == "meshtrain":
+        framework = meshtrain_framework(cfg)  # the config's own FSDP2 unit size
     gpu = args.gpu or ("cpu" if cfg is not None else None)
     if gpu is None:
         raise ConfigError("give --gpu, e.g. --gpu H100-SXM-80GB (or cpu)")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from meshtrain.planner.hardware import Hardware
 from meshtrain.schedules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import Precision, stage_layers, stage_params
+from meshtrain.planner.memory import Precision, fsdp_unit_shape, stage_layers, stage_params
 from meshtrain.planner.models import ModelSpec
 
 
@@ -334,8 +334,10 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     Stage 0 all-reduces gradients in the framework's buckets; 1 reduce-scatters gradients and all-gathers
     weights after the step; 2 (FSDP2, no reshard after forward) all-gathers weights once per
     micro-step and reduce-scatters once per step; 3 all-gathers before forward and before backward of
-    every micro-step (Rajbhandari et al. 2020, Sec. 7: 1.5x the traffic of stage 0); FSDP issues one
-    collective per block and one for the root, each paying the link latency. Gradient reduction hides
+    every micro-step (Rajbhandari et al. 2020, Sec. 7: 1.5x the traffic of stage 0), except the last
+    unit and the root, which keep their weights for backward; FSDP issues one collective per unit of
+    blocks (:func:`meshtrain.planner.memory.fsdp_unit_shape`) and one for the root, each paying the
+    link latency. Gradient reduction hides
     behind the last micro-batch's backward, weight gathers behind forward/backward compute, when the
     framework overlaps and the device can; across nodes these rings use the NICs of all the group's ranks
     on a node (:meth:`Network.link`); FSDP's host time per unit collective
@@ -360,7 +362,10 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
     m, z = layout.gradient_accumulation_steps, layout.zero_stage
     overlap = fw.dp_comm_overlap and hw.device.comm_overlap
-    units = stage_layers(model, layout) + 1  # FSDP wraps every block and the root: one collective each
+    units, per_unit = fsdp_unit_shape(model, layout, fw)
+    back = max(units - 1, 0)  # stage 3 gathers again before backward: every unit but the last
+    back_weights = back * per_unit * weights * model.layer_params() / layout.tp / p
+    units += 1  # and the root: one collective each
 
     def exposed(comm: float, window: float) -> float:
         return max(0.0, comm - window) if overlap else comm
@@ -386,7 +391,9 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     gather = collective("all-gather", weights, count)
     if z == 1:
         return scalars + reduce + exposed(gather, mb.forward)
-    per_micro = exposed(gather, mb.forward) + host + ((exposed(gather, mb.backward) + host) if z == 3 else 0.0)
+    per_micro = exposed(gather, mb.forward) + host
+    if z == 3 and back:
+        per_micro += exposed(collective("all-gather", back_weights, back), mb.backward) + hw.device.fsdp_unit_overhead_s * back
     return scalars + reduce + m * per_micro
 
 

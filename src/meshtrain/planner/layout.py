@@ -9,10 +9,10 @@ group of axis X holds ranks ``stride(X)`` apart, and spans nodes when its extent
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.config import Config, ConfigError, ParallelConfig
 from meshtrain.planner.models import ModelSpec
 from meshtrain.schedules import RULES, schedule_error
 from meshtrain.support import SUPPORTED
@@ -117,6 +117,10 @@ class Framework:
       ``bucket_cap_mb=25``; Megatron-Core buckets of 40M parameters; Megatron-LM 2021 one contiguous buffer).
     - ``grad_first_bucket_bytes``: a smaller first bucket, so that the first all-reduce starts early
       (PyTorch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB); 0 = all buckets of ``grad_bucket_bytes``.
+    - ``fsdp_unit_bytes``: ZeRO-3/FSDP groups consecutive blocks into one unit (one all-gather, one
+      reduce-scatter) until it holds this many bytes of fp32 parameters (:func:`meshtrain.support.fsdp_units`,
+      the trainer's ``parallel.fsdp_unit_mb``, 25 MiB by default); 0 = one unit per block (torchtitan,
+      FSDP's transformer auto-wrap policy).
     - ``grad_sync_every_microstep``: gradients are reduced after every micro-batch (FSDP in Composer) instead
       of only the last (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
     - ``cross_entropy_bytes``: HBM bytes per logit of the loss, forward + backward, after the logits GEMM.
@@ -143,6 +147,7 @@ class Framework:
     torch_buffers: bool = False
     grad_bucket_bytes: float = 25 * 2**20
     grad_first_bucket_bytes: float = 0.0
+    fsdp_unit_bytes: float = 0.0
     grad_sync_every_microstep: bool = False
     cross_entropy_bytes: float = 24.0
     hierarchical_allreduce: bool = False
@@ -161,9 +166,17 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute, sp_modes=SUPPORTED.sp_modes,
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
+                      fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce)
 """The trainer: its features are the table of :mod:`meshtrain.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
+
+
+
+def meshtrain_framework(cfg: Config) -> Framework:
+    """The trainer as ``cfg`` sets it up (its FSDP2 unit size, ``parallel.fsdp_unit_mb``)."""
+    return replace(MESHTRAIN, fsdp_unit_bytes=cfg.parallel.fsdp_unit_mb * 2**20)
+
 
 FRAMEWORKS = {f.name: f for f in (
     MESHTRAIN,

@@ -33,6 +33,7 @@ from meshtrain.planner.hardware import Hardware
 from meshtrain.schedules import microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.models import ModelSpec
+from meshtrain.support import fsdp_units
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,14 @@ def _stage_params(model: ModelSpec, pp: int, tp: int) -> float:
     return (math.ceil(model.layers / pp) * model.layer_params() + ends) / tp
 
 
+def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
+    """``(units, blocks per unit)`` of the busiest stage under ZeRO-3/FSDP: its blocks grouped as the
+    trainer groups them (:func:`meshtrain.support.fsdp_units`); blocks left over stay in the root."""
+    block_bytes = 4 * model.layer_params() / layout.tp
+    units, _ = fsdp_units([block_bytes] * stage_layers(model, layout), framework.fsdp_unit_bytes)
+    return len(units), (len(units[0]) if units else 0)
+
+
 def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
                            recompute: str | None = None) -> float:
     """Activation bytes one layer keeps for backward, per micro-batch, on one device.
@@ -147,7 +156,9 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     gradient accumulation skips synchronisation (FSDP2 ``set_requires_gradient_sync(False)``; Megatron's
     distributed optimizer, stage 1, keeps a full gradient buffer anyway). Stage 2 as FSDP2 with
     ``reshard_after_forward=False`` holds unsharded weights through the step next to the shards; stage 3
-    gathers two blocks at a time (current + prefetched). The peak is the larger of the forward/backward
+    gathers two units of blocks at a time (current + prefetched; :func:`fsdp_unit_shape`) and holds the
+    root's parameters (embedding, head and blocks left out of the units) and their gradients unsharded
+    through the step. The peak is the larger of the forward/backward
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
@@ -163,7 +174,9 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     if z == 2:
         gathered = p * precision.weight_bytes
     elif z == 3:
-        gathered = 2 * block * (precision.weight_bytes + precision.grad_bytes)
+        units, per_unit = fsdp_unit_shape(model, layout, framework)
+        root = p - units * per_unit * block
+        gathered = (min(units, 2) * per_unit * block + root) * (precision.weight_bytes + precision.grad_bytes)
     if z == 0 and shard > 1 and framework.torch_buffers:
         gathered += p * precision.grad_bytes
     step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)
