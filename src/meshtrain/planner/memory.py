@@ -157,8 +157,9 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     distributed optimizer, stage 1, keeps a full gradient buffer anyway). Stage 2 as FSDP2 with
     ``reshard_after_forward=False`` holds unsharded weights through the step next to the shards; stage 3
     gathers two units of blocks at a time (current + prefetched; :func:`fsdp_unit_shape`) and holds the
-    root's parameters (embedding, head and blocks left out of the units) and their gradients unsharded
-    through the step. The peak is the larger of the forward/backward
+    root's parameters (embedding, head and blocks left out of the units) through the step. In backward
+    the root's gradients (head first, embedding last) and the current unit's are unsharded until their
+    reduce-scatter, whose flat input copies a unit's gradients once more. The peak is the larger of the forward/backward
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
@@ -171,12 +172,14 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
     block = model.layer_params() / layout.tp
     gathered = 0.0
-    if z == 2:
-        gathered = p * precision.weight_bytes
-    elif z == 3:
+    if z >= 2:
         units, per_unit = fsdp_unit_shape(model, layout, framework)
-        root = p - units * per_unit * block
-        gathered = (min(units, 2) * per_unit * block + root) * (precision.weight_bytes + precision.grad_bytes)
+        unit = per_unit * block
+        root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
+        held = p if z == 2 else root + min(units, 2) * unit  # unsharded weights
+        live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
+        # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce)
+        gathered = held * precision.weight_bytes + (live + max(unit, root)) * precision.grad_bytes
     if z == 0 and shard > 1 and framework.torch_buffers:
         gathered += p * precision.grad_bytes
     step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)
