@@ -85,6 +85,8 @@ def contenders(steps: int, model: dict[str, str]) -> list[Contender]:
         Contender("meshtrain dp=2, default settings", 2, "default", "meshtrain", ["--nproc", "2"]),
         Contender("meshtrain dp=2 FSDP2 (zero 3), fp32", 2, "float32", "meshtrain",
                   [*half, "--parallel.zero_stage", "3", *FP32]),
+        Contender("meshtrain dp=2 FSDP2 (zero 3, a unit per block), fp32", 2, "float32", "meshtrain",
+                  [*half, "--parallel.zero_stage", "3", "--parallel.fsdp_unit_mb", "0", *FP32]),
         Contender("meshtrain tp=2, fp32", 2, "float32", "meshtrain", [*whole, "--parallel.tp", "2", *FP32]),
         Contender("meshtrain sp=2 (Ulysses), fp32", 2, "float32", "meshtrain", [*whole, "--parallel.sp", "2", *FP32]),
         Contender("meshtrain pp=2 (1F1B, 2 micro-batches), fp32", 2, "float32", "meshtrain",

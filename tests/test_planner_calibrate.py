@@ -229,14 +229,15 @@ def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys)
     assert "warning: no plan vs actual" in capsys.readouterr().err
 
 
-def test_rank_threads_follow_torchrun():
+def test_rank_threads_share_out_the_cores():
     import os
 
     from meshtrain.launch import rank_threads
 
     saved = os.environ.pop("OMP_NUM_THREADS", None)
     try:
-        assert rank_threads(2) == 1 and rank_threads(1) >= 1
+        cores = len(os.sched_getaffinity(0))
+        assert rank_threads(2) == max(1, cores // 2) and rank_threads(cores * 2) == 1 and rank_threads(1) >= 1
         os.environ["OMP_NUM_THREADS"] = "3"
         assert rank_threads(2) == 3
     finally:

@@ -323,7 +323,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     rdzv_dir = None if args.rdzv_endpoint else tempfile.mkdtemp(prefix="meshtrain-rdzv-")
     local_store = str(Path(rdzv_dir) / "store") if rdzv_dir else None
     torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc, local_store))
-    threads = rank_threads(nproc)  # before torchrun, which sets OMP_NUM_THREADS in this process too
+    threads = rank_threads(nproc)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks inherit it (torchrun would set 1)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
     # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
     # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
@@ -436,13 +437,14 @@ def print_pipeline_split(cfg: Config) -> None:
 
 
 def rank_threads(nproc: int) -> int:
-    """Torch threads of each rank torchrun starts: ``OMP_NUM_THREADS`` if set, else 1 when a node runs
-    more than one rank (torchrun's default), else torch's default (one per core)."""
+    """Torch threads of each of the ``nproc`` ranks on this node: ``OMP_NUM_THREADS`` if set, else the
+    cores this process may run on shared out (``cores // nproc``, at least 1; torchrun alone would give
+    every rank 1 thread and leave the other cores idle), and torch's default (one per core) for one rank."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) >= 1:
         return int(value)
     if nproc > 1:
-        return 1
+        return max(1, len(os.sched_getaffinity(0)) // nproc)
     import torch
     return torch.get_num_threads()
 
