@@ -7,6 +7,7 @@ coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -152,6 +153,12 @@ def compute_dtype(name: str, device_type: str) -> str:
     if device_type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+def autocast(dtype: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The context a forward runs in for ``dtype`` (a :func:`compute_dtype` result) on ``device_type``:
+    bf16 autocast (fp32 master weights, matmuls in bf16) for "bfloat16", nothing for "float32"."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
 
 
 _TIMEOUT = timedelta(minutes=30)

@@ -32,7 +32,6 @@ import signal
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.faults import LAUNCHER_PID_ENV, STOP, Stopped, describe_collective_error, die_with_parent
 from meshtrain.launch import preflight
-from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, compute_dtype, device_and_backend, init_distributed
+from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims, autocast, compute_dtype, device_and_backend, init_distributed
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
@@ -164,8 +163,7 @@ class Trainer:
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
         self.dtype = compute_dtype(cfg.train.dtype, self.device.type)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if self.dtype == "bfloat16" else nullcontext())
+        self.autocast = autocast(self.dtype, self.device.type)
 
     def _maybe_resume(self) -> int:
         path = resume_checkpoint(self.cfg)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.fileio import write_json_atomic
 from meshtrain.metrics import MetricsLog, plot_loss
 from meshtrain.models import build_model
-from meshtrain.mesh import collective_timeout, compute_dtype, init_distributed
+from meshtrain.mesh import autocast, collective_timeout, compute_dtype, init_distributed
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
 
@@ -61,7 +60,7 @@ class AsyncRun:
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, self.vocab_size)
         self.dtype = compute_dtype(t.dtype, "cpu")
-        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.dtype == "bfloat16" else nullcontext()
+        self.autocast = autocast(self.dtype, "cpu")
         """The workers' forward (and server 0's evaluation) under bf16 autocast where ``train.dtype`` asks for
         it, as in the synchronous trainer; parameters, gradients and the servers' AdamW stay fp32."""
         params = list(self.model.parameters())

@@ -80,10 +80,9 @@ def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attenti
 
 
 def _autocast(dtype_name: str):
-    import contextlib
+    from meshtrain.mesh import autocast
 
-    import torch
-    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype_name == "bfloat16" else contextlib.nullcontext()
+    return autocast(dtype_name, "cpu")
 
 
 def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_SIZES,
