@@ -9,8 +9,11 @@ optimizer, schedule and step count (``bench/contenders.py`` holds the hand-writt
 4. Lightning Fabric (DDP strategy, 2 CPU processes);
 5. meshtrain at dp=1 and dp=2, fp32, and with its default settings (``meshtrain train CONFIG --nproc 2``).
 
-No bf16 rows: on a CPU without bf16 matmul instructions (AVX2 only, like the EPYC these numbers were
-first taken on) torch's bf16 GEMMs of this model's shapes run 30-180x slower than fp32.
+bf16 rows only where this CPU has bf16 matmul instructions (AVX512-BF16/AMX, where meshtrain's
+``train.dtype = "auto"`` picks bf16): the hand-written loops again with bf16 autocast (plain and DDP
+also with fused AdamW, the settings meshtrain's defaults resolve to), and meshtrain's defaults at dp=1.
+On a CPU without them (AVX2 only, like the EPYC these numbers were first taken on) torch's bf16 GEMMs of
+this model's shapes run 30-180x slower than fp32, and the defaults train in fp32.
 
 The contenders run one at a time in interleaved rounds (A B C ... A B C ...), so drift of the machine
 hits all of them alike. Per run: the median step time over the steps after ``SKIP_STEPS``; per
@@ -40,6 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, meshtrain_command, update_benchmarks_doc, write_results  # noqa: E402
 
+from meshtrain.mesh import compute_dtype  # noqa: E402
+
 CONFIG = REPO / "configs" / "shakespeare_char.toml"
 CONTENDERS = REPO / "bench" / "contenders.py"
 SKIP_STEPS = 10  # first steps of a run left out (allocator, thread pools, autograd warm-up)
@@ -59,30 +64,44 @@ class Contender:
 LARGE = {"model.n_layer": "6", "model.n_head": "6", "model.n_embd": "384", "model.block_size": "256"}
 """``--large``: the issue's larger model (6 layers, 384 wide, 256 tokens: 10.7 M parameters)."""
 FP32 = ["--train.dtype", "float32"]
+AUTO_DTYPE = compute_dtype("auto", "cpu")
+"""What meshtrain's default ``train.dtype = "auto"`` trains in on this CPU: bfloat16 with AVX512-BF16/AMX."""
 
 
 def contenders(steps: int, model: dict[str, str]) -> list[Contender]:
     py = sys.executable
     common = ["--steps", str(steps), "--batch", str(GLOBAL_BATCH), *[a for k, v in model.items() for a in ("--set", f"{k}={v}")]]
     accelerate = str(Path(sys.executable).with_name("accelerate"))
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(CONTENDERS), "ddp", "{out}"]
+    launch = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--dynamo_backend", "no"]
+    bf16 = ["--dtype", "bfloat16"]
     hand = [
         Contender("plain PyTorch loop, fp32", 1, "float32", "hand", [py, str(CONTENDERS), "plain", "{out}", *common]),
-        Contender("torchrun + DDP, fp32", 2, "float32", "hand",
-                  [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(CONTENDERS), "ddp",
-                   "{out}", *common]),
+        Contender("torchrun + DDP, fp32", 2, "float32", "hand", [*torchrun, *common]),
         Contender("Accelerate, fp32", 2, "float32", "hand",
-                  [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", str(CONTENDERS), "accelerate", "{out}", *common]),
+                  [*launch, "--mixed_precision", "no", str(CONTENDERS), "accelerate", "{out}", *common]),
         Contender("Lightning Fabric DDP, fp32", 2, "float32", "hand",
                   [py, str(CONTENDERS), "fabric", "{out}", *common, "--devices", "2"]),
     ]
+    if AUTO_DTYPE == "bfloat16":
+        hand += [
+            Contender("plain PyTorch loop, bf16 + fused AdamW", 1, "bfloat16", "hand",
+                      [py, str(CONTENDERS), "plain", "{out}", *common, *bf16, "--fused"]),
+            Contender("torchrun + DDP, bf16 + fused AdamW", 2, "bfloat16", "hand", [*torchrun, *common, *bf16, "--fused"]),
+            Contender("Accelerate, bf16", 2, "bfloat16", "hand",
+                      [*launch, "--mixed_precision", "bf16", str(CONTENDERS), "accelerate", "{out}", *common, *bf16]),
+            Contender("Lightning Fabric DDP, bf16", 2, "bfloat16", "hand",
+                      [py, str(CONTENDERS), "fabric", "{out}", *common, "--devices", "2", *bf16]),
+        ]
     half = ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH // 2)]
     whole = ["--nproc", "2", "--batch.micro_batch_size", str(GLOBAL_BATCH)]  # one replica: tp, sp, pp
     mesh = [
         Contender("meshtrain dp=1, fp32", 1, "float32", "meshtrain",
                   ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH), *FP32]),
         Contender("meshtrain dp=2 DDP, fp32", 2, "float32", "meshtrain", [*half, *FP32]),
-        Contender("meshtrain dp=2, default settings", 2, "default", "meshtrain", ["--nproc", "2"]),
+        Contender("meshtrain dp=2, default settings", 2, AUTO_DTYPE, "meshtrain", ["--nproc", "2"]),
+        *([Contender("meshtrain dp=1, default settings", 1, AUTO_DTYPE, "meshtrain",
+                     ["--nproc", "1", "--batch.micro_batch_size", str(GLOBAL_BATCH)])] if AUTO_DTYPE == "bfloat16" else []),
         Contender("meshtrain dp=2 FSDP2 (zero 3), fp32", 2, "float32", "meshtrain",
                   [*half, "--parallel.zero_stage", "3", *FP32]),
         Contender("meshtrain dp=2 FSDP2 (zero 3, a unit per block), fp32", 2, "float32", "meshtrain",
@@ -219,7 +238,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="default 200 (--large: 20)")
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (--large: 2)")
-    parser.add_argument("--only", default="", help="run only contenders whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="run only contenders whose name contains one of these comma-separated strings")
     parser.add_argument("--large", action="store_true",
                         help="the larger model (6 x 384, 256 tokens) and the data-parallel contenders only; "
                              "writes contenders_large.*")
@@ -232,8 +252,8 @@ def main() -> None:
     name = "contenders_large" if args.large else "contenders"
     block = load_config(CONFIG, model).model.block_size
     field_list = [c for c in contenders(args.steps, model)
-                  if args.only in c.name and (not args.large or c.name in LARGE_FIELD)]
-    peaks = {d: matmul_peak(d) for d in sorted({"float32", *(c.dtype for c in field_list)} - {"default"})}
+                  if any(o in c.name for o in args.only.split(",")) and (not args.large or c.name in LARGE_FIELD)]
+    peaks = {d: matmul_peak(d) for d in sorted({"float32", *(c.dtype for c in field_list)})}
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for round_ in range(args.rounds):
             for c in field_list:
@@ -242,14 +262,14 @@ def main() -> None:
     flops = step_flops(model)
     stats = {c.name: summarize(c, block) for c in field_list}
     reference = stats.get("plain PyTorch loop, fp32")
-    columns = ["contender", "ranks x threads", "tokens/s (median)", "per round", "vs plain fp32 loop",
+    columns = ["contender", "ranks x threads", "dtype", "tokens/s (median)", "per round", "vs plain fp32 loop",
                "ms/step", "MFU", "peak RSS/rank (MiB)", f"val loss @ {args.steps}", "wall s"]
     rows = []
     for c in field_list:
         s = stats[c.name]
         peak = peaks.get(c.dtype, peaks["float32"])
         ratio = f"{s['tokens_per_s'] / reference['tokens_per_s']:.2f}x" if reference else "-"
-        rows.append([c.name, f"{c.ranks} x {max(1, (os.cpu_count() or 1) // c.ranks)}", f"{s['tokens_per_s']:,.0f}",
+        rows.append([c.name, f"{c.ranks} x {max(1, (os.cpu_count() or 1) // c.ranks)}", c.dtype, f"{s['tokens_per_s']:,.0f}",
                      " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
                      f"{flops / s['step_s'] / peak:.1%}", f"{s['peak_rss_mib']:.0f}", f"{s['val_loss']:.4f}",
                      f"{s['wall_s']:.0f}"])

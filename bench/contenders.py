@@ -153,7 +153,7 @@ def run_ddp(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, corpus, model = setup(args)
     ddp = DDP(model)
-    optimizer, scheduler = optimizer_for(ddp, cfg)
+    optimizer, scheduler = optimizer_for(ddp, cfg, fused=args.fused)
     times = train_loop(ddp, optimizer, scheduler, corpus, cfg, args.steps, args.batch // world, rank, args.dtype)
     rss = _gather_ints(peak_rss())
     if rank == 0:
@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--devices", type=int, default=1, help="fabric: processes it starts")
     parser.add_argument("--device", default="cpu", help="plain: cpu or cuda")
-    parser.add_argument("--fused", action="store_true", help="plain: AdamW(fused=True)")
+    parser.add_argument("--fused", action="store_true", help="plain, ddp: AdamW(fused=True)")
     parser.add_argument("--compile", action="store_true", help="plain: model.compile() (torch.compile)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. model.n_layer=24 (repeatable)")

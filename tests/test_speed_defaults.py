@@ -32,6 +32,27 @@ def test_a_run_records_the_dtype_auto_picked_and_its_arithmetic(tmp_path):
     assert auto == explicit  # the same dtype, the same operations in the same order: bit-identical
 
 
+def test_bf16_attention_on_the_cpu_runs_the_fp32_kernel_under_autocast():
+    """causal_attention of bf16 q, k, v under CPU bf16 autocast is the fp32 kernel on the same values,
+    cast back: bitwise the same arithmetic, so equality is exact. Without switching autocast off inside,
+    autocast would cast the fp32 copies back to bf16 and run the bf16 kernel (different rounding)."""
+    import torch.nn.functional as F
+
+    from meshtrain.models.gpt import causal_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8).bfloat16().requires_grad_() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = causal_attention(q, k, v)
+    y.float().square().sum().backward()
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).bfloat16()
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, expected)
+    native = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert not torch.equal(native, expected)  # the bf16 kernel rounds differently: the check above can fail
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16
+
+
 def test_fused_adamw_is_chosen_for_plain_tensors_unless_turned_off():
     from meshtrain.config import load_config
     from meshtrain.models import build_model

@@ -32,6 +32,22 @@ INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal ``F.scaled_dot_product_attention`` of ``q, k, v`` (B, nh, T, hs) -> (B, nh, T, hs), in the
+    inputs' dtype.
+
+    bf16 inputs on the CPU (what bf16 autocast hands over from the q/k/v projections) run the kernel
+    in fp32 and cast the result back: torch's CPU flash-attention kernel is slower in bf16 than in fp32
+    (its backward took 13.3 ms of a 39.5 ms bf16 step of the main job's model against 3.2 ms in fp32,
+    AVX512-BF16 EPYC, docs/benchmarks.md), while the matmuls around it gain from bf16. On CUDA the bf16
+    kernel is the fast one and runs as it is."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        with torch.autocast("cpu", enabled=False):  # CPU autocast would cast the fp32 copies back to bf16
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class SDPAttention(nn.Module):
     """Causal scaled dot-product attention on whole sequences: the default ``inner_attention``.
 
@@ -46,8 +62,7 @@ class SDPAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        return causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
 
 
 class CausalSelfAttention(nn.Module):

@@ -92,8 +92,9 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
     at the same time and share the caches and memory bandwidth as in training):
 
     - ``matmul_table``: FLOP/s of a Linear ``(1024 x k) -> (1024 x 4k)`` forward + backward (6*M*K*N FLOPs);
-    - ``attention_table``: FLOP/s of causal ``scaled_dot_product_attention`` forward + backward,
-      batch 8 x 4 heads x head size 32, by sequence length T (6*T^2*d FLOPs per head: causal half);
+    - ``attention_table``: FLOP/s of the trainer's causal attention
+      (:func:`meshtrain.models.gpt.causal_attention`: the fp32 kernel for bf16 on the CPU) forward +
+      backward, batch 8 x 4 heads x head size 32, by sequence length T (6*T^2*d FLOPs per head: causal half);
     - ``bandwidth``: bytes/s of LayerNorm + residual add on (1024 x 256) and GELU on (1024 x 1024),
       forward + backward, counted as the cost model counts element-wise work: 3 x the forward bytes;
     and the host times of :func:`measure_host`. A point slower than :data:`SLOW_POINT_S` per call ends
@@ -102,6 +103,8 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
     """
     import torch
     import torch.nn.functional as F
+
+    from meshtrain.models.gpt import causal_attention
 
     sync = sync or (lambda: None)
     agree = agree or bool
@@ -122,11 +125,10 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
             with _autocast(name):
                 return _timed(train_step(lambda: F.linear(x, w), x, w), min_time)
 
-        def sdpa(T: int) -> float:
-            q, k_, v = (torch.randn(8, 4, T, 32, requires_grad=True) for _ in range(3))
+        def sdpa(T: int) -> float:  # q, k, v in the dtype the projections hand over under autocast
+            q, k_, v = (torch.randn(8, 4, T, 32, dtype=getattr(torch, name), requires_grad=True) for _ in range(3))
             with _autocast(name):
-                return _timed(train_step(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
-                                         q, k_, v), min_time)
+                return _timed(train_step(lambda: causal_attention(q, k_, v), q, k_, v), min_time)
 
         matmul[name] = _rate_table(gemm_sizes, gemm, lambda k: 6.0 * 1024 * k * 4 * k, agree)
         attention[name] = _rate_table(attention_lengths, sdpa, lambda T: 6.0 * T * T * 32 * 8 * 4, agree)
@@ -177,6 +179,7 @@ def measure_host(min_time: float = 0.05, sync=None) -> dict:
     """
     import torch
     import torch.nn.functional as F
+
 
     sync = sync or (lambda: None)
 

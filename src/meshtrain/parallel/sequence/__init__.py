@@ -27,11 +27,11 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshtrain.models.gpt import causal_attention
 from meshtrain.parallel.sequence.comm import head_to_seq, ring_pass, seq_to_head
 
 SP_MODES = ("ulysses", "ring")
@@ -111,8 +111,7 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (seq_to_head(t, self.group) for t in (q, k, v))  # (B, nh/sp, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)  # (B, nh/sp, T, hs)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)  # (B, nh/sp, T, hs)
         return head_to_seq(y, self.group)  # (B, nh, T/sp, hs)
 
 
