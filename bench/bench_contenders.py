@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default 200 (--large: 20)")
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (--large: 2)")
     parser.add_argument("--only", default="",
-                        help="run only contenders whose name contains one of these comma-separated strings")
+                        help="run only contenders whose name contains one of these '|'-separated strings (names hold commas), e.g. 'plain|default'")
     parser.add_argument("--large", action="store_true",
                         help="the larger model (6 x 384, 256 tokens) and the data-parallel contenders only; "
                              "writes contenders_large.*")
@@ -252,7 +252,7 @@ def main() -> None:
     name = "contenders_large" if args.large else "contenders"
     block = load_config(CONFIG, model).model.block_size
     field_list = [c for c in contenders(args.steps, model)
-                  if any(o in c.name for o in args.only.split(",")) and (not args.large or c.name in LARGE_FIELD)]
+                  if any(o in c.name for o in args.only.split("|")) and (not args.large or c.name in LARGE_FIELD)]
     peaks = {d: matmul_peak(d) for d in sorted({"float32", *(c.dtype for c in field_list)})}
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for round_ in range(args.rounds):

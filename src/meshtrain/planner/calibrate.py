@@ -180,7 +180,6 @@ def measure_host(min_time: float = 0.05, sync=None) -> dict:
     import torch
     import torch.nn.functional as F
 
-
     sync = sync or (lambda: None)
 
     def micro_step(n_layer: int) -> float:
