@@ -256,9 +256,13 @@ class Trainer:
         step_times: list[float] = []
         val_loss = None
         nonfinite = 0
+        mark = time.perf_counter()
         try:
             for step in range(self.start_step + 1, t.steps + 1):
-                t0 = time.perf_counter()
+                # A step's time runs from the end of the previous one, so the previous step's log write and
+                # stop check count, as in a hand-written loop timed step to step; evaluation and checkpoint
+                # saves (every eval_interval / checkpoint.interval steps) do not.
+                t0 = mark
                 seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
                 lr = self.scheduler.get_last_lr()[0]
                 at(f"step {step}: forward/backward", self.world_ranks)
@@ -292,6 +296,7 @@ class Trainer:
                         f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
                         f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
                         f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
+                periodic = time.perf_counter()
                 if last or (t.eval_interval and step % t.eval_interval == 0):
                     at(f"step {step}: evaluation", self.world_ranks)
                     val_loss = self.evaluate()
@@ -300,6 +305,7 @@ class Trainer:
                 if last or (c.interval and step % c.interval == 0):
                     at(f"step {step}: checkpoint save", self.world_ranks)
                     saved = self.save(step)
+                periodic = time.perf_counter() - periodic
                 if not last:
                     at(f"step {step}: the stop check", self.world_ranks)
                     signum = STOP.agreed(self.device)  # every rank stops after the same step
@@ -308,6 +314,7 @@ class Trainer:
                             at(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
                             saved = self.save(step)
                         raise Stopped(signum, step, t.steps, saved)
+                mark = time.perf_counter() - periodic
         finally:
             log.close()
         return self._finish(step_times, val_loss, tokens_per_step)

@@ -341,13 +341,14 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     behind the last micro-batch's backward, weight gathers behind forward/backward compute, when the
     framework overlaps and the device can; across nodes these rings use the NICs of all the group's ranks
     on a node (:meth:`Network.link`); FSDP's host time per unit collective
-    (``Device.fsdp_unit_overhead_s``) is never hidden. Two scalar all-reduces per step (loss mean,
-    gradient norm) add their latency.
+    (``Device.fsdp_unit_overhead_s``) is never hidden. Scalar all-reduces add their latency every step:
+    the loss mean and the trainer's stop check (:meth:`meshtrain.faults.StopRequest.agreed`), and with
+    sharded gradients (FSDP) the gradient norm's sum of squares.
 
     Local SGD (``layout.local_sgd_steps = H``, Lin et al. 2020) replaces the gradient all-reduce by one
     all-reduce of the weights (PyTorch's ``PeriodicModelAverager`` flattens them into one buffer) every
     H steps, after the optimizer step (nothing to hide it behind), and the gradient norm is each
-    replica's own: ``allreduce(weights) / H`` plus the loss mean's latency, in the steady state after
+    replica's own: ``allreduce(weights) / H`` plus the loss mean's and the stop check's latency, in the steady state after
     the synchronous warm-up. Takeaway: dp communication falls by H.
     """
     n = layout.dp * layout.sp
@@ -357,7 +358,7 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     dpn = net.devices_per_node
     spans = layout.spans_nodes("dp", dpn) or (layout.sp > 1 and layout.spans_nodes("sp", dpn))
     per_node = layout.ranks_per_node("dp", dpn) * layout.ranks_per_node("sp", dpn) if spans else 1  # dp*sp group
-    scalars = 2 * collective_time(hw, "all-reduce", n, 8, spans, per_node)  # loss mean and gradient norm, every step
+    scalars = (3 if layout.zero_stage >= 2 else 2) * collective_time(hw, "all-reduce", n, 8, spans, per_node)
     p = stage_params(model, layout)
     grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
     m, z = layout.gradient_accumulation_steps, layout.zero_stage
@@ -375,7 +376,7 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
 
     if layout.local_sgd_steps:
         average = collective_time(hw, "all-reduce", n, p * prec.weight_bytes, spans, per_node)
-        return scalars / 2 + average / layout.local_sgd_steps
+        return scalars + average / layout.local_sgd_steps  # the loss mean and the stop check
     if z == 0:  # DDP's per-bucket cost beyond the wire (measured on CPU) is never hidden
         buckets = fw.grad_buckets(grads)
         host = hw.device.ddp_bucket_overhead_s * buckets
