@@ -37,6 +37,11 @@ GEMM_SIZES = (32, 64, 128, 256, 384, 512, 768, 1024)
 ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024)
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 COLLECTIVE_REPEATS = 9
+HOST_REPEATS = 25
+"""Calls per point of the host-time measurements (a difference of two timings of ms-long steps), and of
+collectives of up to :data:`SMALL_COLLECTIVE_BYTES` (their latency): with 9, three calibrations on one 2-core
+VM gave 0.19-1.45 ms for the gloo all-reduce's latency per ring step and 0-13 ms for tp's host time per layer."""
+SMALL_COLLECTIVE_BYTES = 2**20
 PASSES = 3
 """Full passes over the compute measurements; each number is their median (see measure_compute_passes)."""
 SLOW_POINT_S = 0.25
@@ -61,6 +66,23 @@ def _timed(fn, min_time: float, repeats: int | None = None, sync=None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _timed_alternating(fns: list, repeats: int, sync=None) -> list[float]:
+    """Seconds of one call of each of ``fns``: the median over ``repeats`` calls, the functions called in
+    turn (A B C A B C ...), each after ``sync()``, so that a machine that slows down or speeds up during the
+    measurement shifts them all alike (their differences are what the host terms are made of)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attention_lengths: tuple[int, ...],
@@ -272,7 +294,8 @@ def _collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
         times = []
         for nbytes in sizes:
             fn = _collective_call(kind, rank, world, nbytes // 4 // world * world)
-            times.append(_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier))
+            repeats = HOST_REPEATS if nbytes <= SMALL_COLLECTIVE_BYTES else COLLECTIVE_REPEATS
+            times.append(_timed(fn, 0.0, repeats=repeats, sync=dist.barrier))
         factor = {"all-reduce": 2 * (world - 1) / world, "p2p": 1.0, "send-recv": 1.0}.get(kind, (world - 1) / world)
         steps = {"all-reduce": 2 * (world - 1), "p2p": 1, "send-recv": 1}.get(kind, world - 1)
         out[kind] = _fit([float(s) for s in sizes], times, factor, steps)
@@ -341,24 +364,22 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
     from meshtrain.planner.layout import FRAMEWORKS
 
     x = torch.randn(tokens, width)
-
-    def step_time(model) -> float:
-        return _timed(lambda: model(x).sum().backward(), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
-
     plain = _block_stack(units, width)
-    base = step_time(plain)
+    ddp = DDP(_block_stack(units, width))
+    sharded = apply_dp(_block_stack(units, width), init_device_mesh("cpu", (world,)), zero_stage=3, unit_mb=0.0)
+    base, ddp_time, sharded_time = _timed_alternating(
+        [lambda m=m: m(x).sum().backward() for m in (plain, ddp, sharded)], HOST_REPEATS, sync=dist.barrier)
 
     grads = 4.0 * sum(p.numel() for p in plain.parameters())
     buckets = FRAMEWORKS["meshtrain"].grad_buckets(grads)
     wire = buckets * ring_time("all-reduce", world, grads / buckets, *comm["all-reduce"])
-    ddp_extra = step_time(DDP(_block_stack(units, width))) - base - wire
+    ddp_extra = ddp_time - base - wire
 
-    sharded = apply_dp(_block_stack(units, width), init_device_mesh("cpu", (world,)), zero_stage=3, unit_mb=0.0)
     unit_bytes = 4 * (14 * width * width + 2 * width)
     gathers = 2 * units - 1
     wire = (gathers * ring_time("all-gather", world, unit_bytes, *comm["all-gather"])
             + units * ring_time("reduce-scatter", world, unit_bytes, *comm["reduce-scatter"]))
-    fsdp_extra = step_time(sharded) - base - wire
+    fsdp_extra = sharded_time - base - wire
     params = list(sharded.parameters())
     return {"ddp_bucket_overhead_s": max(0.0, ddp_extra / buckets),
             "fsdp_unit_overhead_s": max(0.0, fsdp_extra / (gathers + units)),
@@ -395,8 +416,9 @@ def _parallel_host(world: int, comm: dict) -> dict:
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.models import from_config
 
-    def per_layer(parallel: ParallelConfig) -> float:
-        times = []
+    def steps(parallel: ParallelConfig) -> list:
+        """Forward + backward of the model at 1 and at 5 layers, parallelized by ``parallel``."""
+        out = []
         for n_layer in (1, 5):
             dims = ParallelDims(pp=1, dp=world // (parallel.sp * parallel.tp), sp=parallel.sp, tp=parallel.tp,
                                 world_size=world)
@@ -408,22 +430,28 @@ def _parallel_host(world: int, comm: dict) -> dict:
             x = torch.randint(0, 65, (1, 16), generator=torch.Generator().manual_seed(0))
             x, y, pos = local_batch(x, x, dims, dims.rank_of(Axis.SP), parallel.sp_mode)
 
-            def step() -> None:
+            def step(model=model, x=x, y=y, pos=pos) -> None:
                 loss = cross_entropy(model(x, pos), y)
                 with backward_context(loss):
                     loss.backward()
-            times.append(_timed(step, 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier))
-        return (times[1] - times[0]) / 4
+            out.append(step)
+        return out
 
-    plain = per_layer(ParallelConfig(dp=world))  # DDP over the ranks: no collective inside a layer
+    configs = {"plain": ParallelConfig(dp=world),  # DDP over the ranks: no collective inside a layer
+               **{key: ParallelConfig(**{k: world if v == "world" else v for k, v in spec.items()})
+                  for key, spec in PARALLEL_HOST.items()}}
+    fns = [fn for parallel in configs.values() for fn in steps(parallel)]
+    times = _timed_alternating(fns, HOST_REPEATS, sync=dist.barrier)
+    per_layer = {key: (times[2 * i + 1] - times[2 * i]) / 4 for i, key in enumerate(configs)}
+    plain = per_layer["plain"]
     out = {}
-    for key, spec in PARALLEL_HOST.items():
-        parallel = ParallelConfig(**{k: world if v == "world" else v for k, v in spec.items()})
+    for key in PARALLEL_HOST:
+        parallel = configs[key]
         cfg = Config(model=ModelConfig(n_layer=1, n_head=world, n_embd=4 * world, block_size=16), parallel=parallel)
         cfg.batch.micro_batch_size = 1
         wire = sum(c.count * ring_time(c.kind, c.ranks, c.nbytes, *comm[c.kind])
                    for c in layer_collectives(from_config(cfg, 65), layout_from_config(cfg, world), PRECISIONS["fp32"]))
-        out[key] = max(0.0, per_layer(parallel) - plain - wire)
+        out[key] = max(0.0, per_layer[key] - plain - wire)
     return out
 
 
@@ -447,7 +475,7 @@ def _pipeline_host(world: int, comm: dict) -> dict:
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    def step_time(m: int) -> float:
+    def pipeline_step(m: int):
         dims = ParallelDims(pp=world, dp=1, sp=1, tp=1, world_size=world)
         dims.build_mesh("cpu")
         torch.manual_seed(0)
@@ -455,14 +483,15 @@ def _pipeline_host(world: int, comm: dict) -> dict:
         pipe = parallelize_pipeline(model, dims, ParallelConfig(pp=world, dp=1), m, 16 * m, loss_fn)
         x = torch.randint(0, 65, (m, 16), generator=torch.Generator().manual_seed(0))
         pos = torch.arange(16)
-        return _timed(lambda: pipe.step(x, x, pos), 0.0, repeats=COLLECTIVE_REPEATS, sync=dist.barrier)
+        return lambda: pipe.step(x, x, pos)
 
     torch.manual_seed(0)
     block = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=8, block_size=16), 65).blocks["0"]
     h = torch.randn(1, 16, 8, requires_grad=True)
-    plain = _timed(lambda: block(h).sum().backward(), 0.0, repeats=COLLECTIVE_REPEATS)
+    plain = _timed(lambda: block(h).sum().backward(), 0.0, repeats=HOST_REPEATS)
     wire = 2 * ring_time("p2p", 2, 16 * 8 * 4, *comm["p2p"])  # the (1, 16, 8) fp32 activation and its gradient
-    per_micro_batch = (step_time(10) - step_time(2)) / 8
+    two, ten = _timed_alternating([pipeline_step(2), pipeline_step(10)], HOST_REPEATS, sync=dist.barrier)
+    per_micro_batch = (ten - two) / 8
     return {"pipeline_action_host_s": max(0.0, (per_micro_batch - plain - wire) / 2),
             "split_backward_factor": _split_backward_factor()}
 
@@ -491,8 +520,8 @@ def _split_backward_factor() -> float:
         _, groups = stage_backward_input([block(h)], [grad], [h], iter(params))
         stage_backward_weight(iter(params), groups)
 
-    forward = _timed(lambda: block(h), 0.0, repeats=COLLECTIVE_REPEATS)
-    one, two = (_timed(fn, 0.0, repeats=COLLECTIVE_REPEATS) - forward for fn in (fused, split))
+    forward, one, two = _timed_alternating([lambda: block(h), fused, split], HOST_REPEATS)
+    one, two = one - forward, two - forward
     return max(1.0, two / one) if one > 0 else 1.0
 
 
