@@ -22,9 +22,12 @@ contender: the median over rounds (spread = min..max over rounds). tokens/s = gl
 / step time / this machine's matmul peak for the dtype, measured in this run (a 1024^3 GEMM on every
 core, best of 20). Val loss: every contender's final weights on the same 96 val windows.
 
-    python bench/bench_contenders.py [--steps 200] [--rounds 3]     # ~10 min on 2 CPU cores
+    python bench/bench_contenders.py [--steps 200] [--rounds 3]     # ~25 min on 2 CPU cores with bf16 rows
+    python bench/bench_contenders.py --rounds 6 --name contenders_fp32 \
+        --only 'plain PyTorch loop, fp32|torchrun + DDP, fp32|Accelerate, fp32|Fabric DDP, fp32|meshtrain dp=1, fp32|meshtrain dp=2 DDP, fp32'
 
-Writes ``bench/results/contenders.{md,json}``, ``docs/benchmarks.md`` and ``docs/contenders.png``.
+Writes ``bench/results/contenders.{md,json}``, ``docs/benchmarks.md`` and ``docs/contenders.png`` (``--name``:
+NAME instead of contenders). The notes give same-round ratios for the pairs of :data:`PAIRS`.
 """
 
 from __future__ import annotations
@@ -216,6 +219,27 @@ def plot(names: list[str], stats: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+PAIRS = [("meshtrain dp=1, fp32", "plain PyTorch loop, fp32"), ("meshtrain dp=2 DDP, fp32", "torchrun + DDP, fp32"),
+         ("meshtrain dp=2 DDP, fp32", "Accelerate, fp32"), ("meshtrain dp=2 DDP, fp32", "Lightning Fabric DDP, fp32"),
+         ("meshtrain dp=1, default settings", "plain PyTorch loop, bf16 + fused AdamW"),
+         ("meshtrain dp=2, default settings", "torchrun + DDP, bf16 + fused AdamW"),
+         ("meshtrain dp=2, default settings", "Accelerate, bf16"),
+         ("meshtrain dp=2, default settings", "Lightning Fabric DDP, bf16")]
+"""meshtrain rows and the hand-written rows at the same layout and settings (goals 2 and 3 of the benchmarks)."""
+
+
+def paired_ratios(stats: dict) -> list[str]:
+    """For each of :data:`PAIRS` that ran: meshtrain's tokens/s over the other's in the same round (the
+    two ran minutes apart, so a slow stretch of the machine mostly hits both), median and per round."""
+    out = []
+    for mine, other in PAIRS:
+        if mine in stats and other in stats:
+            ratios = [a / b for a, b in zip(stats[mine]["tokens_per_s_rounds"], stats[other]["tokens_per_s_rounds"])]
+            out.append(f"{mine} / {other}: {statistics.median(ratios):.3f} "
+                       f"({' '.join(f'{r:.2f}' for r in ratios)})")
+    return out
+
+
 LARGE_FIELD = ("plain PyTorch loop, fp32", "torchrun + DDP, fp32", "meshtrain dp=1, fp32", "meshtrain dp=2 DDP, fp32",
                "meshtrain dp=2, default settings")
 """``--large`` runs these only: each step of the larger model takes seconds on 2 cores."""
@@ -240,6 +264,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (--large: 2)")
     parser.add_argument("--only", default="",
                         help="run only contenders whose name contains one of these '|'-separated strings (names hold commas), e.g. 'plain|default'")
+    parser.add_argument("--name", default="",
+                        help="results name: bench/results/NAME.{md,json}, docs/NAME.png and docs/benchmarks.md's NAME "
+                             "section (default contenders, or contenders_large); give one to keep a partial run apart")
     parser.add_argument("--large", action="store_true",
                         help="the larger model (6 x 384, 256 tokens) and the data-parallel contenders only; "
                              "writes contenders_large.*")
@@ -249,7 +276,7 @@ def main() -> None:
     from meshtrain.config import load_config
 
     model = LARGE if args.large else {}
-    name = "contenders_large" if args.large else "contenders"
+    name = args.name or ("contenders_large" if args.large else "contenders")
     block = load_config(CONFIG, model).model.block_size
     field_list = [c for c in contenders(args.steps, model)
                   if any(o in c.name for o in args.only.split("|")) and (not args.large or c.name in LARGE_FIELD)]
@@ -284,6 +311,9 @@ def main() -> None:
              "OMP_NUM_THREADS = CPUs / ranks for every contender. Val loss: the final weights on the same 96 val "
              "windows; the hand-written loops draw random windows, meshtrain its sampler's, so val losses agree "
              "only up to data order. tp, sp and pp hold one replica on both ranks (micro-batch 24; pp: 2 of 12)."]
+    pairs = paired_ratios(stats)
+    if pairs:
+        notes.append("Same-round ratios of tokens/s, median (each round): " + "; ".join(pairs) + ".")
     write_results(name, f"meshtrain against the alternatives (configs/shakespeare_char.toml{' --large' if args.large else ''})",
                   columns, rows, notes, {"machine": machine(), "model": model, "peaks_flops": peaks, "step_flops": flops,
                                          "stats": stats, "rounds": {c.name: c.rounds for c in field_list}})
