@@ -1,6 +1,7 @@
 """Planner vs trainer on this machine: predicted and measured time per step and peak memory per rank
 for layouts of ``configs/shakespeare_char.toml`` (dp 1/2, zero_stage 0/2/3, micro batch and
-accumulation splits, widths, fp32/bf16, tp 2 with and without sequence parallelism, sp 2 Ulysses and ring,
+accumulation splits, widths, fp32 (``train.dtype`` pinned: its default ``auto`` is bf16 on a CPU with
+bf16 matmul) and bf16, tp 2 with and without sequence parallelism, sp 2 Ulysses and ring,
 pp 2 with every pipeline schedule).
 
     python bench/plan_vs_actual.py [--steps 40] [--repeats 1] [--calibrate] [--match pp2]   # ~10 min per round
@@ -47,6 +48,7 @@ LAYOUTS = [  # (name, nproc, overrides)
     ("dp1 C256 mbs8 ga2", 1, {"model.n_embd": 256, "batch.micro_batch_size": 8, "batch.gradient_accumulation_steps": 2}),
     ("dp2 z2 C384 T128 mbs8", 2, {"parallel.zero_stage": 2, "model.n_embd": 384, "model.n_head": 6,
                                   "model.block_size": 128, "batch.micro_batch_size": 8}),
+    ("dp1 bf16", 1, {"train.dtype": "bfloat16"}),
     ("dp2 z0 bf16", 2, {"train.dtype": "bfloat16"}),
     ("tp2 mbs12", 2, {"parallel.tp": 2}),
     ("tp2+SP mbs12", 2, {"parallel.tp": 2, "parallel.tp_sequence_parallel": "true"}),
@@ -84,7 +86,7 @@ def run_layout(nproc: int, overrides: dict, steps: int) -> dict:
     busy = wait_for_idle()
     with tempfile.TemporaryDirectory(prefix="meshtrain-pva-") as tmp:
         out = Path(tmp) / "run"
-        args = {"optim.warmup_steps": 5, "train.eval_steps": 2, **overrides}
+        args = {"optim.warmup_steps": 5, "train.eval_steps": 2, "train.dtype": "float32", **overrides}
         cmd = [*meshtrain_command(), "train", CONFIG, "--nproc", str(nproc), "--steps", str(steps), "--out", str(out)]
         cmd += [tok for key, value in args.items() for tok in (f"--{key}", str(value))]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)

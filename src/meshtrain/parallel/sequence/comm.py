@@ -10,14 +10,16 @@ group, ``T/sp`` the tokens one rank holds, ``nh/sp`` the heads one rank holds.
   Sec. 3): send to the next rank, receive from the previous one.
 
 All work with gloo on CPU and with NCCL on GPU; ``group`` may be any process group (peers are
-mapped to global ranks with ``dist.get_global_rank``).
+mapped to global ranks with ``dist.get_global_rank``). The all-to-alls are PyTorch's differentiable functional
+collective (``torch.distributed.nn.functional.all_to_all_single``, used before, is deprecated in its
+favour).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 
@@ -37,7 +39,7 @@ def seq_to_head(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     # (B, nh, T/sp, hs) -> (B, sp, nh/sp, T/sp, hs) -> (sp, B, nh/sp, T/sp, hs): slice j goes to rank j
     send = x.reshape(B, sp, nh // sp, T_loc, hs).transpose(0, 1).contiguous()
     # (sp, B, nh/sp, T/sp, hs): slice j came from rank j, i.e. holds sequence chunk j of our heads
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _all_to_all(send, group)
     # (sp, B, nh/sp, T/sp, hs) -> (B, nh/sp, sp, T/sp, hs) -> (B, nh/sp, T, hs)
     return recv.permute(1, 2, 0, 3, 4).reshape(B, nh // sp, sp * T_loc, hs)
 
@@ -51,9 +53,17 @@ def head_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     # (B, nh/sp, T, hs) -> (B, nh/sp, sp, T/sp, hs) -> (sp, B, nh/sp, T/sp, hs): chunk j goes to rank j
     send = x.reshape(B, nh_loc, sp, T // sp, hs).permute(2, 0, 1, 3, 4).contiguous()
     # (sp, B, nh/sp, T/sp, hs): slice j came from rank j, i.e. holds head group j of our tokens
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _all_to_all(send, group)
     # (sp, B, nh/sp, T/sp, hs) -> (B, sp, nh/sp, T/sp, hs) -> (B, nh, T/sp, hs)
     return recv.transpose(0, 1).reshape(B, sp * nh_loc, T // sp, hs)
+
+
+def _all_to_all(send: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Slice j of ``send`` (dim 0, ``sp`` equal slices) to rank j of ``group``; slice j of the result came
+    from rank j. Differentiable (the backward is the reverse all-to-all); waits for the result, so a plain
+    tensor is returned."""
+    recv = funcol.all_to_all_single(send, None, None, group or dist.group.WORLD)
+    return recv.wait() if isinstance(recv, funcol.AsyncCollectiveTensor) else recv
 
 
 def _check_heads(nh: int, sp: int) -> None:
