@@ -57,9 +57,11 @@ def _timed(fn, min_time: float, repeats: int | None = None, sync=None) -> float:
     times on different ranks, so it pays the wait and the wake-up of the ranks as well as the wire; a
     barrier before each call reproduces that, and the median keeps it (the fastest call would hide it:
     on this 2-core VM the median is 1.3-1.7x the fastest for 1-32 MiB all-reduces, and 6x for 4 KiB)."""
+    if repeats:
+        return _timed_alternating([fn], repeats, sync)[0]
     fn()
     times, start = [], time.perf_counter()
-    while (len(times) < repeats) if repeats else (time.perf_counter() - start < min_time or len(times) < 3):
+    while time.perf_counter() - start < min_time or len(times) < 3:
         if sync is not None:
             sync()
         t0 = time.perf_counter()
@@ -344,8 +346,8 @@ def _block_stack(units: int, width: int):
 
 def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: int = 768) -> dict:
     """Data-parallel costs beyond the wire, from forward + backward of :func:`_block_stack` on ``tokens``
-    rows (real compute, so the measurement includes gloo's thread taking the core from it), timed
-    once plain and then wrapped, minus the modeled ring time of the wrapper's collectives:
+    rows (real compute, so the measurement includes gloo's thread taking the core from it), plain and
+    wrapped timed in turn, minus the modeled ring time of the wrapper's collectives:
 
     - DDP -> ``ddp_bucket_overhead_s`` per gradient bucket (DDP's buckets: 1 MiB first, then 25 MiB);
     - FSDP2 as the trainer wraps it at zero_stage 3 with one block per unit

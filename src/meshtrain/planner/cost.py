@@ -348,8 +348,8 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     Local SGD (``layout.local_sgd_steps = H``, Lin et al. 2020) replaces the gradient all-reduce by one
     all-reduce of the weights (PyTorch's ``PeriodicModelAverager`` flattens them into one buffer) every
     H steps, after the optimizer step (nothing to hide it behind), and the gradient norm is each
-    replica's own: ``allreduce(weights) / H`` plus the loss mean's and the stop check's latency, in the steady state after
-    the synchronous warm-up. Takeaway: dp communication falls by H.
+    replica's own: ``allreduce(weights) / H`` plus the loss mean's and the stop check's latency, in the
+    steady state after the synchronous warm-up. Takeaway: dp communication falls by H.
     """
     n = layout.dp * layout.sp
     if n == 1:
