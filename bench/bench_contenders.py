@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, meshtrain_command, update_benchmarks_doc, write_results  # noqa: E402
 
-from meshtrain.mesh import compute_dtype  # noqa: E402
+from meshtrain.runtime.device import compute_dtype  # noqa: E402
 
 CONFIG = REPO / "configs" / "shakespeare_char.toml"
 CONTENDERS = REPO / "bench" / "contenders.py"
@@ -149,7 +149,7 @@ def meshtrain_result(out: Path, overrides: dict[str, str]) -> dict:
 
     from meshtrain.config import load_config
     from meshtrain.data.corpus import load_corpus
-    from meshtrain.export import load_checkpoint_model
+    from meshtrain.cli.export import load_checkpoint_model
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r]
@@ -182,7 +182,7 @@ def step_flops(overrides: dict[str, str]) -> float:
     (forward + backward)."""
     from meshtrain.config import load_config
     from meshtrain.planner.cost import model_flops
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(CONFIG, overrides)
     return model_flops(from_config(cfg, 65), GLOBAL_BATCH)

@@ -118,7 +118,7 @@ def meshtrain_result(out: Path) -> dict:
 
     from meshtrain.config import load_config
     from meshtrain.data.corpus import load_corpus
-    from meshtrain.export import load_checkpoint_model
+    from meshtrain.cli.export import load_checkpoint_model
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -134,7 +134,7 @@ def step_flops(batch: int) -> tuple[float, int]:
     from meshtrain.config import load_config
     from meshtrain.models import build_model
     from meshtrain.planner.cost import model_flops
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(CONFIG, JOB["model"])
     import torch

@@ -69,7 +69,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from meshtrain.config import load_config
-    from meshtrain.train import Trainer
+    from meshtrain.train.loop import Trainer
 
     results = {}
     for name, hierarchical in ((spec["mode"], spec["mode"] == "hierarchical"),):

@@ -46,7 +46,7 @@ def time_search(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, int]:
     from meshtrain.planner.hardware import get_hardware
     from meshtrain.planner.layout import FRAMEWORKS
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import preset
+    from meshtrain.planner.model_specs import preset
     from meshtrain.planner.search import search
 
     m = replace(preset(model), seq_len=seq)

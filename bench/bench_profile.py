@@ -55,7 +55,7 @@ def main() -> None:
     from meshtrain.config import load_config, parse_overrides
     from meshtrain.parallel.reduce import batch_mean
     from meshtrain.parallel.rng import seed_step
-    from meshtrain.train import Trainer
+    from meshtrain.train.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         overrides = {**parse_overrides(args.overrides), "train.out_dir": tmp}

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from meshtrain.config import load_config
 from meshtrain.parallel.reduce import clip_grad_norm_
 from meshtrain.parallel.rng import seed_step
-from meshtrain.train import Trainer
+from meshtrain.train.loop import Trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
 

@@ -53,7 +53,7 @@ def train_cli(out: Path, nproc: int, **overrides: str) -> list[dict]:
 def train_here(out: Path, **overrides: str) -> list[dict]:
     """Train in this process (a 1-rank group, no launcher); return the metrics records."""
     from meshtrain.config import load_config
-    from meshtrain.train import train
+    from meshtrain.train.entry import train
 
     train(load_config(CONFIG, {**TINY, **overrides, "train.out_dir": str(out)}))
     return read_records(out)
@@ -121,7 +121,7 @@ def adamw_drift_bound(cfg_overrides: dict[str, str]) -> float:
     design: the losses of every step and the step-1 gradients carry the tight checks.
     """
     from meshtrain.config import load_config
-    from meshtrain.train import lr_at
+    from meshtrain.optim import lr_at
 
     cfg = load_config(CONFIG, {**TINY, **cfg_overrides})
     return 2 * sum(lr_at(step, cfg.optim, cfg.train.steps) for step in range(cfg.train.steps))

@@ -28,7 +28,7 @@ def _die() -> None:
 
 
 def fault_at_step(kind: str, step: int, rank: int, seconds: float = 0.0) -> None:
-    from meshtrain.train import Trainer
+    from meshtrain.train.loop import Trainer
 
     forward_backward = Trainer.forward_backward
     calls = {"n": 0}
@@ -37,7 +37,7 @@ def fault_at_step(kind: str, step: int, rank: int, seconds: float = 0.0) -> None
         calls["n"] += 1
         if self.start_step + calls["n"] == step and dist.get_rank() == rank:
             if kind == "sleep":  # stuck in Python: it notices torchrun's SIGTERM (a rank stuck in C is SIGKILLed)
-                from meshtrain.faults import STOP
+                from meshtrain.runtime.faults import STOP
 
                 end = time.monotonic() + seconds
                 while time.monotonic() < end and not STOP.signum:
@@ -121,7 +121,7 @@ if __name__ == "__main__":
         kill_in_save(int(fields[0]), fields[1])
     else:
         raise SystemExit(f"unknown fault {name!r}")
-    from meshtrain.train import main
+    from meshtrain.train.entry import main
 
     torch.set_num_threads(1)
     sys.exit(main())

@@ -28,10 +28,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.config import load_config
-from meshtrain.parallel.data import unwrap
 from meshtrain.parallel.reduce import reduce_partial_grads
 from meshtrain.parallel.rng import seed_step
-from meshtrain.train import Trainer
+from meshtrain.train.loop import Trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
 GRADS_FILE = "grads_step1.pt"
@@ -42,7 +41,7 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     keyed by the model's own names; None on ranks other than 0. A pipeline's second copy of the tied
     embedding (``lm_head.weight`` off the first stage) is left out, as one process lists the tied
     weight once."""
-    model = unwrap(trainer.model)
+    model = trainer.setup.model  # the module DDP wraps; FSDP2 and tp shard it in place, a pipeline prunes it
     reduce_partial_grads(model.parameters())
     out = {}
     for name, p in model.named_parameters():

@@ -38,7 +38,7 @@ def probe_local_sgd() -> None:
 
 
 def probe_slow_worker() -> None:
-    from meshtrain.train_async import AsyncRun
+    from meshtrain.train.async_run import AsyncRun
 
     compute = AsyncRun._compute
 
@@ -53,7 +53,7 @@ def probe_slow_worker() -> None:
 if __name__ == "__main__":
     probe = sys.argv.pop(1)
     {"local-sgd": probe_local_sgd, "slow-worker": probe_slow_worker}[probe]()
-    from meshtrain.train import main
+    from meshtrain.train.entry import main
 
     torch.set_num_threads(1)
     sys.exit(main())

@@ -105,7 +105,7 @@ def test_export_holds_the_checkpoints_weights_and_samples_the_same_text(run, tmp
 
     from meshtrain import checkpoint as ckpt
     from meshtrain.config import ModelConfig
-    from meshtrain.export import load_export
+    from meshtrain.cli.export import load_export
     from meshtrain.models import build_model
 
     out = tmp_path / "model.safetensors"

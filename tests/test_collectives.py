@@ -63,7 +63,7 @@ def _planned(name: str) -> Counter:
     from meshtrain.planner.actual import layout_from_config
     from meshtrain.planner.cost import layer_collectives, layer_step_collectives
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(ROOT / "configs" / "shakespeare_char.toml", {**BASE, **LAYOUTS[name]})
     model, layout = from_config(cfg, 65), layout_from_config(cfg, 2)

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import ConfigError
-from meshtrain.mesh import AXES, ParallelDims, init_distributed
+from meshtrain.mesh import AXES, ParallelDims
+from meshtrain.runtime.distributed import init_distributed
 
 
 @pytest.mark.parametrize("pp,dp,sp,tp", [(1, 8, 1, 1), (2, 2, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (3, 1, 1, 2)])

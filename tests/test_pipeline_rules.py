@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from meshtrain.models.split import chunk_ranks, item_costs, split_layers
-from meshtrain.schedules import RULES, bubble_fraction, microbatches_in_flight, schedule_error
+from meshtrain.rules.pipeline_split import chunk_ranks, item_costs, split_layers
+from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction, microbatches_in_flight, schedule_error
 
 
 def _brute_force_best(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> float:

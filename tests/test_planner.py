@@ -14,7 +14,7 @@ from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardw
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
 from meshtrain.planner.memory import (PRECISIONS, in_flight_microbatches, layer_activation_bytes,
                                       memory_breakdown)
-from meshtrain.planner.models import ModelSpec, preset
+from meshtrain.planner.model_specs import ModelSpec, preset
 
 MEGATRON_2021 = FRAMEWORKS["megatron-2021"]
 MESHTRAIN = FRAMEWORKS["meshtrain"]

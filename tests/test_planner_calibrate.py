@@ -86,7 +86,7 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
     from meshtrain.planner.cost import _micro_batch, dp_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     fw = FRAMEWORKS["meshtrain"]
     assert fw.grad_first_bucket_bytes == dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -158,7 +158,7 @@ def test_tp_and_sp_are_charged_at_the_measured_rate_of_each_collective():
     from meshtrain.planner.cost import _micro_batch, collective_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     model, prec, fw = from_config(load_config(CONFIG), 65), PRECISIONS["fp32"], FRAMEWORKS["meshtrain"]
     layouts = {"tp": Layout(dp=1, tp=2), "tp+seqp": Layout(dp=1, tp=2, tp_sequence_parallel=True),
@@ -211,7 +211,7 @@ def test_plan_vs_actual_of_a_tp_and_sp_run(profile, tmp_path, capsys):
 
 
 def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys):
-    from meshtrain.launch import report_plan_vs_actual
+    from meshtrain.launch.report import report_plan_vs_actual
 
     cfg = load_config(CONFIG, {"train.out_dir": str(tmp_path)})
     report_plan_vs_actual(cfg, threads=1)  # no summary.json (rank 0 on another node): nothing
@@ -232,7 +232,7 @@ def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys)
 def test_rank_threads_share_out_the_cores():
     import os
 
-    from meshtrain.launch import rank_threads
+    from meshtrain.launch.command import rank_threads
 
     saved = os.environ.pop("OMP_NUM_THREADS", None)
     try:
@@ -256,7 +256,7 @@ def test_tp_and_sp_host_time_is_charged_per_layer_and_micro_step(layout, key):
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     hw = get_hardware("cpu")
     model = from_config(load_config(CONFIG), 65)
@@ -279,8 +279,8 @@ def test_pipeline_action_host_time_is_charged_per_action(schedule, v, actions):
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
-    from meshtrain.schedules import bubble_fraction
+    from meshtrain.planner.model_specs import from_config
+    from meshtrain.rules.pipeline_schedules import bubble_fraction
 
     hw = get_hardware("cpu")
     model = from_config(load_config(CONFIG), 65)
@@ -303,7 +303,7 @@ def test_zero_bubble_backward_costs_the_calibrated_split_factor():
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     hw = get_hardware("cpu")
     model = from_config(load_config(CONFIG), 65)

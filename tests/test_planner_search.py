@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.cli import main
+from meshtrain.cli.main import main
 from meshtrain.planner.estimate import Job
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, divisibility_errors, framework_errors
 from meshtrain.planner.memory import PRECISIONS
-from meshtrain.planner.models import preset
+from meshtrain.planner.model_specs import preset
 from meshtrain.planner.search import search
 from meshtrain.planner.validate import validate_file
 

@@ -1,5 +1,5 @@
 """The planner's ``meshtrain`` framework and the trainer's config validation read one table
-(``meshtrain.support.SUPPORTED``): every layout the search can rank, the trainer accepts."""
+(``meshtrain.rules.support.SUPPORTED``): every layout the search can rank, the trainer accepts."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 import pytest
 
 from conftest import CONFIG
-from meshtrain.cli import main
+from meshtrain.cli.main import main
 from meshtrain.config import Config, ConfigError, validate
 from meshtrain.planner.estimate import Job
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors, framework_errors
-from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.planner.search import candidate_layouts
-from meshtrain.support import SUPPORTED
+from meshtrain.rules.support import SUPPORTED
 
 
 def trainer_config(model: ModelSpec, layout: Layout) -> Config:
@@ -101,7 +101,7 @@ def test_fix_and_explain_name_what_the_trainer_lacks(capsys):
 
 
 def test_fsdp_units_group_consecutive_blocks_up_to_the_unit_size():
-    from meshtrain.support import fsdp_units
+    from meshtrain.rules.support import fsdp_units
 
     assert fsdp_units([10.0] * 4, 0.0) == ([[0], [1], [2], [3]], [])  # one unit per block (torchtitan)
     assert fsdp_units([10.0] * 5, 20.0) == ([[0, 1], [2, 3]], [4])  # the rest stays in the root
@@ -120,7 +120,7 @@ def test_the_planner_counts_the_trainers_fsdp_units():
     from meshtrain.planner.hardware import get_hardware
     from meshtrain.planner.layout import meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS, fsdp_unit_shape, memory_breakdown, stage_params
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(CONFIG)
     model, prec = from_config(cfg, 65), PRECISIONS["fp32"]

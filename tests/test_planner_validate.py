@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from meshtrain.cli import main
+from meshtrain.cli.main import main
 from meshtrain.config import ConfigError
 from meshtrain.planner.validate import PREDICTABLE, validate_file
 

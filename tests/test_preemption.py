@@ -269,7 +269,7 @@ def kill_in_save_trial(tmp_path: Path, rank: int, point: str) -> Path:
     """Checkpoints at steps 3 and 6; rank ``rank`` dies at ``point`` of the second save. Returns the
     checkpoint a resume would use, after checking it is complete and loads."""
     from meshtrain import checkpoint as ckpt
-    from meshtrain.export import load_checkpoint_model
+    from meshtrain.cli.export import load_checkpoint_model
 
     proc = fault_run(tmp_path, f"kill-in-save:{rank}:{point}",
                      **{"train.steps": "8", "checkpoint.interval": "3", "checkpoint.keep": "1"})

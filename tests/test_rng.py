@@ -39,7 +39,7 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
     from meshtrain.config import ModelConfig, ParallelConfig
     from meshtrain.mesh import ParallelDims
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel import parallelize
+    from meshtrain.parallel import parallelize_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
         dims = ParallelDims(pp=1, dp=1, sp=1, tp=2, world_size=2)
         dims.build_mesh("cpu")
         torch.manual_seed(0)
-        model = parallelize(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=0.3), 11),
+        model = parallelize_model(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=0.3), 11),
                             dims, ParallelConfig(tp=2))
         seen = []
         model.norm.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))

@@ -13,7 +13,7 @@ from conftest import CONFIG, TINY, assert_close_losses, losses, train_here
 
 
 def test_auto_dtype_is_bf16_exactly_where_matmuls_have_bf16_hardware():
-    from meshtrain.mesh import compute_dtype
+    from meshtrain.runtime.device import compute_dtype
 
     cpu_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX512-BF16 / AMX: oneDNN's bf16 GEMMs
     assert compute_dtype("auto", "cpu") == ("bfloat16" if cpu_bf16 else "float32")
@@ -23,7 +23,7 @@ def test_auto_dtype_is_bf16_exactly_where_matmuls_have_bf16_hardware():
 
 
 def test_a_run_records_the_dtype_auto_picked_and_its_arithmetic(tmp_path):
-    from meshtrain.mesh import compute_dtype
+    from meshtrain.runtime.device import compute_dtype
 
     auto = losses(train_here(tmp_path / "auto", **{"train.dtype": "auto", "train.steps": "3"}))
     summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
@@ -56,7 +56,7 @@ def test_bf16_attention_on_the_cpu_runs_the_fp32_kernel_under_autocast():
 def test_fused_adamw_is_chosen_for_plain_tensors_unless_turned_off():
     from meshtrain.config import load_config
     from meshtrain.models import build_model
-    from meshtrain.train import build_optimizer
+    from meshtrain.optim import build_optimizer
 
     model = build_model(load_config(CONFIG, TINY).model, 65)
     fused, _ = build_optimizer(model.parameters(), load_config(CONFIG, TINY), 12)
@@ -119,15 +119,15 @@ def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
 
 
 def test_fsdp2_wraps_the_units_that_fsdp_units_names():
-    """The trainer's FSDP2 units are :func:`meshtrain.support.fsdp_units`' (which the planner reads): one
+    """The trainer's FSDP2 units are :func:`meshtrain.rules.support.fsdp_units`' (which the planner reads): one
     parameter group per unit, every unit but the last resharded after forward at zero_stage 3."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.config import load_config
     from meshtrain.models import build_model
-    from meshtrain.parallel.data import apply_dp, local_bytes
-    from meshtrain.support import fsdp_units
+    from meshtrain.parallel.data_parallel import apply_dp, local_bytes
+    from meshtrain.rules.support import fsdp_units
 
     cfg = load_config(CONFIG, {**TINY, "model.n_layer": "5"})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -21,7 +21,7 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
     "fsdp2-zero3-ga2": (2, {"parallel.zero_stage": "3", "batch.micro_batch_size": "2",
                             "batch.gradient_accumulation_steps": "2"}),
     "fsdp2-zero2": (2, {"parallel.zero_stage": "2", "batch.micro_batch_size": "4"}),
-    # FSDP2 units (meshtrain.support.fsdp_units): the 25 MiB default puts this model's 2 blocks of 49.7 kB
+    # FSDP2 units (meshtrain.rules.support.fsdp_units): the 25 MiB default puts this model's 2 blocks of 49.7 kB
     # in the root unit (the cases above); 0 gives each block its own unit (the last kept after forward);
     # 0.06 MiB = 62.9 kB groups both blocks into one unit.
     "fsdp2-zero3-per-block": (2, {"parallel.zero_stage": "3", "parallel.fsdp_unit_mb": "0",

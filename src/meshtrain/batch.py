@@ -78,6 +78,11 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
     return micro_batch_size * gradient_accumulation_steps * dp
 
 
+def tokens_per_step(global_batch_size: int, seq_len: int) -> int:
+    """Tokens per optimizer step = global_batch_size * seq_len (samples of ``seq_len`` tokens each)."""
+    return global_batch_size * seq_len
+
+
 def gradient_accumulation_for(global_batch: int, micro_batch_size: int, dp: int) -> int:
     """The gradient_accumulation_steps that gives ``global_batch`` samples per step.
 

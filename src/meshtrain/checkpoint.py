@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from meshtrain.config import ConfigError
+from meshtrain.config import Config, ConfigError
 from meshtrain.fileio import write_json_atomic
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -285,3 +285,17 @@ def _aliased_keys(ckpt: Path, optim_sd: dict[str, Any], aliases: dict[str, str])
                 if f"optim.{other}" in stored:
                     out[key] = other
     return out
+
+
+def resume_checkpoint(cfg: Config) -> Path | None:
+    """The step folder a rank resumes from: ``checkpoint.resume``, or, in ranks torchrun restarted after a
+    failure, the newest checkpoint of this run's own output folder; None to start fresh."""
+    resume = cfg.checkpoint.resume
+    if elastic_restart() and list_checkpoints(cfg.train.out_dir):
+        resume = cfg.train.out_dir  # continue this run, not the checkpoint it started from
+    return resolve_checkpoint(resume) if resume else None
+
+
+def elastic_restart() -> bool:
+    """True in ranks that torchrun restarted after a failure (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtrain.rules.support import compile_eligible
+
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -91,12 +93,12 @@ class ParallelConfig:
     fsdp_unit_mb: float = 25.0
     """zero_stage 2/3: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter) until it
     holds this many MiB of fp32 parameters, like DDP's 25 MiB buckets; 0 = one unit per block
-    (:func:`meshtrain.support.fsdp_units`)."""
+    (:func:`meshtrain.rules.support.fsdp_units`)."""
     sp_mode: str = "ulysses"
     """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble" or "zbv"
-    (:mod:`meshtrain.schedules`); its micro-batches are the ``gradient_accumulation_steps``."""
+    (:mod:`meshtrain.rules.pipeline_schedules`); its micro-batches are the ``gradient_accumulation_steps``."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank: 1, >= 2 for "interleaved-1f1b", 2 for "zbv"."""
     tp_sequence_parallel: bool = False
@@ -170,7 +172,7 @@ class TrainConfig:
     """Write a metrics record every this many steps (and at the last step)."""
     dtype: str = "auto"
     """Compute dtype: "bfloat16" (autocast; master weights stay fp32), "float32", or "auto": bfloat16 where
-    the device has bf16 matmul (:func:`meshtrain.mesh.compute_dtype`), else float32."""
+    the device has bf16 matmul (:func:`meshtrain.runtime.device.compute_dtype`), else float32."""
     out_dir: str = "out"
     """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
     compile: str = "auto"
@@ -389,7 +391,7 @@ def validate(cfg: Config) -> Config:
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
-    _require(t.compile != "on" or (p.pp, p.tp, p.sp) == (1, 1, 1) and p.sync_mode != "async" and m.type == "gpt",
+    _require(t.compile != "on" or compile_eligible(m.type, p.pp, p.tp, p.sp, p.sync_mode),
              f"train.compile = \"on\" compiles a GPT at pp = tp = sp = 1 without sync_mode async (here pp={p.pp} "
              f"tp={p.tp} sp={p.sp}, {p.sync_mode}, {m.type}): use \"auto\" or \"off\"")
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
@@ -402,8 +404,8 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_support(cfg: Config) -> None:
-    """Reject what the trainer cannot run (the table in :mod:`meshtrain.support`)."""
-    from meshtrain.support import SUPPORTED as S
+    """Reject what the trainer cannot run (the table in :mod:`meshtrain.rules.support`)."""
+    from meshtrain.rules.support import SUPPORTED as S
 
     p = cfg.parallel
     zeros = ", ".join(map(str, S.zero_stages))
@@ -417,7 +419,7 @@ def _validate_support(cfg: Config) -> None:
              f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
     if p.pp > 1:
-        from meshtrain.schedules import schedule_error
+        from meshtrain.rules.pipeline_schedules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, max(p.dp, 1) * p.sp)  # dp = -1 is checked in resolve_world
@@ -516,7 +518,7 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} (pp*sp*tp = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
     if p.pp > 1:
-        from meshtrain.schedules import schedule_error
+        from meshtrain.rules.pipeline_schedules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, dp * p.sp)

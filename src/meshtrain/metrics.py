@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 logger = logging.getLogger("meshtrain")
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+"""Written by global rank 0 at the end of a run: val loss, median step time, peak memory, the layout."""
 REFRESH_PER_S = 2
 """Progress-bar redraws per second. rich's default of 10 costs its drawing thread ~24 ms of CPU per second
 on a terminal (2.4% of a core that the training threads share); 2 costs ~8 ms."""
@@ -113,3 +116,22 @@ def plot_loss(out_dir: Path) -> Path | None:
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def peak_memory_bytes(device_type: str) -> int:
+    """Peak memory of this rank in bytes: the CUDA allocator's peak on ``"cuda"``, the peak resident set
+    size (``ru_maxrss``, KiB on Linux) elsewhere."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+    """Global rank 0 at the end of a run: ``OUT/loss.png`` from metrics.jsonl and ``OUT/summary.json``
+    (written atomically), which ``meshtrain train`` then compares with the planner."""
+    from meshtrain.fileio import write_json_atomic
+
+    plot_loss(out_dir)
+    write_json_atomic(Path(out_dir) / SUMMARY_FILE, summary)

@@ -14,7 +14,7 @@ The embedding, the blocks, the final norm and the head are separate submodules s
 can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
 returns hidden states). Blocks live in a ``ModuleDict`` keyed by layer index, so parameter names
 (``blocks.3.attn.q.weight``) are the same whichever stage holds the layer, and a TP plan
-(:mod:`meshtrain.models.gpt_parallel`) names them directly.
+(:mod:`meshtrain.models.gpt_tp`) names them directly.
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ class GPT(LayeredLM):
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
-        """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_parallel.tp_plan`)."""
-        from meshtrain.models.gpt_parallel import tp_plan
+        """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_tp.tp_plan`)."""
+        from meshtrain.models.gpt_tp import tp_plan
 
         return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel,
                                                                 self.tok_emb is not None).items()

@@ -1,12 +1,13 @@
-"""Parallel strategies, each ``apply_<x>(model, mesh, ...) -> model`` in its own file, composed here.
+"""How the parallel strategies compose: the one function the trainer calls, :func:`parallelize`.
 
-:func:`parallelize` applies them in one fixed order (DESIGN.md, "Composition"):
+Each strategy is ``apply_<x>(model, mesh, ...) -> model`` in its own module; they are applied in one fixed
+order (DESIGN.md, "Composition"):
 
 1. pp split -- :func:`meshtrain.parallel.pipeline.split_model`: this rank's chunks of consecutive
    layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;
 2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
 3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
-4. dp -- :func:`meshtrain.parallel.data.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
+4. dp -- :func:`meshtrain.parallel.data_parallel.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
    it wraps (and, for FSDP2, shards further) the parameters tp produced; optionally with DDP's
    all-reduce made hierarchical (:mod:`meshtrain.parallel.hierarchical`). Local SGD and the parameter
    server replace this all-reduce altogether (:mod:`meshtrain.parallel.local_sgd`,
@@ -14,26 +15,76 @@
 
 Dropout streams are set up after tp and sp (:mod:`meshtrain.parallel.rng`), since sp replaces the
 attention modules whose dropout runs on the per-tp-rank stream. No strategy module imports another.
+
+:func:`parallelize` also decides everything else about how a step runs -- compiled blocks (before DDP/
+FSDP2 wrap them, as torchtitan orders it), the pipeline schedule, local SGD's parameter averaging -- and
+returns a :class:`ParallelModel` (:mod:`meshtrain.parallel.model`) whose methods the trainer calls, so the
+training loop holds no ``if strategy`` branch. (Composition lives in this ``__init__``: it is the one module
+of the package that may import every strategy.) The parameter server is a loop of its own
+(:func:`meshtrain.parallel.async_ps.uses_parameter_server`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
 from collections.abc import Callable
 
-from meshtrain.config import ParallelConfig
+from meshtrain.batch import global_batch_size, tokens_per_step
+from meshtrain.config import Config, ParallelConfig
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
-from meshtrain.parallel.data import apply_dp
+from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
+from meshtrain.parallel.local_sgd import LocalSGD
+from meshtrain.parallel.model import ParallelModel, PipelineModel, ReplicatedModel
 from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
 from meshtrain.parallel.rng import TPRegionRNG
+from meshtrain.parallel.reduce import cross_entropy, local_value
 from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
 from meshtrain.parallel.tensor import apply_tp
+from meshtrain.rules.support import blocks_compiled, compile_eligible
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
+                autocast: contextlib.AbstractContextManager) -> ParallelModel:
+    """Everything ``cfg`` asks of ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, built from the
+    seed on this rank's device) on ``dims``' built mesh; return what the trainer runs steps with.
+
+    With pp > 1 the model is cut into this rank's pipeline chunks (:func:`parallelize_pipeline`), else it
+    gets compiled blocks where ``train.compile`` resolves to on (:func:`meshtrain.rules.support.blocks_compiled`),
+    then tp -> sp -> dp (:func:`parallelize_model`), and local SGD's averaging where ``sync_mode`` asks
+    for it. ``autocast``: the context every forward runs in (bf16 autocast, or none).
+    """
+    p, b = cfg.parallel, cfg.batch
+    if dims.pp_enabled:
+        tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
+                                 cfg.model.block_size)  # one replica's, for balancing the chunks' costs
+        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss)
+        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode), autocast)
+    device_type = next(model.parameters()).device.type
+    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode), device_type)
+    if compiled:
+        for block in model.blocks.values():
+            block.compile()  # before DDP/FSDP2 wrap it, as torchtitan orders them; names unchanged
+    model = parallelize_model(model, dims, p)
+    local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
+                 if p.sync_mode == "local-sgd" else None)
+    return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode), autocast, gradient_sync, compiled=compiled,
+                           local_sgd=local_sgd)
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
+    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` as a plain
+    tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward
+    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one)."""
+    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True))
+
+
+def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
     """Apply tp -> sp -> dp to ``model`` (built on this rank's device) on ``dims``' mesh; return the module to train.
 
     ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
@@ -103,3 +154,9 @@ def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: i
         return x, y, torch.arange(T, device=x.device)
     shard = [shard_sequence(t, 1, sp_rank, dims.sp, sp_mode) for t in (x, y)]  # (B, T/sp) each
     return shard[0], shard[1], sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device)
+
+
+def _sharder(dims: ParallelDims, sp_mode: str) -> Callable:
+    """``(x, y) -> (x, y, positions)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
+    sp_rank = dims.rank_of(Axis.SP)
+    return lambda x, y: local_batch(x, y, dims, sp_rank, sp_mode)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshtrain.mesh import collective_timeout
+from meshtrain.runtime.distributed import collective_timeout
 
 
 def inter_node_bytes(nbytes: float, ranks: int, nodes: int, hierarchical: bool) -> float:

@@ -4,7 +4,7 @@ comparison with what the run measured (``OUT/plan_vs_actual.json``).
 The trainer does not import the planner (DESIGN.md, "Composition"): rank 0 writes ``OUT/summary.json``
 (median seconds per optimizer step, peak memory of the busiest rank: peak RSS on CPU, the CUDA
 allocator's peak on GPU, world size, vocabulary, device). The launcher (``meshtrain train``,
-:func:`meshtrain.launch.run`) then calls :func:`report_run`, which predicts the same layout with
+:func:`meshtrain.launch.command.run`) then calls :func:`report_run`, which predicts the same layout with
 :func:`predict_for_run` (dp, tp, sp with its ``sp_mode``, ``tp_sequence_parallel``, ZeRO stage, batch
 split), writes the comparison with :func:`write_plan_vs_actual` and prints one line. On CPU the
 prediction uses the profile of ``meshtrain plan --calibrate`` (default
@@ -26,7 +26,7 @@ from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
 from meshtrain.planner.layout import Layout, meshtrain_framework
 from meshtrain.planner.memory import PRECISIONS, memory_breakdown
-from meshtrain.planner.models import from_config
+from meshtrain.planner.model_specs import from_config
 
 CORPUS_BYTES_PER_CHAR = 18.0
 """RSS the trainer's corpus loading adds per character when no profile measured it: the text (1 byte),
@@ -100,7 +100,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
         return {"step_time_s": math.nan, "peak_memory_bytes": math.nan, "profile": str(e)}
     model = from_config(cfg, vocab_size)
     layout = layout_from_config(cfg, world_size)
-    from meshtrain.mesh import compute_dtype
+    from meshtrain.runtime.device import compute_dtype
 
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
     framework = meshtrain_framework(cfg)

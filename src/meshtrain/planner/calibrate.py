@@ -104,7 +104,7 @@ def measure_compute_passes(min_time: float, gemm_sizes: tuple[int, ...], attenti
 
 
 def _autocast(dtype_name: str):
-    from meshtrain.mesh import autocast
+    from meshtrain.runtime.device import autocast
 
     return autocast(dtype_name, "cpu")
 
@@ -351,7 +351,7 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
 
     - DDP -> ``ddp_bucket_overhead_s`` per gradient bucket (DDP's buckets: 1 MiB first, then 25 MiB);
     - FSDP2 as the trainer wraps it at zero_stage 3 with one block per unit
-      (:func:`meshtrain.parallel.data.apply_dp`, ``fsdp_unit_mb = 0``): a gather before each block's
+      (:func:`meshtrain.parallel.data_parallel.apply_dp`, ``fsdp_unit_mb = 0``): a gather before each block's
       forward and, but for the last block's, before its backward, and a reduce-scatter, ``3 * units - 1``
       collectives -> ``fsdp_unit_overhead_s`` per unit collective; and the clip + AdamW step over the
       sharded parameters -> ``sharded_tensor_update_host_s`` per parameter tensor.
@@ -361,7 +361,7 @@ def _dp_host(world: int, comm: dict, units: int = 8, width: int = 64, tokens: in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from meshtrain.parallel.data import apply_dp
+    from meshtrain.parallel.data_parallel import apply_dp
     from meshtrain.planner.cost import ring_time
     from meshtrain.planner.layout import FRAMEWORKS
 
@@ -399,7 +399,7 @@ PARALLEL_HOST = {  # profile key: the trainer's parallel config on the calibrati
 def _parallel_host(world: int, comm: dict) -> dict:
     """Host seconds per layer and micro-step that tp and sp add beyond their collectives' modeled ring
     time: the trainer's GPT at width 4*world (``n_head = world``, 16 tokens, so the arithmetic is
-    negligible) parallelized by :func:`meshtrain.parallel.parallelize` over all ranks, forward +
+    negligible) parallelized by :func:`meshtrain.parallel.parallelize_model` over all ranks, forward +
     backward at 1 and 5 layers; per layer = the difference / 4, minus the plain model's per layer,
     minus :func:`~meshtrain.planner.cost.layer_collectives` at the measured gloo rates. This is
     DTensor's dispatch of every sharded operator, the autograd functions of Ulysses and ring attention,
@@ -410,13 +410,13 @@ def _parallel_host(world: int, comm: dict) -> dict:
     from meshtrain.config import Config, ModelConfig, ParallelConfig
     from meshtrain.mesh import Axis, ParallelDims
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel import local_batch, parallelize
+    from meshtrain.parallel import local_batch, parallelize_model
     from meshtrain.parallel.reduce import backward_context, cross_entropy
     from meshtrain.parallel.rng import seed_step
     from meshtrain.planner.actual import layout_from_config
     from meshtrain.planner.cost import layer_collectives, ring_time
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config
+    from meshtrain.planner.model_specs import from_config
 
     def steps(parallel: ParallelConfig) -> list:
         """Forward + backward of the model at 1 and at 5 layers, parallelized by ``parallel``."""
@@ -427,7 +427,7 @@ def _parallel_host(world: int, comm: dict) -> dict:
             dims.build_mesh("cpu")
             torch.manual_seed(0)
             model = GPT(ModelConfig(n_layer=n_layer, n_head=world, n_embd=4 * world, block_size=16), 65)
-            model = parallelize(model, dims, parallel)
+            model = parallelize_model(model, dims, parallel)
             seed_step(model, 0, 1, dist.get_rank(), parallel.tp)
             x = torch.randint(0, 65, (1, 16), generator=torch.Generator().manual_seed(0))
             x, y, pos = local_batch(x, x, dims, dims.rank_of(Axis.SP), parallel.sp_mode)
@@ -528,10 +528,11 @@ def _split_backward_factor() -> float:
 
 
 TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
-                   "meshtrain.fileio", "meshtrain.launch", "meshtrain.mesh", "meshtrain.metrics",
-                   "meshtrain.models.gpt", "meshtrain.parallel", "meshtrain.parallel.data", "meshtrain.parallel.reduce",
-                   "meshtrain.parallel.pipeline",
-                   "meshtrain.parallel.rng", "torch.optim.lr_scheduler")
+                   "meshtrain.fileio", "meshtrain.preflight", "meshtrain.mesh", "meshtrain.metrics", "meshtrain.models",
+                   "meshtrain.models.gpt", "meshtrain.optim", "meshtrain.parallel", "meshtrain.parallel.data_parallel",
+                   "meshtrain.parallel.reduce", "meshtrain.parallel.pipeline", "meshtrain.parallel.rng",
+                   "meshtrain.runtime.device", "meshtrain.runtime.distributed", "meshtrain.runtime.faults",
+                   "torch.optim.lr_scheduler")
 """What ``meshtrain.train`` imports (the planner never imports the trainer: DESIGN.md, "Composition"):
 loaded, they hold the same modules and RSS as the trainer's imports (764 of its 767 modules beyond torch,
 the rest ``statistics``; 268 MiB peak either way, measured on this 2-core VM)."""

@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain.planner.hardware import Hardware
-from meshtrain.schedules import RULES, bubble_fraction
+from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.memory import Precision, fsdp_unit_shape, stage_layers, stage_params
-from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec
 
 
 def dense_flops_per_token(model: ModelSpec) -> float:
@@ -316,7 +316,7 @@ def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) ->
 
 def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
     """Idle time of the busiest stage per step: a bubble fraction ``f`` of the step
-    (:func:`meshtrain.schedules.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
+    (:func:`meshtrain.rules.pipeline_schedules.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
     busy time idle. Busy time is ``m`` micro-batch times (compute, tp/sp and p2p): ``(p-1)/v`` micro-batch
     times for GPipe, 1F1B and interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), ``(p-1)/(3v)`` for
     zero-bubble at F = I = W (Qi et al. 2024), ``(p-1) * m`` for naive model parallelism."""
@@ -342,7 +342,7 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     framework overlaps and the device can; across nodes these rings use the NICs of all the group's ranks
     on a node (:meth:`Network.link`); FSDP's host time per unit collective
     (``Device.fsdp_unit_overhead_s``) is never hidden. Scalar all-reduces add their latency every step:
-    the loss mean and the trainer's stop check (:meth:`meshtrain.faults.StopRequest.agreed`), and with
+    the loss mean and the trainer's stop check (:meth:`meshtrain.runtime.faults.StopRequest.agreed`), and with
     sharded gradients (FSDP) the gradient norm's sum of squares.
 
     Local SGD (``layout.local_sgd_steps = H``, Lin et al. 2020) replaces the gradient all-reduce by one

@@ -11,7 +11,7 @@ from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_t
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import MemoryBreakdown, Precision, memory_breakdown
-from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec
 
 
 @dataclass(frozen=True)

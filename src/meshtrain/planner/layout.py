@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from meshtrain.config import Config, ConfigError, ParallelConfig
-from meshtrain.planner.models import ModelSpec
-from meshtrain.schedules import RULES, schedule_error
-from meshtrain.support import SUPPORTED
+from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.rules.pipeline_schedules import RULES, schedule_error
+from meshtrain.rules.support import SUPPORTED
 
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = tuple(RULES)
-"""Every pipeline schedule the planner models: the trainer's (:mod:`meshtrain.schedules`)."""
+"""Every pipeline schedule the planner models: the trainer's (:mod:`meshtrain.rules.pipeline_schedules`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 SP_MODES = ("ulysses", "ring")
 """Sequence parallelism: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023) or ring attention
@@ -118,7 +118,7 @@ class Framework:
     - ``grad_first_bucket_bytes``: a smaller first bucket, so that the first all-reduce starts early
       (PyTorch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB); 0 = all buckets of ``grad_bucket_bytes``.
     - ``fsdp_unit_bytes``: ZeRO-3/FSDP groups consecutive blocks into one unit (one all-gather, one
-      reduce-scatter) until it holds this many bytes of fp32 parameters (:func:`meshtrain.support.fsdp_units`,
+      reduce-scatter) until it holds this many bytes of fp32 parameters (:func:`meshtrain.rules.support.fsdp_units`,
       the trainer's ``parallel.fsdp_unit_mb``, 25 MiB by default); 0 = one unit per block (torchtitan,
       FSDP's transformer auto-wrap policy).
     - ``grad_sync_every_microstep``: gradients are reduced after every micro-batch (FSDP in Composer) instead
@@ -168,7 +168,7 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce)
-"""The trainer: its features are the table of :mod:`meshtrain.support` (the one config validation reads),
+"""The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
 
@@ -203,7 +203,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
     needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2), and each pipeline schedule
-    its own rules (:func:`meshtrain.schedules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
+    its own rules (:func:`meshtrain.rules.pipeline_schedules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
     2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """

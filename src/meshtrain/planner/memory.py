@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from meshtrain.planner.hardware import Hardware
-from meshtrain.schedules import microbatches_in_flight
+from meshtrain.rules.pipeline_schedules import microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.models import ModelSpec
-from meshtrain.support import fsdp_units
+from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.rules.support import fsdp_units
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _stage_params(model: ModelSpec, pp: int, tp: int) -> float:
 
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
     """``(units, blocks per unit)`` of the busiest stage under ZeRO-3/FSDP: its blocks grouped as the
-    trainer groups them (:func:`meshtrain.support.fsdp_units`); blocks left over stay in the root."""
+    trainer groups them (:func:`meshtrain.rules.support.fsdp_units`); blocks left over stay in the root."""
     block_bytes = 4 * model.layer_params() / layout.tp
     units, _ = fsdp_units([block_bytes] * stage_layers(model, layout), framework.fsdp_unit_bytes)
     return len(units), (len(units[0]) if units else 0)
@@ -132,7 +132,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
 
 def in_flight_microbatches(layout: Layout) -> float:
     """Micro-batches whose activations the first (fullest) stage holds at its peak
-    (:func:`meshtrain.schedules.microbatches_in_flight`, the trainer's schedules)."""
+    (:func:`meshtrain.rules.pipeline_schedules.microbatches_in_flight`, the trainer's schedules)."""
     return microbatches_in_flight(layout.pp_schedule, layout.pp, layout.gradient_accumulation_steps,
                                   layout.virtual_stages)
 

@@ -14,7 +14,7 @@ from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision
-from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Any
 
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import Hardware
-from meshtrain.schedules import schedule_error
+from meshtrain.rules.pipeline_schedules import schedule_error
 from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision, memory_breakdown
-from meshtrain.planner.models import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec
 
 
 def divisors(n: int) -> list[int]:
@@ -34,7 +34,7 @@ def divisors(n: int) -> list[int]:
 
 def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...], batch_degree: int) -> Iterator[tuple[str, int]]:
     """(pp_schedule, virtual_stages) pairs the framework runs for ``pp`` stages and ``ga`` micro-batches:
-    the trainer's own rules (:func:`meshtrain.schedules.schedule_error`), virtual stages from the
+    the trainer's own rules (:func:`meshtrain.rules.pipeline_schedules.schedule_error`), virtual stages from the
     divisors of a stage's layers."""
     if pp == 1:
         yield "1f1b", 1

@@ -32,7 +32,7 @@ from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 from meshtrain.planner.memory import PRECISIONS
-from meshtrain.planner.models import from_table
+from meshtrain.planner.model_specs import from_table
 from meshtrain.planner.search import search
 
 SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"), ("korthikanti", "megatron-2022"),

@@ -1,6 +1,6 @@
 """Pipeline parallelism (``pp``): consecutive layers on consecutive ranks, micro-batches streamed through.
 
-The model is cut into ``pp * virtual_stages`` chunks balanced by cost (:mod:`meshtrain.models.split`);
+The model is cut into ``pp * virtual_stages`` chunks balanced by cost (:mod:`meshtrain.rules.pipeline_split`);
 each rank keeps its chunks (the embedding on the first, the final norm, head and loss on the last)
 and runs a schedule from ``torch.distributed.pipelining`` over them. Pipeline micro-batches are the
 step's ``gradient_accumulation_steps`` micro-batches, so a step's gradient is the same mean as
@@ -45,13 +45,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.fileio import write_json_atomic
-from meshtrain.mesh import collective_timeout
+from meshtrain.runtime.distributed import collective_timeout
 from meshtrain.parallel.reduce import local_value
-from meshtrain.models.split import Chunk, chunk_ranks, item_costs, split_layers
+from meshtrain.rules.pipeline_split import Chunk, chunk_ranks, item_costs, split_layers
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
                                                plot_timeline)
-from meshtrain.schedules import RULES, bubble_fraction
+from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
 
 SCHEDULES: dict[str, type] = {
     "naive": ScheduleNaive,

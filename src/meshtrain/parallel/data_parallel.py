@@ -6,7 +6,7 @@ sample; a gradient is averaged over both, DESIGN.md "Composition").
   buckets, overlapped with backward (Li et al. 2020, "PyTorch Distributed", VLDB, Sec. 3.2). DDP does
   not take the ``DTensor`` parameters of tensor parallelism, so with tp > 1 zero_stage 0 uses PyTorch's
   FSDP2-based ``replicate`` instead (the same all-reduce of gradients, per parameter group).
-- zero_stage 3: units of consecutive transformer blocks (:func:`meshtrain.support.fsdp_units`: at
+- zero_stage 3: units of consecutive transformer blocks (:func:`meshtrain.rules.support.fsdp_units`: at
   least ``parallel.fsdp_unit_mb`` of parameters each, one block per unit at 0) and then the root are
   ``fully_shard``-ed: parameters, gradients and AdamW states are sharded 1/dp; each unit's parameters
   are all-gathered before its forward and again before its backward, gradients reduce-scattered
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshtrain.support import fsdp_units
+from meshtrain.rules.support import fsdp_units
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: float = 0.0) -> nn.Module:
@@ -73,11 +73,6 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
 def local_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s parameters on this rank (a ``DTensor``'s local shard), as fp32."""
     return sum(4 * (p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under a DDP wrapper (FSDP2 shards in place, so it is the module itself)."""
-    return model.module if isinstance(model, DDP) else model
 
 
 def model_device(model: nn.Module) -> torch.device:

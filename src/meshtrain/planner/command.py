@@ -126,7 +126,7 @@ def _config_precision(dtype: str, gpu: str) -> str:
     """The precision a config's ``train.dtype`` trains in on ``gpu``: ``auto`` is bf16 autocast on a GPU
     (every GPU in the catalogue has bf16 matmul) and, for ``cpu``, what this machine's CPU resolves it to."""
     if dtype == "auto":
-        from meshtrain.mesh import compute_dtype
+        from meshtrain.runtime.device import compute_dtype
 
         dtype = compute_dtype(dtype, "cpu") if gpu == "cpu" else "bfloat16"
     return "bf16-autocast" if dtype == "bfloat16" else "fp32"
@@ -175,7 +175,7 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.hardware import get_hardware
     from meshtrain.planner.layout import FRAMEWORKS, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.models import from_config, load_model
+    from meshtrain.planner.model_specs import from_config, load_model
 
     cfg = None
     if args.config:

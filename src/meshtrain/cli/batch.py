@@ -1,24 +1,15 @@
-"""The ``meshtrain`` command: ``train | plan | batch | generate | export`` (benchmarks live in ``bench/``, run by ``make bench``).
-
-Each subcommand lives next to what it drives and registers itself through ``add_parser(subparsers)``;
-this module only dispatches and turns user errors (:class:`ConfigError`) into one line on stderr
-and exit code 2, with no traceback.
-"""
+"""``meshtrain batch``: the batch arithmetic of a layout (:mod:`meshtrain.batch`) as a table or JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from meshtrain.argtypes import OneLineParser, positive_float
-from meshtrain.config import LR_SCALINGS, ConfigError
-
-DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp, sp) and plan what a layout "
-               "costs before launch: memory per device, time per step, MFU, total training time.")
+from meshtrain.argtypes import positive_float
+from meshtrain.config import LR_SCALINGS
 
 
-def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="batch arithmetic of a layout: global batch, tokens, steps, time",
                        description="Global batch = micro_batch_size * grad_accum * world_size / (tp*pp*sp). "
                                    "Only the dp factor multiplies the batch.")
@@ -42,10 +33,10 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loader-batch-size", type=int,
                    help="Open-Sora-Plan's per-rank train_batch_size (b): also show what its log would print")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.set_defaults(func=_run_batch)
+    p.set_defaults(func=run)
 
 
-def _run_batch(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from meshtrain.batch import open_sora_log, plan_batch
 
     plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, tp=args.tp, pp=args.pp, sp=args.sp,
@@ -106,38 +97,3 @@ def _lr_how(plan) -> str:
     power = "" if plan.lr_scaling == "linear" else " ** 0.5"
     return (f"{plan.base_lr:g} * ({plan.global_batch_size} / {plan.reference_batch_size}){power}: "
             f"{plan.lr_scaling} scaling from reference_batch_size {plan.reference_batch_size}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from meshtrain import export, generate, launch
-    from meshtrain.planner import cli as plan_cli
-
-    parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export}")
-    launch.add_parser(sub)
-    plan_cli.add_parser(sub)
-    _add_batch_parser(sub)
-    generate.add_parser(sub)
-    export.add_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    try:
-        if getattr(args, "accepts_overrides", False):
-            return int(args.func(args, extra) or 0)
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"meshtrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C before any rank started (checks, planning): nothing was written
-        print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

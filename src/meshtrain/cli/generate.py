@@ -60,7 +60,7 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
 
 def _load(checkpoint: str | Path):
     """(model, info with "tokenizer") from a DCP checkpoint folder or a ``meshtrain export`` file."""
-    from meshtrain.export import SUFFIX, load_checkpoint_model, load_export
+    from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
 
     if Path(checkpoint).suffix == SUFFIX and Path(checkpoint).is_file():
         return load_export(Path(checkpoint))

@@ -125,6 +125,21 @@ PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "Broken 
 TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
+_PHASE: tuple[str, list[int]] = ("setup", [])
+"""What this rank is doing and the global ranks it depends on, for the entry point's one-line errors."""
+
+
+def enter_phase(phase: str, ranks: list[int]) -> None:
+    """Record the phase this rank enters (``"step 3: loss all-reduce"``) and the ranks its collectives wait on."""
+    global _PHASE
+    _PHASE = (phase, ranks)
+
+
+def current_phase() -> tuple[str, list[int]]:
+    """``(phase, ranks)`` last recorded by :func:`enter_phase`."""
+    return _PHASE
+
+
 def describe_collective_error(error: BaseException, rank: int, phase: str, ranks: list[int],
                               timeout_s: float) -> str | None:
     """One line for a collective that failed because of another rank, or None for any other error.

@@ -1,6 +1,7 @@
-"""The parameter-server run (``parallel.sync_mode = "async"``), what :func:`meshtrain.train.train` runs
+"""The parameter-server run (``parallel.sync_mode = "async"``), what :func:`meshtrain.train.entry.train` runs
 instead of the synchronous loop: servers and workers of :mod:`meshtrain.parallel.async_ps` around the
-same model, data, optimizer, metrics and checkpoints as :class:`meshtrain.train.Trainer`.
+same set-up, data, optimizer, metrics and checkpoints as :class:`meshtrain.train.loop.Trainer`
+(:mod:`meshtrain.train.setup`).
 
 - Every rank builds the whole model from ``train.seed``; server ``s`` keeps the AdamW state of its
   shard (:func:`meshtrain.parallel.async_ps.shard_parameters`), workers compute on full copies.
@@ -9,7 +10,7 @@ same model, data, optimizer, metrics and checkpoints as :class:`meshtrain.train.
 - ``train.steps`` counts gradients received by the servers; the learning rate of the update made by
   gradient ``k`` is the synchronous schedule's at step ``k`` (scaled, with ``optim.lr_scaling``, to one
   worker's batch). Workers compute under bf16 autocast where ``train.dtype`` resolves to bfloat16
-  (:func:`meshtrain.mesh.compute_dtype`), as the synchronous trainer does.
+  (:func:`meshtrain.runtime.device.compute_dtype`), as the synchronous trainer does.
 - Server 0 logs every ``log_interval`` gradients (mean worker loss, mean staleness, gradients
   dropped so far), evaluates and checkpoints on the synchronous schedule; with several servers they
   first exchange their shards.
@@ -32,35 +33,29 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import checkpoint as ckpt
-from meshtrain.batch import global_batch_size
+from meshtrain.batch import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError
-from meshtrain.data.corpus import load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
-from meshtrain.fileio import write_json_atomic
-from meshtrain.metrics import MetricsLog, plot_loss
-from meshtrain.models import build_model
-from meshtrain.mesh import autocast, collective_timeout, compute_dtype, init_distributed
+from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
+from meshtrain.optim import build_optimizer, lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
+from meshtrain.runtime.distributed import collective_timeout, init_distributed
+from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 
 
 class AsyncRun:
     """One rank of a parameter-server run; :meth:`run` trains and returns rank 0's summary."""
 
     def __init__(self, cfg: Config) -> None:
-        from meshtrain.train import build_optimizer, lr_at, resume_checkpoint, scaled_optim
-
         self.cfg = cfg
         p, b, t = cfg.parallel, cfg.batch, cfg.train
         self.rank, world = init_distributed("gloo", cfg.train.collective_timeout_s)
         self.servers = list(range(p.ps_servers))
         self.workers = list(range(p.ps_servers, world))
-        self.corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
-        self.vocab_size = cfg.model.vocab_size or self.corpus.tokenizer.vocab_size
-        torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, self.vocab_size)
-        self.dtype = compute_dtype(t.dtype, "cpu")
-        self.autocast = autocast(self.dtype, "cpu")
+        self.setup = set_up(cfg, torch.device("cpu"))
+        self.corpus, self.model = self.setup.corpus, self.setup.model
+        self.autocast = self.setup.autocast
         """The workers' forward (and server 0's evaluation) under bf16 autocast where ``train.dtype`` asks for
         it, as in the synchronous trainer; parameters, gradients and the servers' AdamW stay fp32."""
         params = list(self.model.parameters())
@@ -69,7 +64,7 @@ class AsyncRun:
         self.server_group = dist.new_group(self.servers, timeout=collective_timeout())  # every rank takes part in creating it
         self.out_dir = Path(t.out_dir)
         self.batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1)  # one gradient
-        self.resume = resume_checkpoint(cfg)
+        self.resume = ckpt.resume_checkpoint(cfg)
         meta = ckpt.read_meta(self.resume) if self.resume else {}
         self.start = int(meta.get("step", 0))
         state = meta.get("async", {})
@@ -138,7 +133,7 @@ class AsyncRun:
         self.step_times.append(dt)
         stale = [s for _, s in self.window if s == s]  # applied ones (NaN marks a dropped gradient)
         record = {"step": k, "loss": statistics.fmean(loss for loss, _ in self.window), "lr": self.server.lr_of(k - 1),
-                  "tokens_per_s": self.batch * self.cfg.model.block_size / dt, "step_time_s": dt,
+                  "tokens_per_s": tokens_per_step(self.batch, self.cfg.model.block_size) / dt, "step_time_s": dt,
                   "staleness": statistics.fmean(stale) if stale else None, "dropped": self.server.stats.dropped}
         if self.log is not None:
             self.log.step(k, record)
@@ -167,11 +162,8 @@ class AsyncRun:
 
     def _save(self, k: int) -> None:
         sampler = ShardedSampler(self.corpus.train, self.cfg.model.block_size, 1, 1, 1, 0, self.cfg.train.seed)
-        meta = {"config": self.cfg.to_dict(), "tokenizer": self.corpus.tokenizer.to_dict(),
-                "corpus_sha256": self.corpus.sha256,
-                "vocab_size": self.vocab_size, "sampler": sampler.state_dict(), "world_size": dist.get_world_size(),
-                "dp": len(self.workers), "tp": 1, "sp": 1, "pp": 1, "global_batch_size": self.batch,
-                "async": {"version": self.server.version, "samples_seen": self.samples_seen}}
+        meta = checkpoint_meta(self.cfg, self.setup, sampler.state_dict(), self._layout(), self.batch,
+                               **{"async": {"version": self.server.version, "samples_seen": self.samples_seen}})
         ckpt.save(self.out_dir, k, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep,
                   group=self.server_group)
 
@@ -181,8 +173,6 @@ class AsyncRun:
         """Serve or work until ``train.steps`` gradients were received; return the run's summary (rank 0's
         ``OUT/summary.json``: val loss, seconds per received gradient, peak memory over ranks, and the
         servers' counts of applied and dropped gradients and their staleness)."""
-        from meshtrain.train import peak_memory_bytes
-
         t = self.cfg.train
         if self.start >= t.steps:
             raise ConfigError(f"train.steps = {t.steps} but the checkpoint is already at step {self.start}")
@@ -199,28 +189,29 @@ class AsyncRun:
         finally:
             if self.log is not None:
                 self.log.close()
-        mine["peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
+        mine["peak_memory_bytes"] = peak_memory_bytes("cpu")
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return self._finish(everyone)
 
+    def _layout(self) -> dict[str, int]:
+        return {"world_size": dist.get_world_size(), "dp": len(self.workers), "tp": 1, "sp": 1, "pp": 1}
+
     def _finish(self, everyone: list[dict]) -> dict[str, Any]:
         server0, workers = everyone[0], everyone[len(self.servers):]
         step_time = statistics.median(self.step_times[1:] or self.step_times) if self.step_times else None
-        summary = {"val_loss": self.val_loss, "step_time_s": step_time, "world_size": dist.get_world_size(),
-                   "peak_memory_bytes": max(r["peak_memory_bytes"] for r in everyone),
-                   "dp": len(self.workers), "tp": 1, "sp": 1, "vocab_size": self.vocab_size, "device": "cpu",
-                   "dtype": self.dtype, "compiled": False,
-                   "async": {"servers": len(self.servers), "workers": len(self.workers),
-                             "applied": server0["applied"], "dropped": server0["dropped"],
-                             "staleness_mean": statistics.fmean(server0["staleness"]) if server0["staleness"] else 0.0,
-                             "staleness_max": max(server0["staleness"], default=0),
-                             "pushed": [w["pushed"] for w in workers],
-                             "applied_by_worker": [server0["applied_by"].get(i, 0) for i in range(len(workers))],
-                             "worker_wait_s": [round(w["wait_s"], 3) for w in workers]}}
-        if step_time:
-            summary["tokens_per_s"] = self.batch * self.cfg.model.block_size / step_time
+        layout = self._layout()
+        del layout["pp"]
+        summary = run_summary(
+            self.setup, self.val_loss, step_time, max(r["peak_memory_bytes"] for r in everyone), layout, "cpu",
+            False, tokens_per_step(self.batch, self.cfg.model.block_size),
+            **{"async": {"servers": len(self.servers), "workers": len(self.workers),
+                         "applied": server0["applied"], "dropped": server0["dropped"],
+                         "staleness_mean": statistics.fmean(server0["staleness"]) if server0["staleness"] else 0.0,
+                         "staleness_max": max(server0["staleness"], default=0),
+                         "pushed": [w["pushed"] for w in workers],
+                         "applied_by_worker": [server0["applied_by"].get(i, 0) for i in range(len(workers))],
+                         "worker_wait_s": [round(w["wait_s"], 3) for w in workers]}})
         if self.rank == 0:
-            plot_loss(self.out_dir)
-            write_json_atomic(self.out_dir / "summary.json", summary)
+            write_summary(self.out_dir, summary)
         return summary

@@ -37,6 +37,26 @@ SUPPORTED = Support(zero_stages=(0, 2, 3), tp=True, tp_sequence_parallel=True, s
                     pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none",), attention_dropout_sp_modes=("ulysses",))
 
 
+def uses_parameter_server(sync_mode: str) -> bool:
+    """Whether ``parallel.sync_mode`` trains with servers and workers (``"async"``,
+    :mod:`meshtrain.parallel.async_ps`) instead of collectives: a loop of its own
+    (``meshtrain.train.async_run``) with no step all ranks share, where one gradient is one worker's batch."""
+    return sync_mode == "async"
+
+
+def compile_eligible(model_type: str, pp: int, tp: int, sp: int, sync_mode: str) -> bool:
+    """Whether ``train.compile`` may compile this layout's blocks (``torch.compile`` per block, before DDP/
+    FSDP2 wrap them, as torchtitan orders it): a GPT at pp = tp = sp = 1 that is not a parameter-server run."""
+    return (pp, tp, sp) == (1, 1, 1) and not uses_parameter_server(sync_mode) and model_type == "gpt"
+
+
+def blocks_compiled(compile_mode: str, eligible: bool, device_type: str) -> bool:
+    """Whether the blocks are compiled on ``device_type`` ("cpu"/"cuda"): ``compile_mode`` "on", or "auto" on
+    CUDA only (on the CPU it measured no faster for the main job, docs/benchmarks.md); never when not
+    :func:`compile_eligible` (config validation refuses "on" there)."""
+    return eligible and (compile_mode == "on" or (compile_mode == "auto" and device_type == "cuda"))
+
+
 def fsdp_units(block_bytes: Sequence[float], unit_bytes: float) -> tuple[list[list[int]], list[int]]:
     """How FSDP2 (``zero_stage`` 2 and 3) groups a model's transformer blocks into units, each unit one
     all-gather and one reduce-scatter (``fully_shard`` of a list of modules).
@@ -45,7 +65,7 @@ def fsdp_units(block_bytes: Sequence[float], unit_bytes: float) -> tuple[list[li
     parameters on this rank, before dp sharding); ``unit_bytes = 0`` gives every block its own unit, as
     torchtitan and FSDP's transformer auto-wrap policy do. Blocks after the last full unit stay in the
     root unit (embedding, final norm, head), which ``fully_shard`` gathers for the whole step. The
-    trainer (:func:`meshtrain.parallel.data.apply_dp`) and the planner's cost and memory models read the
+    trainer (:func:`meshtrain.parallel.data_parallel.apply_dp`) and the planner's cost and memory models read the
     same grouping. Like DDP's gradient buckets (``bucket_cap_mb = 25``, Li et al. 2020, Sec. 3.2.3),
     fewer larger collectives pay the per-collective latency and host cost fewer times.
 

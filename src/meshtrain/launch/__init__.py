@@ -1,0 +1,1 @@
+"""``meshtrain train``: checks, then torchrun's engine starts the ranks (:mod:`meshtrain.launch.command`)."""

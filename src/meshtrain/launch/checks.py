@@ -1,0 +1,80 @@
+"""What the launcher tells the user before the ranks start: the memory check against the planner's
+prediction, the slow-bf16 warning, and where the pipeline cuts the model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from meshtrain.config import Config, ConfigError, resolve_world
+
+
+def warn_slow_bf16(cfg: Config) -> None:
+    """One warning line when ``train.dtype = bfloat16`` runs on a CPU without bf16 matmul instructions
+    (no AVX512-BF16/AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False). torch's bf16 GEMMs
+    there are emulated and ran 30-180x slower than fp32 on this model's shapes (AVX2-only EPYC,
+    docs/benchmarks.md). The user's choice stands: it is a warning, not an error. ``auto`` picks float32
+    there by itself (:func:`meshtrain.runtime.device.compute_dtype`)."""
+    if cfg.train.dtype != "bfloat16":
+        return
+    import torch
+
+    if torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return
+    print(f"meshtrain train: warning: train.dtype = bfloat16, but this CPU ({torch.backends.cpu.get_cpu_capability()}) "
+          f"has no bf16 matmul, so bf16 runs far slower than float32 here (docs/benchmarks.md): "
+          f"use --train.dtype float32", file=sys.stderr)
+
+
+def available_memory() -> tuple[str, float]:
+    """(what, bytes) one device of this node offers: the smallest CUDA device's memory, or the CPU's
+    MemAvailable (``/proc/meminfo``; ``os.sysconf`` physical pages where there is none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "GPU", min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return "CPU (MemAvailable)", int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return "CPU", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
+    """Refuse a run that cannot fit: the planner's predicted peak per rank (:func:`meshtrain.planner.actual.
+    predict_for_run`), times the ranks sharing this node's CPU memory, against what is available. Models
+    the planner does not cover (lstm, gru) are not checked. Raises ConfigError with the numbers."""
+    if cfg.model.type != "gpt":
+        return
+    from meshtrain.planner.actual import predict_for_run
+    from meshtrain.planner.model_specs import corpus_vocab_size
+
+    what, available = available_memory()
+    world = resolve_world(cfg, nproc * nnodes)[0]
+    vocab = cfg.model.vocab_size or corpus_vocab_size(cfg)
+    predicted = predict_for_run(cfg, world, vocab, "cuda" if what == "GPU" else "cpu", threads=1)
+    peak = predicted["peak_memory_bytes"]
+    needed = peak * (1 if what == "GPU" else nproc)
+    if needed == needed and needed > available:  # NaN (unknown GPU) is never refused
+        per = "per GPU" if what == "GPU" else f"for {nproc} rank(s) of {peak / 2**30:,.2f} GiB"
+        raise ConfigError(f"the run needs about {needed / 2**30:,.2f} GiB {per} (planner prediction), this node has "
+                          f"{available / 2**30:,.2f} GiB {what}: shrink the model or batch, add ranks to shard it "
+                          f"(zero_stage 3, tp, pp), or skip this check with --train.check_memory false")
+
+
+def print_pipeline_split(cfg: Config) -> None:
+    """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.rules.pipeline_split`)."""
+    from meshtrain.rules.pipeline_split import chunk_ranks, describe_split, item_costs, split_layers
+    from meshtrain.planner.model_specs import corpus_vocab_size
+    from meshtrain.rules.pipeline_schedules import RULES
+
+    m, p, b = cfg.model, cfg.parallel, cfg.batch
+    vocab = m.vocab_size or corpus_vocab_size(cfg)
+    n_chunks = p.pp * p.virtual_stages
+    tokens = b.gradient_accumulation_steps * b.micro_batch_size * m.block_size
+    chunks = split_layers(m.n_layer, n_chunks, item_costs(m.n_layer, m.n_embd, m.block_size, vocab, tokens, m.type))
+    print(f"pipeline split ({p.pp_schedule}, pp={p.pp}, {p.virtual_stages} chunk(s) per rank, balanced by cost):\n"
+          + describe_split(chunks, chunk_ranks(p.pp, n_chunks, RULES[p.pp_schedule].placement)), file=sys.stderr)

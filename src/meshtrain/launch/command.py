@@ -1,0 +1,195 @@
+"""``meshtrain train CONFIG [--nproc N] [overrides]``: validate, then start the ranks with torchrun's engine.
+
+Everything that can be checked without a process group is checked here, before any process is
+spawned: the config, the layout against ``--nproc``, the corpus, the output folder (never reuse a
+folder that holds another run) and the checkpoint to resume. Then ``torch.distributed.run`` starts
+``nproc`` ranks of ``python -m meshtrain.train`` (the elastic agent, so ``--max-restarts`` and
+multi-node rendezvous work exactly as with ``torchrun``). Ctrl-C or SIGTERM here is forwarded to the
+ranks, which stop after a step and save (:mod:`meshtrain.runtime.faults`); the launcher then exits 128 + N.
+
+After a successful run, node rank 0 compares plan and actual (DESIGN.md, "Composition": the trainer
+does not import the planner): it reads ``OUT/summary.json``, which global rank 0 writes at the end of
+every run, predicts the same layout with the planner (:func:`meshtrain.planner.actual.report_run`),
+prints one ``plan vs actual: ...`` line to stderr and writes ``OUT/plan_vs_actual.json``. Ranks started
+by ``torchrun -m meshtrain.train`` directly write ``summary.json`` but no comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from meshtrain.argtypes import nonnegative_int
+from meshtrain.config import Config, ConfigError, load_config, parse_overrides, resolve_world
+from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
+from meshtrain.launch.rendezvous import check_rendezvous
+from meshtrain.launch.report import report_plan_vs_actual
+from meshtrain.preflight import preflight
+
+SHORT = ("dp", "tp", "pp", "sp", "steps", "seed")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", allow_abbrev=False, help="train a model on the device mesh (starts the ranks through torchrun)",
+        description="Train CONFIG (TOML) on N local ranks, or on several nodes with --nnodes/--rdzv-endpoint. "
+                    "Any config key can be overridden as --section.key VALUE, e.g. --parallel.zero_stage 3 "
+                    "--train.dtype bfloat16.",
+        epilog="Equivalent without meshtrain's checks: torchrun --nproc-per-node N -m meshtrain.train CONFIG [overrides]")
+    p.add_argument("config", help="TOML config, e.g. configs/shakespeare_char.toml")
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: pp*dp*sp*tp of the config)")
+    for name in SHORT:
+        p.add_argument(f"--{name}", type=str, help=f"short for --{'parallel' if len(name) == 2 else 'train'}.{name}")
+    p.add_argument("--out", help="output folder (short for --train.out_dir); must not hold another run")
+    p.add_argument("--resume", nargs="?", const="@out", metavar="PATH",
+                   help="continue from a checkpoint: a step folder or a run folder (its latest); "
+                        "without PATH, the latest checkpoint in the output folder")
+    p.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4 for elastic)")
+    p.add_argument("--node-rank", type=nonnegative_int, default=None,
+                   help="this node's rank, 0..nnodes-1 (static rendezvous at --rdzv-endpoint; without it the c10d "
+                        "rendezvous numbers the nodes as they join)")
+    p.add_argument("--rdzv-endpoint", default="", help="torchrun --rdzv-endpoint HOST:PORT for multi-node")
+    p.add_argument("--max-restarts", type=nonnegative_int, default=0,
+                   help="restart all ranks this often after a failure; they resume from the latest checkpoint")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
+    """The validated config of a ``train`` command line. Raises ConfigError."""
+    overrides = parse_overrides(extra)
+    for name in SHORT:
+        if getattr(args, name) is not None:
+            overrides[f"{'parallel' if len(name) == 2 else 'train'}.{name}"] = getattr(args, name)
+    if args.out is not None:
+        overrides["train.out_dir"] = args.out
+    if args.resume is not None:
+        overrides["checkpoint.resume"] = args.resume
+    cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.resume == "@out":
+        cfg.checkpoint.resume = cfg.train.out_dir
+    return cfg
+
+
+def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int,
+                  local_store: str | None) -> list[str]:
+    """torchrun's arguments. ``local_store`` (a file path; needed without ``--rdzv-endpoint``, one machine):
+    the agents' rendezvous goes through that file instead of a TCP server, so nothing of the launcher
+    listens on the network (:func:`meshtrain.runtime.distributed.init_distributed` binds the ranks' store to 127.0.0.1)."""
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
+    if args.rdzv_endpoint and args.node_rank is not None:  # the user numbered the nodes: static rendezvous
+        host, port = args.rdzv_endpoint.rsplit(":", 1)
+        argv += [f"--node-rank={args.node_rank}", "--rdzv-backend=static", f"--master-addr={host}",
+                 f"--master-port={port}"]
+    elif args.rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={local_store}", "--rdzv-conf=store_type=file"]
+    argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
+             "--parallel.dp", str(resolve_world(cfg, nproc * _nnodes_max(args.nnodes))[1])]
+    for name in ("steps", "seed", "tp", "pp", "sp"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name}", getattr(args, name)]
+    if cfg.checkpoint.resume:
+        argv += ["--checkpoint.resume", cfg.checkpoint.resume]
+    return argv
+
+
+def _nnodes_max(nnodes: str) -> int:
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        raise ConfigError(f"--nnodes = {nnodes!r} is not valid: use N or MIN:MAX") from None
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    extra = list(extra or [])
+    cfg = build_config(args, extra)
+    nnodes = _nnodes_max(args.nnodes)
+    if args.nproc is None:
+        world, _ = resolve_world(cfg, None)
+        if world % nnodes:
+            raise ConfigError(f"world size {world} is not divisible by --nnodes {nnodes}: give --nproc")
+        nproc = world // nnodes
+    else:
+        nproc = args.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc = {nproc} must be >= 1")
+    check_rendezvous(args, nnodes)
+    preflight(cfg, nproc * nnodes)
+    if cfg.train.check_memory:
+        check_memory(cfg, nproc, nnodes)
+    warn_slow_bf16(cfg)
+    if cfg.parallel.pp > 1:
+        print_pipeline_split(cfg)
+
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from meshtrain.runtime.faults import LAUNCHER_PID_ENV
+    from meshtrain.runtime.distributed import LOOPBACK_ENV
+
+    rdzv_dir = None if args.rdzv_endpoint else tempfile.mkdtemp(prefix="meshtrain-rdzv-")
+    local_store = str(Path(rdzv_dir) / "store") if rdzv_dir else None
+    torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc, local_store))
+    threads = rank_threads(nproc)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks inherit it (torchrun would set 1)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
+    # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
+    # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if local_store:  # one machine: every socket of the run listens on 127.0.0.1 only
+        os.environ[LOOPBACK_ENV] = "1"
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
+    quiet = _QuietForwarding()
+    for name in _FORWARDING_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        torchrun(torch_args)
+    except SignalException as e:  # Ctrl-C or SIGTERM here: torchrun forwarded it; rank 0 said where it stopped
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
+        return 1
+    finally:
+        os.environ.pop(LAUNCHER_PID_ENV, None)
+        os.environ.pop(LOOPBACK_ENV, None)
+        if rdzv_dir:
+            shutil.rmtree(rdzv_dir, ignore_errors=True)
+        for name in _FORWARDING_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
+    if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
+        report_plan_vs_actual(cfg, threads)
+    return 0
+
+
+_FORWARDING_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietForwarding(logging.Filter):
+    """Drops torchrun's warnings that it received a signal and forwards it to each rank: the ranks stop
+    after a step, save, and rank 0 says so in one line (:mod:`meshtrain.runtime.faults`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in ("death signal", "closing signal"))
+
+
+def rank_threads(nproc: int) -> int:
+    """Torch threads of each of the ``nproc`` ranks on this node: ``OMP_NUM_THREADS`` if set, else the
+    cores this process may run on shared out (``cores // nproc``, at least 1; torchrun alone would give
+    every rank 1 thread and leave the other cores idle), and torch's default (one per core) for one rank."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    if nproc > 1:
+        return max(1, len(os.sched_getaffinity(0)) // nproc)
+    import torch
+    return torch.get_num_threads()

@@ -1,0 +1,164 @@
+"""What the trainer holds after :func:`meshtrain.parallel.parallelize`: this rank's parameters and how a step
+runs on them, the same methods whatever the layout.
+
+- :class:`ReplicatedModel` (pp = 1): the step's micro-batches one after another, gradients synchronised
+  over dp on the last one only (DDP's bucketed all-reduce, FSDP2's reduce-scatter, or, under local SGD,
+  none after the warm-up: the replicas average their parameters every H steps instead).
+- :class:`PipelineModel` (pp > 1): the step's micro-batches streamed through this rank's stages by a
+  ``torch.distributed.pipelining`` schedule; the loss exists on the last stage only.
+
+The strategy-specific pieces (the sp sharding of a micro-batch, DDP/FSDP2's gradient-sync switch, local
+SGD's averager, the pipeline) are handed in by :func:`meshtrain.parallel.parallelize`, so this module
+imports no strategy (DESIGN.md, "Composition").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.mesh import Axis, ParallelDims
+from meshtrain.parallel.reduce import backward_context, clip_grad_norm_, cross_entropy, local_value
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+"""Micro-batches ``(x, y)``, each (B, T) int64 token ids and targets, as the sampler yields them (CPU)."""
+Sharder = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``(x, y)`` (B, T) -> this rank's ``(x, y)`` (B, T/sp) and their global positions (T/sp,)."""
+
+
+class ParallelModel:
+    """This rank's part of the model (``model``: its parameters, for the optimizer, the checkpoint and the
+    gradient norm) and a step on it. Built by :func:`meshtrain.parallel.parallelize`."""
+
+    compiled: bool = False
+    """Whether the blocks run ``torch.compile``-d (:func:`meshtrain.rules.support.blocks_compiled`)."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, shard: Sharder,
+                 autocast: contextlib.AbstractContextManager) -> None:
+        self.model = model
+        self.dims = dims
+        self.device = next(model.parameters()).device
+        self._shard = shard
+        self.autocast = autocast
+        """The context every forward runs in: bf16 autocast (fp32 master weights) or none."""
+
+    def local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's sp shard of ``x, y`` (B, T) on its device: (B, T/sp) each, and positions (T/sp,)."""
+        return self._shard(x.to(self.device), y.to(self.device))
+
+    def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
+        """Accumulate the step's gradients over ``micro_batches``; return this rank's mean loss (a scalar;
+        with pp > 1 the loss on the last stage and 0 on the others)."""
+        raise NotImplementedError
+
+    def evaluate(self, batches: Batch) -> torch.Tensor:
+        """Sum over ``batches`` of this rank's mean loss of each (no gradients; dropout off)."""
+        raise NotImplementedError
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` by the norm over every rank's gradients (0 = no clipping); return the norm."""
+        return clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def after_optimizer_step(self) -> None:
+        """Called after every ``optimizer.step()``."""
+
+    def consolidate(self) -> None:
+        """Make the replicas hold the same parameters before a checkpoint (they always do, but under local SGD)."""
+
+    def report(self, out_dir: Path, skip_steps: int) -> dict[str, Any]:
+        """Layout-specific entries of the run's summary (the pipeline's bubble); ``skip_steps`` warm-up steps
+        are left out of timings."""
+        return {}
+
+
+class ReplicatedModel(ParallelModel):
+    """pp = 1: micro-batches in turn, the gradient collective on the last one only.
+
+    Args:
+        gradient_sync: ``(model, enabled) -> context``: within it, backward synchronises gradients over dp
+            only if ``enabled`` (:func:`meshtrain.parallel.data_parallel.gradient_sync`).
+        local_sgd: the averager of local SGD (:class:`meshtrain.parallel.local_sgd.LocalSGD`), or None.
+    """
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, shard: Sharder,
+                 autocast: contextlib.AbstractContextManager,
+                 gradient_sync: Callable[[nn.Module, bool], contextlib.AbstractContextManager], *,
+                 compiled: bool = False, local_sgd: Any = None) -> None:
+        super().__init__(model, dims, shard, autocast)
+        self.gradient_sync = gradient_sync
+        self.compiled = compiled
+        self.local_sgd = local_sgd
+        self.replicas_equal = True
+        """False while local-SGD replicas hold different parameters (between two averages)."""
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss over this rank's tokens of the micro-batch ``x, y`` (mbs, T) (its sp shard of them)."""
+        x, y, positions = self.local(x, y)  # (mbs, T/sp) each, positions (T/sp,)
+        with self.autocast:
+            logits = self.model(x, positions)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
+        return cross_entropy(logits, y)
+
+    def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            with self.gradient_sync(self.model, i == n - 1):
+                loss = self.loss(x, y)
+                with backward_context(loss):
+                    (loss / n).backward()
+            total += local_value(loss).detach()
+        return total / n
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batch) -> torch.Tensor:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            total += local_value(self.loss(x, y))
+        self.model.train()
+        return total
+
+    def after_optimizer_step(self) -> None:
+        if self.local_sgd is not None:
+            self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
+
+    def consolidate(self) -> None:
+        if not self.replicas_equal:  # local SGD between two averages: save the replicas' mean model
+            self.local_sgd.average_now(self.model.parameters())
+            self.replicas_equal = True
+
+
+class PipelineModel(ParallelModel):
+    """pp > 1: the step's micro-batches through this rank's stages (:class:`meshtrain.parallel.pipeline.Pipeline`)."""
+
+    def __init__(self, pipeline: Any, dims: ParallelDims, shard: Sharder,
+                 autocast: contextlib.AbstractContextManager) -> None:
+        super().__init__(pipeline.model, dims, shard, autocast)
+        self.pipeline = pipeline
+
+    def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
+        x, y, positions = self.local(torch.cat([mb[0] for mb in micro_batches]),
+                                     torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
+        with self.autocast:
+            return self.pipeline.step(x, y, positions)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batch) -> torch.Tensor:
+        self.model.eval()
+        with self.autocast:
+            total = self.pipeline.evaluate([self.local(x, y) for x, y in batches])
+        self.model.train()
+        return total
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """The norm over every stage's gradients, the head's copy of a tied weight counted once."""
+        return clip_grad_norm_(self.model.parameters(), max_norm, pp_group=self.dims.get_mesh(Axis.PP).get_group(),
+                               uncounted=self.pipeline.head_copy())
+
+    def report(self, out_dir: Path, skip_steps: int) -> dict[str, Any]:
+        return {"pp": self.dims.pp, "pipeline": self.pipeline.report(out_dir, skip_steps)}

@@ -1,0 +1,104 @@
+"""Checks before any process starts: the config's layout against the ranks, the corpus, the output folder
+(never reuse a folder that holds another run) and the checkpoint to resume (the same model, data, order
+and global batch). Importing it imports no torch: ``meshtrain train`` runs it in the launcher before
+starting the ranks, and a rank started by ``torchrun`` directly runs it before joining the group.
+Every failed check raises :class:`meshtrain.config.ConfigError` with one actionable line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtrain.batch import global_batch_size
+from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.rules.support import uses_parameter_server
+
+
+def preflight(cfg: Config, nproc_total: int) -> None:
+    """Checks that need no process group. Raises ConfigError with one actionable line."""
+    resolve_world(cfg, nproc_total)  # before importing torch: layout mistakes are reported at once
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.data.corpus import load_corpus
+    from meshtrain.fileio import check_writable_dir
+    from meshtrain.metrics import METRICS_FILE
+
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    out = Path(cfg.train.out_dir)
+    resume = cfg.checkpoint.resume
+    if resume:
+        found = ckpt.resolve_checkpoint(resume, verify=True)
+        cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here
+        meta = ckpt.read_meta(found)
+        ckpt.read_metadata(found)  # refuses a crafted .metadata here, before any rank would unpickle it
+        if meta["step"] >= cfg.train.steps:
+            raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
+                              f"{meta['step']}: give --steps larger than {meta['step']}")
+        check_global_batch(cfg, meta, nproc_total, found)
+        check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
+        check_same_data(cfg, meta, corpus.sha256, found)
+    resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
+    if (out / METRICS_FILE).exists() and not resuming_here:
+        raise ConfigError(f"train.out_dir = '{out}' already holds a run ({METRICS_FILE}): choose another --out, "
+                          f"or continue it with --resume")
+    if ckpt.list_checkpoints(out) and not resuming_here:
+        raise ConfigError(f"train.out_dir = '{out}' already holds checkpoints: choose another --out, or continue "
+                          f"from them with --resume")
+    check_writable_dir(out, "train.out_dir")  # last: it probes the folder the run is about to write in
+
+
+def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
+    """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
+    width, heads, and the GPT's positions) and the characters of the corpus. Raises ConfigError naming
+    the override that makes it loadable."""
+    saved = meta["config"]["model"]
+    keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size") if cfg.model.type == "gpt" else ())
+    for key in keys:
+        if saved.get(key) != getattr(cfg.model, key):
+            raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {saved.get(key)!r}, this config "
+                              f"has {getattr(cfg.model, key)!r}: resume it with --model.{key} {saved.get(key)}")
+    if meta.get("tokenizer") != tokenizer:
+        raise ConfigError(f"checkpoint {found} was trained on a text with other characters than data.path = "
+                          f"'{cfg.data.resolved_path()}': resume it with the data it was trained on")
+    if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:
+        raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, this config "
+                          f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
+
+
+def check_same_data(cfg: Config, meta: dict, corpus_sha256: str, found: Path) -> None:
+    """The run continues on the same data in the same order: the text (its SHA-256, recorded since
+    checkpoints carry it), the train/val split and ``train.seed`` (which orders the samples and seeds
+    dropout). Raises ConfigError naming the value that makes it continue."""
+    saved = meta["config"]
+    if meta.get("corpus_sha256", corpus_sha256) != corpus_sha256:
+        raise ConfigError(f"checkpoint {found} was trained on another text than data.path = "
+                          f"'{cfg.data.resolved_path()}' (same characters, other bytes: SHA-256 differs): resume it "
+                          f"with the file it was trained on")
+    for section, key, flag in (("data", "val_fraction", "--data.val_fraction"), ("train", "seed", "--seed")):
+        was, now = saved[section][key], getattr(getattr(cfg, section), key)
+        if was != now:
+            raise ConfigError(f"checkpoint {found} was trained with {section}.{key} = {was}, this config has {now}, "
+                              f"which would change the data order: resume it with {flag} {was}")
+
+
+def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -> None:
+    """Refuse to resume at another global batch than the checkpoint's (it changes the loss and what a step
+    means) unless ``checkpoint.allow_batch_change``; name the flag that keeps it. Raises ConfigError."""
+    saved = meta.get("global_batch_size")
+    b = cfg.batch
+    dp = resolve_world(cfg, nproc_total)[1]
+    per_rank = 1 if uses_parameter_server(cfg.parallel.sync_mode) else dp  # one worker's batch per update
+    now = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, per_rank)
+    if saved is None or saved == now or cfg.checkpoint.allow_batch_change:
+        return
+    fixes = []
+    if saved % (b.micro_batch_size * per_rank) == 0:
+        fixes.append(f"--batch.gradient_accumulation_steps {saved // (b.micro_batch_size * per_rank)}")
+    if saved % (b.gradient_accumulation_steps * per_rank) == 0:
+        fixes.append(f"--batch.micro_batch_size {saved // (b.gradient_accumulation_steps * per_rank)}")
+    keep = f"keep it with {' or '.join(fixes)}, " if fixes else ""
+    raise ConfigError(f"checkpoint {found} was trained at global batch {saved}; this layout (dp = {dp}, "
+                      f"micro_batch_size {b.micro_batch_size}, gradient_accumulation_steps "
+                      f"{b.gradient_accumulation_steps}) gives {now}: {keep}or change it on purpose with "
+                      f"--checkpoint.allow_batch_change true")

@@ -1,0 +1,102 @@
+"""The entry point of a rank: ``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` (under torchrun).
+
+:func:`main` loads the config, runs the pre-launch checks where no launcher ran them, picks the run (the
+synchronous loop, or the parameter server where the parallel layer says so) and turns its ending into one
+line and an exit code.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from meshtrain.checkpoint import elastic_restart
+from meshtrain.config import Config, ConfigError, load_config, parse_overrides
+from meshtrain.rules.support import uses_parameter_server
+from meshtrain.preflight import preflight
+from meshtrain.runtime.faults import (LAUNCHER_PID_ENV, STOP, Stopped, current_phase, describe_collective_error,
+                                      die_with_parent)
+from meshtrain.train.async_run import AsyncRun
+from meshtrain.train.loop import Trainer, TrainingDiverged
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun).
+
+    On success, and on a stop all ranks agreed on (:class:`meshtrain.runtime.faults.Stopped`), every rank
+    meets at a barrier before the process group is destroyed, so that no rank tears down gloo's worker
+    threads while a peer still has collectives in flight (a rank that exits early can otherwise abort
+    with "terminate called without an active exception").
+
+    Raises:
+        Stopped: SIGTERM/SIGINT; the synchronous trainer saved a checkpoint after the step all ranks stopped at.
+        TrainingDiverged: too many non-finite steps in a row.
+    """
+    finished, trainer = False, None
+    try:
+        trainer = AsyncRun(cfg) if uses_parameter_server(cfg.parallel.sync_mode) else Trainer(cfg)
+        summary = trainer.run()
+        finished = True
+        return summary
+    except Stopped:
+        finished = not STOP.immediate  # the synchronous trainer's ranks all stopped after the same step
+        raise
+    finally:
+        # FSDP/DDP state forms reference cycles that hold the process groups; free it while the
+        # interpreter is whole rather than at exit.
+        del trainer
+        gc.collect()
+        if dist.is_initialized():
+            if finished:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun).
+
+    Exit codes: 0 done; 1 a collective failed because of another rank (one line; the failed rank prints
+    its own error); 2 a bad config; 3 training diverged; 128 + N stopped by signal N after saving.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m meshtrain.train CONFIG [--section.key VALUE ...]", file=sys.stderr)
+        return 2
+    if "LOCAL_RANK" in os.environ and not STOP.installed:  # a rank started by torchrun: stop with the
+        die_with_parent()  # launcher, never train on as an orphan (done on import when run as __main__)
+    STOP.install()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(argv[0], parse_overrides(argv[1:]))
+        if not elastic_restart() and LAUNCHER_PID_ENV not in os.environ:  # the checks of `meshtrain train`
+            # (which ran them once, before starting the ranks) for ranks started by torchrun itself; every rank
+            # runs them before joining the group, so none can see another rank's new files
+            preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"meshtrain train: error: {e}", file=sys.stderr)
+        return 2
+    STOP.install(immediate=uses_parameter_server(cfg.parallel.sync_mode))  # no step boundary the async ranks share
+    try:
+        if STOP.signum:  # while starting: every rank got it (torchrun signals each), none joins the group
+            raise Stopped(STOP.signum, 0, cfg.train.steps, None)
+        train(cfg)
+    except TrainingDiverged as e:
+        if rank == 0:  # every rank stops at the same step; one says why
+            print(f"meshtrain train: error: {e}", file=sys.stderr)
+        return 3
+    except Stopped as e:
+        if rank == 0:
+            print(f"meshtrain train: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except RuntimeError as e:  # gloo's errors (DistBackendError is one) when a peer died or a wait timed out
+        line = describe_collective_error(e, rank, *current_phase(), cfg.train.collective_timeout_s)
+        if line is None:
+            raise
+        if not STOP.signum:  # after a stop signal, a peer that went first is expected, not news
+            print(f"meshtrain train: error: {line}", file=sys.stderr, flush=True)
+        return 128 + STOP.signum if STOP.signum else 1
+    return 0

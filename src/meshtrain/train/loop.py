@@ -1,0 +1,209 @@
+"""The synchronous training loop, the same on every rank whatever the layout.
+
+One optimizer step = ``gradient_accumulation_steps`` forward/backward passes of ``micro_batch_size``
+samples per dp rank (each sp rank holding 1/sp of every sample's tokens), gradient sync on the last
+one only, global-norm clipping, AdamW, LR schedule (linear warmup, cosine decay to ``min_lr``;
+:mod:`meshtrain.optim`). Every parallel strategy is chosen by one call,
+:func:`meshtrain.parallel.parallelize`, whose :class:`meshtrain.parallel.model.ParallelModel` runs the step;
+the loss and norm reductions are those of :mod:`meshtrain.parallel.reduce`.
+
+Determinism: weights come from ``train.seed`` (built whole on every rank, then sharded); data order
+from the sampler (layout-free state); dropout masks from generators reseeded every step
+(:mod:`meshtrain.parallel.rng`), so a resumed run draws exactly what the uninterrupted run would
+have drawn without saving RNG state.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain import checkpoint as ckpt
+from meshtrain.batch import global_batch_size, tokens_per_step
+from meshtrain.config import Config, resolve_world
+from meshtrain.data.sampler import ShardedSampler, eval_batches
+from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
+from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
+from meshtrain.optim import build_optimizer
+from meshtrain.parallel import parallelize
+from meshtrain.parallel.reduce import batch_mean
+from meshtrain.parallel.rng import seed_step
+from meshtrain.runtime.device import device_and_backend
+from meshtrain.runtime.distributed import init_distributed
+from meshtrain.runtime.faults import STOP, Stopped, enter_phase
+from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
+
+TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
+
+
+class TrainingDiverged(RuntimeError):
+    """``train.max_nonfinite_steps`` steps in a row had a NaN/inf loss or gradient norm; the message is one line."""
+
+
+class Trainer:
+    """Builds the mesh, model, optimizer and data for ``cfg`` on this rank and runs the loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device, backend = device_and_backend()
+        self.rank, world = init_distributed(backend, cfg.train.collective_timeout_s)
+        _, dp = resolve_world(cfg, world)
+        self.dims = ParallelDims(pp=cfg.parallel.pp, dp=dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, world_size=world)
+        self.dims.build_mesh(self.device.type)
+        self.world_ranks = list(range(world))
+        self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
+        self.setup = set_up(cfg, self.device)
+        self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast)
+        self.model = self.parallel.model
+        """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
+        b = cfg.batch
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), cfg, global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp))
+        dp_rank = self.dims.rank_of(Axis.DP)
+        corpus = self.setup.corpus
+        self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
+                                      b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
+        self.val = eval_batches(corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
+                                dp, dp_rank, cfg.train.seed)
+        self.out_dir = Path(cfg.train.out_dir)
+        self.start_step = self._maybe_resume()
+
+    @property
+    def dtype(self) -> str:
+        return self.setup.dtype
+
+    def _maybe_resume(self) -> int:
+        path = ckpt.resume_checkpoint(self.cfg)
+        if path is None:
+            return 0
+        meta = ckpt.load(path, self.model, self.optimizer,
+                         aliases={"lm_head.weight": "tok_emb.weight"})  # the tied weight, by its first name
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.rank == 0:
+            saved = " ".join(f"{axis}={meta.get(axis, 1)}" for axis in ("dp", "tp", "pp", "sp"))
+            print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
+                  f"{meta.get('global_batch_size')}; now dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} "
+                  f"sp={self.dims.sp}, global batch {self.sampler.global_batch_size})", file=sys.stderr, flush=True)
+        return int(meta["step"])
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor; with
+        pp > 1 the loss on the last stage and 0 on the others)."""
+        return self.parallel.forward_backward(micro_batches)
+
+    def evaluate(self) -> float:
+        """Mean val loss over every token of the validation set (all dp and sp ranks)."""
+        return batch_mean(self.parallel.evaluate(self.val) / len(self.val), self.dims)
+
+    def clip_gradients(self) -> float:
+        """Clip to ``optim.grad_clip`` by the norm over every rank's gradients; return the norm."""
+        return self.parallel.clip_gradients(self.cfg.optim.grad_clip)
+
+    def _layout(self) -> dict[str, int]:
+        d = self.dims
+        return {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "sp": d.sp, "pp": d.pp}
+
+    def save(self, step: int) -> Path:
+        """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point); return
+        the committed step folder."""
+        self.parallel.consolidate()
+        meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
+                               self.sampler.global_batch_size, scheduler=self.scheduler.state_dict())
+        return ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
+
+    def run(self) -> dict[str, Any]:
+        """Train from ``start_step`` to ``train.steps``; return a summary (rank 0's view)."""
+        t, c = self.cfg.train, self.cfg.checkpoint
+        enter_phase(f"the stop check before step {self.start_step + 1}", self.world_ranks)
+        signum = STOP.agreed(self.device)
+        if signum:  # stopped while starting: nothing is written (a resumed run keeps its checkpoint)
+            raise Stopped(signum, self.start_step, t.steps, None)
+        log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps)
+        tokens = tokens_per_step(self.sampler.global_batch_size, self.cfg.model.block_size)
+        step_times: list[float] = []
+        val_loss = None
+        nonfinite = 0
+        mark = time.perf_counter()
+        try:
+            for step in range(self.start_step + 1, t.steps + 1):
+                # A step's time runs from the end of the previous one, so the previous step's log write and
+                # stop check count, as in a hand-written loop timed step to step; evaluation and checkpoint
+                # saves (every eval_interval / checkpoint.interval steps) do not.
+                t0 = mark
+                seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
+                lr = self.scheduler.get_last_lr()[0]
+                enter_phase(f"step {step}: forward/backward", self.world_ranks)
+                local_loss = self.forward_backward(self.sampler.next_step())
+                enter_phase(f"step {step}: gradient norm all-reduce", self.world_ranks)
+                grad_norm = self.clip_gradients()
+                enter_phase(f"step {step}: loss all-reduce", self.batch_ranks)
+                loss = batch_mean(local_loss, self.dims)  # the same on every rank, as grad_norm: all skip together
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if finite:
+                    self.optimizer.step()
+                    self.parallel.after_optimizer_step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                nonfinite = 0 if finite else nonfinite + 1
+                dt = time.perf_counter() - t0
+                if step > self.start_step + TIMING_WARMUP_STEPS:
+                    step_times.append(dt)
+                last = step == t.steps
+                record = None
+                if step % t.log_interval == 0 or last or not finite:
+                    record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
+                              "grad_norm": grad_norm, "step_time_s": dt}
+                    if not finite:
+                        record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
+                log.step(step, record)
+                if nonfinite >= t.max_nonfinite_steps:
+                    kept = ckpt.list_checkpoints(self.out_dir)
+                    raise TrainingDiverged(
+                        f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
+                        f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
+                        f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
+                periodic = time.perf_counter()
+                if last or (t.eval_interval and step % t.eval_interval == 0):
+                    enter_phase(f"step {step}: evaluation", self.world_ranks)
+                    val_loss = self.evaluate()
+                    log.eval(step, val_loss)
+                saved = None
+                if last or (c.interval and step % c.interval == 0):
+                    enter_phase(f"step {step}: checkpoint save", self.world_ranks)
+                    saved = self.save(step)
+                periodic = time.perf_counter() - periodic
+                if not last:
+                    enter_phase(f"step {step}: the stop check", self.world_ranks)
+                    signum = STOP.agreed(self.device)  # every rank stops after the same step
+                    if signum:
+                        if saved is None:
+                            enter_phase(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
+                            saved = self.save(step)
+                        raise Stopped(signum, step, t.steps, saved)
+                mark = time.perf_counter() - periodic
+        finally:
+            log.close()
+        return self._finish(step_times, val_loss, tokens)
+
+    def _finish(self, step_times: list[float], val_loss: float | None, tokens: int) -> dict[str, Any]:
+        """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``
+        and the loss plot. Whatever launched the run compares it with the planner (``meshtrain.launch``)."""
+        peak = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64, device=self.device)  # nccl: on GPU
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        layout = self._layout()
+        del layout["pp"]  # reported with the pipeline's figures, by the pipeline
+        summary = run_summary(self.setup, val_loss, statistics.median(step_times) if step_times else None,
+                              int(peak.item()), layout, self.device.type, self.parallel.compiled, tokens,
+                              **self.parallel.report(self.out_dir, TIMING_WARMUP_STEPS))
+        if self.rank == 0:
+            write_summary(self.out_dir, summary)
+        return summary
