@@ -8,8 +8,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from meshtrain.batch import (data_parallel_size, global_batch_size, gradient_accumulation_for, open_sora_log,
-                             plan_batch, scaled_lr, steps_per_epoch)
+from meshtrain.batch import data_parallel_size, open_sora_log, plan_batch, scaled_lr, steps_per_epoch
 from meshtrain.config import ConfigError
 
 degree = st.integers(1, 8)
@@ -89,24 +88,6 @@ def test_invalid_layout_raises_config_error_naming_the_value(kwargs, key):
         plan_batch(**kwargs)
     assert key in str(err.value)
     assert "\n" not in str(err.value)
-
-
-@given(mbs=size, dp=degree, ga=size)
-def test_gradient_accumulation_for_inverts_global_batch(mbs, dp, ga):
-    assert gradient_accumulation_for(global_batch_size(mbs, ga, dp), mbs, dp) == ga
-
-
-@given(mbs=size, dp=degree, gbs=st.integers(1, 10_000))
-def test_gradient_accumulation_for_non_multiple_raises(mbs, dp, gbs):
-    assume(gbs % (mbs * dp) != 0)
-    with pytest.raises(ConfigError, match=f"global_batch_size = {gbs} is not a multiple of"):
-        gradient_accumulation_for(gbs, mbs, dp)
-
-
-@pytest.mark.parametrize("gbs, mbs, dp", [(0, 1, 1), (-4, 2, 2), (8, 0, 2), (8, 2, 0), (8, -2, -2)])
-def test_gradient_accumulation_for_non_positive_sizes_raise(gbs, mbs, dp):
-    with pytest.raises(ConfigError):
-        gradient_accumulation_for(gbs, mbs, dp)
 
 
 @given(num_samples=st.integers(1, 10**6), gbs=st.integers(1, 10**4))

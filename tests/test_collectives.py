@@ -60,13 +60,13 @@ def _per_layer(traced: dict, name: str) -> Counter:
 
 def _planned(name: str) -> Counter:
     from meshtrain.config import load_config
-    from meshtrain.planner.actual import layout_from_config
+    from meshtrain.planner.layout import Layout
     from meshtrain.planner.cost import layer_collectives, layer_step_collectives
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(ROOT / "configs" / "shakespeare_char.toml", {**BASE, **LAYOUTS[name]})
-    model, layout = from_config(cfg, 65), layout_from_config(cfg, 2)
+    model, layout = from_config(cfg, 65), Layout.from_config(cfg, 2)
     out = Counter()
     precision = PRECISIONS["fp32"]
     for c in layer_collectives(model, layout, precision) + layer_step_collectives(model, layout, precision):

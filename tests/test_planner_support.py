@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from conftest import CONFIG
 from meshtrain.cli.main import main
-from meshtrain.config import Config, ConfigError, validate
+from meshtrain.config import BatchConfig, Config, ConfigError, ParallelConfig, load_config, validate
 from meshtrain.planner.estimate import Job
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.model_specs import ModelSpec
@@ -139,3 +140,59 @@ def test_the_planner_counts_the_trainers_fsdp_units():
     # 2 collectives (root gather, reduce-scatter) against 5 + 3 + 5, each paying the host time (never hidden)
     saved = step_time(model, layout, hw, prec, per_block).dp_comm - step_time(model, layout, hw, prec, whole).dp_comm
     assert saved >= (13 - 2) * 1e-4 * (1 - 1e-9)
+
+
+# For every field Layout shares by name with ParallelConfig/BatchConfig: overrides of a valid config
+# whose value of that field is not the default, and the world size to build the layout for.
+SHARED_FIELD_CASES = {
+    "dp": ({"parallel.dp": "2"}, 2),
+    "tp": ({"parallel.tp": "2"}, 2),
+    "pp": ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "2"}, 2),
+    "sp": ({"parallel.sp": "2"}, 2),
+    "zero_stage": ({"parallel.zero_stage": "3"}, 2),
+    "micro_batch_size": ({"batch.micro_batch_size": "5"}, 1),
+    "gradient_accumulation_steps": ({"batch.gradient_accumulation_steps": "3"}, 1),
+    "pp_schedule": ({"parallel.pp": "2", "parallel.pp_schedule": "gpipe"}, 2),
+    "virtual_stages": ({"parallel.pp": "2", "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2",
+                        "batch.gradient_accumulation_steps": "2"}, 2),
+    "tp_sequence_parallel": ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}, 2),
+    "sp_mode": ({"parallel.sp": "2", "parallel.sp_mode": "ring"}, 2),
+    "local_sgd_steps": ({"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "7"}, 2),
+    "hierarchical_allreduce": ({"parallel.hierarchical_allreduce": "true"}, 2),
+    "ps_servers": ({"parallel.sync_mode": "async", "parallel.ps_servers": "2"}, 4),
+}
+
+
+def _shared_fields() -> dict[str, type]:
+    """Layout's field names that ParallelConfig or BatchConfig also has -> that config section's class."""
+    layout_names = {f.name for f in dataclasses.fields(Layout)}
+    return {f.name: section for section in (ParallelConfig, BatchConfig) for f in dataclasses.fields(section)
+            if f.name in layout_names}
+
+
+def test_every_shared_field_has_a_case():
+    assert set(SHARED_FIELD_CASES) == set(_shared_fields()), \
+        "a field Layout shares by name with ParallelConfig/BatchConfig needs a case in SHARED_FIELD_CASES"
+
+
+@pytest.mark.parametrize("name", sorted(_shared_fields()))
+def test_layout_from_config_carries_every_field_it_shares_with_the_config(name):
+    overrides, world = SHARED_FIELD_CASES[name]
+    cfg = load_config(None, overrides)
+    section = cfg.batch if _shared_fields()[name] is BatchConfig else cfg.parallel
+    value = getattr(section, name)
+    defaults = {getattr(_shared_fields()[name](), name)} | {f.default for f in dataclasses.fields(Layout) if f.name == name}
+    assert value not in defaults, f"the case for {name} must set a value that is no default"
+    layout = Layout.from_config(cfg, world)
+    assert getattr(layout, name) == value
+    assert layout.world_size == world
+
+
+@pytest.mark.parametrize("sync_mode, world", [("sync", 2), ("local-sgd", 2), ("async", 3)])
+def test_layout_from_config_keeps_the_sync_mode_fields_of_other_modes_off(sync_mode, world):
+    cfg = load_config(None, {"parallel.sync_mode": sync_mode})
+    layout = Layout.from_config(cfg, world)
+    assert layout.local_sgd_steps == (cfg.parallel.local_sgd_steps if sync_mode == "local-sgd" else 0)
+    assert layout.ps_servers == (cfg.parallel.ps_servers if sync_mode == "async" else 0)
+    assert (layout.dp, layout.recompute) == (world - layout.ps_servers, "none")
+    assert layout.global_batch_size == cfg.batch.micro_batch_size * (1 if sync_mode == "async" else world)

@@ -79,23 +79,12 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 
 
 def tokens_per_step(global_batch_size: int, seq_len: int) -> int:
-    """Tokens per optimizer step = global_batch_size * seq_len (samples of ``seq_len`` tokens each)."""
-    return global_batch_size * seq_len
+    """Tokens per optimizer step (DESIGN.md's ``tokens_per_step``) = global_batch_size * seq_len.
 
-
-def gradient_accumulation_for(global_batch: int, micro_batch_size: int, dp: int) -> int:
-    """The gradient_accumulation_steps that gives ``global_batch`` samples per step.
-
-    Raises:
-        ConfigError: ``global_batch`` is not a positive multiple of ``micro_batch_size * dp``.
+    ``global_batch_size``: samples per optimizer step (:func:`global_batch_size`); ``seq_len``: tokens per
+    sample (the trainer's ``model.block_size``, the planner's ``ModelSpec.seq_len``).
     """
-    unit = micro_batch_size * dp
-    if micro_batch_size < 1 or dp < 1:
-        raise ConfigError(f"micro_batch_size = {micro_batch_size} and dp = {dp} must both be >= 1")
-    if global_batch < 1 or global_batch % unit:
-        raise ConfigError(f"global_batch_size = {global_batch} is not a multiple of micro_batch_size*dp = "
-                          f"{micro_batch_size}*{dp} = {unit}: use a multiple of {unit}")
-    return global_batch // unit
+    return global_batch_size * seq_len
 
 
 def steps_per_epoch(num_samples: int, global_batch: int) -> int:
@@ -183,7 +172,7 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     scaled = scaled_lr(lr, gbs, reference_batch_size or 0, lr_scaling) if lr is not None else None
     return BatchPlan(world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, global_batch_size=gbs,
-                     seq_len=seq_len, tokens_per_step=gbs * seq_len if seq_len else None,
+                     seq_len=seq_len, tokens_per_step=tokens_per_step(gbs, seq_len) if seq_len else None,
                      num_samples=num_samples, steps_per_epoch=spe, micro_steps_per_epoch=mspe,
                      epochs=float(epochs) if epochs is not None else None, total_steps=total_steps,
                      time_per_step_s=time_per_step_s, total_time_s=total_time, base_lr=lr,

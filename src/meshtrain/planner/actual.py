@@ -5,8 +5,8 @@ The trainer does not import the planner (DESIGN.md, "Composition"): rank 0 write
 (median seconds per optimizer step, peak memory of the busiest rank: peak RSS on CPU, the CUDA
 allocator's peak on GPU, world size, vocabulary, device). The launcher (``meshtrain train``,
 :func:`meshtrain.launch.command.run`) then calls :func:`report_run`, which predicts the same layout with
-:func:`predict_for_run` (dp, tp, sp with its ``sp_mode``, ``tp_sequence_parallel``, ZeRO stage, batch
-split), writes the comparison with :func:`write_plan_vs_actual` and prints one line. On CPU the
+:func:`predict_for_run` (the config's layout, :meth:`meshtrain.planner.layout.Layout.from_config`: dp, tp,
+sp with its ``sp_mode``, ``tp_sequence_parallel``, ZeRO stage, batch split), writes the comparison with :func:`write_plan_vs_actual` and prints one line. On CPU the
 prediction uses the profile of ``meshtrain plan --calibrate`` (default
 ``~/.cache/meshtrain/hardware_profile.toml``), whose measured runtime overhead (Python, torch, the
 trainer's imports, gloo) is part of the RSS a rank reaches.
@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.config import Config, ConfigError
 from meshtrain.fileio import write_json_atomic
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
@@ -34,18 +34,6 @@ the list of ids (8-byte pointers) and the int64 tensor (8 bytes)."""
 GPU_NAMES = (("H200", "H200-SXM-141GB"), ("H100 PCIe", "H100-PCIe-80GB"), ("H100", "H100-SXM-80GB"),
              ("B200", "B200-SXM-180GB"), ("MI300X", "MI300X-192GB"), ("A100-SXM4-40GB", "A100-SXM-40GB"),
              ("A100", "A100-SXM-80GB"))
-
-
-def layout_from_config(cfg: Config, world_size: int) -> Layout:
-    """The :class:`Layout` a training config runs with on ``world_size`` ranks. Raises ConfigError."""
-    p, b = cfg.parallel, cfg.batch
-    _, dp = resolve_world(cfg, world_size)
-    return Layout(dp=dp, tp=p.tp, pp=p.pp, sp=p.sp, zero_stage=p.zero_stage, micro_batch_size=b.micro_batch_size,
-                  gradient_accumulation_steps=b.gradient_accumulation_steps, pp_schedule=p.pp_schedule,
-                  virtual_stages=p.virtual_stages, tp_sequence_parallel=p.tp_sequence_parallel, sp_mode=p.sp_mode,
-                  local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
-                  hierarchical_allreduce=p.hierarchical_allreduce,
-                  ps_servers=p.ps_servers if p.sync_mode == "async" else 0)
 
 
 def _torch_threads() -> int:
@@ -99,7 +87,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     except ConfigError as e:
         return {"step_time_s": math.nan, "peak_memory_bytes": math.nan, "profile": str(e)}
     model = from_config(cfg, vocab_size)
-    layout = layout_from_config(cfg, world_size)
+    layout = Layout.from_config(cfg, world_size)
     from meshtrain.runtime.device import compute_dtype
 
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]

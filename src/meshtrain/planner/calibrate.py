@@ -413,8 +413,8 @@ def _parallel_host(world: int, comm: dict) -> dict:
     from meshtrain.parallel import local_batch, parallelize_model
     from meshtrain.parallel.reduce import backward_context, cross_entropy
     from meshtrain.parallel.rng import seed_step
-    from meshtrain.planner.actual import layout_from_config
     from meshtrain.planner.cost import layer_collectives, ring_time
+    from meshtrain.planner.layout import Layout
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
 
@@ -452,7 +452,7 @@ def _parallel_host(world: int, comm: dict) -> dict:
         cfg = Config(model=ModelConfig(n_layer=1, n_head=world, n_embd=4 * world, block_size=16), parallel=parallel)
         cfg.batch.micro_batch_size = 1
         wire = sum(c.count * ring_time(c.kind, c.ranks, c.nbytes, *comm[c.kind])
-                   for c in layer_collectives(from_config(cfg, 65), layout_from_config(cfg, world), PRECISIONS["fp32"]))
+                   for c in layer_collectives(from_config(cfg, 65), Layout.from_config(cfg, world), PRECISIONS["fp32"]))
         out[key] = max(0.0, per_layer[key] - plain - wire)
     return out
 

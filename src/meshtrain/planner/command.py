@@ -173,7 +173,8 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.report import Context
     from meshtrain.planner.estimate import Job
     from meshtrain.planner.hardware import get_hardware
-    from meshtrain.planner.layout import FRAMEWORKS, meshtrain_framework
+    from meshtrain.batch import global_batch_size
+    from meshtrain.planner.layout import FRAMEWORKS, Layout, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config, load_model
 
@@ -210,9 +211,8 @@ def build_context(args: argparse.Namespace):
     if cfg is not None:
         world_cfg, dp = resolve_world(cfg, args.num_gpus)
         world = world_cfg
-        gbs = gbs or cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * dp
-        from meshtrain.planner.actual import layout_from_config
-        config_layout = layout_from_config(cfg, world)
+        gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps, dp)
+        config_layout = Layout.from_config(cfg, world)
     if args.global_batch_tokens:
         if args.global_batch_tokens % model.seq_len:
             raise ConfigError(f"--global-batch-tokens = {args.global_batch_tokens} is not a multiple of "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.batch import steps_per_epoch
+from meshtrain.batch import steps_per_epoch, tokens_per_step
 from meshtrain.config import ConfigError
 from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
@@ -29,15 +29,16 @@ class Job:
     def steps(self, seq_len: int) -> int | None:
         """Optimizer steps of the job, or None without a data size. Raises ConfigError for bad sizes.
 
-        ``ceil(token_budget / (global_batch_size * seq_len))``, or ``ceil(epochs * ceil(num_samples /
-        global_batch_size))`` (the "training time" seed of DESIGN.md, via :mod:`meshtrain.batch`).
+        ``ceil(token_budget / tokens_per_step)`` (``tokens_per_step = global_batch_size * seq_len``), or
+        ``ceil(epochs * ceil(num_samples / global_batch_size))`` (the "training time" seed of DESIGN.md;
+        both via :mod:`meshtrain.batch`).
         """
         if self.total_steps is not None:
             return self.total_steps
         if self.token_budget is not None:
             if self.token_budget <= 0:
                 raise ConfigError(f"token budget = {self.token_budget} must be > 0")
-            return math.ceil(self.token_budget / (self.global_batch_size * seq_len))
+            return math.ceil(self.token_budget / tokens_per_step(self.global_batch_size, seq_len))
         if self.num_samples is None:
             return None
         per_epoch = steps_per_epoch(self.num_samples, self.global_batch_size)
@@ -67,7 +68,7 @@ class Estimate:
         """The JSON record of ``meshtrain plan --json``."""
         b = self.layout
         return {**b.to_dict(), "world_size": b.world_size, "global_batch_size": b.global_batch_size,
-                "tokens_per_step": b.global_batch_size * self.model.seq_len,
+                "tokens_per_step": tokens_per_step(b.global_batch_size, self.model.seq_len),
                 "memory_per_device_bytes": int(self.memory.total), "fits": self.fits,
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "model_tflops_per_device": self.model_tflops_per_device,
@@ -97,7 +98,7 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
     mflops = model_flops(model, samples)
     steps = job.steps(model.seq_len) if job else None
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
-                    tokens_per_s=samples * model.seq_len / seconds,
+                    tokens_per_s=tokens_per_step(samples, model.seq_len) / seconds,
                     mfu=mflops / seconds / (world * hw.device.peak(precision.compute_dtype)),
                     hardware_tflops_per_device=hardware_flops(model, samples, layout.recompute) / seconds / world / 1e12,
                     model_tflops_per_device=mflops / seconds / world / 1e12,

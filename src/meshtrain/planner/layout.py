@@ -2,17 +2,19 @@
 the divisibility rules a layout must meet.
 
 Terms as in DESIGN.md: ``world_size = dp * tp * pp * sp``, ``global_batch_size = micro_batch_size *
-gradient_accumulation_steps * dp``. Mesh axes are ordered outer to inner ``(pp, dp, sp, tp)``, so a
-group of axis X holds ranks ``stride(X)`` apart, and spans nodes when its extent exceeds a node.
+gradient_accumulation_steps * dp`` (:mod:`meshtrain.batch` holds both formulas). Mesh axes are ordered
+outer to inner ``(pp, dp, sp, tp)``, so a group of axis X holds ranks ``stride(X)`` apart, and spans
+nodes when its extent exceeds a node.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from meshtrain.config import Config, ConfigError, ParallelConfig
+from meshtrain import batch
+from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.pipeline_schedules import RULES, schedule_error
 from meshtrain.rules.support import SUPPORTED
@@ -55,14 +57,42 @@ class Layout:
     """> 0: an asynchronous parameter-server run (``sync_mode = "async"``): ``dp`` workers plus this many
     server ranks; a "step" is one received gradient of one worker's batch (:func:`cost.async_step_time`)."""
 
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> Layout:
+        """The layout a training config runs with on ``world_size`` ranks (the trainer's ``--nproc``).
+
+        Every field ``Layout`` shares by name with :class:`~meshtrain.config.ParallelConfig` or
+        :class:`~meshtrain.config.BatchConfig` is taken from the config as it is; only the fields whose
+        meaning differs are spelled out here:
+
+        - ``dp``: the resolved data-parallel degree (:func:`meshtrain.config.resolve_world`; the
+          config's -1 fills the ranks; with ``sync_mode = "async"``, the number of workers);
+        - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
+        - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
+        - ``recompute``: the trainer has no activation recomputation, so it keeps its default "none".
+
+        Raises:
+            ConfigError: ``world_size`` does not suit the config (:func:`meshtrain.config.resolve_world`).
+        """
+        p = cfg.parallel
+        _, dp = resolve_world(cfg, world_size)
+        names = {f.name for f in fields(cls)}
+        values = {f.name: getattr(section, f.name) for section in (p, cfg.batch) for f in fields(section)
+                  if f.name in names}
+        values.update(dp=dp, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
+                      ps_servers=p.ps_servers if p.sync_mode == "async" else 0)
+        return cls(**values)
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.sp + self.ps_servers
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step (per parameter-server update: one worker's batch)."""
-        return self.micro_batch_size * self.gradient_accumulation_steps * (1 if self.ps_servers else self.dp)
+        """Samples per optimizer step (:func:`meshtrain.batch.global_batch_size`; per parameter-server
+        update: one worker's batch, so dp counts 1)."""
+        return batch.global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps,
+                                       1 if self.ps_servers else self.dp)
 
     def spans_nodes(self, axis: str, devices_per_node: int) -> bool:
         """Whether a group along ``axis`` crosses a node boundary (axes outer to inner: pp, dp, sp, tp)."""
@@ -281,35 +311,34 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
 def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
     """``"tp=8,pp=4,zero_stage=1,micro_batch_size=2,recompute=full"`` -> :class:`Layout`.
 
-    Unnamed degrees default to 1 (dp to world_size / (tp*pp*sp)), micro_batch_size to 1, and
-    gradient_accumulation_steps to global_batch_size / (micro_batch_size * dp).
+    Unnamed degrees default to 1 (dp to world_size / (tp*pp*sp), :func:`meshtrain.batch.data_parallel_size`),
+    micro_batch_size to 1, and gradient_accumulation_steps to global_batch_size / (micro_batch_size * dp),
+    the inverse of :func:`meshtrain.batch.global_batch_size`.
 
     Raises:
         ConfigError: unknown key (with the valid ones), bad value, or sizes that do not divide.
     """
-    fields = {f: t for f, t in Layout.__annotations__.items()}
+    kinds = {f: t for f, t in Layout.__annotations__.items()}
     values: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in fields:
-            raise ConfigError(f"--explain item '{item}' is not key=value with a key among {', '.join(fields)}")
-        kind = fields[key]
+        if not eq or key not in kinds:
+            raise ConfigError(f"--explain item '{item}' is not key=value with a key among {', '.join(kinds)}")
+        kind = kinds[key]
         try:
             values[key] = (value in ("1", "true", "True", "yes") if kind == "bool"
                            else int(value) if kind == "int" else value)
         except ValueError:
             raise ConfigError(f"--explain {key} = {value!r} is not a valid {kind}") from None
-    inner = values.get("tp", 1) * values.get("pp", 1) * values.get("sp", 1)
-    if "dp" not in values:
-        if world_size % inner:
-            raise ConfigError(f"num_gpus = {world_size} is not divisible by tp*pp*sp = {inner}")
-        values["dp"] = world_size // inner
-    if values["dp"] * inner != world_size:
-        raise ConfigError(f"dp*tp*pp*sp = {values['dp'] * inner} != num_gpus = {world_size}")
+    tp, pp, sp = values.get("tp", 1), values.get("pp", 1), values.get("sp", 1)
+    dp = batch.data_parallel_size(world_size, tp, pp, sp)
+    values.setdefault("dp", dp)
+    if values["dp"] != dp:
+        raise ConfigError(f"dp*tp*pp*sp = {values['dp'] * tp * pp * sp} != num_gpus = {world_size}")
     if "gradient_accumulation_steps" not in values:
-        unit = values.get("micro_batch_size", 1) * values["dp"]
-        if unit < 1 or global_batch_size % unit:
+        unit = batch.global_batch_size(values.get("micro_batch_size", 1), 1, dp)  # samples per micro-step
+        if global_batch_size % unit:
             raise ConfigError(f"global_batch_size = {global_batch_size} is not a multiple of "
                               f"micro_batch_size*dp = {unit}")
         values["gradient_accumulation_steps"] = global_batch_size // unit

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 
+from meshtrain.batch import tokens_per_step
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
@@ -110,7 +111,7 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
                      f"MFU {best.mfu:.1%}; {_dominant(best)}.")
         lines.append(f"Batch: global_batch_size = micro_batch_size * gradient_accumulation_steps * dp = "
                      f"{b.micro_batch_size} * {b.gradient_accumulation_steps} * {b.dp} = {b.global_batch_size} "
-                     f"samples = {b.global_batch_size * ctx.model.seq_len:,} tokens per step.")
+                     f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
         if best.total_steps:
             lines.append(f"Training: {best.total_steps:,} steps x {best.time.total:.4g} s = {duration(best.total_time_s)}.")
     elif smallest is not None:
