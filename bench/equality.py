@@ -48,7 +48,7 @@ def main() -> None:
                   ["layout", "world_size", f"worst relative loss error ({steps} steps)",
                    "worst step-1 gradient error / gradient norm"], rows,
                   [f"Model: 2 layers, 4 heads, 32 wide, block 32; global batch 8; {steps} steps at lr 3e-3.",
-                   "Contract (DESIGN.md): both below 1e-5; tests/test_train_parallel.py asserts it."],
+                   "Contract (docs/architecture.md): both below 1e-5; tests/test_train_parallel.py asserts it."],
                   {"layouts": data})
 
 

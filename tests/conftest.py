@@ -68,7 +68,7 @@ def losses(records: list[dict]) -> dict[int, float]:
 
 
 def assert_close_losses(got: dict[int, float], want: dict[int, float], rel: float = 1e-5) -> None:
-    """Every step's loss within ``rel`` (DESIGN.md's contract: 1e-5). A loss is a mean of B*T fp32
+    """Every step's loss within ``rel`` (docs/architecture.md's contract: 1e-5). A loss is a mean of B*T fp32
     log-softmax terms: summed in another order its rounding error is ~log2(B*T) * 2**-24 ~ 1e-6, and
     the parameters it is computed from differ by AdamW's rounding amplification (see
     :func:`assert_close_params`), which a loss averages out; 1e-5 leaves room for both, while a

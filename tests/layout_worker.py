@@ -1,6 +1,6 @@
 """Train several layouts in one process group: ``torchrun --nproc-per-node N tests/layout_worker.py SPEC.json``.
 
-A torchrun start costs seconds per launch on this machine (DESIGN.md), so the equality tests group
+A torchrun start costs seconds per launch on this machine (docs/architecture.md), so the equality tests group
 every layout of one world size into one launch. ``SPEC.json`` is ``[{"out": DIR, "overrides":
 {"section.key": "value"}}, ...]``; for each entry every rank:
 

@@ -1,4 +1,4 @@
-"""Batch arithmetic (meshtrain.batch) against the formulas and seed examples of DESIGN.md."""
+"""Batch arithmetic (meshtrain.batch) against the formulas and seed examples of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ degree = st.integers(1, 8)
 size = st.integers(1, 64)
 
 
-# --- the seeds' examples (DESIGN.md, "The seeds' formulas") ---------------------------------------
+# --- the worked examples (docs/architecture.md, "Terms") ---------------------------------------
 
 def test_sp_seed_8_gpus_sp4_batch1_ga1_gives_2():
     plan = plan_batch(world_size=8, micro_batch_size=1, gradient_accumulation_steps=1, sp=4)
@@ -128,7 +128,7 @@ def test_total_time_over_epochs_is_epochs_times_steps_per_epoch_times_time():
     assert plan.total_time_s == pytest.approx(3 * 50 * 0.25)
 
 
-# --- Open-Sora-Plan's logged numbers against the real ones (DESIGN.md) ------------------------------
+# --- Open-Sora-Plan's logged numbers against the real ones (docs/architecture.md) ------------------------------
 
 @st.composite
 def open_sora_layout(draw):

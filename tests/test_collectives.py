@@ -1,4 +1,4 @@
-"""The planner's per-layer tp/sp collectives are the ones the trainer issues (DESIGN.md, "Composition").
+"""The planner's per-layer tp/sp collectives are the ones the trainer issues (docs/architecture.md, "Layers").
 
 For tp=2, tp=2 with sequence parallelism, Ulysses sp=2 and ring sp=2, one training step is profiled
 with ``torch.profiler`` at 2 and at 4 layers (one torchrun launch, ``tests/collectives_worker.py``);

@@ -96,7 +96,7 @@ def test_compiled_blocks_train_as_the_eager_ones(tmp_path):
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"] is True
     # Inductor fuses each block's elementwise work (GELU, residual adds, layer norm) into loops that round
     # in another order; the matmuls stay oneDNN's. Per-op differences are a few ulps, as for a layout's
-    # reordered sums, so DESIGN.md's 1e-5 applies (conftest.assert_close_losses).
+    # reordered sums, so docs/architecture.md's 1e-5 applies (conftest.assert_close_losses).
     assert_close_losses(compiled, eager)
 
 
@@ -114,7 +114,7 @@ def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
     sync_fp32 = losses(train_here(tmp_path / "sync_fp32", **{**bf16, "train.dtype": "float32"}))
     assert sync_bf16[1] != sync_fp32[1]  # bf16 logits round at 2**-9: the test can tell the dtypes apart
     # The same operations on the same batches; only the servers' AdamW step runs over the parameters as
-    # one shard instead of the model's parameter list (the same fused kernel): DESIGN.md's 1e-5 applies.
+    # one shard instead of the model's parameter list (the same fused kernel): docs/architecture.md's 1e-5 applies.
     assert_close_losses(losses(read_records(tmp_path / "async")), sync_bf16)
 
 

@@ -1,4 +1,4 @@
-"""The architecture's import rules (DESIGN.md, "Architecture" and "Composition"), read from the source with
+"""The architecture's import rules (docs/architecture.md, "Layers"), read from the source with
 ``ast`` so that they stay true: no import cycle between files; the run never reaches up to the launcher,
 the CLI or the planner; the planner never imports the trainer; no parallel strategy imports another; and
 the modules a rank or the launcher imports before torch import no torch."""

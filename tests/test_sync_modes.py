@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous data parallelism: local SGD and the parameter server.
 
 - local SGD during its synchronous warm-up is plain DDP: equal to one process (the contract of
-  DESIGN.md); after it, replicas hold identical parameters right after each average and different
+  docs/architecture.md); after it, replicas hold identical parameters right after each average and different
   ones between (a probe records each rank's parameter digest after every step).
 - local SGD and async (drop and wait) converge: the val loss ends below the unigram entropy of the
   training text (3.31 nats/char, what a model that learned only character frequencies reaches; a run

@@ -1,4 +1,4 @@
-"""Every layout computes what one process computes (DESIGN.md, correctness contract).
+"""Every layout computes what one process computes (docs/architecture.md, correctness contract).
 
 Each world size is one torchrun launch (``tests/layout_worker.py``) that trains all of its layouts
 in a row on gloo/CPU; the reference trains in this process on one rank. fp32, same seed, same global

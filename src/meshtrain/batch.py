@@ -1,6 +1,6 @@
 """Batch arithmetic: global batch, tokens per step, steps per epoch, total training time.
 
-The general form (DESIGN.md, "The seeds' formulas")::
+The general form (docs/architecture.md, "Terms")::
 
     dp                = world_size / (tp * pp * sp)
     global_batch_size = micro_batch_size * gradient_accumulation_steps * dp      [samples / step]
@@ -79,7 +79,7 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 
 
 def tokens_per_step(global_batch_size: int, seq_len: int) -> int:
-    """Tokens per optimizer step (DESIGN.md's ``tokens_per_step``) = global_batch_size * seq_len.
+    """Tokens per optimizer step (docs/architecture.md's ``tokens_per_step``) = global_batch_size * seq_len.
 
     ``global_batch_size``: samples per optimizer step (:func:`global_batch_size`); ``seq_len``: tokens per
     sample (the trainer's ``model.block_size``, the planner's ``ModelSpec.seq_len``).
@@ -185,7 +185,7 @@ class OpenSoraLog:
 
     In that code every rank loads ``loader_batch_size`` (b) samples; an all-to-all gives each sp group
     ``sp*b`` samples, run as ``b*sp/train_sp_batch_size`` micro-steps that all count toward gradient
-    accumulation (DESIGN.md). The real samples per optimizer step are
+    accumulation (docs/architecture.md). The real samples per optimizer step are
     ``(world/sp) * train_sp_batch_size * GA``; the log prints ``b * world * GA / sp * train_sp_batch_size``
     (a factor b too large) and counts ``len(dataloader) / GA`` updates per epoch, ignoring the inner loop.
     """

@@ -496,7 +496,7 @@ def _validate_shapes(cfg: Config) -> None:
 def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
     """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config).
 
-    ``world_size = pp * dp * sp * tp`` (DESIGN.md, mesh). With ``dp = -1``, dp fills the ranks left.
+    ``world_size = pp * dp * sp * tp`` (docs/architecture.md, mesh). With ``dp = -1``, dp fills the ranks left.
 
     Raises:
         ConfigError: nproc is not divisible by ``pp*sp*tp``, or disagrees with an explicit dp.

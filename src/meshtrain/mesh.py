@@ -1,6 +1,6 @@
 """The device mesh: one validated object owns the parallel degrees and the ``DeviceMesh``.
 
-Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")`` (DESIGN.md): tp is innermost so its
+Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")`` (docs/architecture.md): tp is innermost so its
 ranks are neighbours (inside one node), pp outermost so stages cross nodes. Rank ``r`` has the
 coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``.
 """

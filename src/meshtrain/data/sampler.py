@@ -15,7 +15,7 @@ permutation come from one ``torch.Generator`` seeded by ``(seed, e)``.
 
 The state. The only state is the global stream position ``g`` = samples consumed by all ranks.
 Optimizer step ``s`` consumes positions ``[g, g + G)`` with ``G = micro_batch_size * GA * dp``
-(DESIGN.md, ``global_batch_size``); position ``g + j`` goes to dp rank ``j // (mbs * GA)``, micro-step
+(docs/architecture.md, ``global_batch_size``); position ``g + j`` goes to dp rank ``j // (mbs * GA)``, micro-step
 ``(j % (mbs * GA)) // mbs``, row ``j % mbs``. Steps cross epoch boundaries seamlessly. The state holds
 no layout, so a run saved with one ``(dp, mbs, GA)`` resumes under another with the same ``G`` and
 continues the same stream (same samples per step, split differently across ranks).
@@ -67,7 +67,7 @@ class ShardedSampler:
     Args:
         data: (N,) int64 token ids of the train split, N >= block_size + 1.
         block_size: T, tokens per sample input.
-        micro_batch_size, gradient_accumulation_steps, dp, dp_rank: the batch layout (DESIGN.md terms).
+        micro_batch_size, gradient_accumulation_steps, dp, dp_rank: the batch layout (docs/architecture.md terms).
         seed: the data-order seed (``train.seed``).
 
     Raises:

@@ -7,7 +7,7 @@ folder that holds another run) and the checkpoint to resume. Then ``torch.distri
 multi-node rendezvous work exactly as with ``torchrun``). Ctrl-C or SIGTERM here is forwarded to the
 ranks, which stop after a step and save (:mod:`meshtrain.runtime.faults`); the launcher then exits 128 + N.
 
-After a successful run, node rank 0 compares plan and actual (DESIGN.md, "Composition": the trainer
+After a successful run, node rank 0 compares plan and actual (docs/architecture.md, "Layers": the trainer
 does not import the planner): it reads ``OUT/summary.json``, which global rank 0 writes at the end of
 every run, predicts the same layout with the planner (:func:`meshtrain.planner.actual.report_run`),
 prints one ``plan vs actual: ...`` line to stderr and writes ``OUT/plan_vs_actual.json``. Ranks started

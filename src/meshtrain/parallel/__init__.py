@@ -1,7 +1,7 @@
 """How the parallel strategies compose: the one function the trainer calls, :func:`parallelize`.
 
 Each strategy is ``apply_<x>(model, mesh, ...) -> model`` in its own module; they are applied in one fixed
-order (DESIGN.md, "Composition"):
+order (docs/architecture.md, "Layers"):
 
 1. pp split -- :func:`meshtrain.parallel.pipeline.split_model`: this rank's chunks of consecutive
    layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;

@@ -1,6 +1,6 @@
 """Data parallelism: DDP (zero_stage 0) or FSDP2 ``fully_shard`` (zero_stage 2 and 3) over the ranks that
 hold different tokens: the ``"dp_sp"`` mesh (dp, and sp whose ranks hold different parts of each
-sample; a gradient is averaged over both, DESIGN.md "Composition").
+sample; a gradient is averaged over both, docs/architecture.md, "Layers").
 
 - zero_stage 0: ``DistributedDataParallel`` on that process group; gradients are all-reduced in
   buckets, overlapped with backward (Li et al. 2020, "PyTorch Distributed", VLDB, Sec. 3.2). DDP does

@@ -9,7 +9,7 @@ runs on them, the same methods whatever the layout.
 
 The strategy-specific pieces (the sp sharding of a micro-batch, DDP/FSDP2's gradient-sync switch, local
 SGD's averager, the pipeline) are handed in by :func:`meshtrain.parallel.parallelize`, so this module
-imports no strategy (DESIGN.md, "Composition").
+imports no strategy (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reductions by mesh axis, each in one place (DESIGN.md, "Composition").
+"""Reductions by mesh axis, each in one place (docs/architecture.md, "Layers").
 
 - the loss: cross-entropy over this rank's tokens (on vocab-sharded logits under tp), then the mean
   over the ``"dp_sp"`` ranks, which hold equally many different tokens of the global batch: the

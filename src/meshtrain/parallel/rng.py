@@ -70,7 +70,7 @@ class TPRegionRNG:
 def seed_step(model: nn.Module, seed: int, step: int, rank: int, tp: int) -> None:
     """Seed the default stream (shared by a tp group) and ``model.tp_rng`` if present (per rank).
 
-    ``rank // tp`` drops the tp coordinate, the innermost mesh axis (DESIGN.md, mesh).
+    ``rank // tp`` drops the tp coordinate, the innermost mesh axis (docs/architecture.md, mesh).
     """
     torch.manual_seed(step_seed(seed, step, rank // tp))
     tp_rng = getattr(model, "tp_rng", None)

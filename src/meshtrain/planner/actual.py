@@ -1,7 +1,7 @@
 """Plan vs actual: the planner's prediction for the layout a ``meshtrain train`` run uses, and the
 comparison with what the run measured (``OUT/plan_vs_actual.json``).
 
-The trainer does not import the planner (DESIGN.md, "Composition"): rank 0 writes ``OUT/summary.json``
+The trainer does not import the planner (docs/architecture.md, "Layers"): rank 0 writes ``OUT/summary.json``
 (median seconds per optimizer step, peak memory of the busiest rank: peak RSS on CPU, the CUDA
 allocator's peak on GPU, world size, vocabulary, device). The launcher (``meshtrain train``,
 :func:`meshtrain.launch.command.run`) then calls :func:`report_run`, which predicts the same layout with

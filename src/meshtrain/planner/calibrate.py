@@ -533,7 +533,7 @@ TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.c
                    "meshtrain.parallel.reduce", "meshtrain.parallel.pipeline", "meshtrain.parallel.rng",
                    "meshtrain.runtime.device", "meshtrain.runtime.distributed", "meshtrain.runtime.faults",
                    "torch.optim.lr_scheduler")
-"""What ``meshtrain.train`` imports (the planner never imports the trainer: DESIGN.md, "Composition"):
+"""What ``meshtrain.train`` imports (the planner never imports the trainer: docs/architecture.md, "Layers"):
 loaded, they hold the same modules and RSS as the trainer's imports (764 of its 767 modules beyond torch,
 the rest ``statistics``; 268 MiB peak either way, measured on this 2-core VM)."""
 

@@ -30,7 +30,7 @@ class Job:
         """Optimizer steps of the job, or None without a data size. Raises ConfigError for bad sizes.
 
         ``ceil(token_budget / tokens_per_step)`` (``tokens_per_step = global_batch_size * seq_len``), or
-        ``ceil(epochs * ceil(num_samples / global_batch_size))`` (the "training time" seed of DESIGN.md;
+        ``ceil(epochs * ceil(num_samples / global_batch_size))`` (the training-time example of docs/architecture.md;
         both via :mod:`meshtrain.batch`).
         """
         if self.total_steps is not None:

@@ -1,7 +1,7 @@
 """A parallel layout (the degrees, batch split and schedule of one run), the software it runs on, and
 the divisibility rules a layout must meet.
 
-Terms as in DESIGN.md: ``world_size = dp * tp * pp * sp``, ``global_batch_size = micro_batch_size *
+Terms as in docs/architecture.md: ``world_size = dp * tp * pp * sp``, ``global_batch_size = micro_batch_size *
 gradient_accumulation_steps * dp`` (:mod:`meshtrain.batch` holds both formulas). Mesh axes are ordered
 outer to inner ``(pp, dp, sp, tp)``, so a group of axis X holds ranks ``stride(X)`` apart, and spans
 nodes when its extent exceeds a node.
@@ -30,7 +30,7 @@ passing K/V around the sp ranks (Liu et al. 2023), as in ``parallel.sp_mode`` of
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run a job. Degrees and sizes are counts; see DESIGN.md for the terms."""
+    """One way to run a job. Degrees and sizes are counts; see docs/architecture.md for the terms."""
 
     dp: int
     tp: int = 1
