@@ -11,11 +11,14 @@ and keeps them equal by summing their gradients (:mod:`meshtrain.parallel.pipeli
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from meshtrain.config import ModelConfig
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -35,21 +38,69 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 class LayeredLM(nn.Module):
     """Base of :class:`meshtrain.models.gpt.GPT` and :class:`meshtrain.models.rnn.RNNLM`.
 
-    Subclasses set ``tok_emb`` (``nn.Embedding``), ``blocks`` (``nn.ModuleDict``), ``lm_head``
-    (``nn.Linear``) and name their modules in the class attributes below.
+    :meth:`__init__` builds ``tok_emb`` (``nn.Embedding``), ``drop``, ``blocks`` (``nn.ModuleDict``) and
+    ``lm_head`` (``nn.Linear``) around the subclass's blocks and extra modules; subclasses name their
+    modules in the class attributes below and fill the weights in :meth:`init_weights`.
     """
 
     EMBEDDING_MODULES: ClassVar[tuple[str, ...]] = ("tok_emb",)
     """Modules of the first pipeline chunk (token ids in); None on other chunks."""
     HEAD_MODULES: ClassVar[tuple[str, ...]] = ("lm_head",)
     """Modules of the last pipeline chunk (logits out); None on other chunks."""
-    SHARED_ATTRS: ClassVar[tuple[str, ...]] = ("init_seed", "cfg", "vocab_size", "block_size", "share_embedding")
+    SHARED_ATTRS: ClassVar[tuple[str, ...]] = ("init_seed", "cfg", "vocab_size", "block_size", "share_embedding",
+                                               "drop")
     """Attributes (plain values or modules every chunk uses) a pipeline chunk shares with the whole model."""
 
+    init_seed: int
+    cfg: ModelConfig
+    vocab_size: int
+    block_size: int
     tok_emb: nn.Embedding | None
+    drop: nn.Dropout
     lm_head: nn.Linear | None
     blocks: nn.ModuleDict
     share_embedding: bool
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, make_block: Callable[[int], nn.Module],
+                 embedding: Mapping[str, Callable[[], nn.Module]] | None = None,
+                 head: Mapping[str, Callable[[], nn.Module]] | None = None) -> None:
+        """Draw ``init_seed``, then build and register, in this order: ``tok_emb`` (V, C), each module of
+        ``embedding`` (name -> factory), ``drop``, ``blocks`` (``make_block(i)`` keyed ``str(i)`` for
+        ``i < cfg.n_layer``), each module of ``head``, ``lm_head`` (C -> V, no bias); tie ``lm_head`` to
+        ``tok_emb`` if :meth:`ties_embeddings` and fill every weight with :meth:`init_weights`.
+
+        ``init_seed`` is drawn from the global torch RNG first, on the CPU, so ``torch.manual_seed(s)``
+        fixes the weights and a meta-device build consumes the same RNG as a normal one. The modules are
+        built from factories so that they come after that draw, in registration order: the order fixes
+        the parameter and state-dict order, which :meth:`init_weights` fills in, and the global RNG
+        draws of the modules' default init -- changing it changes every weight of a seed.
+        """
+        super().__init__()
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.block_size = cfg.block_size
+        self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
+        for name, build in (embedding or {}).items():
+            setattr(self, name, build())
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): make_block(i) for i in range(cfg.n_layer)})  # keys survive a pipeline split
+        for name, build in (head or {}).items():
+            setattr(self, name, build())
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.share_embedding = self.ties_embeddings()
+        """Whether ``lm_head`` uses ``tok_emb``'s weight; a pipeline gives its last stage a copy (:meth:`untie_weights`)."""
+        self.tie_weights()  # Press & Wolf 2017; GPT-2
+        self.init_weights()
+
+    def ties_embeddings(self) -> bool:
+        """Whether a whole model of this class shares ``tok_emb``'s weight with ``lm_head`` (read once, in
+        :meth:`__init__`, after ``cfg`` is set); True unless a subclass says otherwise."""
+        return True
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter from ``self.init_seed``, re-tying the head first (subclasses)."""
+        raise NotImplementedError
 
     def tie_weights(self) -> bool:
         """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both and tying is on;

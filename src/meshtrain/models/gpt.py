@@ -141,27 +141,16 @@ class GPT(LayeredLM):
 
     EMBEDDING_MODULES = ("tok_emb", "pos_emb")
     HEAD_MODULES = ("norm", "lm_head")
-    SHARED_ATTRS = LayeredLM.SHARED_ATTRS + ("drop",)
+
+    pos_emb: nn.Embedding | None
+    norm: nn.LayerNorm | None
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
-        super().__init__()
         if cfg.n_embd % cfg.n_head != 0:
             raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
-        # Drawn first, on the CPU, so a meta-device build consumes the same RNG as a normal one.
-        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.block_size = cfg.block_size
-        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, cfg.n_embd)
-        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})  # keys survive a pipeline split
-        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=False)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, vocab_size, bias=False)
-        self.share_embedding = True
-        """Whether ``lm_head`` uses ``tok_emb``'s weight; a pipeline gives its last stage a copy (:meth:`untie_weights`)."""
-        self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017; GPT-2)
-        self.init_weights()
+        super().__init__(cfg, vocab_size, lambda i: Block(cfg),
+                         embedding={"pos_emb": lambda: nn.Embedding(cfg.block_size, cfg.n_embd)},
+                         head={"norm": lambda: nn.LayerNorm(cfg.n_embd, bias=False)})
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -105,23 +105,11 @@ class RNNLM(LayeredLM):
     :meth:`init_weights` from a private CPU generator (device independent, meta-device friendly).
     """
 
-    SHARED_ATTRS = LayeredLM.SHARED_ATTRS + ("drop",)
-
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
-        super().__init__()
         if cfg.type not in CELLS:
             raise ValueError(f"model.type = {cfg.type!r} is not a recurrent model: use one of {', '.join(CELLS)}")
-        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.block_size = cfg.block_size
-        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): RecurrentBlock(cfg.type, cfg.n_embd, cfg.dropout, cfg.tbptt_steps)
-                                     for i in range(cfg.n_layer)})
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, vocab_size, bias=False)
-        self.share_embedding = True
-        self.init_weights()
+        super().__init__(cfg, vocab_size,
+                         lambda i: RecurrentBlock(cfg.type, cfg.n_embd, cfg.dropout, cfg.tbptt_steps))
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,0 +1,197 @@
+"""The schedules a pipeline rank runs, and :class:`Pipeline`, this rank's stages driven by one of them.
+
+Schedules (``parallel.pp_schedule``), with the idle fraction of a step for ``p`` stages, ``m``
+micro-batches and ``v`` chunks per rank when every stage takes equally long:
+
+- ``naive``: plain model parallelism -- one micro-batch goes forward through every stage and back
+  before the next starts; each rank idles ``(p-1)/p`` of the time.
+- ``gpipe``: all forwards, then all backwards (Huang et al. 2019, arXiv:1811.06965); bubble
+  ``(p-1)/(m+p-1)``, ``m`` micro-batches of activations in flight.
+- ``1f1b``: one forward one backward in the steady state (PipeDream-Flush, Narayanan et al. 2021,
+  arXiv:2104.04473, Sec. 2.2.1); the same bubble, at most ``p`` micro-batches in flight.
+- ``interleaved-1f1b``: ``v`` chunks per rank, looped placement (Narayanan et al. 2021, Sec. 2.2.2);
+  bubble ``(p-1)/(v*m+p-1)``, for ``v``-fold more point-to-point messages.
+- ``zero-bubble`` (torch's interleaved zero-bubble) and ``zbv`` (V placement, 2 chunks per rank):
+  the backward split into input-gradient and weight-gradient passes, the weight passes filling the
+  bubble (Qi et al. 2024, arXiv:2401.10241).
+
+:class:`Pipeline` wraps each of this rank's chunks in a traced stage
+(:mod:`meshtrain.parallel.pipeline.trace`), runs the step's micro-batches through the schedule, and then
+sums the gradients of the embedding and the head's copy of it across the ranks that hold them
+(:func:`~meshtrain.parallel.pipeline.split.embedding_group`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtrain.fileio import write_json_atomic
+from meshtrain.parallel.pipeline.naive import ScheduleNaive
+from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
+                                               plot_timeline)
+from meshtrain.parallel.reduce import local_value
+from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
+from meshtrain.rules.pipeline_split import Chunk, chunk_ranks
+
+SCHEDULES: dict[str, type] = {
+    "naive": ScheduleNaive,
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; what the trainer calls instead of forward/backward.
+
+    Args:
+        model: the pruned model :func:`~meshtrain.parallel.pipeline.split.split_model` returned (holds every
+            local parameter).
+        parts: the chunk modules, after tp/sp/dp were applied to each (DDP or FSDP2 wrappers included).
+        chunks: this rank's :class:`Chunk` specs, in the order of ``parts``.
+        n_chunks: chunks in the whole pipeline (``pp * virtual_stages``).
+        pp_group: the process group of this rank's pipeline (its "pp" mesh axis).
+        embedding_group: ranks holding the embedding or the head copy of this pipeline's tied weight
+            (None when one rank holds both, or nobody here holds either).
+        schedule: a key of :data:`SCHEDULES`.
+        n_microbatches: micro-batches per step (``gradient_accumulation_steps``).
+        loss_fn: ``(logits (B, T, V), targets (B, T)) -> mean loss``.
+        use_loss_parallel: run the schedule inside ``loss_parallel`` (logits are vocab-sharded DTensors).
+        hidden_seq_divisor: the sequence of the hidden states between chunks is this rank's tokens / this
+            (tp under Megatron sequence parallelism, else 1).
+    """
+
+    def __init__(self, model: nn.Module, parts: list[nn.Module], chunks: list[Chunk], n_chunks: int,
+                 pp_group: dist.ProcessGroup, embedding_group: dist.ProcessGroup | None, schedule: str,
+                 n_microbatches: int, loss_fn: Callable, device: torch.device, use_loss_parallel: bool,
+                 hidden_seq_divisor: int = 1) -> None:
+        self.model = model
+        self.parts = {c.index: part for c, part in zip(chunks, parts)}
+        self.n_chunks = n_chunks
+        self.chunk_rank = chunk_ranks(dist.get_world_size(pp_group), n_chunks, RULES[schedule].placement)
+        self.pp_group, self.pp_rank = pp_group, dist.get_rank(pp_group)
+        self.loss_fn = loss_fn
+        self.embedding_group = embedding_group
+        self.tracer = PipelineTracer()
+        self.stages = [TimedStage(part, c.index, n_chunks, device, self.tracer, group=pp_group)
+                       for part, c in zip(parts, chunks)]
+        self.is_first = any(c.has_embedding for c in chunks)
+        self.is_last = any(c.has_head for c in chunks)
+        cls = SCHEDULES[schedule]
+        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages  # one chunk per rank
+        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec={"positions": _Replicate()})
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
+        self.hidden_seq_divisor = hidden_seq_divisor
+        self.loss_context = loss_parallel if use_loss_parallel else nullcontext
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one step: ``x, y`` (n_microbatches * mbs, T') token ids and targets of
+        this rank's sequence shard, ``positions`` (T',). Returns the mean loss over the micro-batches on
+        the last stage, 0 elsewhere; gradients are left reduced over dp and the tied weight's summed."""
+        losses: list[torch.Tensor] = []
+        with self.loss_context(), self.tracer.step():
+            self._run(x, y, positions, losses)
+        self.sync_tied_gradients()
+        return self._mean(losses)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Sum over ``batches`` (each ``(x, y, positions)`` of one micro-batch) of their mean losses on the
+        last stage (0 elsewhere): a forward-only pass, one micro-batch at a time through the chunks in
+        order, hidden states (B, T', C) sent to the rank of the next chunk (a plain ``dist.send``/``recv``
+        on the pp group; torch's V-shaped schedules cannot run forward-only)."""
+        total = torch.zeros(())
+        for x, y, positions in batches:
+            hidden = None
+            for c in range(self.n_chunks):
+                if self.chunk_rank[c] != self.pp_rank:
+                    continue
+                if c > 0 and self.chunk_rank[c - 1] != self.pp_rank:
+                    hidden = torch.empty(self.hidden_shape(x), device=x.device)  # (B, T', C)
+                    dist.recv(hidden, group=self.pp_group, group_src=self.chunk_rank[c - 1])
+                part = self.parts[c]
+                hidden = part(x, positions=positions) if c == 0 else part(hidden)
+                if c == self.n_chunks - 1:
+                    with self.loss_context():
+                        total += float(local_value(self.loss_fn(hidden, y)))
+                elif self.chunk_rank[c + 1] != self.pp_rank:
+                    dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.chunk_rank[c + 1])
+        return total
+
+    def hidden_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
+        """Shape of the hidden states between chunks for this rank's token ids ``x`` (B, T'):
+        (B, T', C), or (B, T'/tp, C) under Megatron sequence parallelism."""
+        return (x.size(0), x.size(1) // self.hidden_seq_divisor, self.model.cfg.n_embd)
+
+    def report(self, out_dir: Path, skip_steps: int) -> dict | None:
+        """Collectively gather every pipeline rank's step records; on global rank 0 write the last step as
+        ``OUT/pipeline_trace.json`` (Chrome trace) and ``OUT/pipeline_schedule.png`` (timeline), and return
+        the measured bubble (median over the steps after the first ``skip_steps``) beside the theory."""
+        per_rank = gather(self.tracer, self.pp_group)
+        if per_rank is None or not per_rank[0] or dist.get_rank() != 0:
+            return None  # one writer: every dp/sp/tp replica of the pipeline gathers, global rank 0 writes
+        last = [steps[-1] for steps in per_rank]
+        measured = measured_bubble([steps[skip_steps:] or steps for steps in per_rank])
+        p, v = dist.get_world_size(self.pp_group), self.n_chunks // dist.get_world_size(self.pp_group)
+        theory = bubble_fraction(self.schedule_name, p, self.n_microbatches, v)
+        write_json_atomic(out_dir / "pipeline_trace.json", chrome_trace(last))
+        plot_timeline(last, out_dir / "pipeline_schedule.png",
+                      f"{self.schedule_name}: pp={p}, virtual_stages={v}, {self.n_microbatches} micro-batches -- "
+                      f"bubble {statistics.median(measured):.0%} measured, {theory:.0%} in theory")
+        return {"schedule": self.schedule_name, "pp": p, "virtual_stages": v, "microbatches": self.n_microbatches,
+                "bubble_measured": statistics.median(measured), "bubble_theory": theory}
+
+    def _run(self, x, y, positions, losses) -> None:
+        args = (x,) if self.is_first else ()
+        kwargs = {"positions": positions} if self.is_first else {}
+        self.schedule.step(*args, target=y if self.is_last else None, losses=losses if self.is_last else None,
+                           **kwargs)
+
+    def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if not losses:
+            return torch.zeros(())
+        return torch.stack([loss.detach().float().reshape(()) for loss in map(local_value, losses)]).mean()
+
+    def tied_weights(self) -> list[nn.Parameter]:
+        """This rank's copies of the embedding/head weight that live on different ranks (0 or 1 of them,
+        or 2 when a V-shaped schedule puts the first and last chunk on this rank)."""
+        m = self.model
+        if m.share_embedding:
+            return []
+        return [mod.weight for mod in (m.tok_emb, m.lm_head) if mod is not None]
+
+    def head_copy(self) -> nn.Parameter | None:
+        """The head's copy of the tied weight, which the gradient norm leaves out (the embedding's counts)."""
+        return None if self.model.share_embedding or self.model.lm_head is None else self.model.lm_head.weight
+
+    @torch.no_grad()
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of the embedding and the head's copy of it, so both copies take the same step.
+
+        A tp-sharded copy's gradient is first brought to its weight's layout (the embedding's backward
+        yields a replicated gradient for a vocab-sharded weight), so both sides add matching shards."""
+        weights = [w for w in self.tied_weights() if w.grad is not None]
+        for w in weights:
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                w.grad = w.grad.redistribute(w.grad.device_mesh, w.placements)
+        grads = [local_value(w.grad) for w in weights]
+        if len(grads) == 2:  # both copies here (V placement): add locally
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif len(grads) == 1 and self.embedding_group is not None:
+            dist.all_reduce(grads[0], group=self.embedding_group)

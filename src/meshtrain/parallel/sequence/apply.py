@@ -1,0 +1,31 @@
+"""Swap sequence-parallel attention into a model: :func:`apply_sp`."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtrain.parallel.sequence.ring import RingAttention
+from meshtrain.parallel.sequence.shard import SP_MODES
+from meshtrain.parallel.sequence.ulysses import UlyssesAttention
+
+
+def apply_sp(model: nn.Module, sp_mesh: DeviceMesh, sp_mode: str) -> nn.Module:
+    """Replace every ``inner_attention`` submodule of ``model`` by the ``sp_mode`` module on the 1-D ``sp_mesh``.
+
+    The model's inputs must then be this rank's tokens
+    (:func:`~meshtrain.parallel.sequence.shard.shard_sequence` along T, positions from
+    :func:`~meshtrain.parallel.sequence.shard.sequence_positions`). Ulysses keeps the replaced module's
+    ``dropout`` (0 if it has none); ring attention has no attention dropout. Returns ``model``, changed
+    in place.
+
+    Raises:
+        ValueError: ``sp_mode`` is not "ulysses" or "ring".
+    """
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sequence-parallel mode = {sp_mode!r} is not known: use one of {SP_MODES}")
+    group = sp_mesh.get_group()
+    for parent in [m for m in model.modules() if hasattr(m, "inner_attention")]:
+        dropout = getattr(parent.inner_attention, "dropout", 0.0)
+        parent.inner_attention = UlyssesAttention(group, dropout) if sp_mode == "ulysses" else RingAttention(group)
+    return model

@@ -1,0 +1,154 @@
+"""Causal ring attention over a sequence split across sp ranks, on the zigzag "ring" layout.
+
+:class:`RingAttention` is the module; :class:`_RingAttention` its autograd function, whose forward and
+backward each run one turn of the ring (:func:`meshtrain.parallel.sequence.comm.ring_pass`) over the
+blocks of query and K/V chunks that have unmasked entries (:func:`_block_pairs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from meshtrain.parallel.sequence.comm import ring_pass
+from meshtrain.parallel.sequence.shard import zigzag_chunks
+
+
+class RingAttention(nn.Module):
+    """Causal ring attention (Liu et al. 2023, arXiv:2310.01889) on the zigzag layout.
+
+    forward(q, k, v): each (B, nh, T/sp, hs), tokens in the "ring" layout of
+    :func:`~meshtrain.parallel.sequence.shard.shard_sequence` (this rank's two chunks of length
+    c = T/(2sp)) -> (B, nh, T/sp, hs).
+
+    K and V, stacked into one (2, B, nh, T/sp, hs) tensor, travel around the sp ring: at step s
+    this rank holds the K/V of group rank (rank - s) mod sp. Each local query chunk attends to each
+    held K/V chunk by global chunk index: a later chunk is skipped, the same chunk gets the causal
+    mask, an earlier chunk is attended in full. Partial results are merged with the online softmax
+    (Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022, arXiv:2205.14135,
+    Sec. 3.1): new = logaddexp(lse, blk_lse), out = out*exp(lse - new) + blk*exp(blk_lse - new).
+
+    The backward is FlashAttention-2's (Dao 2023, arXiv:2307.08691, Algorithm 2) run around the same
+    ring: each block's probabilities are recomputed from q, k and the final log-sum-exp,
+    ``dS = P * (dO V^T - rowsum(dO * O))``, and the K/V gradients travel with K/V, arriving at their
+    owner after a full turn. On a CPU each block runs PyTorch's fused flash kernel (which returns the
+    log-sum-exp, and whose backward takes the final output and log-sum-exp); elsewhere the same math
+    in plain matmuls. So only q, k, v, the output and the log-sum-exp are kept for backward
+    (O(T/sp) per rank), and one (c, c) block of scores exists at a time. Communication: sp-1 passes
+    of K/V forward, sp-1 of K/V and sp of their gradients backward, 2*B*nh*(T/sp)*hs elements each,
+    not overlapped with compute. No dropout: attention dropout is not supported here (the model's
+    other dropouts are unaffected).
+    """
+
+    def __init__(self, group: ProcessGroup | None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.size(2) % 2:
+            raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
+        # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels
+        # accumulate in fp32 under bf16 autocast); the output returns in the input's dtype
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group)  # (B, nh, T/sp, hs)
+        return out.to(q.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        sp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        outs: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, hs)
+        lses: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, 1)
+        kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
+        for step in range(sp):
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+                blk, blk_lse = _block_forward(q_c, kv_c[0], kv_c[1], causal, scale)
+                outs[n], lses[n] = _merge(outs[n], lses[n], blk, blk_lse)
+            if step < sp - 1:
+                kv = ring_pass(kv, group)  # (2, B, nh, T/sp, hs) of group rank (rank - step - 1)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, nh, T/sp, hs), (B, nh, T/sp, 1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        sp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, T/sp, 1): rowsum(dO * O)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
+        dkv = torch.zeros_like(kv)  # gradients of the K/V this rank holds, travelling with them
+        for step in range(sp):
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+                rows = slice(n * q_c.size(2), (n + 1) * q_c.size(2))
+                dq_c, dk_c, dv_c = _block_backward(q_c, kv_c[0], kv_c[1], dout[:, :, rows], out[:, :, rows],
+                                                   lse[:, :, rows], delta[:, :, rows], causal, scale)
+                dq[:, :, rows] += dq_c
+                cols = slice(j * kv_c.size(3), (j + 1) * kv_c.size(3))
+                dkv[0, :, :, cols] += dk_c
+                dkv[1, :, :, cols] += dv_c
+            if step < sp - 1:
+                kv = ring_pass(kv, group)
+            dkv = ring_pass(dkv, group)  # after sp passes the gradients are back with their K/V's owner
+        return dq, dkv[0], dkv[1], None
+
+
+def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int):
+    """(query chunk n, K/V chunk j, causal, q chunk (B, nh, c, hs), K/V chunk (2, B, nh, c, hs)) for each
+    pair of this rank's query chunks and group rank ``src``'s K/V chunks that has unmasked entries."""
+    for j, (kv_c, kv_idx) in enumerate(zip(kv.chunk(2, dim=3), zigzag_chunks(src, sp))):
+        for n, (q_c, q_idx) in enumerate(zip(q.chunk(2, dim=2), zigzag_chunks(rank, sp))):
+            if kv_idx <= q_idx:  # a later K/V chunk is entirely in these queries' future
+                yield n, j, kv_idx == q_idx, q_c, kv_c
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q, k (B, nh, c, hs) -> scaled scores (B, nh, c, c); ``causal``: query i sees keys 0..i only."""
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, c, c)
+    if causal:
+        c = scores.size(-1)
+        scores.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    return scores
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v (B, nh, c, hs) -> out (B, nh, c, hs) and its log-sum-exp (B, nh, c, 1).
+
+    Every row keeps at least one key (the diagonal when ``causal``), so the log-sum-exp is finite.
+    """
+    if q.device.type == "cpu":  # PyTorch's fused CPU flash kernel returns the log-sum-exp too
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.unsqueeze(-1)  # (B, nh, c, hs), (B, nh, c, 1)
+    scores = _scores(q, k, causal, scale)  # (B, nh, c, c)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, nh, c, 1)
+    return scores.sub_(lse).exp_() @ v, lse
+
+
+def _block_backward(q, k, v, dout, out, lse, delta, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one block, each (B, nh, c, hs), from the *final* lse and delta (B, nh, c, 1)."""
+    if q.device.type == "cpu":  # the fused kernel's backward, given the final output and log-sum-exp
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)
+    p = _scores(q, k, causal, scale).sub_(lse).exp_()  # (B, nh, c, c): this block's share of the softmax
+    dv = p.transpose(-2, -1) @ dout  # (B, nh, c, hs)
+    ds = p.mul_((dout @ v.transpose(-2, -1)).sub_(delta))  # (B, nh, c, c): P * (dP - delta)
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, blk: torch.Tensor,
+           blk_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partial attentions over disjoint keys (out (B, nh, c, hs), lse (B, nh, c, 1))."""
+    if out is None:
+        return blk, blk_lse
+    new = torch.logaddexp(lse, blk_lse)  # (B, nh, c, 1)
+    return out * torch.exp(lse - new) + blk * torch.exp(blk_lse - new), new
