@@ -141,24 +141,25 @@ def run_one(c: Contender, steps: int, work: Path, model: dict[str, str]) -> dict
     return result
 
 
-def meshtrain_result(out: Path, overrides: dict[str, str]) -> dict:
+def meshtrain_result(out: Path, overrides: dict[str, str] | None = None) -> dict:
     """The same fields as a hand-written contender's JSON, from a meshtrain run folder: step times from
-    metrics.jsonl, peak memory from summary.json, val loss of the final checkpoint on the same windows."""
+    metrics.jsonl, peak memory from summary.json, val loss of the final checkpoint on the same windows
+    (the corpus and block size the run's checkpoint records)."""
     sys.path.insert(0, str(REPO / "bench"))
     from contenders import val_loss
 
-    from meshtrain.config import load_config
-    from meshtrain.data.corpus import load_corpus
     from meshtrain.cli.export import load_checkpoint_model
+    from meshtrain.config import DataConfig
+    from meshtrain.data.corpus import load_corpus
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r]
     summary = json.loads((out / "summary.json").read_text())
-    model = load_checkpoint_model(out)[0]
-    cfg = load_config(CONFIG, overrides)
-    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    model, meta, _ = load_checkpoint_model(out)
+    data, block = DataConfig(**meta["config"]["data"]), meta["config"]["model"]["block_size"]
+    corpus = load_corpus(data.resolved_path(), data.val_fraction, block)
     return {"step_times_s": times, "peak_rss_bytes": [summary["peak_memory_bytes"]],
-            "val_loss": val_loss(model, corpus, cfg.model.block_size), "world_size": summary["world_size"]}
+            "val_loss": val_loss(model, corpus, block), "world_size": summary["world_size"]}
 
 
 def matmul_peak(dtype: str, n: int = 1024, repeats: int = 20) -> float:

@@ -5,9 +5,11 @@
     accelerate launch --cpu --num_processes 2 bench/contenders.py accelerate OUT.json ...
     python bench/contenders.py fabric OUT.json --devices 2 ...     (Fabric starts its own processes)
     python bench/contenders.py plain OUT.json --device cuda --dtype bfloat16 --fused --set model.n_layer=24 ...
+    python bench/contenders.py plain OUT.json --config configs/llama_tiny.toml --hf     (transformers' Llama)
 
 Every contender trains meshtrain's GPT of ``configs/shakespeare_char.toml`` (``meshtrain.models.GPT``:
-the model is the same object, so only the loop around it differs) on the bundled Tiny Shakespeare,
+the model is the same object, so only the loop around it differs), or the model of ``--config``; with
+``--hf`` (a Llama config) the model is ``transformers.LlamaForCausalLM`` holding the same initial weights on the bundled Tiny Shakespeare,
 global batch ``--batch`` samples of block_size tokens split over the ranks, AdamW with the config's
 hyperparameters, weight decay on matrices only, linear warmup then cosine (meshtrain's ``lr_at``),
 global-norm clipping at 1.0, ``--steps`` steps. Batches are random windows drawn from a generator
@@ -43,11 +45,35 @@ def setup(args):
     from meshtrain.models import build_model
 
     overrides = dict(kv.split("=", 1) for kv in args.set)
-    cfg = load_config(CONFIG, {"train.steps": str(args.steps), **overrides})
+    cfg = load_config(args.config, {"train.steps": str(args.steps), **overrides})
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     torch.manual_seed(args.seed)
     model = build_model(cfg.model, cfg.model.vocab_size or corpus.tokenizer.vocab_size)
+    if args.hf:
+        model = HFLogits(model)
     return cfg, corpus, model.to(args.device)
+
+
+class HFLogits(torch.nn.Module):
+    """``transformers.LlamaForCausalLM`` with the weights of meshtrain's Llama ``ours`` (the same initial
+    point), called as meshtrain's models are: token ids (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, ours) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from meshtrain.models.hf import to_hf_state_dict
+
+        super().__init__()
+        m = ours.cfg
+        self.model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=ours.vocab_size, hidden_size=m.n_embd, intermediate_size=m.ffn_hidden_size(),
+            num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads(),
+            max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+            tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False))
+        self.model.load_state_dict(to_hf_state_dict(ours.state_dict(), m.n_layer), strict=not m.tie_embeddings)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits
 
 
 def optimizer_for(model: torch.nn.Module, cfg, fused: bool = False):
@@ -212,6 +238,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="plain: cpu or cuda")
     parser.add_argument("--fused", action="store_true", help="plain, ddp: AdamW(fused=True)")
     parser.add_argument("--compile", action="store_true", help="plain: model.compile() (torch.compile)")
+    parser.add_argument("--config", default=str(CONFIG), help="the training config whose model and data to use")
+    parser.add_argument("--hf", action="store_true", help="a Llama config: train transformers' LlamaForCausalLM")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. model.n_layer=24 (repeatable)")
     args = parser.parse_args()

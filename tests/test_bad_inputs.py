@@ -62,7 +62,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("dtype-float16", [*TRAIN, "--train.dtype", "float16"], "train.dtype = 'float16' is not valid: use one of auto, float32, bfloat16"),
     ("compile-unknown", [*TRAIN, "--train.compile", "yes"], "train.compile = 'yes' is not valid: use one of auto, on, off"),
     ("compile-on-with-tp", ["train", C, "--nproc", "2", "--parallel.tp", "2", "--train.compile", "on"],
-     'train.compile = "on" compiles a GPT at pp = tp = sp = 1 without sync_mode async (here pp=1 tp=2 sp=1'),
+     'train.compile = "on" compiles a GPT or Llama at pp = tp = sp = 1 without sync_mode async (here pp=1 tp=2 sp=1'),
     ("log-interval-zero", [*TRAIN, "--train.log_interval", "0"], "train.log_interval = 0 must be >= 1"),
     ("val-fraction", [*TRAIN, "--data.val_fraction", "1.5"], "data.val_fraction = 1.5 must be in (0, 1)"),
     ("missing-corpus", [*TRAIN, "--data.path", "/nonexistent/corpus.txt"], "data.path = '/nonexistent/corpus.txt' does not exist"),

@@ -1,4 +1,4 @@
-"""Pipeline parallelism computes what one process computes (DESIGN.md, correctness contract).
+"""Pipeline parallelism computes what one process computes (docs/architecture.md, correctness contract).
 
 Every schedule at pp=2 and pp=4, and pp composed with dp (DDP, FSDP2), tp, dp x tp and sp, against
 one process on the same 8-layer model, global batch (8 samples of 32 tokens) and data order:

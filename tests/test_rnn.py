@@ -1,6 +1,6 @@
 """LSTM and GRU language models: data and pipeline parallelism compute what one process computes.
 
-The contract of DESIGN.md for the recurrent models: DDP (dp=2), FSDP2 (dp=2, zero 3) and a 2-stage
+The contract of docs/architecture.md for the recurrent models: DDP (dp=2), FSDP2 (dp=2, zero 3) and a 2-stage
 pipeline (1F1B over 4 micro-batches) against one process on the same 4-layer model, global batch
 (8 samples of 32 tokens) and data order -- every step's loss (1e-5 relative), the step-1 gradients
 (1e-5 of the gradient norm) and the final parameters (AdamW's drift bound), as derived in

@@ -35,7 +35,8 @@ BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("auto", "float32", "bfloat16")
 COMPILES = ("auto", "on", "off")
-MODEL_TYPES = ("gpt", "lstm", "gru")
+MODEL_TYPES = ("gpt", "llama", "lstm", "gru")
+TRANSFORMER_TYPES = ("gpt", "llama")
 RECURRENT_TYPES = ("lstm", "gru")
 SYNC_MODES = ("sync", "async", "local-sgd")
 STALE_POLICIES = ("drop", "wait")
@@ -50,11 +51,12 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     type: str = "gpt"
-    """Model family: "gpt" (decoder-only transformer), "lstm" or "gru" (recurrent, :mod:`meshtrain.models.rnn`)."""
+    """Model family: "gpt" (GPT-2-style decoder), "llama" (RMSNorm, RoPE, SwiGLU, grouped-query attention,
+    :mod:`meshtrain.models.llama`), "lstm" or "gru" (recurrent, :mod:`meshtrain.models.rnn`)."""
     n_layer: int = 4
     """Number of blocks: transformer blocks, or recurrent layers."""
     n_head: int = 4
-    """Attention heads per block; must divide ``n_embd`` (gpt only; ignored by lstm/gru)."""
+    """Attention (query) heads per block; must divide ``n_embd`` (gpt, llama; ignored by lstm/gru)."""
     n_embd: int = 128
     """Hidden size (embedding width)."""
     block_size: int = 64
@@ -65,6 +67,44 @@ class ModelConfig:
     """Vocabulary size; 0 means "take it from the tokenizer of the corpus"."""
     tbptt_steps: int = 0
     """lstm/gru: backpropagate through at most this many time steps (truncated BPTT); 0 = the whole block_size."""
+    n_kv_head: int = 0
+    """llama: key/value heads (grouped-query attention, Ainslie et al. 2023); 0 = ``n_head``; divides ``n_head``."""
+    ffn_hidden: int = 0
+    """llama: SwiGLU hidden size F; 0 = Llama's rule from ``n_embd``, ``multiple_of`` and ``ffn_dim_multiplier``."""
+    multiple_of: int = 256
+    """llama: the rule's F = 2/3 * 4 * n_embd (times ``ffn_dim_multiplier``) is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float = 0.0
+    """llama: multiplies the rule's F before rounding (Llama 3 70B: 1.3); 0 = none."""
+    rope_theta: float = 10000.0
+    """llama: RoPE base (Llama 2: 10000, Llama 3: 500000)."""
+    rope_scaling_factor: float = 0.0
+    """llama: Llama 3.1's RoPE frequency scaling factor (8 for Llama 3.1); 0 = no scaling."""
+    rope_low_freq_factor: float = 1.0
+    """llama, with ``rope_scaling_factor``: wavelengths above ``rope_original_max_positions / this`` are scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama, with ``rope_scaling_factor``: wavelengths below ``rope_original_max_positions / this`` are kept."""
+    rope_original_max_positions: int = 8192
+    """llama, with ``rope_scaling_factor``: the context length the model was pretrained at."""
+    norm_eps: float = 1e-5
+    """llama: RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """llama: share the token embedding with the output head (small Llamas, e.g. Llama 3.2 1B); the GPT always ties."""
+
+    def ffn_hidden_size(self) -> int:
+        """llama's SwiGLU width F: ``ffn_hidden``, or Llama's rule from ``n_embd``: ``2/3 * 4C`` (SwiGLU's three
+        matrices hold as many parameters as a 4C GELU MLP's two, Shazeer 2020, arXiv:2002.05202, Sec. 2),
+        times ``ffn_dim_multiplier`` when set, rounded up to a multiple of ``multiple_of`` (Llama's
+        reference ``FeedForward``; Llama 3 8B: C = 4096 -> 14336 with multiplier 1.3 and multiple_of 1024)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(2 * 4 * self.n_embd / 3)
+        if self.ffn_dim_multiplier:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or ``n_head`` when 0 (and always for the GPT)."""
+        return (self.n_kv_head or self.n_head) if self.type == "llama" else self.n_head
 
 
 @dataclass
@@ -351,6 +391,8 @@ def validate(cfg: Config) -> Config:
     _require(m.type in RECURRENT_TYPES or m.n_embd % m.n_head == 0,
              f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
     _require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
+    if m.type == "llama":
+        _validate_llama(m)
     _require(m.tbptt_steps == 0 or m.type in RECURRENT_TYPES,
              f"model.tbptt_steps = {m.tbptt_steps} applies to recurrent models only: use 0 with model.type = {m.type!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
@@ -392,7 +434,7 @@ def validate(cfg: Config) -> Config:
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
     _require(t.compile != "on" or compile_eligible(m.type, p.pp, p.tp, p.sp, p.sync_mode),
-             f"train.compile = \"on\" compiles a GPT at pp = tp = sp = 1 without sync_mode async (here pp={p.pp} "
+             f"train.compile = \"on\" compiles a GPT or Llama at pp = tp = sp = 1 without sync_mode async (here pp={p.pp} "
              f"tp={p.tp} sp={p.sp}, {p.sync_mode}, {m.type}): use \"auto\" or \"off\"")
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
     _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
@@ -401,6 +443,31 @@ def validate(cfg: Config) -> Config:
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
     return cfg
+
+
+def _validate_llama(m: ModelConfig) -> None:
+    """The llama keys: grouped-query heads, the MLP width rule, RoPE and its scaling, the norm's epsilon."""
+    kv = m.n_kv_head or m.n_head
+    _require(m.n_kv_head >= 0, f"model.n_kv_head = {m.n_kv_head} must be >= 0 (0 = n_head)")
+    _require(m.n_head % kv == 0, f"model.n_kv_head = {m.n_kv_head} must divide model.n_head = {m.n_head} "
+                                 f"(each kv head serves n_head / n_kv_head query heads)")
+    _require((m.n_embd // m.n_head) % 2 == 0, f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head size) "
+                                              f"must be even: RoPE rotates pairs of features")
+    _require(m.ffn_hidden >= 0, f"model.ffn_hidden = {m.ffn_hidden} must be >= 0 (0 = Llama's rule)")
+    _require(m.multiple_of >= 1, f"model.multiple_of = {m.multiple_of} must be >= 1")
+    _require(m.ffn_dim_multiplier >= 0 and math.isfinite(m.ffn_dim_multiplier),
+             f"model.ffn_dim_multiplier = {m.ffn_dim_multiplier} must be a finite number >= 0 (0 = none)")
+    _require(m.rope_theta > 1 and math.isfinite(m.rope_theta), f"model.rope_theta = {m.rope_theta} must be a finite "
+                                                               f"number > 1 (Llama 2: 10000, Llama 3: 500000)")
+    _require(m.rope_scaling_factor >= 0 and math.isfinite(m.rope_scaling_factor),
+             f"model.rope_scaling_factor = {m.rope_scaling_factor} must be a finite number >= 0 (0 = no scaling)")
+    if m.rope_scaling_factor:
+        _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor and math.isfinite(m.rope_high_freq_factor),
+                 f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and model.rope_high_freq_factor = "
+                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
+        _require(m.rope_original_max_positions >= 1,
+                 f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
+    _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
 
 
 def _validate_support(cfg: Config) -> None:
@@ -484,6 +551,14 @@ def _validate_shapes(cfg: Config) -> None:
         _require(m.n_head % (p.tp * p.sp) == 0,
                  f"model.n_head = {m.n_head} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
                  f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
+    kv = m.n_kv_head or m.n_head
+    if m.type == "llama" and kv != m.n_head:
+        _require(kv % p.tp == 0,
+                 f"model.n_kv_head = {kv} is not divisible by parallel.tp = {p.tp}: tensor parallelism gives each tp "
+                 f"rank whole kv heads (grouped-query attention); use a tp that divides {kv}")
+        _require(p.sp == 1 or p.sp_mode != "ulysses" or kv % (p.tp * p.sp) == 0,
+                 f"model.n_kv_head = {kv} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
+                 f"n_kv_head/(tp*sp) whole kv heads; use sp_mode = 'ring' or fewer ranks")
     chunks = p.sp * (2 if p.sp > 1 and p.sp_mode == "ring" else 1) * (p.tp if p.tp_sequence_parallel else 1)
     if chunks > 1:
         what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", p.sp > 1 and p.sp_mode == "ring"),

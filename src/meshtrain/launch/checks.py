@@ -47,7 +47,7 @@ def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
     """Refuse a run that cannot fit: the planner's predicted peak per rank (:func:`meshtrain.planner.actual.
     predict_for_run`), times the ranks sharing this node's CPU memory, against what is available. Models
     the planner does not cover (lstm, gru) are not checked. Raises ConfigError with the numbers."""
-    if cfg.model.type != "gpt":
+    if cfg.model.type not in ("gpt", "llama"):
         return
     from meshtrain.planner.actual import predict_for_run
     from meshtrain.planner.model_specs import corpus_vocab_size
@@ -67,7 +67,7 @@ def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
 
 def print_pipeline_split(cfg: Config) -> None:
     """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.rules.pipeline_split`)."""
-    from meshtrain.rules.pipeline_split import chunk_ranks, describe_split, item_costs, split_layers
+    from meshtrain.rules.pipeline_split import chunk_ranks, describe_split, model_item_costs, split_layers
     from meshtrain.planner.model_specs import corpus_vocab_size
     from meshtrain.rules.pipeline_schedules import RULES
 
@@ -75,6 +75,6 @@ def print_pipeline_split(cfg: Config) -> None:
     vocab = m.vocab_size or corpus_vocab_size(cfg)
     n_chunks = p.pp * p.virtual_stages
     tokens = b.gradient_accumulation_steps * b.micro_batch_size * m.block_size
-    chunks = split_layers(m.n_layer, n_chunks, item_costs(m.n_layer, m.n_embd, m.block_size, vocab, tokens, m.type))
+    chunks = split_layers(m.n_layer, n_chunks, model_item_costs(m, vocab, tokens))
     print(f"pipeline split ({p.pp_schedule}, pp={p.pp}, {p.virtual_stages} chunk(s) per rank, balanced by cost):\n"
           + describe_split(chunks, chunk_ranks(p.pp, n_chunks, RULES[p.pp_schedule].placement)), file=sys.stderr)

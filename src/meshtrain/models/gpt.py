@@ -14,7 +14,7 @@ The embedding, the blocks, the final norm and the head are separate submodules s
 can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
 returns hidden states). Blocks live in a ``ModuleDict`` keyed by layer index, so parameter names
 (``blocks.3.attn.q.weight``) are the same whichever stage holds the layer, and a TP plan
-(:mod:`meshtrain.models.gpt_tp`) names them directly.
+(:mod:`meshtrain.models.tp_plan`) names them directly.
 """
 
 from __future__ import annotations
@@ -32,15 +32,23 @@ INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
 
 
+def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention (Ainslie et al. 2023, Sec. 2.2): ``kv`` (B, nkv, T, hs) repeated to q's
+    (B, nh, T, hs) heads, each kv head serving ``nh / nkv`` consecutive query heads; as is when equal."""
+    groups = q.size(1) // kv.size(1)
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal ``F.scaled_dot_product_attention`` of ``q, k, v`` (B, nh, T, hs) -> (B, nh, T, hs), in the
-    inputs' dtype.
+    """Causal ``F.scaled_dot_product_attention`` of ``q`` (B, nh, T, hs) and ``k, v`` (B, nkv, T, hs; nkv
+    divides nh, :func:`repeat_kv`) -> (B, nh, T, hs), in the inputs' dtype.
 
     bf16 inputs on the CPU (what bf16 autocast hands over from the q/k/v projections) run the kernel
     in fp32 and cast the result back: torch's CPU flash-attention kernel is slower in bf16 than in fp32
     (its backward took 13.3 ms of a 39.5 ms bf16 step of the main job's model against 3.2 ms in fp32,
     AVX512-BF16 EPYC, docs/benchmarks.md), while the matmuls around it gain from bf16. On CUDA the bf16
     kernel is the fast one and runs as it is."""
+    k, v = repeat_kv(q, k), repeat_kv(q, v)  # (B, nh, T, hs)
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         with torch.autocast("cpu", enabled=False):  # CPU autocast would cast the fp32 copies back to bf16
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
@@ -177,8 +185,8 @@ class GPT(LayeredLM):
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
-        """The tensor-parallel plan of this model (:func:`meshtrain.models.gpt_tp.tp_plan`)."""
-        from meshtrain.models.gpt_tp import tp_plan
+        """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan`)."""
+        from meshtrain.models.tp_plan import tp_plan
 
         return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel,
                                                                 self.tok_emb is not None).items()

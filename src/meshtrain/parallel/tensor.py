@@ -2,7 +2,7 @@
 
 Megatron-LM's scheme (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3) built on DTensor
 ``parallelize_module``: the model supplies the plan (which submodule is column-, row- or
-sequence-parallel, :mod:`meshtrain.models.gpt_tp`), this module applies it and keeps the
+sequence-parallel, :mod:`meshtrain.models.tp_plan`), this module applies it and keeps the
 model-agnostic part: re-tying shared weights. Dropout under tp is in :mod:`meshtrain.parallel.rng`.
 """
 

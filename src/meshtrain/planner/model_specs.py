@@ -199,20 +199,28 @@ def corpus_vocab_size(cfg: Config) -> int:
 
 
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
-    """The spec of the trainer's GPT (``meshtrain.models.gpt``) for a training config.
+    """The spec of the trainer's model for a training config: the GPT (``meshtrain.models.gpt``) or the
+    Llama (``meshtrain.models.llama``).
 
-    Maps ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C, no biases,
-    LayerNorm scales only, tied head, learned positions. ``vocab_size`` overrides the config; with
-    neither, the vocabulary is the number of distinct characters of the corpus (char tokenizer).
+    GPT: ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C, no biases,
+    LayerNorm scales only, tied head, learned positions. Llama: SwiGLU of ``ModelConfig.ffn_hidden_size``,
+    ``n_kv_head`` kv heads, RoPE (no position parameters), RMSNorm scales, the head tied only with
+    ``tie_embeddings``. ``vocab_size`` overrides the config; with neither, the vocabulary is the number of
+    distinct characters of the corpus (char tokenizer).
 
     Raises:
         ConfigError: a recurrent model (``model.type`` "lstm" or "gru"), which the planner does not model.
     """
     m = cfg.model
-    if m.type != "gpt":
+    if m.type not in ("gpt", "llama"):
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
-                          f"model.type = 'gpt'); train it without a plan")
+                          f"model.type = 'gpt' or 'llama'); train it without a plan")
     vocab = vocab_size or m.vocab_size or corpus_vocab_size(cfg)
+    if m.type == "llama":
+        return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
+                         seq_len=m.block_size, ffn_hidden=m.ffn_hidden_size(), kv_heads=m.kv_heads(),
+                         activation="swiglu", tied_embeddings=m.tie_embeddings, learned_positions=False,
+                         dropout=m.dropout > 0)
     return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
                      seq_len=m.block_size, dropout=m.dropout > 0)
 

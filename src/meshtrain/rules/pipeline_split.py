@@ -57,22 +57,39 @@ RECURRENT_GATES = {"lstm": 4, "gru": 3}
 
 
 def item_costs(n_layer: int, n_embd: int, block_size: int, vocab_size: int, tokens: int,
-               model_type: str = "gpt") -> tuple[float, float, float]:
+               model_type: str = "gpt", kv_dim: int | None = None, ffn_hidden: int | None = None,
+               tied: bool = True) -> tuple[float, float, float]:
     """(embedding, one block, head) cost in FLOPs per step for ``tokens`` tokens of length-``block_size`` samples.
 
+    "llama": a block's matrices are q and the output projection (``C*C`` each), k and v (``C*kv_dim``
+    each, grouped-query attention) and SwiGLU's three ``C*ffn_hidden``; forward ``2 * params`` per token
+    plus the attention's ``4*T*C``; no position embedding; an untied head's ``V*C`` update is the head's.
     For "lstm" / "gru" a block is one recurrent layer: ``g`` gates (4 / 3) of two C x C matmuls per
     token, ``2 * 2*g*C**2`` forward FLOPs, and ``g * (2*C**2 + 2*C)`` parameters; there are no position
     embeddings and no final norm.
     """
     C, T, V = n_embd, block_size, vocab_size
     opt = OPTIMIZER_FLOPS_PER_PARAM
-    head = 3 * 2 * C * V * tokens  # the output matrix is the tied embedding: its update counted there
+    head = 3 * 2 * C * V * tokens  # a tied output matrix is the embedding: its update counted there
     if model_type in RECURRENT_GATES:
         g = RECURRENT_GATES[model_type]
         return opt * V * C, 3 * 4 * g * C * C * tokens + opt * g * (2 * C * C + 2 * C), head
+    if model_type == "llama":
+        matrices = 2 * C * C + 2 * C * (kv_dim or C) + 3 * C * (ffn_hidden or 4 * C)
+        block = 3 * (2 * matrices + 4 * T * C) * tokens + opt * (matrices + 2 * C)
+        return opt * V * C, block, head + opt * C + (0 if tied else opt * V * C)
     embedding = opt * (V + T) * C
     block = 3 * (24 * C * C + 4 * T * C) * tokens + opt * (12 * C * C + 2 * C)
     return embedding, block, head + opt * C
+
+
+def model_item_costs(model, vocab_size: int, tokens: int) -> tuple[float, float, float]:
+    """:func:`item_costs` of a ``[model]`` config (a :class:`meshtrain.config.ModelConfig`)."""
+    m = model
+    head_dim = m.n_embd // m.n_head
+    return item_costs(m.n_layer, m.n_embd, m.block_size, vocab_size, tokens, m.type,
+                      kv_dim=m.kv_heads() * head_dim, ffn_hidden=m.ffn_hidden_size() if m.type == "llama" else None,
+                      tied=m.tie_embeddings if m.type == "llama" else True)
 
 
 def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> list[Chunk]:

@@ -46,8 +46,8 @@ def uses_parameter_server(sync_mode: str) -> bool:
 
 def compile_eligible(model_type: str, pp: int, tp: int, sp: int, sync_mode: str) -> bool:
     """Whether ``train.compile`` may compile this layout's blocks (``torch.compile`` per block, before DDP/
-    FSDP2 wrap them, as torchtitan orders it): a GPT at pp = tp = sp = 1 that is not a parameter-server run."""
-    return (pp, tp, sp) == (1, 1, 1) and not uses_parameter_server(sync_mode) and model_type == "gpt"
+    FSDP2 wrap them, as torchtitan orders it): a GPT or Llama at pp = tp = sp = 1, not a parameter-server run."""
+    return (pp, tp, sp) == (1, 1, 1) and not uses_parameter_server(sync_mode) and model_type in ("gpt", "llama")
 
 
 def blocks_compiled(compile_mode: str, eligible: bool, device_type: str) -> bool:

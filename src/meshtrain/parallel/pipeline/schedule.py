@@ -125,7 +125,7 @@ class Pipeline:
                     hidden = torch.empty(self.hidden_shape(x), device=x.device)  # (B, T', C)
                     dist.recv(hidden, group=self.pp_group, group_src=self.chunk_rank[c - 1])
                 part = self.parts[c]
-                hidden = part(x, positions=positions) if c == 0 else part(hidden)
+                hidden = part(x if c == 0 else hidden, positions=positions)  # every chunk: RoPE needs them
                 if c == self.n_chunks - 1:
                     with self.loss_context():
                         total += float(local_value(self.loss_fn(hidden, y)))
@@ -158,9 +158,10 @@ class Pipeline:
 
     def _run(self, x, y, positions, losses) -> None:
         args = (x,) if self.is_first else ()
-        kwargs = {"positions": positions} if self.is_first else {}
+        # positions go to every stage (torch hands a rank's step kwargs to each of its stages): the GPT reads
+        # them in its embedding, a Llama's every block rotates q and k by them
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses if self.is_last else None,
-                           **kwargs)
+                           positions=positions)
 
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if not losses:
@@ -171,13 +172,13 @@ class Pipeline:
         """This rank's copies of the embedding/head weight that live on different ranks (0 or 1 of them,
         or 2 when a V-shaped schedule puts the first and last chunk on this rank)."""
         m = self.model
-        if m.share_embedding:
+        if m.share_embedding or not m.ties_embeddings():  # one tensor here, or two independent ones by design
             return []
         return [mod.weight for mod in (m.tok_emb, m.lm_head) if mod is not None]
 
     def head_copy(self) -> nn.Parameter | None:
         """The head's copy of the tied weight, which the gradient norm leaves out (the embedding's counts)."""
-        return None if self.model.share_embedding or self.model.lm_head is None else self.model.lm_head.weight
+        return self.tied_weights()[-1] if self.model.lm_head is not None and self.tied_weights() else None
 
     @torch.no_grad()
     def sync_tied_gradients(self) -> None:

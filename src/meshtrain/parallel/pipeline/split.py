@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.rules.pipeline_schedules import RULES
-from meshtrain.rules.pipeline_split import Chunk, chunk_ranks, item_costs, split_layers
+from meshtrain.rules.pipeline_split import Chunk, chunk_ranks, model_item_costs, split_layers
 from meshtrain.runtime.distributed import collective_timeout
 
 
@@ -27,8 +27,7 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int, sc
     """
     cfg = model.cfg
     n_chunks = pp * virtual_stages
-    chunks = split_layers(cfg.n_layer, n_chunks, item_costs(cfg.n_layer, cfg.n_embd, cfg.block_size,
-                                                            model.vocab_size, tokens, cfg.type))
+    chunks = split_layers(cfg.n_layer, n_chunks, model_item_costs(cfg, model.vocab_size, tokens))
     ranks = chunk_ranks(pp, n_chunks, RULES[schedule].placement)
     mine = [c for c in chunks if ranks[c.index] == pp_rank]
     if n_chunks > 1:

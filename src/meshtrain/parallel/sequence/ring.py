@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from meshtrain.models.gpt import repeat_kv
 from meshtrain.parallel.sequence.comm import ring_pass
 from meshtrain.parallel.sequence.shard import zigzag_chunks
 
@@ -54,6 +55,7 @@ class RingAttention(nn.Module):
         # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels
         # accumulate in fp32 under bf16 autocast); the output returns in the input's dtype
         dtype = torch.promote_types(q.dtype, torch.float32)
+        k, v = repeat_kv(q, k), repeat_kv(q, v)  # grouped-query kv (B, nkv, T/sp, hs) -> (B, nh, T/sp, hs)
         out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group)  # (B, nh, T/sp, hs)
         return out.to(q.dtype)
 

@@ -1,4 +1,4 @@
-"""The GPT's tensor-parallel plan: which submodule is column-, row- or sequence-parallel.
+"""The decoders' tensor-parallel plan (GPT and Llama): which submodule is column-, row- or sequence-parallel.
 
 Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3, Fig. 3): in each block the q, k,
 v projections and the MLP up-projection are column-parallel (each tp rank computes ``C/tp`` of their
@@ -25,16 +25,29 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel)
 
 
-def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = True) -> dict[str, ParallelStyle]:
-    """``parallelize_module`` plan for :class:`meshtrain.models.gpt.GPT` on the "tp" mesh axis.
+GPT_COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.fc")
+GPT_ROWWISE = ("attn.proj", "mlp.proj")
+LLAMA_COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
+"""Llama: SwiGLU's gate and up projections are column-parallel (each rank holds F/tp hidden units of both,
+so ``silu(gate) * up`` needs no communication), the down projection row-parallel; k and v give each rank
+``n_kv_head/tp`` whole kv heads."""
+LLAMA_ROWWISE = ("attn.proj", "mlp.down")
+
+
+def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = True, colwise: Iterable[str] = GPT_COLWISE,
+            rowwise: Iterable[str] = GPT_ROWWISE, extra_inputs: int = 0) -> dict[str, ParallelStyle]:
+    """``parallelize_module`` plan for :class:`meshtrain.models.gpt.GPT` (or, with ``LLAMA_*`` names,
+    :class:`meshtrain.models.llama.Llama`) on the "tp" mesh axis.
 
     Activation layouts at block boundaries: (B, T, C) replicated across tp, or (B, T/tp, C) with
     ``sequence_parallel``. ``layers`` are the keys of ``blocks`` this model (or pipeline stage) holds;
     ``embedding``: whether it holds the embedding (a later pipeline stage receives the residual stream
     already in its sequence-parallel layout, so its first block needs no input split);
     entries for modules a stage lacks are dropped by the caller. The head's output stays a ``DTensor`` (B, T, V) sharded on V, for
-    :func:`torch.distributed.tensor.parallel.loss_parallel`.
+    :func:`torch.distributed.tensor.parallel.loss_parallel`. ``extra_inputs``: plain tensors a block and its
+    attention take after the residual stream (Llama's RoPE ``cos, sin``), passed through unchanged.
     """
+    extra = (None,) * extra_inputs
     layers = list(layers)
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {
@@ -45,25 +58,19 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = Tr
         plan["norm"] = SequenceParallel()
     if sequence_parallel and embedding:
         # embedding output (B, T, C) replicated -> this rank's (B, T/tp, C) slice: no communication
-        plan[f"blocks.{layers[0]}"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
+        plan[f"blocks.{layers[0]}"] = PrepareModuleInput(input_layouts=(Replicate(), *extra),
+                                                         desired_input_layouts=(Shard(1), *extra), use_local_output=True)
     for i in layers:
         b = f"blocks.{i}"
         if sequence_parallel:
             for name in ("ln_1", "ln_2"):
                 plan[f"{b}.{name}"] = SequenceParallel()
-        for name in ("attn", "mlp"):
+        for name, more in (("attn", extra), ("mlp", ())):
             # One DTensor input for all of q, k, v: their gradients add up as one partial sum before a
             # single all-reduce (reduce-scatter with sequence parallelism), Megatron's f operator,
             # instead of one collective per matrix.
-            plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+            plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(seq, *more), desired_input_layouts=(Replicate(), *more),
                                                      use_local_output=False)
-        plan.update({
-            f"{b}.attn.q": ColwiseParallel(),
-            f"{b}.attn.k": ColwiseParallel(),
-            f"{b}.attn.v": ColwiseParallel(),
-            f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
-            f"{b}.mlp.fc": ColwiseParallel(),
-            f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
-        })
+        plan.update({f"{b}.{name}": ColwiseParallel() for name in colwise})
+        plan.update({f"{b}.{name}": RowwiseParallel(output_layouts=seq) for name in rowwise})
     return plan

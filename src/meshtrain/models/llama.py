@@ -1,0 +1,219 @@
+"""Llama: a pre-norm decoder with RMSNorm, rotary position embeddings, a SwiGLU MLP and grouped-query attention.
+
+Sources: Touvron et al. 2023 ("LLaMA", arXiv:2302.13971, Sec. 2.2: pre-normalisation with RMSNorm, SwiGLU,
+rotary embeddings); RMSNorm, Zhang & Sennrich 2019 (arXiv:1910.07467, Eq. 4); RoPE, Su et al. 2021
+(arXiv:2104.09864, Eq. 34); SwiGLU, Shazeer 2020 (arXiv:2002.05202, Eq. 6); grouped-query attention,
+Ainslie et al. 2023 (arXiv:2305.13245, Sec. 2.2); Llama 3 (Dubey et al. 2024, arXiv:2407.21783, Table 3)
+and the Llama 3.1 RoPE frequency scaling of its reference code. Rotary embeddings rotate the two halves
+of each head (Hugging Face ``transformers``' convention), so Hugging Face checkpoints load without
+permuting q and k.
+
+Shape legend: B batch, T sequence length (this rank's tokens under sp), C = n_embd, nh = n_head,
+nkv = n_kv_head, hd = C // nh head size, F = ffn hidden size, V vocabulary size.
+
+Parameter count (no biases; ``tie_embeddings`` drops the head's V*C)::
+
+    N = V*C (+ V*C untied) + n_layer*(C*nh*hd + 2*C*nkv*hd + nh*hd*C + 3*C*F + 2*C) + C
+
+Module names follow the GPT's (``blocks.3.attn.q``, ``blocks.3.mlp.gate``), so the pipeline split, the
+tensor-parallel plan (:mod:`meshtrain.models.tp_plan`) and checkpoints work the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.config import ModelConfig
+from meshtrain.models.base import LayeredLM, sample_token
+from meshtrain.models.gpt import INIT_STD, SDPAttention
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (hd/2,) fp32 of RoPE: ``theta ** (-2i / hd)`` (Su et al. 2021, Eq. 15).
+
+    With ``rope_scaling_factor`` > 0, Llama 3.1's scaling: wavelengths longer than ``original / low`` (of
+    ``rope_original_max_positions``) are divided by the factor, shorter than ``original / high`` are kept,
+    and those between interpolate smoothly between the two."""
+    hd = cfg.n_embd // cfg.n_head
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))  # (hd/2,) fp32, as Hugging Face computes it
+    factor = cfg.rope_scaling_factor
+    if factor:
+        old = cfg.rope_original_max_positions
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv
+        smooth = ((old / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+        inv = (1 - smooth) * inv / factor + smooth * inv
+    return inv
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` (B, h, T, hd) with ``cos, sin`` (T, hd): each head's halves ``(x1, x2)`` become
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` at each position's angles."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, h, T, hd/2) each
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with grouped-query heads: ``nh`` query heads share ``nkv`` key/value heads
+    (``nh / nkv`` queries per group), RoPE on q and k.
+
+    q, k and v are separate column-parallel projections under tp (every rank gets whole query and kv
+    heads, ``nkv % tp == 0``); ``inner_attention`` receives k and v with their own head count, so that
+    sequence parallelism moves the smaller kv tensors (Ulysses needs ``nkv % (tp*sp) == 0``).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_size = cfg.n_embd // cfg.n_head
+        kv = cfg.kv_heads() * self.head_size
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.v = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C), ``cos, sin`` (T, hd) -> (B, T, C)."""
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
+        y = self.inner_attention(rotate(q, cos, sin), rotate(k, cos, sin), v)  # (B, nh, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, Eq. 6), hidden width F."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.ffn_hidden_size()
+        self.gate = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C); the hidden activation is (B, T, F) (F/tp under tp)."""
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, RMSNorm before each."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Llama(LayeredLM):
+    """Llama-family decoder returning logits; the loss is computed by the caller.
+
+    Args:
+        cfg: ``n_layer``, ``n_head``, ``n_kv_head``, ``n_embd``, ``block_size``, the MLP width
+            (``ModelConfig.ffn_hidden_size``), ``rope_*``, ``norm_eps``, ``tie_embeddings``, ``dropout``.
+        vocab_size: V.
+
+    As the GPT, weights come from a seed drawn from the global torch RNG at construction and are filled
+    by :meth:`init_weights` from a private CPU generator (device independent, meta-device friendly).
+    """
+
+    HEAD_MODULES = ("norm", "lm_head")
+    SHARED_ATTRS = LayeredLM.SHARED_ATTRS + ("inv_freq",)
+
+    norm: nn.RMSNorm | None
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        if cfg.n_embd % cfg.n_head != 0:
+            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
+        self.inv_freq = rope_frequencies(cfg)  # a plain tensor: not a parameter, not in checkpoints
+        super().__init__(cfg, vocab_size, lambda i: LlamaBlock(cfg),
+                         head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
+
+    def ties_embeddings(self) -> bool:
+        """``model.tie_embeddings``: untied by default, as Llama 2/3 (7B and up) are."""
+        return self.cfg.tie_embeddings
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter from ``self.init_seed``: normal(0, 0.02) for Linear and Embedding
+        weights, the residual output projections (``attn.proj``, ``mlp.down``) scaled by
+        ``1/sqrt(2*n_layer)`` as in GPT-2 (Radford et al. 2019, Sec. 2.3), RMSNorm weights 1; an untied
+        head gets its own draw."""
+        tied = self.tie_weights()
+        if any(p.is_meta for p in self.parameters()):
+            return
+        gen = torch.Generator(device="cpu").manual_seed(self.init_seed)
+        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is self.lm_head)):
+                std = resid_std if name.endswith(("attn.proj", "mlp.down")) else INIT_STD
+                w = module.weight
+                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan` with Llama's names)."""
+        from meshtrain.models.tp_plan import LLAMA_COLWISE, LLAMA_ROWWISE, tp_plan
+
+        plan = tp_plan(self.blocks.keys(), sequence_parallel, self.tok_emb is not None, LLAMA_COLWISE, LLAMA_ROWWISE,
+                       extra_inputs=2)  # cos, sin
+        return {name: style for name, style in plan.items() if self.get_submodule_or_none(name) is not None}
+
+    def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:
+        """Modules whose dropout acts on tp-split activations: the attention weights (heads are split)."""
+        return [block.attn.inner_attention for block in self.blocks.values()]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` (T, hd) of the global ``positions`` (T,), computed in fp32 and cast to ``dtype``."""
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # (T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
+
+        ``positions`` (T,) int64 are the global positions of the T tokens (default ``0..T-1``; a
+        sequence-parallel rank passes its shard's, ring attention's zigzag chunks included); every block
+        rotates q and k by them. A pipeline stage without ``tok_emb`` takes hidden states (B, T, C) and
+        its positions as well; one without ``lm_head`` returns hidden states (B, T, C).
+
+        Raises:
+            ValueError: a position >= block_size.
+        """
+        T = idx.size(1)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)  # (T,)
+        if T and int(positions.max()) >= self.block_size:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds model.block_size = {self.block_size}")
+        x = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx  # (B, T, C)
+        cos, sin = self.rope(positions, torch.get_autocast_dtype(x.device.type)
+                             if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        for block in self.blocks.values():
+            x = block(x, cos, sin)  # (B, T, C)
+        if self.lm_head is None:
+            return x
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N), as
+        :meth:`meshtrain.models.gpt.GPT.generate` (context cropped to ``block_size``)."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.block_size:]  # (B, <= block_size)
+            nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
+        return idx

@@ -1,0 +1,156 @@
+"""The Llama (``model.type = "llama"``): its maths against ``transformers``' ``LlamaForCausalLM``, its
+parameter count against the planner, its config rules, and every layout against one process
+(docs/architecture.md, correctness contract).
+
+``transformers`` builds tiny random models here; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY, check_layout
+from layout_worker import layout_launcher, reference_run
+from meshtrain.config import ConfigError, ModelConfig, load_config
+from meshtrain.models import build_model
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def hf_names(n_layer: int) -> dict[str, str]:
+    """Our parameter names -> ``LlamaForCausalLM``'s (a test-side table; the HF import has its own)."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    for i in range(n_layer):
+        for ours, theirs in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm"),
+                             ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
+                             ("attn.v", "self_attn.v_proj"), ("attn.proj", "self_attn.o_proj"),
+                             ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")):
+            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    return names
+
+
+def hf_model(cfg: ModelConfig, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scaling = None
+    if cfg.rope_scaling_factor:
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                   "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_positions, "rope_theta": cfg.rope_theta}
+    config = LlamaConfig(vocab_size=vocab, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden_size(),
+                         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                         num_key_value_heads=cfg.kv_heads(), max_position_embeddings=cfg.block_size,
+                         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=scaling,
+                         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
+    if scaling:  # transformers 5 reads RoPE settings from rope_parameters
+        config.rope_parameters = scaling
+    return LlamaForCausalLM(config).eval()
+
+
+SHAPES = {
+    "mha-untied": dict(n_kv_head=0),
+    "gqa": dict(n_kv_head=2),
+    "mqa-tied": dict(n_kv_head=1, tie_embeddings=True),
+    "llama3.1-rope-scaling": dict(n_kv_head=2, rope_theta=500000.0, rope_scaling_factor=8.0,
+                                  rope_original_max_positions=16),
+    "ffn-multiplier": dict(ffn_dim_multiplier=1.3, multiple_of=32, norm_eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_logits_equal_transformers(name):
+    """Our weights loaded into ``LlamaForCausalLM``: the same logits for the same token ids (fp32, CPU).
+
+    Tolerance: each logit is a chain of ``n_layer`` blocks whose matmuls sum at most K = max(C, F, T) fp32
+    products; rounding bounds each sum's error by ~K * eps of its magnitude, and the two implementations
+    may order sums differently, so the logits agree within ``2 * n_layer * K * eps`` of their largest
+    magnitude (a wrong RoPE, GQA grouping or norm differs by O(1))."""
+    cfg = ModelConfig(**{"type": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "multiple_of": 16,
+                         **SHAPES[name]})
+    torch.manual_seed(0)
+    ours = build_model(cfg, 50).eval()
+    theirs = hf_model(cfg, 50)
+    names = hf_names(cfg.n_layer)
+    missing, unexpected = theirs.load_state_dict({names[k]: v for k, v in ours.state_dict().items()}, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    x = torch.randint(0, 50, (3, cfg.block_size))
+    with torch.no_grad():
+        got, want = ours(x), theirs(x).logits
+    K = max(cfg.n_embd, cfg.ffn_hidden_size(), cfg.block_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=2 * cfg.n_layer * K * EPS32 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.n_kv_head": "2"}, {"model.n_kv_head": "1", "model.tie_embeddings": "true"},
+                                       {"model.ffn_hidden": "100"}, {"model.ffn_dim_multiplier": "1.3", "model.multiple_of": "64"}])
+def test_planner_counts_the_built_parameters(overrides):
+    """The planner's ``ModelSpec`` of a llama config has the built model's ``numel()`` and its shapes."""
+    from meshtrain.planner.model_specs import from_config
+
+    cfg = load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "64", **overrides})
+    model = build_model(cfg.model, 65)
+    spec = from_config(cfg, 65)
+    assert spec.num_params() == sum(p.numel() for p in model.parameters())
+    assert spec.ffn_hidden == model.blocks["0"].mlp.up.out_features
+    assert spec.kv_dim == model.blocks["0"].attn.k.out_features
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.n_kv_head": "3"}, "model.n_kv_head = 3 must divide model.n_head = 4"),
+    ({"model.n_kv_head": "2", "parallel.tp": "4"}, "model.n_kv_head = 2 is not divisible by parallel.tp = 4"),
+    ({"model.n_kv_head": "2", "parallel.tp": "2", "parallel.sp": "2"}, "model.n_kv_head = 2 is not divisible by tp*sp = 4"),
+    ({"model.rope_theta": "0.5"}, "model.rope_theta = 0.5 must be"),
+    ({"model.rope_scaling_factor": "8", "model.rope_low_freq_factor": "4", "model.rope_high_freq_factor": "1"},
+     "must satisfy 0 < low < high"),
+    ({"model.n_embd": "36", "model.n_head": "12"}, "(the head size) must be even"),
+])
+def test_llama_config_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "32", **overrides})
+
+
+def test_ring_attention_takes_grouped_kv_that_ulysses_cannot_split():
+    """kv heads that tp*sp does not divide are fine for ring attention (it repeats them locally)."""
+    load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_kv_head": "2", "model.n_embd": "32",
+                       "parallel.tp": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"})
+
+
+# --- every layout equals one process -------------------------------------------------------------
+
+# 4 layers (pp=2 with 2 chunks per rank), 4 query heads sharing 2 kv heads (tp=2 and Ulysses sp=2 split
+# whole kv heads), an untied head, global batch 8 samples of 32 tokens. Pipelines run 4 micro-batches, as
+# tests/test_pipeline.py does: pp x DDP with exactly 2 micro-batches trips an internal assert of DDP's
+# bucket rebuild in torch 2.13 (for the GPT too; left to the issue on layouts the planner ranks).
+MODEL = {**TINY, "model.type": "llama", "model.n_layer": "4", "model.n_head": "4", "model.n_kv_head": "2",
+         "model.multiple_of": "16", "train.steps": "6", "batch.micro_batch_size": "8"}
+PIPE = {"parallel.pp": "2", "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"}
+LAYOUTS = {
+    "fsdp2-zero3": (2, {"parallel.zero_stage": "3", "batch.micro_batch_size": "4"}),
+    "tp2": (2, {"parallel.tp": "2"}),
+    "tp2-seqpar": (2, {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "sp2-ulysses": (2, {"parallel.sp": "2"}),
+    "sp2-ring": (2, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "pp2-1f1b": (2, PIPE),
+    "pp2-zbv": (2, {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2"}),
+    "pp2-tp2": (4, {**PIPE, "parallel.tp": "2"}),
+    "pp2-sp2-ring": (4, {**PIPE, "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "tp2-sp2-ring": (4, {"parallel.tp": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "fsdp2-zero2-tp2": (4, {"parallel.tp": "2", "parallel.zero_stage": "2", "batch.micro_batch_size": "4"}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory.mktemp("llama-ref"), {**MODEL, "batch.gradient_accumulation_steps": "1"})
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    return layout_launcher(tmp_path_factory, MODEL, LAYOUTS, "llama")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_llama_layout_matches_single_process(reference, launched, name):
+    """One torchrun launch per world size (2 and 4) trains all of its layouts (~25 s each here)."""
+    check_layout(launched(LAYOUTS[name][0])[name], reference, MODEL)
