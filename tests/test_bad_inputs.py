@@ -32,7 +32,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     # train: config values
     ("zero-layers", [*TRAIN, "--model.n_layer", "0"], "model.n_layer = 0 must be >= 1"),
     ("heads-not-dividing", [*TRAIN, "--model.n_embd", "130"], "model.n_embd = 130 must be divisible by model.n_head = 4"),
-    ("unknown-model-type", [*TRAIN, "--model.type", "rnn"], "model.type = 'rnn' is not supported: use one of gpt, lstm, gru"),
+    ("unknown-model-type", [*TRAIN, "--model.type", "rnn"], "model.type = 'rnn' is not supported: use one of gpt, llama, lstm, gru"),
     ("dropout-one", [*TRAIN, "--model.dropout", "1.0"], "model.dropout = 1.0 must be in [0, 1)"),
     ("dropout-nan", [*TRAIN, "--model.dropout", "nan"], "model.dropout = nan must be a finite number"),
     ("key-typo", [*TRAIN, "--model.n_layers", "4"], "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
