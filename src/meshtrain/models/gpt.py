@@ -56,6 +56,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
+@torch.no_grad()
+def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tuple[str, ...]) -> None:
+    """Fill a decoder's parameters from ``model.init_seed`` (GPT-2's scheme, Radford et al. 2019, Sec. 2.3):
+    normal(0, 0.02) for Linear and Embedding weights in module order, the modules named ``*residual`` (the
+    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)``, ``norm`` weights 1.
+    Draws come from a private CPU generator and are copied, so CPU, GPU and meta -> ``to_empty`` builds agree
+    bit for bit. Re-ties the head first (``to_empty`` may have untied it); nothing else while on meta."""
+    tied = model.tie_weights()
+    if any(p.is_meta for p in model.parameters()):
+        return  # nothing to fill yet: call again after ``to_empty``
+    gen = torch.Generator(device="cpu").manual_seed(model.init_seed)
+    resid_std = INIT_STD / math.sqrt(2 * model.cfg.n_layer)
+    for name, module in model.named_modules():
+        if isinstance(module, norm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is model.lm_head)):
+            std = resid_std if name.endswith(residual) else INIT_STD
+            w = module.weight
+            w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+
+
 class SDPAttention(nn.Module):
     """Causal scaled dot-product attention on whole sequences: the default ``inner_attention``.
 
@@ -171,18 +192,7 @@ class GPT(LayeredLM):
         Re-ties ``lm_head.weight`` to ``tok_emb.weight`` (``to_empty`` may have untied them); does
         nothing else while parameters are on the meta device. Build the optimizer after this call.
         """
-        tied = self.tie_weights()
-        if any(p.is_meta for p in self.parameters()):
-            return  # nothing to fill yet: call again after ``to_empty``
-        gen = torch.Generator(device="cpu").manual_seed(self.init_seed)
-        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is self.lm_head)):
-                std = resid_std if name.endswith(("attn.proj", "mlp.proj")) else INIT_STD
-                w = module.weight
-                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+        init_decoder_weights(self, nn.LayerNorm, ("attn.proj", "mlp.proj"))
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan`)."""

@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.config import ModelConfig
-from meshtrain.models.base import LayeredLM, sample_token
-from meshtrain.models.gpt import INIT_STD, SDPAttention
+from meshtrain.models.base import LayeredLM
+from meshtrain.models.gpt import GPT, SDPAttention, init_decoder_weights
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -151,18 +151,7 @@ class Llama(LayeredLM):
         weights, the residual output projections (``attn.proj``, ``mlp.down``) scaled by
         ``1/sqrt(2*n_layer)`` as in GPT-2 (Radford et al. 2019, Sec. 2.3), RMSNorm weights 1; an untied
         head gets its own draw."""
-        tied = self.tie_weights()
-        if any(p.is_meta for p in self.parameters()):
-            return
-        gen = torch.Generator(device="cpu").manual_seed(self.init_seed)
-        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is self.lm_head)):
-                std = resid_std if name.endswith(("attn.proj", "mlp.down")) else INIT_STD
-                w = module.weight
-                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+        init_decoder_weights(self, nn.RMSNorm, ("attn.proj", "mlp.down"))
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan` with Llama's names)."""
@@ -207,13 +196,4 @@ class Llama(LayeredLM):
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N), as
-        :meth:`meshtrain.models.gpt.GPT.generate` (context cropped to ``block_size``)."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.block_size:]  # (B, <= block_size)
-            nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
-        return idx
+    generate = GPT.generate  # the same windowed sampling: context cropped to block_size, one token at a time
