@@ -97,7 +97,7 @@ def test_stateful_generation_matches_the_whole_sequence(kind):
     ({"model.type": "gru", "parallel.sp": "2"}, "parallel.sp = 2 is not supported for model.type = 'gru'"),
     ({"model.tbptt_steps": "8"}, "model.tbptt_steps = 8 applies to recurrent models only"),
     ({"model.type": "lstm", "model.tbptt_steps": "-1"}, "model.tbptt_steps = -1 must be >= 0"),
-    ({"model.type": "rnn"}, "model.type = 'rnn' is not supported: use one of gpt, "),
+    ({"model.type": "rnn"}, "model.type = 'rnn' is not supported: use one of gpt, llama, lstm, gru"),
 ])
 def test_bad_rnn_configs_are_rejected_before_launch(tmp_path, overrides, message):
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"),
