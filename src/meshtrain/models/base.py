@@ -102,6 +102,20 @@ class LayeredLM(nn.Module):
         """(Re)initialise every parameter from ``self.init_seed``, re-tying the head first (subclasses)."""
         raise NotImplementedError
 
+    def checked_positions(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The global positions (T,) int64 of the T tokens of ``idx`` (B, T) (or hidden states (B, T, C)):
+        ``positions``, or ``0..T-1`` when None.
+
+        Raises:
+            ValueError: a position >= block_size.
+        """
+        T = idx.size(1)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)  # (T,)
+        if T and int(positions.max()) >= self.block_size:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds model.block_size = {self.block_size}")
+        return positions
+
     def tie_weights(self) -> bool:
         """Share ``tok_emb.weight`` with ``lm_head`` when this model (or stage) holds both and tying is on;
         return whether it does."""

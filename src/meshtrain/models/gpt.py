@@ -223,11 +223,7 @@ class GPT(LayeredLM):
         Raises:
             ValueError: a position >= block_size.
         """
-        T = idx.size(1)
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)  # (T,)
-        if T and int(positions.max()) >= self.block_size:
-            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds model.block_size = {self.block_size}")
+        positions = self.checked_positions(idx, positions)  # (T,)
         if self.tok_emb is not None:
             x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
         else:

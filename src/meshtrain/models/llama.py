@@ -182,11 +182,7 @@ class Llama(LayeredLM):
         Raises:
             ValueError: a position >= block_size.
         """
-        T = idx.size(1)
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)  # (T,)
-        if T and int(positions.max()) >= self.block_size:
-            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds model.block_size = {self.block_size}")
+        positions = self.checked_positions(idx, positions)  # (T,)
         x = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx  # (B, T, C)
         cos, sin = self.rope(positions, torch.get_autocast_dtype(x.device.type)
                              if torch.is_autocast_enabled(x.device.type) else x.dtype)

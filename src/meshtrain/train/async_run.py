@@ -200,10 +200,8 @@ class AsyncRun:
     def _finish(self, everyone: list[dict]) -> dict[str, Any]:
         server0, workers = everyone[0], everyone[len(self.servers):]
         step_time = statistics.median(self.step_times[1:] or self.step_times) if self.step_times else None
-        layout = self._layout()
-        del layout["pp"]
         summary = run_summary(
-            self.setup, self.val_loss, step_time, max(r["peak_memory_bytes"] for r in everyone), layout, "cpu",
+            self.setup, self.val_loss, step_time, max(r["peak_memory_bytes"] for r in everyone), self._layout(), "cpu",
             False, tokens_per_step(self.batch, self.cfg.model.block_size),
             **{"async": {"servers": len(self.servers), "workers": len(self.workers),
                          "applied": server0["applied"], "dropped": server0["dropped"],

@@ -199,10 +199,8 @@ class Trainer:
         and the loss plot. Whatever launched the run compares it with the planner (``meshtrain.launch``)."""
         peak = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64, device=self.device)  # nccl: on GPU
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        layout = self._layout()
-        del layout["pp"]  # reported with the pipeline's figures, by the pipeline
         summary = run_summary(self.setup, val_loss, statistics.median(step_times) if step_times else None,
-                              int(peak.item()), layout, self.device.type, self.parallel.compiled, tokens,
+                              int(peak.item()), self._layout(), self.device.type, self.parallel.compiled, tokens,
                               **self.parallel.report(self.out_dir, TIMING_WARMUP_STEPS))
         if self.rank == 0:
             write_summary(self.out_dir, summary)

@@ -62,7 +62,9 @@ def run_summary(run: RunSetup, val_loss: float | None, step_time_s: float | None
                 layout: dict[str, int], device_type: str, compiled: bool, tokens_per_step: int,
                 **extra: Any) -> dict[str, Any]:
     """``OUT/summary.json`` of a run: val loss, median step time (s), peak memory over ranks (bytes), the
-    layout, and tokens/s (``tokens_per_step / step_time_s``) where a step was timed; plus ``extra``."""
+    layout but pp (a pipeline reports it in ``extra``, with its bubble), and tokens/s (``tokens_per_step /
+    step_time_s``) where a step was timed; plus ``extra``."""
+    layout = {axis: degree for axis, degree in layout.items() if axis != "pp"}
     summary = {"val_loss": val_loss, "step_time_s": step_time_s, "peak_memory_bytes": peak_memory_bytes, **layout,
                "vocab_size": run.vocab_size, "device": device_type, "dtype": run.dtype, "compiled": compiled,
                **extra}

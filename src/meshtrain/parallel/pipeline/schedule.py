@@ -178,7 +178,8 @@ class Pipeline:
 
     def head_copy(self) -> nn.Parameter | None:
         """The head's copy of the tied weight, which the gradient norm leaves out (the embedding's counts)."""
-        return self.tied_weights()[-1] if self.model.lm_head is not None and self.tied_weights() else None
+        weights = self.tied_weights()
+        return weights[-1] if weights and self.model.lm_head is not None else None
 
     @torch.no_grad()
     def sync_tied_gradients(self) -> None:
