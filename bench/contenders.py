@@ -61,7 +61,7 @@ class HFLogits(torch.nn.Module):
     def __init__(self, ours) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from meshtrain.models.hf import to_hf_state_dict
+        from meshtrain.models.hf import hf_state_dict
 
         super().__init__()
         m = ours.cfg
@@ -70,7 +70,7 @@ class HFLogits(torch.nn.Module):
             num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads(),
             max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False))
-        self.model.load_state_dict(to_hf_state_dict(ours.state_dict(), m.n_layer), strict=not m.tie_embeddings)
+        self.model.load_state_dict(hf_state_dict(ours.state_dict(), m), strict=not m.tie_embeddings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x).logits

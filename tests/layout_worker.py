@@ -2,7 +2,7 @@
 
 A torchrun start costs seconds per launch on this machine (docs/architecture.md), so the equality tests group
 every layout of one world size into one launch. ``SPEC.json`` is ``[{"out": DIR, "overrides":
-{"section.key": "value"}}, ...]``; for each entry every rank:
+{"section.key": "value"}, "config": TOML (default: the main job's)}, ...]``; for each entry every rank:
 
 1. builds the trainer, runs the forward/backward of step 1 and saves the full gradients by
    parameter name (rank 0, ``DIR/grads_step1.pt``) -- the gradients the optimizer would see, after
@@ -54,8 +54,8 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     return {k: v for part in gathered for k, v in part.items()} if gathered else None
 
 
-def run_layout(overrides: dict[str, str], out: Path) -> None:
-    cfg = load_config(CONFIG, {**overrides, "train.out_dir": str(out)})
+def run_layout(overrides: dict[str, str], out: Path, config: Path = CONFIG) -> None:
+    cfg = load_config(config, {**overrides, "train.out_dir": str(out)})
     trainer = Trainer(cfg)
     seed_step(trainer.model, cfg.train.seed, 1, trainer.rank, trainer.dims.tp)
     trainer.forward_backward(trainer.sampler.next_step())
@@ -72,7 +72,7 @@ def run_layout(overrides: dict[str, str], out: Path) -> None:
 def run_layouts(spec: list[dict]) -> None:
     """Run every layout of ``spec`` in order on this rank (joins torchrun's group, or a 1-rank one)."""
     for entry in spec:
-        run_layout(entry["overrides"], Path(entry["out"]))
+        run_layout(entry["overrides"], Path(entry["out"]), Path(entry.get("config", CONFIG)))
         dist.barrier()
 
 
@@ -92,16 +92,18 @@ def load_result(out: Path) -> tuple[dict, dict, dict]:
     return losses(read_records(out)), torch.load(out / GRADS_FILE), final_params(out)
 
 
-def reference_run(out: Path, overrides: dict[str, str]) -> tuple[dict, dict, dict]:
-    """Train ``overrides`` in this process on one rank into ``out``; return :func:`load_result`."""
-    run_in_process([{"out": str(out), "overrides": overrides}])
+def reference_run(out: Path, overrides: dict[str, str], config: Path = CONFIG) -> tuple[dict, dict, dict]:
+    """Train ``overrides`` of ``config`` in this process on one rank into ``out``; return :func:`load_result`."""
+    run_in_process([{"out": str(out), "overrides": overrides, "config": str(config)}])
     return load_result(Path(out))
 
 
-def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]]) -> dict[str, tuple]:
-    """Train every layout (name -> overrides) on ``world`` gloo ranks in one torchrun launch into
+def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]],
+                   config: Path = CONFIG) -> dict[str, tuple]:
+    """Train every layout (name -> overrides of ``config``) on ``world`` gloo ranks in one torchrun launch into
     ``root/NAME``; return {name: :func:`load_result`}."""
-    spec = [{"out": str(root / name), "overrides": overrides} for name, overrides in layouts.items()]
+    spec = [{"out": str(root / name), "overrides": overrides, "config": str(config)}
+            for name, overrides in layouts.items()]
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",

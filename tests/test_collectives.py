@@ -25,6 +25,8 @@ BASE = {**TINY, "model.n_head": "4", "batch.micro_batch_size": "4", "train.out_d
 LAYOUTS = {
     "tp2": {"parallel.tp": "2"},
     "tp2-seqpar": {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"},
+    # GPT-2's biases: the LayerNorm shifts' partial gradients are summed too (two more all-reduces of h)
+    "tp2-seqpar-bias": {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true", "model.bias": "true"},
     "sp2-ulysses": {"parallel.sp": "2"},
     "sp2-ring": {"parallel.sp": "2", "parallel.sp_mode": "ring"},
 }

@@ -159,7 +159,31 @@ BAD_VALUES = [
     ("optim.lr_scaling", '"linear"', "optim.lr_scaling = 'linear' needs optim.reference_batch_size >= 1"),
     ("optim.reference_batch_size", "-4", "optim.reference_batch_size = -4 must be >= 0"),
     ("model.tbptt_steps", "16", "model.tbptt_steps = 16 applies to recurrent models only"),
+    ("model.activation", '"relu"', "model.activation = 'relu' is not valid: use one of gelu, gelu_tanh"),
+    ("model.norm_eps", "1.5", "model.norm_eps = 1.5 must be in (0, 1)"),
 ]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "lstm", "gru"])
+@pytest.mark.parametrize("dotted, value, message", [
+    ("model.bias", "true", "model.bias = true applies to model.type = 'gpt' only: use false"),
+    ("model.activation", "gelu_tanh", "model.activation = 'gelu_tanh' applies to model.type = 'gpt' only: use 'gelu'"),
+])
+def test_gpt_only_keys_name_the_model_type(model_type, dotted, value, message):
+    assert message in error_of(load_config, overrides={"model.type": model_type, dotted: value})
+
+
+def test_resume_checks_the_gpt_biases(tmp_path):
+    """A GPT checkpoint's parameters include biases only with model.bias: resuming it with the other value is
+    refused before DCP meets missing keys; a checkpoint from before the key has no biases."""
+    from meshtrain.preflight import check_same_model
+
+    cfg = load_config(None, {"model.bias": "true"})
+    old = {"config": {"model": {k: getattr(cfg.model, k) for k in ("type", "n_layer", "n_embd", "n_head", "block_size")}},
+           "tokenizer": {}}
+    assert "holds a model with model.bias = False, this config has True: resume it with --model.bias False" in \
+        error_of(check_same_model, cfg, old, {}, tmp_path)
+    check_same_model(load_config(None), old, {}, tmp_path)
 
 
 def _as_toml(dotted: str, literal: str) -> str:

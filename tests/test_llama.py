@@ -7,6 +7,8 @@ parameter count against the planner, its config rules, and every layout against 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,17 +85,84 @@ def test_logits_equal_transformers(name):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"model.n_kv_head": "2"}, {"model.n_kv_head": "1", "model.tie_embeddings": "true"},
-                                       {"model.ffn_hidden": "100"}, {"model.ffn_dim_multiplier": "1.3", "model.multiple_of": "64"}])
+                                       {"model.ffn_hidden": "100"}, {"model.ffn_dim_multiplier": "1.3", "model.multiple_of": "64"},
+                                       {"model.type": "gpt"},
+                                       {"model.type": "gpt", "model.bias": "true", "model.activation": "gelu_tanh"}])
 def test_planner_counts_the_built_parameters(overrides):
-    """The planner's ``ModelSpec`` of a llama config has the built model's ``numel()`` and its shapes."""
+    """The planner's ``ModelSpec`` of a llama (or GPT, with and without GPT-2's biases) config has the built
+    model's ``numel()`` and its shapes, and the pipeline split charges the optimizer for the same parameters
+    (its costs at 0 tokens are ``OPTIMIZER_FLOPS_PER_PARAM`` times the embedding's, a block's and the head's)."""
     from meshtrain.planner.model_specs import from_config
+    from meshtrain.rules.pipeline_split import OPTIMIZER_FLOPS_PER_PARAM, model_item_costs
 
     cfg = load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "64", **overrides})
     model = build_model(cfg.model, 65)
     spec = from_config(cfg, 65)
     assert spec.num_params() == sum(p.numel() for p in model.parameters())
-    assert spec.ffn_hidden == model.blocks["0"].mlp.up.out_features
+    assert spec.layer_params() == sum(p.numel() for p in model.blocks["0"].parameters())
+    mlp = model.blocks["0"].mlp
+    assert spec.ffn_hidden == (mlp.up if cfg.model.type == "llama" else mlp.fc).out_features
     assert spec.kv_dim == model.blocks["0"].attn.k.out_features
+    params = (spec.embedding_params(), spec.layer_params(), spec.head_params())
+    assert model_item_costs(cfg.model, 65, tokens=0) == tuple(OPTIMIZER_FLOPS_PER_PARAM * n for n in params)
+
+
+# Meta's architecture arguments of each release (meta-llama/llama-models, models/sku_list.py): the MLP
+# width comes from Llama's rule, not from the preset. All three: 8 kv heads, V = 128256, theta 500000.
+LLAMA3_RELEASES = {
+    "llama3-8b": {"n_layer": 32, "n_embd": 4096, "n_head": 32, "ffn_dim_multiplier": 1.3, "multiple_of": 1024},
+    "llama3-70b": {"n_layer": 80, "n_embd": 8192, "n_head": 64, "ffn_dim_multiplier": 1.3, "multiple_of": 4096},
+    "llama3-405b": {"n_layer": 126, "n_embd": 16384, "n_head": 128, "ffn_dim_multiplier": 1.2, "multiple_of": 4096},
+}
+
+
+def test_every_llama_preset_is_checked_against_the_built_model():
+    from meshtrain.planner.model_specs import PRESETS
+
+    assert {name for name, m in PRESETS.items() if m.activation == "swiglu"} == set(LLAMA3_RELEASES)
+
+
+@pytest.mark.parametrize("name", LLAMA3_RELEASES)
+def test_llama_presets_are_the_model_the_trainer_builds(name):
+    """A Llama preset written as a ``model.type = "llama"`` config (Meta's release arguments) builds, on the
+    meta device (no memory), exactly the preset's parameters, and the planner's spec of that config is
+    the preset: the same parameter count, FLOPs, memory and time formulas. ~0.2 s for all three."""
+    from meshtrain.planner.model_specs import from_config, preset
+
+    spec = preset(name)
+    cfg = load_config(None, {"model.type": "llama", "model.n_kv_head": "8", "model.vocab_size": "128256",
+                             "model.block_size": "8192", "model.rope_theta": "500000",
+                             **{f"model.{k}": str(v) for k, v in LLAMA3_RELEASES[name].items()}})
+    with torch.device("meta"):
+        model = build_model(cfg.model, spec.vocab)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    assert replace(from_config(cfg), name=spec.name) == spec
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.n_kv_head": "1", "model.tie_embeddings": "true"},
+                                       {"model.n_kv_head": "2", "model.ffn_hidden": "100", "model.block_size": "96"}])
+def test_planner_flops_are_the_built_models_matmuls(overrides):
+    """The planner's model FLOPs of a llama config (Korthikanti et al. 2022, Eq. 7, generalised to GQA and
+    SwiGLU as Megatron-LM's ``num_floating_point_operations``; the formula of every preset) are, per
+    token, 2 FLOPs per weight of each matmul the built model runs (a block's Linear layers, the head) plus
+    ``4*s*h`` of attention scores per layer, times 3 for forward + backward; and the pipeline split the
+    trainer cuts by (:mod:`meshtrain.rules.pipeline_split`) charges a block and the head the same FLOPs."""
+    from meshtrain.planner.cost import attention_flops_per_token, dense_flops_per_token, model_flops
+    from meshtrain.planner.model_specs import from_config
+    from meshtrain.rules.pipeline_split import model_item_costs
+
+    cfg = load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "64", **overrides})
+    with torch.device("meta"):
+        model = build_model(cfg.model, 65)
+    spec = from_config(cfg, 65)
+    s, h = cfg.model.block_size, cfg.model.n_embd
+    block_weights = sum(m.weight.numel() for m in model.blocks["0"].modules() if isinstance(m, torch.nn.Linear))
+    assert dense_flops_per_token(spec) == 2 * block_weights and attention_flops_per_token(spec) == 4 * s * h
+    forward = spec.layers * (2 * block_weights + 4 * s * h) + 2 * model.lm_head.weight.numel()
+    assert model_flops(spec, 5) == 3 * 5 * s * forward
+    one, two = model_item_costs(cfg.model, 65, tokens=1), model_item_costs(cfg.model, 65, tokens=2)
+    assert two[1] - one[1] == 3 * (2 * block_weights + 4 * s * h)  # per token: a block
+    assert two[2] - one[2] == 3 * 2 * model.lm_head.weight.numel()  # and the head
 
 
 @pytest.mark.parametrize("overrides, message", [

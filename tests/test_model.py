@@ -41,11 +41,13 @@ def test_tied_weights_share_storage():
     assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
 
 
-@pytest.mark.parametrize("cfg", [CFG, ModelConfig(n_layer=3, n_head=4, n_embd=32, block_size=12)])
+@pytest.mark.parametrize("cfg", [CFG, ModelConfig(n_layer=3, n_head=4, n_embd=32, block_size=12),
+                                 ModelConfig(n_layer=3, n_head=4, n_embd=32, block_size=12, bias=True)])
 def test_num_params_formula(cfg):
+    """The module docstring's N, b = 1 with ``bias``: 9C Linear biases and 2C LayerNorm shifts per block, C final."""
     model = build(cfg=cfg)
-    C, T, L = cfg.n_embd, cfg.block_size, cfg.n_layer
-    expected = V * C + T * C + L * (12 * C**2 + 2 * C) + C
+    C, T, L, b = cfg.n_embd, cfg.block_size, cfg.n_layer, int(cfg.bias)
+    expected = V * C + T * C + L * (12 * C**2 + 2 * C + b * 11 * C) + C + b * C
     assert model.num_params() == expected
     assert model.num_params(exclude_embeddings=True) == expected - V * C - T * C
 
@@ -77,6 +79,57 @@ def test_meta_build_then_init_matches_normal_build():
         normal.tok_emb.weight.zero_()
     normal.init_weights()
     assert torch.equal(normal.tok_emb.weight, meta.tok_emb.weight)
+
+
+GPT2_CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, bias=True, activation="gelu_tanh")
+"""GPT-2's options (``GPT2LMHeadModel``): biases in every Linear but the head and in every LayerNorm, gelu_new."""
+
+
+def test_bias_model_has_zero_biases_and_the_same_weights():
+    """GPT-2's init: every bias 0 (also after a meta build, whose ``to_empty`` leaves garbage); biases draw
+    nothing from the init generator, so every weight equals the bias-free model's of the same seed."""
+    with_bias, without = build(seed=5, cfg=GPT2_CFG), build(seed=5)
+    biases = {n: p for n, p in with_bias.named_parameters() if n.endswith(".bias")}
+    per_block = {"ln_1", "ln_2", "attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj"}
+    assert set(biases) == {f"blocks.{i}.{m}.bias" for i in range(2) for m in per_block} | {"norm.bias"}
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in biases.values())
+    assert with_bias.lm_head.bias is None and not any(n.endswith(".bias") for n, _ in without.named_parameters())
+    for name, want in without.state_dict().items():
+        assert torch.equal(with_bias.state_dict()[name], want), name
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = GPT(GPT2_CFG, V)
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    for (name, want), got in zip(with_bias.state_dict().items(), meta.state_dict().values()):
+        assert torch.equal(got, want), name
+
+
+def test_gelu_tanh_is_gpt2s_gelu_new():
+    """``activation = "gelu_tanh"``: ``0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h**3)))`` (Hendrycks & Gimpel 2016)
+    on the MLP's hidden activation h, and the MLP's output is ``proj`` of it; the exact GELU fails the bound."""
+    from meshtrain.config import GPT_ACTIVATIONS
+    from meshtrain.models.gpt import GELU_APPROXIMATIONS
+
+    assert tuple(GELU_APPROXIMATIONS) == GPT_ACTIVATIONS  # every valid model.activation builds
+    eps = torch.finfo(torch.float32).eps
+    mlp = build(cfg=GPT2_CFG).blocks["0"].mlp
+    x = 25 * torch.randn(4, 8, GPT2_CFG.n_embd, generator=torch.Generator().manual_seed(0))  # h ~ N(0, 2^2)
+    with torch.no_grad():
+        h = mlp.fc(x)  # (B, T, 4C)
+        hand = 0.5 * h * (1 + torch.tanh(((2 / torch.pi) ** 0.5) * (h + 0.044715 * h**3)))
+        # Elementwise bound: the inner term z has ~4 roundings (relative 4 eps), tanh turns that into at most
+        # sech(z)^2 * 4 eps |z| <= 1.8 eps (sech^2(z)|z| <= 0.45) plus its own ~1 ulp; 1 + tanh and the products add
+        # ~3 eps more, all times 0.5|h|: |act - hand| <= 3 eps |h|, kept at 8 eps |h| for kernels' polynomial tanh.
+        bound = 8 * eps * h.abs()
+        assert ((mlp.act(h) - hand).abs() <= bound).all()
+        assert ((torch.nn.functional.gelu(h) - hand).abs() > bound).any()  # the bound tells exact GELU apart
+        # MLP output: the activations differ by <= 8 eps |h_j|, and each of the two 4C-term matmuls rounds by at most
+        # 4C eps sum_j |W_ij| |h_j| (|a_j| <= |h_j|): |mlp(x) - proj(hand)| <= (8 + 8C) eps (|W| @ |h|), elementwise.
+        want = mlp.proj(hand)  # (B, T, C); the biases are 0 after init
+        out_bound = (8 + 8 * GPT2_CFG.n_embd) * eps * (h.abs() @ mlp.proj.weight.abs().T)
+        assert ((mlp(x) - want).abs() <= out_bound).all()
+        assert ((mlp.proj(torch.nn.functional.gelu(h)) - want).abs() > out_bound).any()
 
 
 def test_generate_length_and_determinism():

@@ -39,6 +39,18 @@ def test_preset_parameter_counts_match_the_released_models(name, params):
     assert preset(name).num_params() == params
 
 
+def test_gpt_config_with_gpt2s_options_is_gpt2_small():
+    """The trainer's GPT with ``model.bias`` at GPT-2 small's shape has the released 124,439,808 parameters
+    (the planner's count of a config equals the built model's: tests/test_llama.py)."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.model_specs import from_config
+
+    cfg = load_config(None, {"model.n_layer": "12", "model.n_head": "12", "model.n_embd": "768",
+                             "model.block_size": "1024", "model.vocab_size": "50257", "model.bias": "true",
+                             "model.activation": "gelu_tanh"})
+    assert from_config(cfg).num_params() == preset("gpt2-small").num_params() == 124_439_808
+
+
 @pytest.mark.parametrize("name, billions", [("megatron-1.7b", 1.7), ("megatron-7.5b", 7.5), ("megatron-39.1b", 39.1),
                                             ("megatron-145.6b", 145.6), ("megatron-529.6b", 529.6),
                                             ("megatron-1t", 1008.0)])

@@ -44,12 +44,23 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
                                "batch.micro_batch_size": "4"}),
 }
 REFERENCE = {"batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"}
+GPT2 = {"model.bias": "true", "model.activation": "gelu_tanh"}
+"""GPT-2's options (``GPT2LMHeadModel``): under tp, ColwiseParallel shards q/k/v/fc biases with their weights,
+RowwiseParallel replicates the proj biases (added once, after the partial sums), SequenceParallel the LayerNorm
+shifts (their gradients summed over the tp ranks' tokens). Trained in the 2-rank launch, against its own reference."""
+GPT2_LAYOUTS = {"gpt2-bias-gelu-tanh-tp2-seqpar": (2, {**GPT2, "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"})}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, micro batch 8, no accumulation."""
     return run_reference(tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(tmp_path_factory):
+    """The reference with GPT-2's options."""
+    return reference_run(tmp_path_factory.mktemp("gpt2-ref"), {**MODEL, **REFERENCE, **GPT2})
 
 
 def run_reference(out) -> tuple:
@@ -59,7 +70,7 @@ def run_reference(out) -> tuple:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    return layout_launcher(tmp_path_factory, MODEL, LAYOUTS, "world")
+    return layout_launcher(tmp_path_factory, MODEL, {**LAYOUTS, **GPT2_LAYOUTS}, "world")
 
 
 def _check(got: tuple, want: tuple) -> None:
@@ -69,6 +80,12 @@ def _check(got: tuple, want: tuple) -> None:
 @pytest.mark.parametrize("name", [n for n, (w, _) in LAYOUTS.items() if w <= 4])
 def test_layout_matches_single_process(reference, launched, name):
     _check(launched(LAYOUTS[name][0])[name], reference)
+
+
+@pytest.mark.parametrize("name", list(GPT2_LAYOUTS))
+def test_gpt2_options_layout_matches_single_process(gpt2_reference, launched, name):
+    """Biases and tanh GELU under tp with sequence parallelism: the contract, as for every layout."""
+    _check(launched(GPT2_LAYOUTS[name][0])[name], gpt2_reference)
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores, ~35 s: in `make test-slow` to keep `make test` under 15 min

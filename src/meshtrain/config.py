@@ -3,7 +3,10 @@
 Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp --pp --sp --steps
 --seed --out``)::
 
-    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps
+    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps, norm_eps;
+                 gpt: bias, activation; llama: n_kv_head, ffn_hidden, multiple_of, ffn_dim_multiplier,
+                 rope_theta, rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
+                 rope_original_max_positions, tie_embeddings; init_from (a Hugging Face model folder)
     [data]       path, val_fraction
     [parallel]   dp, tp, pp, sp, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
@@ -38,6 +41,9 @@ COMPILES = ("auto", "on", "off")
 MODEL_TYPES = ("gpt", "llama", "lstm", "gru")
 TRANSFORMER_TYPES = ("gpt", "llama")
 RECURRENT_TYPES = ("lstm", "gru")
+GPT_ACTIVATIONS = ("gelu", "gelu_tanh")
+"""The GPT's MLP activation (``model.activation``): exact (erf) GELU, or its tanh approximation (GPT-2's
+``gelu_new``, Hendrycks & Gimpel 2016, arXiv:1606.08415, Sec. 2)."""
 SYNC_MODES = ("sync", "async", "local-sgd")
 STALE_POLICIES = ("drop", "wait")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -86,9 +92,18 @@ class ModelConfig:
     rope_original_max_positions: int = 8192
     """llama, with ``rope_scaling_factor``: the context length the model was pretrained at."""
     norm_eps: float = 1e-5
-    """llama: RMSNorm epsilon."""
+    """gpt: LayerNorm epsilon (1e-5, GPT-2's and ``nn.LayerNorm``'s default); llama: RMSNorm epsilon."""
     tie_embeddings: bool = False
     """llama: share the token embedding with the output head (small Llamas, e.g. Llama 3.2 1B); the GPT always ties."""
+    bias: bool = False
+    """gpt: biases in every Linear but the head (q, k, v, attn.proj, mlp.fc, mlp.proj) and in every LayerNorm,
+    as GPT-2 has them (Hugging Face ``GPT2LMHeadModel``); false = none (nanoGPT's bias=False)."""
+    activation: str = "gelu"
+    """gpt: MLP activation, one of :data:`GPT_ACTIVATIONS`: "gelu" (exact, erf) or "gelu_tanh" (GPT-2's ``gelu_new``)."""
+    init_from: str = ""
+    """A local Hugging Face model folder (``config.json`` + safetensors) of ``LlamaForCausalLM`` or
+    ``GPT2LMHeadModel`` to start from: its ``config.json`` sets the model keys (:func:`apply_init_from`; a key
+    given here that contradicts it is an error) and its weights replace the seed's, under any layout."""
 
     def ffn_hidden_size(self) -> int:
         """llama's SwiGLU width F: ``ffn_hidden``, or Llama's rule from ``n_embd``: ``2/3 * 4C`` (SwiGLU's three
@@ -345,6 +360,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             (see :func:`validate`).
     """
     cfg = Config()
+    given: set[str] = set()
     if path is not None:
         p = Path(path)
         data = read_toml(p, "config file")
@@ -353,10 +369,48 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 raise ConfigError(f"'{section}' in {p} must be a [section] table, got {table!r}")
             for key, value in table.items():
                 set_key(cfg, f"{section}.{key}", value, from_text=False)
+                given.add(f"{section}.{key}")
     for dotted, value in (overrides or {}).items():
         set_key(cfg, dotted, value)
+        given.add(dotted)
+    apply_init_from(cfg.model, given)
     validate(cfg)
     return cfg
+
+
+def apply_init_from(m: ModelConfig, given: set[str]) -> None:
+    """Set the model keys from ``model.init_from``'s ``config.json`` (:func:`meshtrain.hf_format.model_keys`);
+    nothing when it is empty. ``given`` holds the dotted keys the user set: one of them with another value
+    than the checkpoint's is a contradiction, not an override (the weights could not load). ``block_size``
+    (the training context) is the run's, at most the checkpoint's positions; a default above them is lowered.
+
+    Raises:
+        ConfigError: no such folder, no or a broken ``config.json``, an architecture meshtrain does not build,
+            a contradicting key, or ``model.block_size`` past the checkpoint's positions.
+    """
+    if not m.init_from:
+        return
+    from meshtrain import hf_format as hf
+
+    folder = Path(m.init_from).expanduser()
+    _require(folder.is_dir(), f"model.init_from = '{m.init_from}' is not a folder: give a local Hugging Face model "
+                              f"folder ({hf.CONFIG_FILE} + safetensors weights)")
+    where = folder / hf.CONFIG_FILE
+    try:
+        data = hf.read_json(where, "model.init_from's")
+        keys = hf.model_keys(data, where)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    for key, value in keys.items():
+        if f"model.{key}" in given and getattr(m, key) != value:
+            raise ConfigError(f"model.{key} = {getattr(m, key)!r} contradicts '{where}', which gives {value!r}: "
+                              f"remove model.{key} or set it to {value!r}")
+        setattr(m, key, value)
+    limit = hf.max_positions(data)
+    if limit is not None and "model.block_size" not in given:
+        m.block_size = min(m.block_size, limit)
+    _require(limit is None or m.block_size <= limit, f"model.block_size = {m.block_size} exceeds the "
+                                                     f"{limit} positions of '{where}': use <= {limit}")
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -391,8 +445,11 @@ def validate(cfg: Config) -> Config:
     _require(m.type in RECURRENT_TYPES or m.n_embd % m.n_head == 0,
              f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
     _require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
+    if m.type in TRANSFORMER_TYPES:
+        _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
     if m.type == "llama":
         _validate_llama(m)
+    _validate_gpt_keys(m)
     _require(m.tbptt_steps == 0 or m.type in RECURRENT_TYPES,
              f"model.tbptt_steps = {m.tbptt_steps} applies to recurrent models only: use 0 with model.type = {m.type!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
@@ -446,7 +503,8 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_llama(m: ModelConfig) -> None:
-    """The llama keys: grouped-query heads, the MLP width rule, RoPE and its scaling, the norm's epsilon."""
+    """The llama keys: grouped-query heads, the MLP width rule, RoPE and its scaling (the norm's epsilon,
+    shared with the GPT, is checked in :func:`validate`)."""
     kv = m.n_kv_head or m.n_head
     _require(m.n_kv_head >= 0, f"model.n_kv_head = {m.n_kv_head} must be >= 0 (0 = n_head)")
     _require(m.n_head % kv == 0, f"model.n_kv_head = {m.n_kv_head} must divide model.n_head = {m.n_head} "
@@ -467,7 +525,17 @@ def _validate_llama(m: ModelConfig) -> None:
                  f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
         _require(m.rope_original_max_positions >= 1,
                  f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
-    _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
+
+
+def _validate_gpt_keys(m: ModelConfig) -> None:
+    """The GPT-only keys (``bias``, ``activation``): a valid activation for the GPT, defaults for the others."""
+    if m.type == "gpt":
+        _require(m.activation in GPT_ACTIVATIONS,
+                 f"model.activation = {m.activation!r} is not valid: use one of {', '.join(GPT_ACTIVATIONS)}")
+        return
+    _require(not m.bias, f"model.bias = true applies to model.type = 'gpt' only: use false with model.type = {m.type!r}")
+    _require(m.activation == "gelu", f"model.activation = {m.activation!r} applies to model.type = 'gpt' only: "
+                                     f"use 'gelu' (the default) with model.type = {m.type!r}")
 
 
 def _validate_support(cfg: Config) -> None:

@@ -7,6 +7,7 @@ Every failed check raises :class:`meshtrain.config.ConfigError` with one actiona
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from meshtrain.batch import global_batch_size
@@ -25,6 +26,8 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
+    if cfg.model.init_from:
+        check_init_from(cfg, corpus.tokenizer.vocab_size)
     if resume:
         found = ckpt.resolve_checkpoint(resume, verify=True)
         cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here
@@ -48,12 +51,35 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     check_writable_dir(out, "train.out_dir")  # last: it probes the folder the run is about to write in
 
 
+def check_init_from(cfg: Config, corpus_vocab: int) -> None:
+    """``model.init_from``'s weights can start this run: no checkpoint to resume besides them, every tensor
+    of the model in whole files with the shapes its ``config.json`` gives (headers only,
+    :func:`meshtrain.hf_format.check_weights`), and a vocabulary that holds the corpus's tokens.
+    Raises ConfigError with one actionable line."""
+    from meshtrain import hf_format as hf
+
+    m = cfg.model
+    if cfg.checkpoint.resume:
+        raise ConfigError(f"model.init_from = '{m.init_from}' and checkpoint.resume = '{cfg.checkpoint.resume}' both "
+                          f"give the starting weights: drop --resume to start from the Hugging Face model, or "
+                          f"drop model.init_from to continue the checkpoint")
+    try:
+        hf.check_weights(Path(m.init_from).expanduser(), dataclasses.asdict(m), m.vocab_size, m.ffn_hidden_size(),
+                         m.kv_heads())
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    if m.vocab_size < corpus_vocab:
+        raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
+                          f"the {corpus_vocab} of data.path = '{cfg.data.resolved_path()}': use a corpus its "
+                          f"tokenizer covers")
+
+
 def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
     """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
-    width, heads, and the GPT's positions) and the characters of the corpus. Raises ConfigError naming
-    the override that makes it loadable."""
-    saved = meta["config"]["model"]
-    keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size") if cfg.model.type == "gpt" else ())
+    width, heads, and the GPT's positions and biases) and the characters of the corpus. Raises ConfigError
+    naming the override that makes it loadable."""
+    saved = {"bias": False, **meta["config"]["model"]}  # checkpoints from before model.bias have no biases
+    keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size", "bias") if cfg.model.type == "gpt" else ())
     for key in keys:
         if saved.get(key) != getattr(cfg.model, key):
             raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {saved.get(key)!r}, this config "

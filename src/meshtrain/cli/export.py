@@ -1,18 +1,20 @@
-"""``meshtrain export --checkpoint DIR --out model.safetensors``: a checkpoint as one file of plain tensors.
+"""``meshtrain export --checkpoint DIR --out OUT [--format safetensors|hf]``: a checkpoint as files to share.
 
 A DCP checkpoint is a folder of shards and a pickled ``.metadata``. meshtrain reads that metadata with
 an allow-list (:class:`meshtrain.checkpoint.SafeFileSystemReader`), but other tools may not. The
-export is the file to hand to someone else:
+export is what to hand to someone else, consolidated from any layout:
 
-- ``OUT.safetensors``: every weight of the model, consolidated from any layout (a tied weight is
-  stored once). safetensors holds only a JSON header and raw tensor bytes, so reading it cannot run code.
-  The header's ``__metadata__["meshtrain"]`` holds the model config, vocabulary size, tokenizer and
-  step as JSON.
-- ``OUT.json``: the same JSON, for people and other tools.
+- ``--format safetensors`` (default): ``OUT.safetensors``, every weight under meshtrain's names (a tied
+  weight stored once); its header's ``__metadata__["meshtrain"]`` holds the model config, vocabulary size,
+  tokenizer and step as JSON, also written to ``OUT.json`` for people and other tools.
+- ``--format hf``: the folder ``OUT`` of a Hugging Face model (``config.json``, safetensors weights sharded
+  past ``--max-shard-mb``, a ``tokenizer.json`` for the character tokenizer) that
+  ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads: a "gpt" as ``GPT2LMHeadModel``, a "llama"
+  as ``LlamaForCausalLM`` (:mod:`meshtrain.models.hf`).
 
-``meshtrain generate --checkpoint OUT.safetensors`` samples from it. Neither file is ever overwritten.
-Both are written under a temporary name and renamed into place, so a crash leaves no half-written
-output.
+safetensors holds only a JSON header and raw tensor bytes, so reading it cannot run code. ``meshtrain
+generate --checkpoint OUT`` samples from either. Nothing is ever overwritten: outputs are written under a
+temporary name and renamed into place, so a crash leaves no half-written output.
 """
 
 from __future__ import annotations
@@ -23,19 +25,29 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshtrain.argtypes import positive_float
 from meshtrain.config import ConfigError
 from meshtrain.fileio import check_writable_dir
 
 SUFFIX = ".safetensors"
+FORMATS = ("safetensors", "hf")
+DEFAULT_SHARD_BYTES = 5 * 2**30
+"""``--max-shard-mb``'s default in bytes (5 GiB, about ``transformers``' 5 GB)."""
 METADATA_KEY = "meshtrain"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as one safetensors file (safe to share and load)",
+    p = sub.add_parser("export", help="write a checkpoint as safetensors or as a Hugging Face model folder",
                        description="Consolidate a checkpoint (any layout) into OUT.safetensors plus OUT.json "
-                                   "(model config and tokenizer). Loading a safetensors file cannot run code.")
+                                   "(--format safetensors), or into a Hugging Face model folder OUT that "
+                                   "transformers loads (--format hf). Loading safetensors cannot run code.")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder (its latest checkpoint) or step folder")
-    p.add_argument("--out", required=True, metavar="FILE", help="output file ending in .safetensors (must not exist)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="safetensors: a file ending in .safetensors; hf: a folder; it must not exist")
+    p.add_argument("--format", choices=FORMATS, default="safetensors",
+                   help="safetensors: one file, meshtrain's names; hf: config.json + weights under transformers' names")
+    p.add_argument("--max-shard-mb", type=positive_float, default=DEFAULT_SHARD_BYTES / 2**20, metavar="MIB",
+                   help="hf: largest weights file in MiB; larger models are sharded with an index (default 5 GiB)")
     p.set_defaults(func=run)
 
 
@@ -127,7 +139,32 @@ def load_export(path: Path):
     return model, info
 
 
+def export_hf(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write the Hugging Face folder ``out`` from ``checkpoint`` (:func:`meshtrain.models.hf.write_hf_folder`);
+    return the files written.
+
+    Raises:
+        ConfigError: no checkpoint there, an unsafe or broken one, a recurrent model, or an ``out`` that exists
+            or whose parent cannot be written.
+    """
+    from meshtrain.models.hf import write_hf_folder
+
+    folder = Path(out).expanduser()
+    if folder.exists():
+        raise ConfigError(f"'{folder}' already exists: exports never overwrite; choose another --out")
+    if not folder.parent.is_dir():
+        raise ConfigError(f"--out = '{out}': folder '{folder.parent}' does not exist")
+    check_writable_dir(folder.parent, "the folder of --out")
+    model, meta, _ = load_checkpoint_model(checkpoint)
+    return write_hf_folder(folder, model.state_dict(), model.cfg, meta["vocab_size"], meta["tokenizer"],
+                           max_shard_bytes)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        files = export_hf(args.checkpoint, args.out, int(args.max_shard_mb * 2**20))
+        print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
+        return 0
     path = export(args.checkpoint, args.out)
     print(f"wrote {path} and {path.with_suffix('.json')}")
     return 0

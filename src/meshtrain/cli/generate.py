@@ -1,7 +1,9 @@
 """``meshtrain generate --checkpoint DIR --prompt TEXT --max-new-tokens N``: sample text from a checkpoint.
 
 Runs in one process without a process group: DCP reads the (possibly dp-sharded) checkpoint into a
-plain model, whatever layout saved it; or the model comes from a ``meshtrain export`` safetensors file.
+plain model, whatever layout saved it; or the model comes from a ``meshtrain export`` safetensors file,
+or from a Hugging Face model folder (``config.json`` + safetensors, e.g. ``meshtrain export --format hf``),
+whose ``tokenizer.json`` (``tokenizers`` library) encodes the prompt. ``--temperature 0`` decodes greedily.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain.argtypes import positive_float
+from meshtrain.argtypes import nonnegative_float
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,10 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Sample from a trained model. DIR is a run folder (its latest checkpoint) "
                                    "or a checkpoints/step_* folder.")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="run folder, step folder, or a .safetensors file written by meshtrain export")
+                   help="run folder, step folder, a .safetensors file written by meshtrain export, or a Hugging "
+                        "Face model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", default="\n", help="text to continue (characters must be in the corpus vocabulary)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens (characters) to generate")
-    p.add_argument("--temperature", type=positive_float, default=0.8, help="softmax temperature > 0")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8,
+                   help="softmax temperature; 0 = greedy (always the most likely token)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed")
     p.set_defaults(func=run)
@@ -37,20 +41,20 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
     import torch
 
     from meshtrain.config import ConfigError
-    from meshtrain.data.corpus import CharTokenizer
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens = {max_new_tokens} must be >= 1")
-    if temperature <= 0:
-        raise ConfigError(f"--temperature = {temperature} must be > 0")
+    if temperature < 0:
+        raise ConfigError(f"--temperature = {temperature} must be >= 0 (0 = greedy)")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k = {top_k} must be >= 1")
-    model, info = _load(checkpoint)
-    tokenizer = CharTokenizer.from_dict(info["tokenizer"])
+    model, tokenizer = _load(checkpoint)
     try:
         ids = tokenizer.encode(prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}") from None
+    if not ids:
+        raise ConfigError("--prompt is empty: give at least one character to continue")
     model.eval()
     idx = torch.tensor([ids], dtype=torch.long)  # (1, T0)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -59,12 +63,52 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
 
 
 def _load(checkpoint: str | Path):
-    """(model, info with "tokenizer") from a DCP checkpoint folder or a ``meshtrain export`` file."""
-    from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
+    """(model, tokenizer with ``encode``/``decode``) from a DCP checkpoint folder, a ``meshtrain export`` file
+    or a Hugging Face model folder.
 
-    if Path(checkpoint).suffix == SUFFIX and Path(checkpoint).is_file():
-        return load_export(Path(checkpoint))
-    return load_checkpoint_model(checkpoint)[:2]
+    Raises:
+        ConfigError: nothing loadable there, or a Hugging Face folder without ``tokenizer.json``.
+    """
+    from meshtrain import hf_format as hf
+    from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
+    from meshtrain.config import ConfigError
+    from meshtrain.data.corpus import CharTokenizer
+
+    path = Path(checkpoint).expanduser()
+    if path.is_dir() and any((path / name).exists() for name in (hf.CONFIG_FILE, hf.SINGLE_FILE, hf.INDEX_FILE)):
+        from meshtrain.models.hf import load_hf_model
+
+        model, _ = load_hf_model(path)
+        if not (path / hf.TOKENIZER_FILE).is_file():
+            raise ConfigError(f"'{path}' has no {hf.TOKENIZER_FILE}: generate needs the model's tokenizer to read "
+                              f"the prompt and write the text")
+        return model, HFTokenizer(path / hf.TOKENIZER_FILE)
+    if path.suffix == SUFFIX and path.is_file():
+        model, info = load_export(path)
+    else:
+        model, info = load_checkpoint_model(checkpoint)[:2]
+    return model, CharTokenizer.from_dict(info["tokenizer"])
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` of the ``tokenizers`` library, with :class:`meshtrain.data.corpus.CharTokenizer`'s
+    ``encode``/``decode``."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` -> ids. Raises ValueError: text the tokenizer cannot encode (a character outside a
+        character vocabulary)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # tokenizers raises its own exception type for an unknown token
+            raise ValueError(f"the tokenizer cannot encode it ({e})") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,8 +49,9 @@ class CharTokenizer:
                              f"of {self.vocab_size} characters") from None
 
     def decode(self, ids: list[int]) -> str:
-        """Token ids -> text. Raises ``IndexError`` for an id >= vocab_size."""
-        return "".join(self.chars[i] for i in ids)
+        """Token ids -> text; an id with no character (a model whose vocabulary is larger than the text's,
+        e.g. one imported from Hugging Face) becomes U+FFFD, as undecodable bytes do in ``errors="replace"``."""
+        return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in ids)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, stored in checkpoints."""

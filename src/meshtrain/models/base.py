@@ -25,9 +25,12 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                  generator: torch.Generator | None) -> torch.Tensor:
     """One sampled token id per row: ``logits`` (B, V) of the last position -> (B, 1) int64.
 
-    Logits are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest, and
+    ``temperature`` 0 is greedy decoding: the most likely id (the first of equal ones, ``argmax``). Otherwise
+    logits are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest, and
     sampled with ``torch.multinomial`` from ``generator`` (same device as ``logits``) if given.
     """
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)

@@ -1,4 +1,4 @@
-"""Decoder-only GPT: the GPT-2 architecture as laid out in karpathy/nanoGPT, without biases.
+"""Decoder-only GPT: the GPT-2 architecture as laid out in karpathy/nanoGPT, biases optional.
 
 Sources: the transformer decoder of Vaswani et al. 2017 ("Attention Is All You Need",
 arXiv:1706.03762, Sec. 3.2 scaled dot-product attention), with GPT-2's pre-norm residual blocks and
@@ -6,9 +6,16 @@ scaled residual init (Radford et al. 2019, "Language Models are Unsupervised Mul
 Sec. 2.3). Shape legend: B batch, T sequence length, C = n_embd, nh = n_head, hs = C // nh head size,
 V vocabulary size.
 
-Parameter count (tied head, no biases), used by the planner::
+With ``model.bias = true`` and ``model.activation = "gelu_tanh"`` it is Hugging Face's ``GPT2LMHeadModel``
+(biases in every Linear but the head and in every LayerNorm, ``gelu_new``, LayerNorm epsilon
+``model.norm_eps``); the defaults (no biases, exact GELU) are nanoGPT's ``bias=False``.
 
-    N = V*C + block_size*C + n_layer*(12*C**2 + 2*C) + C
+Parameter count (tied head; b = 1 with ``model.bias``, else 0), used by the planner::
+
+    N = V*C + block_size*C + n_layer*(12*C**2 + 2*C + b*11*C) + C + b*C
+
+A block's biases are q, k, v and attn.proj (4C), mlp.fc (4C) and mlp.proj (C); its LayerNorms add
+2C of shifts with biases; the final LayerNorm adds C.
 
 The embedding, the blocks, the final norm and the head are separate submodules so a pipeline stage
 can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
@@ -30,6 +37,8 @@ from meshtrain.models.base import LayeredLM, sample_token
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+"""``model.activation`` (:data:`meshtrain.config.GPT_ACTIVATIONS`) -> ``nn.GELU(approximate=...)``."""
 
 
 def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -60,9 +69,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tuple[str, ...]) -> None:
     """Fill a decoder's parameters from ``model.init_seed`` (GPT-2's scheme, Radford et al. 2019, Sec. 2.3):
     normal(0, 0.02) for Linear and Embedding weights in module order, the modules named ``*residual`` (the
-    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)``, ``norm`` weights 1.
-    Draws come from a private CPU generator and are copied, so CPU, GPU and meta -> ``to_empty`` builds agree
-    bit for bit. Re-ties the head first (``to_empty`` may have untied it); nothing else while on meta."""
+    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)``, ``norm`` weights 1,
+    every Linear and ``norm`` bias 0 (GPT-2's, Hugging Face ``GPT2PreTrainedModel._init_weights``; biases draw
+    nothing, so a model without them gets the same weights). Draws come from a private CPU generator and are
+    copied, so CPU, GPU and meta -> ``to_empty`` builds agree bit for bit. Re-ties the head first
+    (``to_empty`` may have untied it); nothing else while on meta."""
     tied = model.tie_weights()
     if any(p.is_meta for p in model.parameters()):
         return  # nothing to fill yet: call again after ``to_empty``
@@ -75,6 +86,8 @@ def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tupl
             std = resid_std if name.endswith(residual) else INIT_STD
             w = module.weight
             w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
+        if isinstance(module, (norm, nn.Linear)) and getattr(module, "bias", None) is not None:
+            module.bias.zero_()
 
 
 class SDPAttention(nn.Module):
@@ -106,11 +119,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_size = cfg.n_embd // cfg.n_head
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,13 +138,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network, width 4C with GELU (Vaswani et al. 2017, Sec. 3.3; GPT-2)."""
+    """Position-wise feed-forward network, width 4C with GELU (Vaswani et al. 2017, Sec. 3.3; GPT-2).
+
+    ``model.activation`` "gelu" is the exact ``x * Phi(x)``; "gelu_tanh" is Hendrycks & Gimpel's
+    approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x**3)))`` (arXiv:1606.08415, Sec. 2), GPT-2's
+    ``gelu_new``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.act = nn.GELU()
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.act = nn.GELU(approximate=GELU_APPROXIMATIONS[cfg.activation])
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,9 +161,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +176,8 @@ class GPT(LayeredLM):
     """Decoder-only language model returning logits; the loss is computed by the caller.
 
     Args:
-        cfg: model shape (``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``).
+        cfg: model shape (``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``) and GPT-2's
+            options (``bias``, ``activation``, ``norm_eps``).
         vocab_size: V, number of token ids.
 
     Weights are drawn from a seed taken from the global torch RNG at construction, so
@@ -177,9 +195,12 @@ class GPT(LayeredLM):
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         if cfg.n_embd % cfg.n_head != 0:
             raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
+        if cfg.activation not in GELU_APPROXIMATIONS:
+            raise ValueError(f"model.activation = {cfg.activation!r} is not valid: use one of "
+                             f"{', '.join(GELU_APPROXIMATIONS)}")
         super().__init__(cfg, vocab_size, lambda i: Block(cfg),
                          embedding={"pos_emb": lambda: nn.Embedding(cfg.block_size, cfg.n_embd)},
-                         head={"norm": lambda: nn.LayerNorm(cfg.n_embd, bias=False)})
+                         head={"norm": lambda: nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)})
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -187,8 +208,9 @@ class GPT(LayeredLM):
 
         normal(0, 0.02) for Linear and Embedding weights, with the residual output projections
         (``attn.proj``, ``mlp.proj``) scaled by ``1/sqrt(2*n_layer)`` (GPT-2, Sec. 2.3: two residual
-        additions per block); LayerNorm weights 1. Values are drawn on the CPU from a private generator
-        in module order, then copied, so CPU, GPU and meta->``to_empty`` builds agree bit for bit.
+        additions per block); LayerNorm weights 1; with ``model.bias`` every bias 0. Values are drawn on
+        the CPU from a private generator in module order, then copied, so CPU, GPU and meta->``to_empty``
+        builds agree bit for bit.
         Re-ties ``lm_head.weight`` to ``tok_emb.weight`` (``to_empty`` may have untied them); does
         nothing else while parameters are on the meta device. Build the optimizer after this call.
         """
@@ -240,7 +262,7 @@ class GPT(LayeredLM):
         """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
 
         The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
-        by :func:`meshtrain.models.base.sample_token` (``temperature`` > 0, optional ``top_k``,
+        by :func:`meshtrain.models.base.sample_token` (``temperature`` >= 0, 0 greedy; optional ``top_k``,
         ``generator`` on the device of ``idx``).
         """
         for _ in range(max_new_tokens):

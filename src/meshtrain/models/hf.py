@@ -1,38 +1,223 @@
-"""Hugging Face ``transformers`` names for meshtrain's parameters: one table per architecture.
+"""Hugging Face ``transformers`` checkpoints in and out: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` weights.
 
-``LlamaForCausalLM`` (``transformers/models/llama``) names its tensors ``model.embed_tokens``,
-``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``model.layers.{i}.mlp.{gate,up,down}_proj``, the two norms
-``input_layernorm`` / ``post_attention_layernorm``, ``model.norm`` and ``lm_head``. meshtrain's Llama rotates
-the halves of each head as ``transformers`` does, so the tensors map one to one, with no permutation.
+In (``model.init_from``, :func:`load_hf_weights`): each rank fills the parameters it holds -- its pipeline
+stages' layers, its tensor-parallel and FSDP2 shards -- by reading exactly those slices of the safetensors
+files (``safe_open(...).get_slice``), never a whole tensor it does not hold. A DTensor names its shard's
+place in the whole tensor by the same chunk list ``torch.distributed.checkpoint`` uses
+(``__create_chunk_list__``), so every layout DCP can save, this can load. bf16/fp16 weights are cast into
+the fp32 parameters as they are copied. Nothing is ever downloaded: the folder is local.
+
+Out (:func:`write_hf_folder`, ``meshtrain export --format hf``): ``config.json``, the weights under
+``transformers``' names in fp32 -- ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json`` past ``max_shard_bytes`` -- and, for a character tokenizer, a
+``tokenizer.json`` of the ``tokenizers`` library. The names, shapes and GPT-2's transposes are
+:mod:`meshtrain.hf_format`'s.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from collections.abc import Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-LLAMA_BLOCK = (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm"), ("attn.q", "self_attn.q_proj"),
-               ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.proj", "self_attn.o_proj"),
-               ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"))
-"""(meshtrain's module in ``blocks.{i}``, ``transformers``' module in ``model.layers.{i}``) of a Llama block."""
-LLAMA_ENDS = (("tok_emb", "model.embed_tokens"), ("norm", "model.norm"), ("lm_head", "lm_head"))
+from meshtrain import hf_format as hf
+from meshtrain.config import ConfigError, ModelConfig, apply_init_from
 
+def model_dict(cfg: ModelConfig) -> dict[str, Any]:
+    from dataclasses import asdict
 
-def llama_names(n_layer: int) -> dict[str, str]:
-    """{meshtrain parameter name: ``LlamaForCausalLM`` parameter name} for an ``n_layer`` Llama."""
-    names = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in LLAMA_ENDS}
-    for i in range(n_layer):
-        names.update({f"blocks.{i}.{ours}.weight": f"model.layers.{i}.{theirs}.weight" for ours, theirs in LLAMA_BLOCK})
-    return names
+    return asdict(cfg)
 
 
-def to_hf_state_dict(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """meshtrain Llama ``state`` (its ``state_dict()``) under ``transformers``' names. A tied head is one
-    tensor in ``state`` (``lm_head.weight`` is ``tok_emb.weight``); it is kept under both names.
+def hf_model_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model folder (its ``config.json``, :func:`meshtrain.config.apply_init_from`),
+    ``block_size`` its declared positions (the context generation may use).
 
     Raises:
-        KeyError: a tensor the table does not name (not a Llama state dict).
+        ConfigError: not a folder, or a ``config.json`` meshtrain cannot build.
     """
-    names = llama_names(n_layer)
-    return {names[k]: v for k, v in state.items()}
+    cfg = ModelConfig(init_from=str(folder))
+    apply_init_from(cfg, set())
+    limit = hf.max_positions(hf.read_json(Path(folder).expanduser() / hf.CONFIG_FILE, "config"))
+    cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
+    return cfg
+
+
+def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(this rank's local tensor of ``t``, its offset in the whole tensor): a DTensor's shard and the
+    offset DCP would save it at; a plain tensor whole, at offset 0."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        (chunk,) = t.__create_chunk_list__()
+        return t.to_local(), tuple(chunk.offsets)
+    return t, (0,) * t.dim()
+
+
+def _read(handle: Any, source: hf.Source, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+    """The block ``shape`` at ``offset`` of the tensor ``source`` describes, read as a slice of the file."""
+    part = handle.get_slice(source.name)
+    rows = slice(source.row0 + offset[0], source.row0 + offset[0] + shape[0])
+    if len(shape) == 1:
+        return part[rows]
+    cols = slice(offset[1], offset[1] + shape[1])
+    return part[cols, rows].t() if source.transpose else part[rows, cols]
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> int:
+    """Copy the weights of the Hugging Face folder into ``model`` (this rank's part: plain modules, DDP,
+    FSDP2/tensor-parallel DTensors, pipeline stages). Returns the number of elements this rank read.
+
+    Raises:
+        ConfigError: a weights file that is missing or truncated, or a parameter of ``model`` the checkpoint
+            does not hold (:func:`meshtrain.hf_format.check_weights` finds these before launch).
+    """
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    folder = Path(folder).expanduser()
+    try:
+        files = hf.weight_map(folder)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    sources = hf.sources(model_dict(cfg), hf.gpt2_prefix(files))
+    read = 0
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for name, param in get_model_state_dict(model).items():
+            source = sources.get(name)
+            if source is None or source.name not in files:
+                raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
+                                  f"({source.name if source else 'no Hugging Face name'})")
+            file = files[source.name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+            local, offset = _chunk(param)
+            if local.numel():
+                local.copy_(_read(handles[file], source, offset, local.shape))
+                read += local.numel()
+    return read
+
+
+def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A whole meshtrain model's ``state`` (its ``state_dict()``, one process) under ``transformers``' names:
+    GPT-2's q, k and v fused back into ``c_attn`` and its linear weights transposed to ``Conv1D``'s (in, out);
+    a GPT without biases gets zero biases (the same function); a tied head is left out (saved once, as the
+    embedding). Every tensor contiguous, ready for safetensors.
+
+    Raises:
+        KeyError: ``state`` lacks a parameter of the model ``cfg`` describes.
+    """
+    sources = hf.sources(model_dict(cfg))
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
+    for name, source in sources.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        parts.setdefault(source.name, []).append((source.row0, state[name].detach()))
+    out = {}
+    for name, blocks in parts.items():
+        whole = torch.cat([t for _, t in sorted(blocks, key=lambda b: b[0])])
+        transpose = next(s.transpose for s in sources.values() if s.name == name)
+        out[name] = (whole.t() if transpose else whole).contiguous()
+    if cfg.type == "gpt" and not cfg.bias:
+        weights = dict(out)
+        for name, t in weights.items():
+            if name.endswith(".weight") and not name.endswith(("wte.weight", "wpe.weight")):
+                width = t.shape[-1] if t.dim() == 2 else t.shape[0]  # Conv1D (in, out): out features last
+                out[name.removesuffix(".weight") + ".bias"] = torch.zeros(width, dtype=t.dtype)
+    return out
+
+
+def char_tokenizer_json(chars: str) -> str:
+    """A character tokenizer (ids in the order of ``chars``) as the ``tokenizer.json`` of the ``tokenizers``
+    library: every character is one word of a ``WordLevel`` vocabulary, split one per character, joined back
+    by the ``Fuse`` decoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(chars)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok.to_str()
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in their order, cut into consecutive groups of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    return groups
+
+
+def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int,
+                    tokenizer: dict[str, Any] | None, max_shard_bytes: int) -> list[Path]:
+    """Write the Hugging Face folder ``out`` (which must not exist) of a whole model's ``state``, no weights
+    file larger than ``max_shard_bytes`` but for a single larger tensor: built in
+    ``out.tmp`` and renamed into place, so a crash leaves no half-written folder. Returns the files written.
+
+    Raises:
+        ConfigError: ``out`` exists, or the model has no Hugging Face architecture (lstm, gru).
+    """
+    from safetensors.torch import save_file
+
+    if out.exists():
+        raise ConfigError(f"'{out}' already exists: exports never overwrite; choose another --out")
+    try:
+        config = hf.hf_config(model_dict(cfg), vocab_size, cfg.ffn_hidden_size(), cfg.kv_heads())
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    tensors = hf_state_dict(state, cfg)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        groups = _shards(tensors, max_shard_bytes)
+        names = ([hf.SINGLE_FILE] if len(groups) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+        for name, group in zip(names, groups):
+            save_file(group, str(tmp / name), metadata={"format": "pt"})
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                     "weight_map": {t: name for name, group in zip(names, groups) for t in group}}
+            (tmp / hf.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer and tokenizer.get("kind") == "char":
+            (tmp / hf.TOKENIZER_FILE).write_text(char_tokenizer_json(tokenizer["chars"]))
+            (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(out.iterdir())
+
+
+def load_hf_model(folder: str | Path) -> tuple[nn.Module, ModelConfig]:
+    """(the whole model, its ModelConfig) of a Hugging Face folder, in one process on the CPU.
+
+    Raises:
+        ConfigError: what :func:`hf_model_config` and :func:`meshtrain.hf_format.check_weights` refuse.
+    """
+    from meshtrain.models import build_model
+
+    cfg = hf_model_config(folder)
+    try:
+        hf.check_weights(Path(folder).expanduser(), model_dict(cfg), cfg.vocab_size, cfg.ffn_hidden_size(),
+                         cfg.kv_heads())
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    model = build_model(cfg, cfg.vocab_size)
+    load_hf_weights(model, folder, cfg)
+    return model, cfg

@@ -307,10 +307,11 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
 
 def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list[Collective]:
     """The tp collectives of one layer per optimizer step: with sequence parallelism each norm weight
-    (2 per layer) gets a partial gradient from each tp rank's tokens, summed by one all-reduce of h
-    values before the gradient norm (Korthikanti et al. 2022, Sec. 4.2.2; ``parallel.reduce``)."""
+    (2 per layer; 4 with ``biases``, the LayerNorm shifts too) gets a partial gradient from each tp rank's
+    tokens, summed by one all-reduce of h values before the gradient norm (Korthikanti et al. 2022,
+    Sec. 4.2.2; ``parallel.reduce``)."""
     if layout.tp > 1 and layout.tp_sequence_parallel:
-        return [Collective("tp", "all-reduce", layout.tp, model.hidden * prec.grad_bytes, 2)]
+        return [Collective("tp", "all-reduce", layout.tp, model.hidden * prec.grad_bytes, 4 if model.biases else 2)]
     return []
 
 

@@ -202,8 +202,9 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: the GPT (``meshtrain.models.gpt``) or the
     Llama (``meshtrain.models.llama``).
 
-    GPT: ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C, no biases,
-    LayerNorm scales only, tied head, learned positions. Llama: SwiGLU of ``ModelConfig.ffn_hidden_size``,
+    GPT: ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C (exact or tanh
+    GELU alike: two matrices), tied head, learned positions; with ``bias`` biases in every Linear but the
+    head and LayerNorm shifts (GPT-2), else LayerNorm scales only. Llama: SwiGLU of ``ModelConfig.ffn_hidden_size``,
     ``n_kv_head`` kv heads, RoPE (no position parameters), RMSNorm scales, the head tied only with
     ``tie_embeddings``. ``vocab_size`` overrides the config; with neither, the vocabulary is the number of
     distinct characters of the corpus (char tokenizer).
@@ -222,7 +223,7 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
                          activation="swiglu", tied_embeddings=m.tie_embeddings, learned_positions=False,
                          dropout=m.dropout > 0)
     return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
-                     seq_len=m.block_size, dropout=m.dropout > 0)
+                     seq_len=m.block_size, biases=m.bias, dropout=m.dropout > 0)
 
 
 def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:

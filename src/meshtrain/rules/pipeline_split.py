@@ -58,8 +58,12 @@ RECURRENT_GATES = {"lstm": 4, "gru": 3}
 
 def item_costs(n_layer: int, n_embd: int, block_size: int, vocab_size: int, tokens: int,
                model_type: str = "gpt", kv_dim: int | None = None, ffn_hidden: int | None = None,
-               tied: bool = True) -> tuple[float, float, float]:
+               tied: bool = True, biases: bool = False) -> tuple[float, float, float]:
     """(embedding, one block, head) cost in FLOPs per step for ``tokens`` tokens of length-``block_size`` samples.
+
+    "gpt": a block holds ``12*C**2`` matrix and ``2*C`` LayerNorm-scale parameters, plus ``11*C`` with
+    ``biases`` (``model.bias``: q, k, v, proj 4C, MLP 4C + C, LayerNorm shifts 2C), and the final norm
+    ``C`` (``2*C``); biases add parameters to update, not matmul FLOPs (their adds are negligible).
 
     "llama": a block's matrices are q and the output projection (``C*C`` each), k and v (``C*kv_dim``
     each, grouped-query attention) and SwiGLU's three ``C*ffn_hidden``; forward ``2 * params`` per token
@@ -79,8 +83,9 @@ def item_costs(n_layer: int, n_embd: int, block_size: int, vocab_size: int, toke
         block = 3 * (2 * matrices + 4 * T * C) * tokens + opt * (matrices + 2 * C)
         return opt * V * C, block, head + opt * C + (0 if tied else opt * V * C)
     embedding = opt * (V + T) * C
-    block = 3 * (24 * C * C + 4 * T * C) * tokens + opt * (12 * C * C + 2 * C)
-    return embedding, block, head + opt * C
+    b = int(biases)
+    block = 3 * (24 * C * C + 4 * T * C) * tokens + opt * (12 * C * C + 2 * C + b * 11 * C)
+    return embedding, block, head + opt * (1 + b) * C
 
 
 def model_item_costs(model, vocab_size: int, tokens: int) -> tuple[float, float, float]:
@@ -89,7 +94,7 @@ def model_item_costs(model, vocab_size: int, tokens: int) -> tuple[float, float,
     head_dim = m.n_embd // m.n_head
     return item_costs(m.n_layer, m.n_embd, m.block_size, vocab_size, tokens, m.type,
                       kv_dim=m.kv_heads() * head_dim, ffn_hidden=m.ffn_hidden_size() if m.type == "llama" else None,
-                      tied=m.tie_embeddings if m.type == "llama" else True)
+                      tied=m.tie_embeddings if m.type == "llama" else True, biases=m.type == "gpt" and m.bias)
 
 
 def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> list[Chunk]:

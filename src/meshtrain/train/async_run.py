@@ -37,6 +37,7 @@ from meshtrain.batch import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
+from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer, lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
@@ -65,6 +66,8 @@ class AsyncRun:
         self.out_dir = Path(t.out_dir)
         self.batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1)  # one gradient
         self.resume = ckpt.resume_checkpoint(cfg)
+        if not self.resume and cfg.model.init_from:
+            load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # every rank holds the whole model
         meta = ckpt.read_meta(self.resume) if self.resume else {}
         self.start = int(meta.get("step", 0))
         state = meta.get("async", {})

@@ -32,6 +32,7 @@ from meshtrain.config import Config, resolve_world
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
+from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean
@@ -75,6 +76,8 @@ class Trainer:
                                 dp, dp_rank, cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
+        if self.start_step == 0 and cfg.model.init_from:
+            load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
 
     @property
     def dtype(self) -> str:
