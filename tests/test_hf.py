@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, TINY, assert_close_grads, assert_close_losses
+from conftest import ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses
 from layout_worker import launch_layouts, reference_run
 from meshtrain import hf_format as hf
 from meshtrain.cli.export import export_hf
@@ -175,18 +175,31 @@ def model_overrides(folder: Path) -> dict[str, str]:
     return {k: v for k, v in STEPS.items() if not k.startswith("model.")} | {"model.init_from": str(folder)}
 
 
+GPT2_LAYOUT = {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}
+"""GPT-2 imported under tp with Megatron-SP: its biases column- and row-parallel, its LayerNorm shifts replicated."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(HF folder, {layout: (losses, step-1 grads, final params)}, one-process result) for a tiny Llama."""
+    """(folders {"llama", "gpt2"}, {layout: (losses, step-1 grads, final params)}, one-process result, root).
+
+    One process first (checkpoints at steps 2 and 3), then one launch per world size; the 2-rank launch also
+    resumes the one-process step-2 checkpoint at tp = 2 and trains an imported GPT-2 at tp = 2 with Megatron-SP."""
+    from meshtrain import checkpoint as ckpt
+
     root = tmp_path_factory.mktemp("hf_layouts")
-    folder = llama(root / "hf", max_position_embeddings=32)
-    base = model_overrides(folder)
+    folders = {"llama": llama(root / "llama", max_position_embeddings=32), "gpt2": gpt2(root / "gpt2")}
+    base = model_overrides(folders["llama"])
+    one = reference_run(root / "one", {**base, "checkpoint.interval": "2"}, config=FINETUNE)
+    extra = {"resume-tp2": (2, {"parallel.tp": "2", "checkpoint.resume": str(ckpt.step_dir(root / "one", 2))}),
+             "gpt2-tp2-seqpar": (2, {**model_overrides(folders["gpt2"]), **GPT2_LAYOUT})}
     results = {}
     for world in (2, 4):
         (root / f"w{world}").mkdir()
-        results |= launch_layouts(world, root / f"w{world}",
-                                  {n: {**base, **o} for n, (w, o) in LAYOUTS.items() if w == world}, config=FINETUNE)
-    return folder, results, reference_run(root / "one", base, config=FINETUNE), root
+        results |= launch_layouts(world, root / f"w{world}", {n: {**base, **o} for n, (w, o) in
+                                                              {**LAYOUTS, **extra}.items() if w == world},
+                                  config=FINETUNE)
+    return folders, results, one, root
 
 
 def first_batch_loss(folder: Path) -> tuple[float, float]:
@@ -207,15 +220,19 @@ def first_batch_loss(folder: Path) -> tuple[float, float]:
     # |d CE| <= 2 max|d logit| (log-softmax is 1-Lipschitz in the max norm, plus the target's own logit),
     # and the mean of B*T terms adds ~B*T*eps of the loss.
     m = cfg.model
-    tol = 2 * logits_tolerance(m.n_layer, max(m.ffn_hidden_size(), m.block_size), float(logits.abs().max()))
+    width = 4 * m.n_embd if m.type == "gpt" else m.ffn_hidden_size()
+    tol = 2 * logits_tolerance(m.n_layer, max(width, m.block_size), float(logits.abs().max()))
     return float(loss), tol + x.numel() * EPS32 * float(loss)
 
 
 def test_first_step_loss_equals_transformers_under_every_layout(trained):
-    folder, results, one, _ = trained
-    want, tol = first_batch_loss(folder)
-    for name, (losses, _, _) in {"one process": one, **results}.items():
+    folders, results, one, _ = trained
+    want, tol = first_batch_loss(folders["llama"])
+    for name, (losses, _, _) in {"one process": one, **{n: results[n] for n in LAYOUTS}}.items():
         assert abs(losses[1] - want) <= tol, f"{name}: step-1 loss {losses[1]} vs transformers' {want} (tol {tol:.2e})"
+    want, tol = first_batch_loss(folders["gpt2"])
+    got = results["gpt2-tp2-seqpar"][0][1]
+    assert abs(got - want) <= tol, f"GPT-2 at tp=2: step-1 loss {got} vs transformers' {want} (tol {tol:.2e})"
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -225,6 +242,13 @@ def test_training_from_imported_weights_equals_one_process(trained, name):
     _, results, one, _ = trained
     assert_close_losses(results[name][0], one[0])
     assert_close_grads(results[name][1], one[1])
+
+
+def test_imported_llama_resumes_at_another_layout(trained):
+    """The one-process run's step-2 checkpoint, resumed at tp = 2 (DCP reshards every weight and AdamW
+    state), continues as the uninterrupted run: conftest's resumed-loss contract."""
+    _, results, one, _ = trained
+    assert_resumed_losses(results["resume-tp2"][0], {3: one[0][3]})
 
 
 def test_tp2_pp2_run_exported_generates_as_transformers(trained, tmp_path):
@@ -328,7 +352,6 @@ def test_damaged_folder_is_one_line_before_launch(kind, command, sharded, tmp_pa
     (["--model.type", "gpt"], "model.type = 'gpt' contradicts"),
     (["--model.block_size", "128"], "model.block_size = 128 exceeds the 64 positions"),
     (["--tp", "4", "--nproc", "4"], "model.n_kv_head = 2 is not divisible by parallel.tp = 4"),
-    (["--resume", "runs/elsewhere"], "both give the starting weights"),
     (["--data.path", "{text}"], "fewer than the"),
 ])
 def test_bad_init_from_is_one_line_before_launch(args, expected, sharded, tmp_path, capsys):
@@ -341,6 +364,25 @@ def test_bad_init_from_is_one_line_before_launch(args, expected, sharded, tmp_pa
         argv += ["--nproc", "1"]
     one_line_error(capsys, argv, expected)
     assert not out.exists()
+
+
+def test_init_from_resumes_only_the_run_it_started(sharded, tmp_path, capsys):
+    """``init_from`` with ``--resume`` of a checkpoint that did not start from that folder is refused (two
+    sources of weights); the run that did start from it resumes (the weights come from its checkpoint)."""
+    from conftest import train_here
+
+    other = tmp_path / "gpt"
+    train_here(other, **{"train.steps": "1"})
+    one_line_error(capsys, ["train", str(FINETUNE), "--model.init_from", str(sharded), "--resume", str(other),
+                            "--steps", "2", "--out", str(tmp_path / "run"), "--nproc", "1"],
+                   "both give the starting weights, and that checkpoint did not start from it")
+    assert not (tmp_path / "run").exists()
+    own = tmp_path / "own"
+    args = ["train", str(FINETUNE), "--model.init_from", str(sharded), "--out", str(own), "--nproc", "1",
+            *[t for k, v in model_overrides(sharded).items() if k != "model.init_from" for t in (f"--{k}", v)]]
+    assert cli_main([*args, "--steps", "1"]) == 0
+    assert cli_main([*args, "--steps", "2", "--resume"]) == 0
+    capsys.readouterr()
 
 
 def test_export_hf_refuses_what_it_cannot_write(tmp_path, capsys):

@@ -26,7 +26,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
-    if cfg.model.init_from:
+    if cfg.model.init_from and not resume:
         check_init_from(cfg, corpus.tokenizer.vocab_size)
     if resume:
         found = ckpt.resolve_checkpoint(resume, verify=True)
@@ -36,6 +36,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
         if meta["step"] >= cfg.train.steps:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
+        check_same_start(cfg, meta, found)
         check_global_batch(cfg, meta, nproc_total, found)
         check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
         check_same_data(cfg, meta, corpus.sha256, found)
@@ -52,17 +53,13 @@ def preflight(cfg: Config, nproc_total: int) -> None:
 
 
 def check_init_from(cfg: Config, corpus_vocab: int) -> None:
-    """``model.init_from``'s weights can start this run: no checkpoint to resume besides them, every tensor
-    of the model in whole files with the shapes its ``config.json`` gives (headers only,
+    """``model.init_from``'s weights can start this run (one that does not resume): every tensor of the model
+    in whole files with the shapes its ``config.json`` gives (headers only,
     :func:`meshtrain.hf_format.check_weights`), and a vocabulary that holds the corpus's tokens.
     Raises ConfigError with one actionable line."""
     from meshtrain import hf_format as hf
 
     m = cfg.model
-    if cfg.checkpoint.resume:
-        raise ConfigError(f"model.init_from = '{m.init_from}' and checkpoint.resume = '{cfg.checkpoint.resume}' both "
-                          f"give the starting weights: drop --resume to start from the Hugging Face model, or "
-                          f"drop model.init_from to continue the checkpoint")
     try:
         hf.check_weights(Path(m.init_from).expanduser(), dataclasses.asdict(m), m.vocab_size, m.ffn_hidden_size(),
                          m.kv_heads())
@@ -72,6 +69,20 @@ def check_init_from(cfg: Config, corpus_vocab: int) -> None:
         raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
                           f"the {corpus_vocab} of data.path = '{cfg.data.resolved_path()}': use a corpus its "
                           f"tokenizer covers")
+
+
+def check_same_start(cfg: Config, meta: dict, found: Path) -> None:
+    """A checkpoint resumes only the run it belongs to: ``model.init_from`` given with ``--resume`` must be the
+    folder that run started from (its ``config.json`` still gives the model keys; the weights come from the
+    checkpoint). Raises ConfigError naming both starting points."""
+    given = cfg.model.init_from
+    saved = meta["config"]["model"].get("init_from", "")
+    if given and (not saved or Path(saved).expanduser().resolve() != Path(given).expanduser().resolve()):
+        keep = (f"resume it with --model.init_from '{saved}', the folder it started from" if saved else
+                "drop model.init_from to continue it")
+        raise ConfigError(f"model.init_from = '{given}' and checkpoint.resume = '{found}' both give the starting "
+                          f"weights, and that checkpoint {'started from ' + repr(saved) if saved else 'did not start from it'}"
+                          f": {keep}, or drop --resume to start from '{given}'")
 
 
 def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshtrain.rules.support import fsdp_units
@@ -61,13 +62,28 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
         raise ValueError(f"zero_stage = {zero_stage} is not supported: use 0, 2 or 3")
     blocks = list(model.blocks.values())
     units, _ = fsdp_units([local_bytes(block) for block in blocks], unit_mb * 2**20)  # the rest stays in the root
+    placement = partial(fsdp_placement, dp=dp_mesh.size())
     for i, unit in enumerate(units):
         modules = [blocks[j] for j in unit]
         last = i == len(units) - 1
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh, shard_placement_fn=placement,
                     reshard_after_forward=zero_stage == 3 and not last)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=False)
     return model
+
+
+def fsdp_placement(param: nn.Parameter, dp: int) -> Shard | None:
+    """The dim FSDP2 shards ``param`` along over ``dp`` ranks: dim 0 (None, FSDP2's default), but dim 1 for a
+    matrix that tp already splits along dim 0 unevenly for ``tp * dp`` (the 65-row vocabulary of a character
+    corpus at tp = 2, dp = 4). Sharding that dim again nests an uneven split inside another, and torch 2.13's
+    chunk list of such a shard (``_StridedShard``) overlaps its neighbour's, so DCP refuses to save it."""
+    if not isinstance(param, DTensor) or param.dim() < 2:
+        return None
+    tp = 1
+    for mesh_dim, p in enumerate(param.placements):
+        if isinstance(p, Shard) and p.dim == 0:
+            tp *= param.device_mesh.size(mesh_dim)
+    return Shard(1) if tp > 1 and param.shape[0] % (tp * dp) else None
 
 
 def local_bytes(module: nn.Module) -> int:
