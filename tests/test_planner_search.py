@@ -118,6 +118,38 @@ def test_plan_a_training_config(capsys, tmp_path):
     assert rows and all(r["global_batch_size"] == 24 for r in rows)  # 12 * 1 * dp 2
 
 
+def test_plan_a_llama_config_with_the_overrides_of_train(capsys, tmp_path):
+    """``meshtrain plan CONFIG --tp 2 --model.n_layer 6`` plans the run ``meshtrain train`` starts with the
+    same arguments: the overridden Llama (6 blocks of 184,576 parameters, embedding and untied head of
+    65 x 128 each, final norm 128: 1,124,224) on 2 ranks, its layout tp 2, and model FLOPs per step of
+    :func:`meshtrain.planner.cost.model_flops` of the config's spec."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.cost import model_flops
+    from meshtrain.planner.model_specs import from_config
+
+    llama = str(ROOT / "configs" / "llama_tiny.toml")
+    args = (llama, "--profile", str(tmp_path / "none.toml"), "--tp", "2", "--model.n_layer", "6")
+    code, out, _ = plan(capsys, *args)
+    assert code == 0
+    assert "config: 0.00112 B params, 6 layers, seq_len 128 | 2 x cpu" in out
+    assert "Your config's layout: dp1 tp2 pp1 sp1 z0 mbs12 ga1 none" in out
+    code, out, _ = plan(capsys, *args, "--explain", "tp=2,micro_batch_size=12", "--json")
+    row = json.loads(out)
+    spec = from_config(load_config(llama, {"parallel.tp": "2", "model.n_layer": "6"}))
+    assert spec.num_params() == 1_124_224
+    flops = row["model_tflops_per_device"] * 1e12 * row["step_time_s"] * row["world_size"]
+    assert flops == pytest.approx(model_flops(spec, row["global_batch_size"]), rel=1e-12)
+
+
+def test_plan_overrides_need_a_config(capsys):
+    code, _, err = plan(capsys, "--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8",
+                        "--tp", "2")
+    assert code == 2 and "config file '2' does not exist; overrides such as --tp 2 follow a training config" in err
+    code, _, err = plan(capsys, "--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8",
+                        "--tp=2")
+    assert code == 2 and "unrecognized arguments: --tp=2 (overrides such as --tp 2 follow" in err
+
+
 def test_plot_writes_a_png(capsys, tmp_path):
     png = tmp_path / "plan.png"
     code, _, _ = plan(capsys, "--model", "gpt2-medium", "--gpu", "A100-40GB", "--num-gpus", "8",

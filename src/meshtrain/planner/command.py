@@ -1,7 +1,9 @@
 """``meshtrain plan``: predict memory, step time, MFU and total time of layouts, and pick the best.
 
-Modes: search (default), ``--explain LAYOUT``, ``--validate FILE``, ``--calibrate``. Every user mistake
-raises :class:`meshtrain.config.ConfigError` (one line, exit code 2 from ``meshtrain.cli``).
+Modes: search (default), ``--explain LAYOUT``, ``--validate FILE``, ``--calibrate``. A training config
+takes the overrides ``meshtrain train`` takes (``--tp 2``, ``--model.n_layer 8``), so that the plan is of
+the run that command line would start. Every user mistake raises :class:`meshtrain.config.ConfigError`
+(one line, exit code 2 from ``meshtrain.cli``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ EPILOG = """examples:
   meshtrain plan --model llama3-405b --gpu H100 --num-gpus 16384 --global-batch-tokens 16777216 --top 5 --json
   meshtrain plan --model gpt2-xl --gpu A100-80GB --num-gpus 16 --global-batch-size 512 --explain zero_stage=2,micro_batch_size=4
   meshtrain plan configs/shakespeare_char.toml            (the trainer's model and layout, on this CPU)
+  meshtrain plan configs/llama_tiny.toml --tp 2 --model.n_layer 8     (overrides as meshtrain train takes them)
   meshtrain plan --validate --json
   meshtrain plan --calibrate                              (measure this machine, save a cpu profile)"""
 
@@ -30,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "that break a divisibility rule or do not fit in memory, rank the rest by time "
                                    "per step. Formulas and their sources: docs/planner.md.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch")
+    p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch; any of its "
+                                             "keys can follow as --section.key VALUE (or --dp/--tp/--pp/--sp N), "
+                                             "as for meshtrain train")
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t) or a TOML "
                                    "file with a [model] table")
@@ -67,17 +72,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="predict published runs and report the errors (default: the runs shipped with meshtrain, "
                         "planner/data/published_runs.toml)")
     o.add_argument("--calibrate", action="store_true", help="measure this machine and save a cpu profile")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, accepts_overrides=True)
 
 
 PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
 """Measured runs from papers and framework tables, with their sources, shipped inside the package."""
 
 
-def run(args: argparse.Namespace) -> int:
-    """Dispatch the ``plan`` modes. Raises ConfigError for any user mistake."""
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    """Dispatch the ``plan`` modes; ``extra`` are the config overrides after the known options.
+    Raises ConfigError for any user mistake."""
     from meshtrain.planner import report
 
+    args.overrides = _config_overrides(args.config, extra or [])
     if args.calibrate:
         from meshtrain.planner.calibrate import calibrate
         path = calibrate(args.profile)
@@ -120,6 +127,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         report.print_search(ctx, fitting, smallest, args.top, args.plot)
     return 0
+
+
+def _config_overrides(config: str | None, extra: list[str]) -> dict[str, str]:
+    """``meshtrain train``'s overrides (``--tp 2``, ``--model.n_layer 8``) after a training config.
+
+    Raises:
+        ConfigError: arguments without a config file before them, or not of the form ``--section.key VALUE``.
+    """
+    if not extra:
+        return {}
+    hint = "overrides such as --tp 2 follow a training config: meshtrain plan CONFIG --tp 2"
+    if not config:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)} ({hint})")
+    if not Path(config).is_file():  # argparse gives CONFIG the value after an unknown flag: --model X --tp 2
+        raise ConfigError(f"config file '{config}' does not exist; {hint}")
+    from meshtrain.config import parse_overrides
+
+    return parse_overrides(extra)
 
 
 def _config_precision(dtype: str, gpu: str) -> str:
@@ -181,7 +206,7 @@ def build_context(args: argparse.Namespace):
     cfg = None
     if args.config:
         from meshtrain.config import load_config, resolve_world
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, getattr(args, "overrides", None))
     if args.model:
         model = load_model(args.model, args.seq_len)
     elif cfg is not None:
