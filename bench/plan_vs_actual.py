@@ -254,10 +254,10 @@ def write_table(records: list[dict]) -> None:
               f"{min(busy):.0%} to {max(busy):.0%}"
               + (f"; other processes' share of the cores during a run: {min(others):.0%} to {max(others):.0%} "
                  f"({len(others)} of {len(busy)} runs measured it)" if others else ""),
-              "spread between rounds (max/min measured step time of a layout): "
-              + ", ".join(f"{max(t) / min(t):.2f}" for t in spreads),
-              "spread between calibrations (max/min predicted step time of a layout): "
-              + ", ".join(f"{s:.2f}" for s in predicted_spreads)]
+              "spread between rounds (max/min measured step time of a layout; - for one round): "
+              + ", ".join(f"{max(t) / min(t):.2f}" if len(t) > 1 else "-" for t in spreads),
+              "spread between calibrations (max/min predicted step time of a layout; - for one round): "
+              + ", ".join(f"{s:.2f}" if len(t) > 1 else "-" for s, t in zip(predicted_spreads, spreads))]
     path = write_results("plan_vs_actual", "meshtrain plan vs meshtrain train on this machine",
                          ["layout", "run", "threads/rank", "predicted ms/step", "measured ms/step", "error",
                           "predicted MiB/rank", "measured MiB/rank", "error"], rows, notes,
