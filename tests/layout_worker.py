@@ -99,15 +99,16 @@ def reference_run(out: Path, overrides: dict[str, str], config: Path = CONFIG) -
 
 
 def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]],
-                   config: Path = CONFIG) -> dict[str, tuple]:
+                   config: Path = CONFIG, worker: Path = Path(__file__)) -> dict[str, tuple]:
     """Train every layout (name -> overrides of ``config``) on ``world`` gloo ranks in one torchrun launch into
-    ``root/NAME``; return {name: :func:`load_result`}."""
+    ``root/NAME``; return {name: :func:`load_result`}. ``worker``: the script torchrun runs (this one, or
+    one that wraps its :func:`main`)."""
     spec = [{"out": str(root / name), "overrides": overrides, "config": str(config)}
             for name, overrides in layouts.items()]
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           __file__, str(root / "spec.json")], capture_output=True, text=True, timeout=1200, env=env,
+                           str(worker), str(root / "spec.json")], capture_output=True, text=True, timeout=1200, env=env,
                           cwd=CONFIG.parents[1])
     first = proc.stderr.find("Traceback")  # the failing rank's own error, before its peers' follow-ups
     assert proc.returncode == 0, proc.stderr[max(first, 0):][:6000] + "\n...\n" + proc.stderr[-3000:]
@@ -115,15 +116,16 @@ def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]],
 
 
 def layout_launcher(tmp_path_factory, model: dict[str, str], layouts: dict[str, tuple[int, dict[str, str]]],
-                    prefix: str):
+                    prefix: str, worker: Path = Path(__file__)):
     """``get(world)``: {name: :func:`load_result`} of every layout of ``layouts`` (name -> (world size,
-    overrides on top of ``model``)) of that world size, launched once per world size and cached."""
+    overrides on top of ``model``)) of that world size, launched once per world size (by ``worker``) and cached."""
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict[str, tuple]:
         if world not in cache:
             cache[world] = launch_layouts(world, tmp_path_factory.mktemp(f"{prefix}{world}"),
-                                          {n: {**model, **o} for n, (w, o) in layouts.items() if w == world})
+                                          {n: {**model, **o} for n, (w, o) in layouts.items() if w == world},
+                                          worker=worker)
         return cache[world]
     return get
 

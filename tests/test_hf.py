@@ -397,3 +397,25 @@ def test_export_hf_refuses_what_it_cannot_write(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     one_line_error(capsys, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "taken")],
                    "already exists")
+
+
+def test_export_copies_a_hugging_face_tokenizer(tmp_path):
+    """A run on a ``tokenizer.json`` (``data.tokenizer``) exports it with the model, byte for byte, and
+    ``generate`` on the export reads the prompt with it."""
+    from meshtrain.cli.generate import sample
+    from meshtrain.config import ModelConfig
+    from meshtrain.data.tokenizers import load_tokenizer
+    from meshtrain.models import build_model
+    from meshtrain.models.hf import char_tokenizer_json
+
+    source = tmp_path / "tok" / hf.TOKENIZER_FILE
+    source.parent.mkdir()
+    source.write_text(char_tokenizer_json("abcdefghijklmnopqrstuvwxyz \n"))
+    tokenizer = load_tokenizer(str(source))
+    cfg = ModelConfig(type="llama", n_layer=1, n_head=2, n_embd=16, block_size=16, multiple_of=16)
+    torch.manual_seed(0)
+    out = tmp_path / "out"
+    write_hf_folder(out, build_model(cfg, V).state_dict(), cfg, V, tokenizer.to_dict(), max_shard_bytes=2**30)
+    assert (out / hf.TOKENIZER_FILE).read_bytes() == source.read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("hello") == tokenizer.encode("hello")
+    assert sample(out, "hello", 3, temperature=0.0).startswith("hello")

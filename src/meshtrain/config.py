@@ -7,7 +7,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  gpt: bias, activation; llama: n_kv_head, ffn_hidden, multiple_of, ffn_dim_multiplier,
                  rope_theta, rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
                  rope_original_max_positions, tie_embeddings; init_from (a Hugging Face model folder)
-    [data]       path, val_fraction
+    [data]       path, val_fraction, tokenizer, packing
     [parallel]   dp, tp, pp, sp, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
     [batch]      micro_batch_size, gradient_accumulation_steps
@@ -54,6 +54,56 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one actionable line."""
 
 
+PACKINGS = ("concat", "document")
+"""``data.packing`` values (:mod:`meshtrain.data.packing`)."""
+TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
+"""Kinds of ``data.tokenizer`` (:mod:`meshtrain.data.tokenizers`)."""
+HF_TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_kind(spec: str) -> str:
+    """The kind of tokenizer ``data.tokenizer = spec`` names, from the path alone (no library loaded):
+    "char"; "hf" for a ``*.json`` file or a folder holding ``tokenizer.json``; "tiktoken" for a ``*.tiktoken``
+    file, or a ``*.model`` whose first line is a tiktoken rank line (``<base64> <rank>``, as Meta's Llama 3
+    ``original/tokenizer.model``); "sentencepiece" for any other ``*.model``.
+
+    Raises:
+        ConfigError: a path that does not exist, a folder without ``tokenizer.json``, or another suffix.
+    """
+    if spec == "char":
+        return "char"
+    valid = ("valid are 'char', a Hugging Face tokenizer.json or model folder, a *.tiktoken file or a "
+             "sentencepiece *.model")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / HF_TOKENIZER_FILE).is_file():
+            return "hf"
+        raise ConfigError(f"data.tokenizer = '{spec}' is a folder without {HF_TOKENIZER_FILE}: {valid}")
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer = '{spec}' does not exist: {valid}")
+    if path.suffix == ".json":
+        return "hf"
+    if path.suffix == ".tiktoken":
+        return "tiktoken"
+    if path.suffix == ".model":
+        with open(path, "rb") as f:
+            head = f.read(256).split(b"\n", 1)[0].split(b" ")  # a protobuf (sentencepiece) has no such line
+        tiktoken_line = len(head) == 2 and head[1].strip().isdigit() and _is_base64(head[0])
+        return "tiktoken" if tiktoken_line else "sentencepiece"
+    raise ConfigError(f"data.tokenizer = '{spec}' has suffix {path.suffix!r}, which names no tokenizer kind: {valid}")
+
+
+def _is_base64(token: bytes) -> bool:
+    """Whether ``token`` is non-empty standard base64 (tiktoken's token column)."""
+    import base64
+    import binascii
+
+    try:
+        return bool(token) and bool(base64.b64decode(token, validate=True))
+    except (binascii.Error, ValueError):
+        return False
+
+
 @dataclass
 class ModelConfig:
     type: str = "gpt"
@@ -70,7 +120,8 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability in [0, 1)."""
     vocab_size: int = 0
-    """Vocabulary size; 0 means "take it from the tokenizer of the corpus"."""
+    """Vocabulary size; 0 means "take it from the tokenizer of the corpus" (``data.tokenizer``: char as it is,
+    any other kind padded up to a multiple of 128 * tp, :func:`meshtrain.data.tokenizers.model_vocab_size`)."""
     tbptt_steps: int = 0
     """lstm/gru: backpropagate through at most this many time steps (truncated BPTT); 0 = the whole block_size."""
     n_kv_head: int = 0
@@ -125,9 +176,21 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = ""
-    """UTF-8 text file to train on; empty means the bundled Tiny Shakespeare corpus."""
+    """UTF-8 text file to train on, or a folder ``meshtrain prepare`` wrote (token shards read through memory
+    maps: any size); empty means the bundled Tiny Shakespeare corpus."""
     val_fraction: float = 0.1
-    """Fraction of the text (taken from its end) held out for validation, in (0, 1)."""
+    """Fraction of the text (taken from its end) held out for validation, in (0, 1); a prepared folder has its own."""
+    tokenizer: str = "char"
+    """How the text becomes token ids (:mod:`meshtrain.data.tokenizers`): "char" (one id per distinct character
+    of the text), a Hugging Face ``tokenizer.json`` (or a model folder holding one, e.g. ``model.init_from``'s),
+    a ``*.tiktoken`` BPE file, or a sentencepiece ``*.model``. With ``model.vocab_size = 0`` a non-char
+    tokenizer's vocabulary is padded up to a multiple of 128 * tp (Megatron-LM's rule)."""
+    packing: str = "concat"
+    """How documents share a window of ``block_size`` tokens (:mod:`meshtrain.data.packing`): "concat" (one
+    sequence across the EOS tokens that separate documents, nanoGPT's and Megatron-LM's) or "document" (positions
+    restart after each EOS and attention stays inside each document: a block-diagonal causal mask). "document"
+    needs a tokenizer with an EOS token (not "char"), an attention model (gpt, llama), sp_mode "ulysses" when
+    sp > 1, and a synchronous sync_mode."""
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else BUNDLED_CORPUS
@@ -456,8 +519,10 @@ def validate(cfg: Config) -> Config:
     _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
 
     path = d.resolved_path()
-    _require(path.is_file(), f"data.path = {d.path!r} does not exist: give a UTF-8 text file or leave it empty")
+    _require(path.is_file() or path.is_dir(), f"data.path = {d.path!r} does not exist: give a UTF-8 text file, a "
+                                              f"folder meshtrain prepare wrote, or leave it empty")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+    tokenizer_kind(d.tokenizer)
 
     _require(p.dp == -1 or p.dp >= 1, f"parallel.dp = {p.dp} must be >= 1, or -1 to fill the remaining ranks")
     for key in ("tp", "pp", "sp"):
@@ -467,6 +532,7 @@ def validate(cfg: Config) -> Config:
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
     _validate_support(cfg)
     _validate_recurrent(cfg)
+    _validate_packing(cfg)
     _validate_sync_mode(cfg)
     _validate_shapes(cfg)
 
@@ -594,6 +660,25 @@ def _validate_sync_mode(cfg: Config) -> None:
                              f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
     _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
                                 f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
+
+
+def _validate_packing(cfg: Config) -> None:
+    """``data.packing = "document"`` needs an EOS token to split windows at, and an attention that takes the
+    block-diagonal mask: the GPT's or Llama's SDPA, whole or under Ulysses (ring attention's blocks are masked
+    by chunk index only; a recurrence has no attention; the parameter server runs the model unsharded)."""
+    d, m, p = cfg.data, cfg.model, cfg.parallel
+    _require(d.packing in PACKINGS, f"data.packing = {d.packing!r} is not valid: use one of {', '.join(PACKINGS)}")
+    if d.packing != "document":
+        return
+    _require(d.tokenizer != "char", "data.packing = 'document' needs an end-of-document (EOS) token and "
+                                    "data.tokenizer = 'char' has none: use a tokenizer file with one or 'concat'")
+    _require(m.type in TRANSFORMER_TYPES, f"data.packing = 'document' masks attention, which model.type = "
+                                          f"{m.type!r} has none: use a gpt or llama, or data.packing = 'concat'")
+    _require(p.sp == 1 or p.sp_mode == "ulysses", f"data.packing = 'document' is not supported with parallel.sp_mode "
+                                                  f"= {p.sp_mode!r} (ring attention takes no document mask): use "
+                                                  f"sp_mode = 'ulysses' or data.packing = 'concat'")
+    _require(p.sync_mode != "async", "data.packing = 'document' is not supported with parallel.sync_mode = 'async' "
+                                     "(the parameter server's workers run windows whole): use 'sync' or 'local-sgd'")
 
 
 def _validate_recurrent(cfg: Config) -> None:

@@ -23,7 +23,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
-    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
     if cfg.model.init_from and not resume:
@@ -65,6 +65,10 @@ def check_init_from(cfg: Config, corpus_vocab: int) -> None:
                          m.kv_heads())
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
+    if m.vocab_size < corpus_vocab and cfg.data.tokenizer != "char":
+        raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
+                          f"the {corpus_vocab} of data.tokenizer = '{cfg.data.tokenizer}': use the model's own "
+                          f"tokenizer, --data.tokenizer '{m.init_from}'")
     if m.vocab_size < corpus_vocab:
         raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
                           f"the {corpus_vocab} of data.path = '{cfg.data.resolved_path()}': use a corpus its "
@@ -87,15 +91,25 @@ def check_same_start(cfg: Config, meta: dict, found: Path) -> None:
 
 def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
     """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
-    width, heads, and the GPT's positions and biases) and the characters of the corpus. Raises ConfigError
+    width, heads, and the GPT's positions and biases) and the tokenizer (the characters of the corpus, or the
+    same tokenizer file contents, :func:`meshtrain.data.tokenizers.same_tokenizer`). Raises ConfigError
     naming the override that makes it loadable."""
+    from meshtrain.data.tokenizers import same_tokenizer
+
     saved = {"bias": False, **meta["config"]["model"]}  # checkpoints from before model.bias have no biases
     keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size", "bias") if cfg.model.type == "gpt" else ())
     for key in keys:
         if saved.get(key) != getattr(cfg.model, key):
             raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {saved.get(key)!r}, this config "
                               f"has {getattr(cfg.model, key)!r}: resume it with --model.{key} {saved.get(key)}")
-    if meta.get("tokenizer") != tokenizer:
+    saved_tok = meta.get("tokenizer") or {}
+    if saved_tok.get("kind") != tokenizer.get("kind") or (saved_tok.get("kind") != "char" and
+                                                          not same_tokenizer(saved_tok, tokenizer)):
+        was = saved_tok.get("path", saved_tok.get("kind"))
+        raise ConfigError(f"checkpoint {found} was trained with data.tokenizer = '{was}', this config has "
+                          f"'{cfg.data.tokenizer}' (other kind or file contents): resume it with --data.tokenizer "
+                          f"'{was}'")
+    if not same_tokenizer(saved_tok, tokenizer):
         raise ConfigError(f"checkpoint {found} was trained on a text with other characters than data.path = "
                           f"'{cfg.data.resolved_path()}': resume it with the data it was trained on")
     if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:

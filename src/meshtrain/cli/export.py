@@ -8,7 +8,7 @@ export is what to hand to someone else, consolidated from any layout:
   weight stored once); its header's ``__metadata__["meshtrain"]`` holds the model config, vocabulary size,
   tokenizer and step as JSON, also written to ``OUT.json`` for people and other tools.
 - ``--format hf``: the folder ``OUT`` of a Hugging Face model (``config.json``, safetensors weights sharded
-  past ``--max-shard-mb``, a ``tokenizer.json`` for the character tokenizer) that
+  past ``--max-shard-mb``, a ``tokenizer.json``: the character tokenizer as one, a Hugging Face one copied) that
   ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads: a "gpt" as ``GPT2LMHeadModel``, a "llama"
   as ``LlamaForCausalLM`` (:mod:`meshtrain.models.hf`).
 

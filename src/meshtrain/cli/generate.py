@@ -22,8 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="run folder, step folder, a .safetensors file written by meshtrain export, or a Hugging "
                         "Face model folder (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--prompt", default="\n", help="text to continue (characters must be in the corpus vocabulary)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens (characters) to generate")
+    p.add_argument("--prompt", default="\n", help="text to continue (with the char tokenizer, characters of the corpus vocabulary)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (characters, with the char tokenizer)")
     p.add_argument("--temperature", type=nonnegative_float, default=0.8,
                    help="softmax temperature; 0 = greedy (always the most likely token)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = None, seed: int = 1337) -> str:
-    """Continue ``prompt`` by ``max_new_tokens`` characters with the model saved in ``checkpoint``.
+    """Continue ``prompt`` by ``max_new_tokens`` tokens with the model saved in ``checkpoint``.
 
     Raises:
         ConfigError: no checkpoint there, bad sampling arguments, or a prompt character outside the vocabulary.
@@ -67,12 +67,13 @@ def _load(checkpoint: str | Path):
     or a Hugging Face model folder.
 
     Raises:
-        ConfigError: nothing loadable there, or a Hugging Face folder without ``tokenizer.json``.
+        ConfigError: nothing loadable there, a Hugging Face folder without ``tokenizer.json``, or a run's
+            tokenizer file that is gone or changed since (:func:`meshtrain.data.tokenizers.tokenizer_from_dict`).
     """
     from meshtrain import hf_format as hf
     from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
     from meshtrain.config import ConfigError
-    from meshtrain.data.corpus import CharTokenizer
+    from meshtrain.data.tokenizers import HFTokenizer, tokenizer_from_dict
 
     path = Path(checkpoint).expanduser()
     if path.is_dir() and any((path / name).exists() for name in (hf.CONFIG_FILE, hf.SINGLE_FILE, hf.INDEX_FILE)):
@@ -82,33 +83,12 @@ def _load(checkpoint: str | Path):
         if not (path / hf.TOKENIZER_FILE).is_file():
             raise ConfigError(f"'{path}' has no {hf.TOKENIZER_FILE}: generate needs the model's tokenizer to read "
                               f"the prompt and write the text")
-        return model, HFTokenizer(path / hf.TOKENIZER_FILE)
+        return model, HFTokenizer(path)
     if path.suffix == SUFFIX and path.is_file():
         model, info = load_export(path)
     else:
         model, info = load_checkpoint_model(checkpoint)[:2]
-    return model, CharTokenizer.from_dict(info["tokenizer"])
-
-
-class HFTokenizer:
-    """A ``tokenizer.json`` of the ``tokenizers`` library, with :class:`meshtrain.data.corpus.CharTokenizer`'s
-    ``encode``/``decode``."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        """``text`` -> ids. Raises ValueError: text the tokenizer cannot encode (a character outside a
-        character vocabulary)."""
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        except Exception as e:  # tokenizers raises its own exception type for an unknown token
-            raise ValueError(f"the tokenizer cannot encode it ({e})") from None
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    return model, tokenizer_from_dict(info["tokenizer"])  # any kind; a file tokenizer must be unchanged
 
 
 def run(args: argparse.Namespace) -> int:

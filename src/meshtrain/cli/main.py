@@ -1,4 +1,4 @@
-"""The ``meshtrain`` command: ``train | plan | batch | generate | export`` (benchmarks live in ``bench/``, run by ``make bench``).
+"""The ``meshtrain`` command: ``train | plan | batch | generate | export | tokenizer | prepare`` (benchmarks live in ``bench/``, run by ``make bench``).
 
 Each subcommand lives next to what it drives and registers itself through ``add_parser(subparsers)``;
 this module only dispatches and turns user errors (:class:`ConfigError`) into one line on stderr
@@ -19,16 +19,18 @@ DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp
 
 def build_parser() -> argparse.ArgumentParser:
     from meshtrain.launch import command as launch
-    from meshtrain.cli import batch, export, generate
+    from meshtrain.cli import batch, export, generate, prepare, tokenizer
     from meshtrain.planner import command as plan_command
 
     parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export,tokenizer,prepare}")
     launch.add_parser(sub)
     plan_command.add_parser(sub)
     batch.add_parser(sub)
     generate.add_parser(sub)
     export.add_parser(sub)
+    tokenizer.add_parser(sub)
+    prepare.add_parser(sub)
     return parser
 
 

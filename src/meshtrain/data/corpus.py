@@ -1,7 +1,8 @@
-"""Character-level corpus: a tokenizer over the text's characters and a train/val split of token ids.
+"""A text corpus: its token ids (``data.tokenizer``, :mod:`meshtrain.data.tokenizers`; by default one id per
+character) and their train/val split.
 
 The split follows nanoGPT's ``shakespeare_char`` preparation: the first ``1 - val_fraction`` of the
-text (in characters) is train, the rest val. The bundled Tiny Shakespeare corpus
+token ids (characters, with the char tokenizer) are train, the rest val. The bundled Tiny Shakespeare corpus
 (``meshtrain.config.BUNDLED_CORPUS``, ~1.1 MB) has a vocabulary of 65 characters.
 """
 
@@ -10,84 +11,91 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from meshtrain.config import ConfigError
+from meshtrain.data.prepared import TokenView
+from meshtrain.data.sampler import Tokens
+from meshtrain.data.tokenizers import TOKENIZER_KIND, CharTokenizer, Tokenizer, load_tokenizer
 
-TOKENIZER_KIND = "char"
-
-
-class CharTokenizer:
-    """Maps each distinct character of a text to an id: ids follow the sorted order of the characters."""
-
-    def __init__(self, chars: list[str]) -> None:
-        """``chars``: the vocabulary, one character per id (sorted and de-duplicated here)."""
-        self.chars = sorted(set(chars))
-        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
-
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        return cls(list(text))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> list[int]:
-        """``text`` -> token ids, one per character.
-
-        Raises:
-            ValueError: a character outside the vocabulary (named, with its position).
-        """
-        try:
-            return [self.stoi[ch] for ch in text]
-        except KeyError as e:
-            ch = e.args[0]
-            raise ValueError(f"character {ch!r} (position {text.index(ch)}) is not in the vocabulary "
-                             f"of {self.vocab_size} characters") from None
-
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text; an id with no character (a model whose vocabulary is larger than the text's,
-        e.g. one imported from Hugging Face) becomes U+FFFD, as undecodable bytes do in ``errors="replace"``."""
-        return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form, stored in checkpoints."""
-        return {"kind": TOKENIZER_KIND, "chars": "".join(self.chars)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CharTokenizer:
-        """Inverse of :meth:`to_dict`. Raises ValueError for another tokenizer kind."""
-        if d.get("kind") != TOKENIZER_KIND:
-            raise ValueError(f"tokenizer kind {d.get('kind')!r} is not supported: expected {TOKENIZER_KIND!r}")
-        return cls(list(d["chars"]))
+__all__ = ["TOKENIZER_KIND", "CharTokenizer", "Corpus", "PreparedTokens", "load_corpus", "load_prepared"]  # CharTokenizer: kept importable from here
 
 
 @dataclass
 class Corpus:
-    """Token ids of the two splits (int64, 1-D) and the tokenizer that made them."""
+    """Token ids of the two splits (int64, 1-D: ids of large vocabularies, >= 65536, fit) and the tokenizer
+    that made them."""
 
-    train: torch.Tensor
-    """(N_train,) int64 token ids."""
-    val: torch.Tensor
+    train: Tokens
+    """(N_train,) int64 token ids: in memory (a text file), or read a window at a time (prepared data)."""
+    val: Tokens
     """(N_val,) int64 token ids."""
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
     sha256: str = ""
-    """Hex SHA-256 of the text's UTF-8 bytes: a checkpoint records it, so a resume on another text is refused."""
+    """Hex SHA-256 of the text's UTF-8 bytes (of a prepared folder's ``meta.json``): a checkpoint records it, so
+    a resume on other data is refused."""
 
 
-def load_corpus(path: Path, val_fraction: float, block_size: int) -> Corpus:
-    """Read the UTF-8 text at ``path``, tokenize it by character and split it train | val.
+class PreparedTokens:
+    """One split of a prepared dataset as a :class:`meshtrain.data.sampler.TokenSource`: ``gather`` reads the
+    ``n * length`` tokens it returns (:meth:`meshtrain.data.prepared.TokenView.windows`, ``os.pread``), never
+    the whole split."""
 
-    The first ``round(len(text) * (1 - val_fraction))`` characters are train, the rest val. Each split
+    def __init__(self, view: TokenView) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """(n, length) int64 windows at ``starts`` (n,) int64, each inside ``[0, len(self))``."""
+        return torch.from_numpy(self.view.windows(starts.numpy(), length))
+
+
+def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
+    """The corpus of a ``meshtrain prepare`` folder: its splits read through memory maps, its tokenizer
+    rebuilt from ``meta.json`` (checked against the file it was made with).
+
+    Raises:
+        ConfigError: a folder that is not a complete prepared dataset (:meth:`PreparedData.open`), a tokenizer
+            that changed since, ``data.tokenizer`` naming another tokenizer than the one it was prepared
+            with, or a split shorter than one window.
+    """
+    from meshtrain.data.prepared import META_FILE, PreparedData
+    from meshtrain.data.tokenizers import same_tokenizer, tokenizer_from_dict
+
+    data = PreparedData.open(folder)
+    tok = tokenizer_from_dict(data.meta["tokenizer"])
+    if tokenizer != TOKENIZER_KIND and not same_tokenizer(load_tokenizer(tokenizer).to_dict(), tok.to_dict()):
+        raise ConfigError(f"data.tokenizer = '{tokenizer}' is not the tokenizer data.path = '{folder}' was prepared "
+                          f"with ({data.meta['tokenizer'].get('path')}): leave data.tokenizer as \"char\" (the "
+                          f"folder names its own) or prepare the data again")
+    train, val = PreparedTokens(data.tokens("train")), PreparedTokens(data.tokens("val"))
+    for name, split in (("train", train), ("val", val)):
+        if len(split) < block_size + 1:
+            raise ConfigError(f"data.path = '{folder}' has a {name} split of {len(split)} tokens; model.block_size = "
+                              f"{block_size} needs >= {block_size + 1}: use a smaller block_size or more data")
+    digest = hashlib.sha256((Path(folder) / META_FILE).read_bytes()).hexdigest()
+    return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
+
+
+def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
+    """Read the UTF-8 text at ``path``, tokenize it with ``tokenizer`` (``data.tokenizer``: "char", or a file
+    :func:`meshtrain.data.tokenizers.load_tokenizer` reads) and split it train | val; or, when ``path`` is a
+    folder, open the dataset ``meshtrain prepare`` wrote there (:func:`load_prepared`; ``val_fraction`` is the
+    one it was prepared with).
+
+    The first ``round(n_tokens * (1 - val_fraction))`` token ids are train, the rest val. Each split
     must hold at least ``block_size + 1`` tokens (one sample window).
 
     Raises:
-        ConfigError: (naming ``data.path``) unreadable, not UTF-8, empty, or a split too short.
+        ConfigError: (naming ``data.path``) unreadable, not UTF-8, empty, or a split too short; (naming
+            ``data.tokenizer``) a tokenizer that cannot be read or cannot encode the text.
     """
     path = Path(path)
+    if path.is_dir():
+        return load_prepared(path, block_size, tokenizer)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -96,8 +104,11 @@ def load_corpus(path: Path, val_fraction: float, block_size: int) -> Corpus:
         raise ConfigError(f"data.path = '{path}' cannot be read: {e.strerror}") from None
     if not text:
         raise ConfigError(f"data.path = '{path}' is empty: give a non-empty UTF-8 text file")
-    tokenizer = CharTokenizer.from_text(text)
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (N,)
+    tok = load_tokenizer(tokenizer, text)
+    try:
+        ids = torch.tensor(tok.encode(text), dtype=torch.long)  # (N,) int64: holds ids >= 65536
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer = '{tokenizer}' cannot tokenize data.path = '{path}': {e}") from None
     n_train = round(len(ids) * (1.0 - val_fraction))
     train, val = ids[:n_train], ids[n_train:]
     need = block_size + 1
@@ -106,4 +117,4 @@ def load_corpus(path: Path, val_fraction: float, block_size: int) -> Corpus:
             raise ConfigError(f"data.path = '{path}' gives a {name} split of {len(split)} tokens "
                               f"(data.val_fraction = {val_fraction}); model.block_size = {block_size} needs "
                               f">= {need}: use a longer text or a smaller block_size")
-    return Corpus(train=train, val=val, tokenizer=tokenizer, sha256=hashlib.sha256(text.encode()).hexdigest())
+    return Corpus(train=train, val=val, tokenizer=tok, sha256=hashlib.sha256(text.encode()).hexdigest())

@@ -7,7 +7,8 @@ epochs. With ``N`` tokens and ``bs = block_size``, every epoch holds the same nu
     num_samples = max(1, (N - bs) // bs)
 
 and epoch ``e`` uses the window starts ``offset_e + k * bs`` for ``k`` in ``[0, num_samples)``, in the
-order ``torch.randperm(num_samples)``. ``offset_e`` is drawn uniformly from
+order ``torch.randperm(num_samples)`` -- or, for data read from disk (a :class:`TokenSource`, possibly billions
+of windows), :func:`feistel_permutation`, which orders any window without holding the permutation. ``offset_e`` is drawn uniformly from
 ``[0, min(bs, N - num_samples * bs))`` -- the whole ``[0, bs)`` whenever ``N >= 2 * bs`` -- so every
 offset fits the same count and epochs differ in where windows are cut as well as in their order
 (the tail of the text past the last window of an epoch is unused in that epoch). Offset and
@@ -23,7 +24,7 @@ continues the same stream (same samples per step, split differently across ranks
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +33,23 @@ _MIX_A, _MIX_B = 6364136223846793005, 1442695040888963407  # Knuth's MMIX LCG co
 _EVAL_STREAM = -1  # the "epoch" index whose generator draws the validation windows
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """Token ids too large to hold in memory (a prepared dataset's memory-mapped shards,
+    :mod:`meshtrain.data.prepared`): their count and windows read on demand. A sampler over a TokenSource
+    reads ``n * (block_size + 1)`` tokens per call, never the whole corpus."""
+
+    def __len__(self) -> int:
+        """N, the number of tokens."""
+
+    def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """The windows ``[s, s + length)`` for each of ``starts`` (n,) int64: (n, length) int64."""
+
+
+Tokens = torch.Tensor | TokenSource
+"""A split's token ids: a 1-D int64 tensor in memory, or a :class:`TokenSource`."""
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:
@@ -47,25 +65,62 @@ def _check_layout(block_size: int, micro_batch_size: int, dp: int, dp_rank: int)
         raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp = {dp})")
 
 
-def _check_data(data: torch.Tensor, block_size: int, what: str) -> None:
-    if data.dim() != 1 or len(data) < block_size + 1:
+def _check_data(data: Tokens, block_size: int, what: str) -> None:
+    if (isinstance(data, torch.Tensor) and data.dim() != 1) or len(data) < block_size + 1:
+        shape = tuple(data.shape) if isinstance(data, torch.Tensor) else (len(data),)
         raise ValueError(f"{what} data must be 1-D with >= block_size + 1 = {block_size + 1} tokens, "
-                         f"got shape {tuple(data.shape)}")
+                         f"got shape {shape}")
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, block_size: int, rows: int) -> list[Batch]:
+def _windows(data: Tokens, starts: torch.Tensor, block_size: int, rows: int) -> list[Batch]:
     """Cut windows at ``starts`` (n,) and group them into micro-batches of ``rows``: [(x, y)], each (rows, T)."""
-    idx = starts[:, None] + torch.arange(block_size + 1)  # (n, T + 1)
-    w = data[idx]  # (n, T + 1)
+    if isinstance(data, torch.Tensor):
+        w = data[starts[:, None] + torch.arange(block_size + 1)]  # (n, T + 1)
+    else:
+        w = data.gather(starts, block_size + 1)  # (n, T + 1), read from the shards
     x, y = w[:, :-1], w[:, 1:]  # (n, T) each
     return list(zip(x.split(rows), y.split(rows)))
+
+
+_FEISTEL_ROUNDS = 4
+_FEISTEL_MUL = 0x2545F491  # an odd 30-bit multiplier: R * it stays below 2**62 for R < 2**32
+
+
+def feistel_permutation(index: torch.Tensor, n: int, key: int) -> torch.Tensor:
+    """The images of ``index`` (m,) int64 in ``[0, n)`` under a pseudo-random permutation of ``[0, n)`` keyed by
+    ``key``: (m,) int64, computed per element in O(m) memory, however large ``n``.
+
+    A balanced Feistel network (Luby & Rackoff 1988: any round function gives a bijection) on the smallest
+    ``2**(2h) >= n``, with ``_FEISTEL_ROUNDS`` rounds of a multiply-xorshift round function of ``h`` bits keyed
+    by ``key``; values landing in ``[n, 2**(2h))`` are encrypted again until they fall inside (cycle walking,
+    Black & Rogaway 2002, Sec. 2), which keeps it a bijection of ``[0, n)``. Expected walks < 4 (the domain is
+    < 4n)."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    keys = [(key >> (15 * r)) & 0x7FFF_FFFF for r in range(_FEISTEL_ROUNDS)]
+
+    def encrypt(v: torch.Tensor) -> torch.Tensor:
+        left, right = v >> half, v & mask
+        for k in keys:
+            f = ((right ^ k) * _FEISTEL_MUL) & 0xFFFF_FFFF_FFFF
+            f = (f ^ (f >> 17)) & mask
+            left, right = right, left ^ f
+        return (left << half) | right
+
+    out = encrypt(index)
+    outside = out >= n
+    while bool(outside.any()):
+        out[outside] = encrypt(out[outside])
+        outside = out >= n
+    return out
 
 
 class ShardedSampler:
     """This dp rank's share of the global sample stream, one optimizer step at a time (see module doc).
 
     Args:
-        data: (N,) int64 token ids of the train split, N >= block_size + 1.
+        data: (N,) int64 token ids of the train split, N >= block_size + 1, in memory or a
+            :class:`TokenSource` (read a window at a time).
         block_size: T, tokens per sample input.
         micro_batch_size, gradient_accumulation_steps, dp, dp_rank: the batch layout (docs/architecture.md terms).
         seed: the data-order seed (``train.seed``).
@@ -74,7 +129,7 @@ class ShardedSampler:
         ValueError: a non-positive size, ``dp_rank`` outside ``[0, dp)``, or data shorter than a window.
     """
 
-    def __init__(self, data: torch.Tensor, block_size: int, micro_batch_size: int,
+    def __init__(self, data: Tokens, block_size: int, micro_batch_size: int,
                  gradient_accumulation_steps: int, dp: int, dp_rank: int, seed: int) -> None:
         _check_layout(block_size, micro_batch_size, dp, dp_rank)
         if gradient_accumulation_steps < 1:
@@ -106,7 +161,8 @@ class ShardedSampler:
         return self.samples_seen / self._num_samples
 
     def epoch_starts(self, epoch: int) -> torch.Tensor:
-        """Window start indices of ``epoch`` in stream order, (num_samples,) int64; cached (2 epochs)."""
+        """Window start indices of ``epoch`` in stream order, (num_samples,) int64; cached (2 epochs).
+        In-memory data only: a :class:`TokenSource` permutes on the fly (:meth:`window_starts`)."""
         if epoch not in self._starts:
             gen = _generator(self.seed, epoch)
             offset = int(torch.randint(self._offsets, (), generator=gen))
@@ -115,13 +171,27 @@ class ShardedSampler:
             self._starts[epoch] = offset + perm * self.block_size
         return self._starts[epoch]
 
+    def window_starts(self, epoch: int, k: int, take: int) -> torch.Tensor:
+        """Starts of windows ``k .. k + take`` of ``epoch`` in stream order: (take,) int64.
+
+        In-memory data: a slice of :meth:`epoch_starts` (``torch.randperm``). A :class:`TokenSource`, whose
+        ``num_samples`` may be billions, draws its order from :func:`feistel_permutation` instead, so memory
+        stays O(take) whatever the corpus size; the offset comes from the same generator."""
+        if isinstance(self.data, torch.Tensor):
+            return self.epoch_starts(epoch)[k:k + take]
+        gen = _generator(self.seed, epoch)
+        offset = int(torch.randint(self._offsets, (), generator=gen))
+        key = int(torch.randint(0, 2**62, (), generator=gen))
+        order = feistel_permutation(torch.arange(k, k + take), self._num_samples, key)  # (take,)
+        return offset + order * self.block_size
+
     def stream_starts(self, begin: int, end: int) -> torch.Tensor:
         """Window starts of global stream positions ``[begin, end)``, crossing epochs: (end - begin,)."""
         parts = []
         while begin < end:
             epoch, k = divmod(begin, self._num_samples)
             take = min(end - begin, self._num_samples - k)
-            parts.append(self.epoch_starts(epoch)[k:k + take])
+            parts.append(self.window_starts(epoch, k, take))
             begin += take
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
@@ -160,7 +230,7 @@ class ShardedSampler:
         self.samples_seen = int(state["samples_seen"])
 
 
-def eval_batches(data: torch.Tensor, block_size: int, micro_batch_size: int, eval_steps: int,
+def eval_batches(data: Tokens, block_size: int, micro_batch_size: int, eval_steps: int,
                  dp: int, dp_rank: int, seed: int) -> list[Batch]:
     """This rank's share of a fixed validation set: ``eval_steps`` micro-batches ``[(x, y)]``, each (mbs, T).
 

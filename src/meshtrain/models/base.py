@@ -107,7 +107,8 @@ class LayeredLM(nn.Module):
 
     def checked_positions(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """The global positions (T,) int64 of the T tokens of ``idx`` (B, T) (or hidden states (B, T, C)):
-        ``positions``, or ``0..T-1`` when None.
+        ``positions``, or ``0..T-1`` when None; per-sample positions (B, T) (document packing,
+        :mod:`meshtrain.data.packing`) are returned as they are.
 
         Raises:
             ValueError: a position >= block_size.

@@ -48,9 +48,13 @@ def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal ``F.scaled_dot_product_attention`` of ``q`` (B, nh, T, hs) and ``k, v`` (B, nkv, T, hs; nkv
     divides nh, :func:`repeat_kv`) -> (B, nh, T, hs), in the inputs' dtype.
+
+    ``mask``: None for the causal mask over the whole sequence (``is_causal``); or a (B, 1, T, T) bool mask,
+    True where a query may attend to a key (:func:`document_causal_mask`), the same for every head.
 
     bf16 inputs on the CPU (what bf16 autocast hands over from the q/k/v projections) run the kernel
     in fp32 and cast the result back: torch's CPU flash-attention kernel is slower in bf16 than in fp32
@@ -58,11 +62,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     AVX512-BF16 EPYC, docs/benchmarks.md), while the matmuls around it gain from bf16. On CUDA the bf16
     kernel is the fast one and runs as it is."""
     k, v = repeat_kv(q, k), repeat_kv(q, v)  # (B, nh, T, hs)
+    masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         with torch.autocast("cpu", enabled=False):  # CPU autocast would cast the fp32 copies back to bf16
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, **masking)
         return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **masking)
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of packed documents (``data.packing = "document"``, Krell et al. 2021,
+    arXiv:2107.02027, Sec. 3): ``doc_ids`` (B, T) int64, the document index of every token of the whole
+    sequence (:func:`meshtrain.data.packing.document_ids`) -> (B, 1, T, T) bool, True where query i may attend
+    to key j: ``j <= i`` and both in the same document. It broadcasts over heads, so every tensor-parallel
+    or Ulysses head shard uses the same mask. Every row keeps its diagonal: no softmax row is empty."""
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal  # (B, 1, T, T)
 
 
 @torch.no_grad()
@@ -103,8 +119,10 @@ class SDPAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None (causal), or the (B, 1, T, T) document mask (:func:`document_causal_mask`)."""
+        return causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,13 +144,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, C) -> (B, T, C). Under tp, q/k/v hold C/tp features: nh/tp heads."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C). Under tp, q/k/v hold C/tp features: nh/tp heads. ``mask``: None
+        (causal), or the (B, 1, T', T') document mask over the whole sequence T' (T' = T but under Ulysses)."""
         B, T, _ = x.shape
         q = self.q(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        y = self.inner_attention(q, k, v)  # (B, nh, T, hs)
+        y = self.inner_attention(q, k, v, mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_drop(self.proj(y))
 
@@ -166,9 +185,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C); ``mask`` goes to the attention (a keyword, which tensor parallelism's
+        input hooks pass through unchanged)."""
+        x = x + self.attn(self.ln_1(x), mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -234,24 +254,30 @@ class GPT(LayeredLM):
                 out += [block.attn.resid_drop, block.mlp.drop]
         return out
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
 
         ``positions`` (T,) int64 are the global positions of the T tokens (default ``0..T-1``); a
         sequence-parallel rank holding a shard of each sample passes the positions of its shard.
+        With document packing (``data.packing = "document"``) they are per sample, (B, T), restarting at
+        each document, and ``doc_ids`` (B, T') int64 give the document of every token of the *whole*
+        sequence (T' = T, or T * sp under Ulysses sequence parallelism, whose attention sees every token):
+        attention is then masked to each document (:func:`document_causal_mask`); None: one causal sequence.
         A pipeline stage without ``tok_emb`` takes hidden states (B, T, C) instead; one without
         ``lm_head`` returns hidden states (B, T, C).
 
         Raises:
             ValueError: a position >= block_size.
         """
-        positions = self.checked_positions(idx, positions)  # (T,)
+        positions = self.checked_positions(idx, positions)  # (T,) or (B, T)
         if self.tok_emb is not None:
             x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
         else:
             x = idx  # (B, T, C) hidden states from the previous stage
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
         for block in self.blocks.values():
-            x = block(x)  # (B, T, C)
+            x = block(x, mask=mask)  # (B, T, C)
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)

@@ -9,8 +9,8 @@ the fp32 parameters as they are copied. Nothing is ever downloaded: the folder i
 
 Out (:func:`write_hf_folder`, ``meshtrain export --format hf``): ``config.json``, the weights under
 ``transformers``' names in fp32 -- ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json`` past ``max_shard_bytes`` -- and, for a character tokenizer, a
-``tokenizer.json`` of the ``tokenizers`` library. The names, shapes and GPT-2's transposes are
+``model.safetensors.index.json`` past ``max_shard_bytes`` -- and the tokenizer: a character one as a
+``tokenizer.json`` of the ``tokenizers`` library, a Hugging Face one copied. The names, shapes and GPT-2's transposes are
 :mod:`meshtrain.hf_format`'s.
 """
 
@@ -195,13 +195,34 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
                      "weight_map": {t: name for name, group in zip(names, groups) for t in group}}
             (tmp / hf.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer and tokenizer.get("kind") == "char":
-            (tmp / hf.TOKENIZER_FILE).write_text(char_tokenizer_json(tokenizer["chars"]))
-            (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+        _write_tokenizer(tmp, tokenizer)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(out.iterdir())
+
+
+TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _write_tokenizer(folder: Path, tokenizer: dict[str, Any] | None) -> None:
+    """The run's tokenizer as Hugging Face files in ``folder``: a character tokenizer as a ``tokenizer.json``
+    (:func:`char_tokenizer_json`), a Hugging Face one copied with the config files next to it; tiktoken and
+    sentencepiece files have no ``tokenizer.json`` form here and are left out (generate then needs the run)."""
+    kind = (tokenizer or {}).get("kind")
+    if kind == "char":
+        (folder / hf.TOKENIZER_FILE).write_text(char_tokenizer_json(tokenizer["chars"]))
+    elif kind == "hf":
+        source = Path(tokenizer["path"])
+        source = source / hf.TOKENIZER_FILE if source.is_dir() else source
+        shutil.copyfile(source, folder / hf.TOKENIZER_FILE)
+        for name in TOKENIZER_CONFIGS:
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, folder / name)
+    else:
+        return
+    if not (folder / TOKENIZER_CONFIGS[0]).exists():
+        (folder / TOKENIZER_CONFIGS[0]).write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
 
 
 def load_hf_model(folder: str | Path) -> tuple[nn.Module, ModelConfig]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from meshtrain.config import ModelConfig
 from meshtrain.models.base import LayeredLM
-from meshtrain.models.gpt import GPT, SDPAttention, init_decoder_weights
+from meshtrain.models.gpt import GPT, SDPAttention, document_causal_mask, init_decoder_weights
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -51,8 +51,8 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``x`` (B, h, T, hd) with ``cos, sin`` (T, hd): each head's halves ``(x1, x2)`` become
-    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` at each position's angles."""
+    """RoPE of ``x`` (B, h, T, hd) with ``cos, sin`` (T, hd), or per sample (B, 1, T, hd): each head's halves
+    ``(x1, x2)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)`` at each position's angles."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, h, T, hd/2) each
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -76,13 +76,15 @@ class LlamaAttention(nn.Module):
         self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, C), ``cos, sin`` (T, hd) -> (B, T, C)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C), ``cos, sin`` (T, hd) or (B, 1, T, hd) -> (B, T, C); ``mask``: None (causal) or the
+        document mask (:func:`meshtrain.models.gpt.document_causal_mask`)."""
         B, T, _ = x.shape
         q = self.q(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
-        y = self.inner_attention(rotate(q, cos, sin), rotate(k, cos, sin), v)  # (B, nh, T, hd)
+        y = self.inner_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, mask=mask)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -111,9 +113,10 @@ class LlamaBlock(nn.Module):
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C); ``mask`` goes to the attention as a keyword (tp's input hooks pass it on)."""
+        x = x + self.attn(self.ln_1(x), cos, sin, mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -166,28 +169,35 @@ class Llama(LayeredLM):
         return [block.attn.inner_attention for block in self.blocks.values()]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` (T, hd) of the global ``positions`` (T,), computed in fp32 and cast to ``dtype``."""
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # (T, hd/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+        """``cos, sin`` (T, hd) of the global ``positions`` (T,), computed in fp32 and cast to ``dtype``; of
+        per-sample positions (B, T) (document packing): (B, 1, T, hd), broadcast over the heads."""
+        angles = positions.float()[..., None] * self.inv_freq.to(positions.device)  # (T, hd/2) or (B, T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd) or (B, T, hd)
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)  # (B, 1, T, hd)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``idx`` (B, T) int64 -> logits (B, T, V).
 
         ``positions`` (T,) int64 are the global positions of the T tokens (default ``0..T-1``; a
         sequence-parallel rank passes its shard's, ring attention's zigzag chunks included); every block
-        rotates q and k by them. A pipeline stage without ``tok_emb`` takes hidden states (B, T, C) and
-        its positions as well; one without ``lm_head`` returns hidden states (B, T, C).
+        rotates q and k by them. With document packing they are per sample, (B, T), restarting at each
+        document, and ``doc_ids`` (B, T') mask attention to each document, as in
+        :meth:`meshtrain.models.gpt.GPT.forward`. A pipeline stage without ``tok_emb`` takes hidden states
+        (B, T, C) and its positions as well; one without ``lm_head`` returns hidden states (B, T, C).
 
         Raises:
             ValueError: a position >= block_size.
         """
-        positions = self.checked_positions(idx, positions)  # (T,)
+        positions = self.checked_positions(idx, positions)  # (T,) or (B, T)
         x = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx  # (B, T, C)
         cos, sin = self.rope(positions, torch.get_autocast_dtype(x.device.type)
                              if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
         for block in self.blocks.values():
-            x = block(x, cos, sin)  # (B, T, C)
+            x = block(x, cos, sin, mask=mask)  # (B, T, C)
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)

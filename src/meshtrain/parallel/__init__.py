@@ -34,12 +34,13 @@ from torch import nn
 from collections.abc import Callable
 
 from meshtrain.batch import global_batch_size, tokens_per_step
-from meshtrain.config import Config, ParallelConfig
+from meshtrain.config import Config, ConfigError, ParallelConfig
+from meshtrain.data.packing import pack_documents
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
-from meshtrain.parallel.model import ParallelModel, PipelineModel, ReplicatedModel
+from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
 from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
 from meshtrain.parallel.rng import TPRegionRNG
 from meshtrain.parallel.reduce import cross_entropy, local_value
@@ -49,21 +50,28 @@ from meshtrain.rules.support import blocks_compiled, compile_eligible
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
-                autocast: contextlib.AbstractContextManager) -> ParallelModel:
+                autocast: contextlib.AbstractContextManager, eos_id: int | None = None) -> ParallelModel:
     """Everything ``cfg`` asks of ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, built from the
     seed on this rank's device) on ``dims``' built mesh; return what the trainer runs steps with.
 
     With pp > 1 the model is cut into this rank's pipeline chunks (:func:`parallelize_pipeline`), else it
     gets compiled blocks where ``train.compile`` resolves to on (:func:`meshtrain.rules.support.blocks_compiled`),
     then tp -> sp -> dp (:func:`parallelize_model`), and local SGD's averaging where ``sync_mode`` asks
-    for it. ``autocast``: the context every forward runs in (bf16 autocast, or none).
+    for it. ``autocast``: the context every forward runs in (bf16 autocast, or none). ``eos_id``: the
+    tokenizer's end-of-document id, which ``data.packing = "document"`` splits each window at
+    (:mod:`meshtrain.data.packing`); unused with "concat".
+
+    Raises:
+        ConfigError: ``data.packing = "document"`` and ``eos_id`` is None (a tokenizer without EOS).
     """
     p, b = cfg.parallel, cfg.batch
+    eos = _packing_eos(cfg, eos_id)
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
-        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss)
-        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode), autocast)
+        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
+                                        document_masking=eos is not None)
+        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast)
     device_type = next(model.parameters()).device.type
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode), device_type)
     if compiled:
@@ -72,8 +80,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     model = parallelize_model(model, dims, p)
     local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
                  if p.sync_mode == "local-sgd" else None)
-    return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode), autocast, gradient_sync, compiled=compiled,
+    return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
                            local_sgd=local_sgd)
+
+
+def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:
+    """The EOS id windows are split into documents at: ``eos_id`` with ``data.packing = "document"``, else None.
+
+    Raises:
+        ConfigError: "document" with no ``eos_id``: a tokenizer file without an EOS token (config validation
+            refuses the char tokenizer before launch; a file's special tokens are known once it is read).
+    """
+    if cfg.data.packing != "document":
+        return None
+    if eos_id is None:
+        raise ConfigError(f"data.packing = 'document' needs an end-of-document token, and data.tokenizer = "
+                          f"'{cfg.data.tokenizer}' has none: use a tokenizer with an EOS token or data.packing = 'concat'")
+    return eos_id
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,12 +124,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig)
 
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, n_microbatches: int,
-                         tokens_per_step: int, loss_fn: Callable) -> Pipeline:
+                         tokens_per_step: int, loss_fn: Callable, document_masking: bool = False) -> Pipeline:
     """Split ``model`` into pipeline chunks for this rank, apply tp -> sp -> dp to each; return the
     :class:`Pipeline` that trains them (``.model`` holds this rank's parameters, unwrapped).
 
     ``n_microbatches``: micro-batches per step; ``tokens_per_step``: for balancing the chunks' costs;
-    ``loss_fn``: ``(logits (B, T, V), targets (B, T)) -> mean loss`` on the last stage.
+    ``loss_fn``: ``(logits (B, T, V), targets (B, T)) -> mean loss`` on the last stage;
+    ``document_masking``: steps carry per-sample positions and document ids (``data.packing = "document"``).
     """
     pp_mesh = dims.get_mesh(Axis.PP)
     chunks, mine, parts = split_model(model, dims.pp, pp_mesh.get_local_rank(), cfg.virtual_stages,
@@ -118,7 +142,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
                     next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,
-                    hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1)
+                    hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1, document_masking=document_masking)
 
 
 def _maybe_hierarchical(dims: ParallelDims, cfg: ParallelConfig, models: list[nn.Module]) -> None:
@@ -145,18 +169,28 @@ def _attach_tp_rng(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) ->
             model.tp_rng.attach(module)
 
 
-def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: int,
-                sp_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's tokens of a micro-batch: ``x, y`` (B, T) -> (B, T/sp) each, and their global
-    positions (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention)."""
+def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: int, sp_mode: str,
+                eos_id: int | None = None) -> LocalBatch:
+    """This rank's tokens of a micro-batch: ``x, y`` (B, T) -> (B, T/sp) each, their global positions
+    (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention), and None.
+
+    With ``eos_id`` (``data.packing = "document"``) the documents are found in the whole windows first
+    (:func:`meshtrain.data.packing.pack_documents`): positions become per sample, (B, T/sp), restarting at
+    each document and cut like the tokens, and the fourth item is the document ids (B, T) of the whole
+    window, which every rank keeps: Ulysses attends over all T tokens of its heads, and tp ranks share them."""
     T = x.size(1)
+    doc_ids = positions = None
+    if eos_id is not None:
+        doc_ids, positions = pack_documents(x, eos_id)  # (B, T) each
     if not dims.sp_enabled:
-        return x, y, torch.arange(T, device=x.device)
+        return x, y, (torch.arange(T, device=x.device) if positions is None else positions), doc_ids
     shard = [shard_sequence(t, 1, sp_rank, dims.sp, sp_mode) for t in (x, y)]  # (B, T/sp) each
-    return shard[0], shard[1], sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device)
+    positions = (sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device) if positions is None
+                 else shard_sequence(positions, 1, sp_rank, dims.sp, sp_mode))  # (T/sp,) or (B, T/sp)
+    return shard[0], shard[1], positions, doc_ids
 
 
-def _sharder(dims: ParallelDims, sp_mode: str) -> Callable:
-    """``(x, y) -> (x, y, positions)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
+def _sharder(dims: ParallelDims, sp_mode: str, eos_id: int | None = None) -> Callable:
+    """``(x, y) -> (x, y, positions, doc_ids)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
     sp_rank = dims.rank_of(Axis.SP)
-    return lambda x, y: local_batch(x, y, dims, sp_rank, sp_mode)
+    return lambda x, y: local_batch(x, y, dims, sp_rank, sp_mode, eos_id)

@@ -27,8 +27,12 @@ from meshtrain.parallel.reduce import backward_context, clip_grad_norm_, cross_e
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 """Micro-batches ``(x, y)``, each (B, T) int64 token ids and targets, as the sampler yields them (CPU)."""
-Sharder = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""``(x, y)`` (B, T) -> this rank's ``(x, y)`` (B, T/sp) and their global positions (T/sp,)."""
+LocalBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""This rank's ``(x, y, positions, doc_ids)`` of a micro-batch: ``x, y`` (B, T/sp), their global positions
+(T/sp,), and None; with ``data.packing = "document"`` per-sample positions (B, T/sp) and the document ids
+(B, T) of the whole windows (:func:`meshtrain.parallel.local_batch`)."""
+Sharder = Callable[[torch.Tensor, torch.Tensor], LocalBatch]
+"""``(x, y)`` (B, T) -> this rank's :data:`LocalBatch`."""
 
 
 class ParallelModel:
@@ -47,8 +51,9 @@ class ParallelModel:
         self.autocast = autocast
         """The context every forward runs in: bf16 autocast (fp32 master weights) or none."""
 
-    def local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's sp shard of ``x, y`` (B, T) on its device: (B, T/sp) each, and positions (T/sp,)."""
+    def local(self, x: torch.Tensor, y: torch.Tensor) -> LocalBatch:
+        """This rank's sp shard of ``x, y`` (B, T) on its device: (B, T/sp) each, positions (T/sp,) (or
+        (B, T/sp)) and the document ids (B, T) of document packing (else None), :data:`LocalBatch`."""
         return self._shard(x.to(self.device), y.to(self.device))
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
@@ -98,9 +103,10 @@ class ReplicatedModel(ParallelModel):
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's tokens of the micro-batch ``x, y`` (mbs, T) (its sp shard of them)."""
-        x, y, positions = self.local(x, y)  # (mbs, T/sp) each, positions (T/sp,)
+        x, y, positions, doc_ids = self.local(x, y)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
+        documents = {} if doc_ids is None else {"doc_ids": doc_ids}  # (mbs, T): document packing
         with self.autocast:
-            logits = self.model(x, positions)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
+            logits = self.model(x, positions, **documents)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
         return cross_entropy(logits, y)
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
@@ -142,10 +148,10 @@ class PipelineModel(ParallelModel):
         self.pipeline = pipeline
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
-        x, y, positions = self.local(torch.cat([mb[0] for mb in micro_batches]),
-                                     torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
+        x, y, positions, doc_ids = self.local(torch.cat([mb[0] for mb in micro_batches]),
+                                              torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
         with self.autocast:
-            return self.pipeline.step(x, y, positions)
+            return self.pipeline.step(x, y, positions, doc_ids)
 
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> torch.Tensor:

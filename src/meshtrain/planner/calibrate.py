@@ -430,7 +430,7 @@ def _parallel_host(world: int, comm: dict) -> dict:
             model = parallelize_model(model, dims, parallel)
             seed_step(model, 0, 1, dist.get_rank(), parallel.tp)
             x = torch.randint(0, 65, (1, 16), generator=torch.Generator().manual_seed(0))
-            x, y, pos = local_batch(x, x, dims, dims.rank_of(Axis.SP), parallel.sp_mode)
+            x, y, pos, _ = local_batch(x, x, dims, dims.rank_of(Axis.SP), parallel.sp_mode)
 
             def step(model=model, x=x, y=y, pos=pos) -> None:
                 loss = cross_entropy(model(x, pos), y)

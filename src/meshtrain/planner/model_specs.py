@@ -190,8 +190,21 @@ def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:
 
 
 def corpus_vocab_size(cfg: Config) -> int:
-    """Distinct characters of the corpus at ``cfg.data.resolved_path()`` (the trainer's char tokenizer)."""
+    """The V the trainer builds with ``model.vocab_size = 0`` (:func:`meshtrain.data.tokenizers.model_vocab_size`):
+    with ``data.tokenizer = "char"`` the distinct characters of the corpus at ``cfg.data.resolved_path()``, else
+    (a tokenizer file, or a prepared folder naming its own) the tokenizer's size padded up to a multiple of 128 * ``parallel.tp`` (the config's tp, also for layouts the
+    planner tries with another tp: at most 128 * tp rows apart)."""
+    from meshtrain.data.tokenizers import load_tokenizer, model_vocab_size
+
     path = cfg.data.resolved_path()
+    if path.is_dir():  # a prepared dataset: its meta.json names the tokenizer
+        from meshtrain.data.prepared import read_meta
+
+        meta = read_meta(path)
+        return model_vocab_size(meta["tokenizer"]["kind"], int(meta["vocab_size"]), 0, cfg.parallel.tp)
+    if cfg.data.tokenizer != "char":
+        tok = load_tokenizer(cfg.data.tokenizer)
+        return model_vocab_size(tok.kind, tok.vocab_size, 0, cfg.parallel.tp)
     try:
         return len(set(path.read_text(encoding="utf-8")))
     except (OSError, UnicodeDecodeError) as e:
@@ -206,8 +219,8 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     GELU alike: two matrices), tied head, learned positions; with ``bias`` biases in every Linear but the
     head and LayerNorm shifts (GPT-2), else LayerNorm scales only. Llama: SwiGLU of ``ModelConfig.ffn_hidden_size``,
     ``n_kv_head`` kv heads, RoPE (no position parameters), RMSNorm scales, the head tied only with
-    ``tie_embeddings``. ``vocab_size`` overrides the config; with neither, the vocabulary is the number of
-    distinct characters of the corpus (char tokenizer).
+    ``tie_embeddings``. ``vocab_size`` overrides the config; with neither, the vocabulary is the trainer's
+    (:func:`corpus_vocab_size`: the corpus's distinct characters, or the padded tokenizer size).
 
     Raises:
         ConfigError: a recurrent model (``model.type`` "lstm" or "gru"), which the planner does not model.

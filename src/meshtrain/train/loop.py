@@ -62,7 +62,8 @@ class Trainer:
         self.world_ranks = list(range(world))
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
         self.setup = set_up(cfg, self.device)
-        self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast)
+        self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast,
+                                    eos_id=self.setup.corpus.tokenizer.eos_id)  # data.packing = "document" splits at it
         self.model = self.parallel.model
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
         b = cfg.batch

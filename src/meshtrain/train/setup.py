@@ -12,6 +12,7 @@ import torch
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.data.corpus import Corpus, load_corpus
+from meshtrain.data.tokenizers import model_vocab_size
 from meshtrain.models import build_model
 from meshtrain.models.base import LayeredLM
 from meshtrain.runtime.device import autocast, compute_dtype
@@ -23,7 +24,8 @@ class RunSetup:
 
     corpus: Corpus
     vocab_size: int
-    """V: ``model.vocab_size``, or the corpus tokenizer's when it is 0."""
+    """V: ``model.vocab_size``, or the corpus tokenizer's when it is 0 (a non-char tokenizer's padded up to a
+    multiple of 128 * tp, :func:`meshtrain.data.tokenizers.model_vocab_size`)."""
     model: LayeredLM
     dtype: str
     """What ``train.dtype`` resolves to on this device: "float32" or "bfloat16"."""
@@ -37,8 +39,9 @@ def set_up(cfg: Config, device: torch.device) -> RunSetup:
     Raises:
         ConfigError: ``model.vocab_size`` is set below the corpus's vocabulary.
     """
-    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
-    vocab_size = cfg.model.vocab_size or corpus.tokenizer.vocab_size
+    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer)
+    tok = corpus.tokenizer
+    vocab_size = model_vocab_size(tok.kind, tok.vocab_size, cfg.model.vocab_size, cfg.parallel.tp)
     if vocab_size < corpus.tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size = {vocab_size} is smaller than the corpus vocabulary "
                           f"({corpus.tokenizer.vocab_size}): use 0 or >= that")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
-from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -74,12 +74,15 @@ class Pipeline:
         use_loss_parallel: run the schedule inside ``loss_parallel`` (logits are vocab-sharded DTensors).
         hidden_seq_divisor: the sequence of the hidden states between chunks is this rank's tokens / this
             (tp under Megatron sequence parallelism, else 1).
+        document_masking: steps carry per-sample positions (B, T') and document ids (B, T) (``data.packing =
+            "document"``), split into micro-batches along the batch like the tokens; otherwise the positions
+            (T',) are the same for every micro-batch and go whole to each.
     """
 
     def __init__(self, model: nn.Module, parts: list[nn.Module], chunks: list[Chunk], n_chunks: int,
                  pp_group: dist.ProcessGroup, embedding_group: dist.ProcessGroup | None, schedule: str,
                  n_microbatches: int, loss_fn: Callable, device: torch.device, use_loss_parallel: bool,
-                 hidden_seq_divisor: int = 1) -> None:
+                 hidden_seq_divisor: int = 1, document_masking: bool = False) -> None:
         self.model = model
         self.parts = {c.index: part for c, part in zip(chunks, parts)}
         self.n_chunks = n_chunks
@@ -94,29 +97,38 @@ class Pipeline:
         self.is_last = any(c.has_head for c in chunks)
         cls = SCHEDULES[schedule]
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages  # one chunk per rank
-        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec={"positions": _Replicate()})
+        # torch splits step kwargs into micro-batches by these specs, whose keys must be exactly the kwargs given
+        kwargs_spec = ({"positions": TensorChunkSpec(0), "doc_ids": TensorChunkSpec(0)} if document_masking
+                       else {"positions": _Replicate()})
+        self.document_masking = document_masking
+        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=kwargs_spec)
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.hidden_seq_divisor = hidden_seq_divisor
         self.loss_context = loss_parallel if use_loss_parallel else nullcontext
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor,
+             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one step: ``x, y`` (n_microbatches * mbs, T') token ids and targets of
-        this rank's sequence shard, ``positions`` (T',). Returns the mean loss over the micro-batches on
-        the last stage, 0 elsewhere; gradients are left reduced over dp and the tied weight's summed."""
+        this rank's sequence shard, ``positions`` (T',), or (n_microbatches * mbs, T') with the document ids
+        ``doc_ids`` (n_microbatches * mbs, T) of ``document_masking``. Returns the mean loss over the
+        micro-batches on the last stage, 0 elsewhere; gradients are left reduced over dp and the tied
+        weight's summed."""
         losses: list[torch.Tensor] = []
         with self.loss_context(), self.tracer.step():
-            self._run(x, y, positions, losses)
+            self._run(x, y, positions, doc_ids, losses)
         self.sync_tied_gradients()
         return self._mean(losses)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Sum over ``batches`` (each ``(x, y, positions)`` of one micro-batch) of their mean losses on the
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+                 ) -> torch.Tensor:
+        """Sum over ``batches`` (each ``(x, y, positions, doc_ids)`` of one micro-batch) of their mean losses on the
         last stage (0 elsewhere): a forward-only pass, one micro-batch at a time through the chunks in
         order, hidden states (B, T', C) sent to the rank of the next chunk (a plain ``dist.send``/``recv``
         on the pp group; torch's V-shaped schedules cannot run forward-only)."""
         total = torch.zeros(())
-        for x, y, positions in batches:
+        for x, y, positions, doc_ids in batches:
+            documents = {} if doc_ids is None else {"doc_ids": doc_ids}
             hidden = None
             for c in range(self.n_chunks):
                 if self.chunk_rank[c] != self.pp_rank:
@@ -125,7 +137,7 @@ class Pipeline:
                     hidden = torch.empty(self.hidden_shape(x), device=x.device)  # (B, T', C)
                     dist.recv(hidden, group=self.pp_group, group_src=self.chunk_rank[c - 1])
                 part = self.parts[c]
-                hidden = part(x if c == 0 else hidden, positions=positions)  # every chunk: RoPE needs them
+                hidden = part(x if c == 0 else hidden, positions=positions, **documents)  # every chunk: RoPE, masks
                 if c == self.n_chunks - 1:
                     with self.loss_context():
                         total += float(local_value(self.loss_fn(hidden, y)))
@@ -156,12 +168,17 @@ class Pipeline:
         return {"schedule": self.schedule_name, "pp": p, "virtual_stages": v, "microbatches": self.n_microbatches,
                 "bubble_measured": statistics.median(measured), "bubble_theory": theory}
 
-    def _run(self, x, y, positions, losses) -> None:
+    def _run(self, x, y, positions, doc_ids, losses) -> None:
         args = (x,) if self.is_first else ()
         # positions go to every stage (torch hands a rank's step kwargs to each of its stages): the GPT reads
-        # them in its embedding, a Llama's every block rotates q and k by them
+        # them in its embedding, a Llama's every block rotates q and k by them; document ids likewise, every
+        # stage builds its blocks' attention mask from them
+        if (doc_ids is not None) != self.document_masking:
+            raise ValueError(f"document ids {'given' if doc_ids is not None else 'missing'}: this pipeline was "
+                             f"built with document_masking = {self.document_masking}")
+        documents = {"doc_ids": doc_ids} if self.document_masking else {}
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses if self.is_last else None,
-                           positions=positions)
+                           positions=positions, **documents)
 
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if not losses:

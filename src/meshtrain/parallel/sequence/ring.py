@@ -42,14 +42,19 @@ class RingAttention(nn.Module):
     (O(T/sp) per rank), and one (c, c) block of scores exists at a time. Communication: sp-1 passes
     of K/V forward, sp-1 of K/V and sp of their gradients backward, 2*B*nh*(T/sp)*hs elements each,
     not overlapped with compute. No dropout: attention dropout is not supported here (the model's
-    other dropouts are unaffected).
+    other dropouts are unaffected). No document mask either (``data.packing = "document"`` is refused
+    with ring attention before launch): its blocks are causal or full by chunk index only.
     """
 
     def __init__(self, group: ProcessGroup | None):
         super().__init__()
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("ring attention takes no attention mask: data.packing = 'document' needs "
+                             "sp_mode = 'ulysses' (or sp = 1)")
         if q.size(2) % 2:
             raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
         # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels

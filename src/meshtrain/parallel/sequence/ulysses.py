@@ -20,6 +20,10 @@ class UlyssesAttention(nn.Module):
     attention for nh/sp heads. Dropout (``dropout`` when training) is applied by SDPA; its masks
     differ from a single-process run's, so parity holds with dropout 0 only.
 
+    With document packing, ``mask`` is the (B, 1, T, T) document mask of the *whole* sequence
+    (:func:`meshtrain.models.gpt.document_causal_mask` of every rank's tokens): after the all-to-all this
+    rank attends over all T tokens of its heads, and the mask is the same for every head.
+
     Raises (in forward, from :func:`seq_to_head`, before any communication):
         ValueError: nh is not divisible by sp.
     """
@@ -29,7 +33,9 @@ class UlyssesAttention(nn.Module):
         self.group = group
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (seq_to_head(t, self.group) for t in (q, k, v))  # (B, nh/sp, T, hs)
-        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)  # (B, nh/sp, T, hs)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                             mask=mask)  # (B, nh/sp, T, hs)
         return head_to_seq(y, self.group)  # (B, nh, T/sp, hs)

@@ -1,0 +1,94 @@
+"""``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR``: token shards to train on.
+
+The work is :func:`meshtrain.data.prepare.prepare`; this module parses the options and shows a rich progress
+bar on stderr (documents, tokens, input MB/s, ETA from the input bytes read). docs/data.md, "Preparing a
+dataset", describes the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from meshtrain.argtypes import positive_float, positive_int
+from meshtrain.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, default_workers, prepare
+from meshtrain.data.sources import DOC_SPLITS
+
+REFRESH_PER_S = 4
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into token shards to train on",
+                       description="Tokenize documents (text files, jsonl, parquet) in worker processes into "
+                                   "fixed-size token shards (uint16/uint32 memmaps), a document index per split "
+                                   "and meta.json, written into DATA_DIR.tmp and renamed to DATA_DIR at the end.")
+    p.add_argument("--tokenizer", required=True, metavar="SPEC",
+                   help="a tokenizer.json, a *.tiktoken file, a sentencepiece *.model or a Hugging Face model folder")
+    p.add_argument("--input", required=True, nargs="+", metavar="PATH",
+                   help="files or globs (sorted): *.jsonl/*.ndjson, *.parquet, anything else is UTF-8 text")
+    p.add_argument("--out", required=True, metavar="DATA_DIR", help="the folder to create; it must not exist")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="jsonl key / parquet column holding the text (default: text)")
+    p.add_argument("--val-fraction", type=positive_float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                   help="one document in every 1/F goes to val, spread evenly (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
+                   help="tokenizing processes (default: min(4, CPUs) = %(default)s)")
+    p.add_argument("--doc-split", choices=DOC_SPLITS, default="file",
+                   help="text files: one document per file, or per blank-line-separated block (default: file)")
+    p.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                   help="tokens per shard file (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+class _Bar:
+    """The progress bar on a terminal (nothing when stderr is a file or a pipe): started on the first report
+    (after the inputs are hashed), stopped by ``close``."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.progress = None
+
+    def __call__(self, done_bytes: int, total_bytes: int, documents: int, tokens: int) -> None:
+        if not self.console.is_terminal:
+            return
+        if self.progress is None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self.progress = Progress(TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                     TextColumn("{task.fields[counts]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                                     console=self.console, refresh_per_second=REFRESH_PER_S,
+                                     transient=True)  # gone when done: the result (or the error) is one line
+            self.task = self.progress.add_task("prepare", total=total_bytes, counts="")
+            self.progress.start()
+        self.progress.update(self.task, completed=done_bytes, counts=f"{documents:,} docs  {tokens:,} tokens")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    bar = _Bar()
+    t0 = time.perf_counter()
+    try:
+        result = prepare(args.tokenizer, args.input, args.out, text_field=args.text_field,
+                         val_fraction=args.val_fraction, workers=args.workers, doc_split=args.doc_split,
+                         shard_tokens=args.shard_tokens, progress=bar)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    splits = result.meta["splits"]
+    counts = ", ".join(f"{name} {s['documents']:,} documents {s['tokens']:,} tokens in {len(s['shards'])} shard(s)"
+                       for name, s in splits.items())
+    if result.already_done:
+        print(f"{result.out} already holds these inputs prepared with this tokenizer ({counts}): nothing to do")
+        return 0
+    if result.removed_leftover:
+        print(f"removed {result.out}.tmp, left by an interrupted prepare")
+    total = sum(s["tokens"] for s in splits.values())
+    print(f"wrote {result.out}: {counts}; {result.meta['dtype']}, vocab {result.meta['vocab_size']:,}; "
+          f"{total / seconds:,.0f} tokens/s")
+    return 0

@@ -1,0 +1,244 @@
+"""The format of a dataset ``meshtrain prepare`` writes: the shard writer, and the reader that sees the shards as
+lazily concatenated ``numpy.memmap`` views.
+
+A prepared folder (docs/data.md, "Preparing a dataset") holds, per split ``train`` and ``val``, token shards
+``<split>_00000.bin, ...`` (raw little-endian ``uint16``, or ``uint32`` when the vocabulary exceeds 65,536 ids),
+a document index ``<split>_docs.npy`` (int64 token offsets of document starts) and ``meta.json``, written last.
+
+The reader reads a window with ``os.pread`` from the shard files (kept open), so a window costs O(window) memory
+and time whatever the corpus size (:meth:`TokenView.shard` maps a whole shard for those who want one): the training sampler asks for random windows of
+``block_size + 1`` tokens (:meth:`TokenView.window`, :meth:`TokenView.windows`); a window may cross shard
+boundaries. The reader holds no position: the sampler's position stays the only state (as in torchtitan's
+``components/data``, Megatron's ``indexed_dataset.py``, nanotron's Nanoset).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshtrain.config import ConfigError
+
+FORMAT = "meshtrain-prepared"
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLITS = ("train", "val")
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+"""Shard dtypes by name: explicit little-endian, whatever the machine."""
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:05d}.bin"
+
+
+def docs_name(split: str) -> str:
+    return f"{split}_docs.npy"
+
+
+@dataclass
+class TokenView:
+    """The tokens of one split as one sequence: shards concatenated in order, read through ``numpy.memmap``."""
+
+    paths: list[Path]
+    counts: list[int]
+    """Tokens per shard (from meta.json, checked against the files' sizes)."""
+    dtype: np.dtype
+    starts: np.ndarray = field(init=False)
+    """(S + 1,) int64: token offset of each shard, then the total."""
+    _maps: list[np.memmap | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.starts = np.concatenate(([0], np.cumsum(self.counts, dtype=np.int64)))
+        self._maps = [None] * len(self.paths)
+        self._files: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def shard(self, k: int) -> np.memmap:
+        """(counts[k],) the k-th shard, mapped read-only on first use (numpy closes the file; the map stays)."""
+        if self._maps[k] is None:
+            self._maps[k] = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(self.counts[k],))
+        return self._maps[k]
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """(length,) int64: tokens ``[start, start + length)`` of the split, across shard boundaries, read with
+        ``os.pread`` into the returned array only.
+
+        Not through :meth:`shard`'s memory maps: a page fault on a mapped file reads ahead and keeps the pages
+        mapped, so a process sampling random windows of a 3.7 GiB split grew its resident set by ~400 MiB in 20
+        steps (bench/bench_data_memory.py); what ``pread`` makes the kernel read ahead stays in its
+        reclaimable page cache.
+
+        Raises:
+            IndexError: the window does not lie inside ``[0, len(self))``.
+        """
+        start, length = int(start), int(length)
+        if start < 0 or length < 0 or start + length > len(self):
+            raise IndexError(f"window [{start}, {start + length}) is outside the split's {len(self)} tokens")
+        out = np.empty(length, dtype=np.int64)
+        k = bisect.bisect_right(self.starts, start) - 1
+        done, size = 0, self.dtype.itemsize
+        while done < length:
+            local = start + done - int(self.starts[k])
+            n = min(length - done, self.counts[k] - local)
+            if k not in self._files:
+                self._files[k] = os.open(self.paths[k], os.O_RDONLY)
+            out[done:done + n] = np.frombuffer(os.pread(self._files[k], n * size, local * size), dtype=self.dtype)
+            done += n
+            k += 1
+        return out
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
+
+    def windows(self, starts: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) int64: one :meth:`window` per start (a batch of ``block_size + 1`` windows)."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for i, s in enumerate(starts):
+            out[i] = self.window(s, length)
+        return out
+
+
+class ShardWriter:
+    """Appends one split's documents to shards ``<split>_00000.bin, ...`` of ``shard_tokens`` tokens each and
+    keeps the token offset of every document start."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.counts: list[int] = []  # tokens in each shard so far
+        self.starts: list[np.ndarray] = []  # (D_i,) int64 document starts, one array per write
+        self.tokens = self.documents = 0
+        self.file = None
+
+    def write(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: ``ids`` (sum(lengths),) of the shard dtype, ``lengths`` (D,) int64."""
+        self.starts.append(self.tokens + np.concatenate(([0], np.cumsum(lengths)[:-1])))
+        pos = 0
+        while pos < len(ids):
+            if self.file is None or self.counts[-1] == self.shard_tokens:
+                self._next_shard()
+            n = min(len(ids) - pos, self.shard_tokens - self.counts[-1])
+            self.file.write(ids[pos:pos + n].tobytes())
+            self.counts[-1] += n
+            pos += n
+        self.tokens += len(ids)
+        self.documents += len(lengths)
+
+    def _next_shard(self) -> None:
+        self._close_file()
+        self.file = open(self.folder / shard_name(self.split, len(self.counts)), "wb")
+        self.counts.append(0)
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file = None
+
+    def close(self) -> None:
+        """Finish the last shard and write ``<split>_docs.npy``."""
+        self._close_file()
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, dtype=np.int64)
+        with open(self.folder / docs_name(self.split), "wb") as f:
+            np.save(f, starts.astype(np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def summary(self) -> dict[str, Any]:
+        return {"documents": self.documents, "tokens": self.tokens, "index": docs_name(self.split),
+                "shards": [{"file": shard_name(self.split, k), "tokens": n} for k, n in enumerate(self.counts)]}
+
+
+class PreparedData:
+    """A prepared dataset folder, checked when opened (see the module docstring)."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
+        self.folder, self.meta = folder, meta
+        self.dtype = DTYPES[meta["dtype"]]
+        self._views: dict[str, TokenView] = {}
+
+    @classmethod
+    def open(cls, folder: str | Path) -> PreparedData:
+        """Open ``folder`` and check it: meta.json present and of this format version, both splits non-empty,
+        every shard present with the size meta.json records.
+
+        Raises:
+            ConfigError: one line naming the folder and what is wrong.
+        """
+        folder = Path(folder).expanduser()
+        meta = read_meta(folder)
+        data = cls(folder, meta)
+        for split in SPLITS:
+            info = meta["splits"][split]
+            if info["tokens"] == 0 or info["documents"] == 0:
+                raise ConfigError(f"prepared data '{folder}' has an empty {split} split: prepare it again with "
+                                  f"more documents or another --val-fraction")
+            for shard in info["shards"]:
+                path = folder / shard["file"]
+                want = shard["tokens"] * data.dtype.itemsize
+                size = path.stat().st_size if path.is_file() else None
+                if size != want:
+                    found = "is missing" if size is None else f"has {size} bytes"
+                    raise ConfigError(f"prepared data '{folder}': shard {shard['file']} {found}, meta.json says "
+                                      f"{want} ({shard['tokens']} tokens): run meshtrain prepare again")
+        return data
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def num_tokens(self, split: str) -> int:
+        return int(self.meta["splits"][_split(split)]["tokens"])
+
+    def tokens(self, split: str) -> TokenView:
+        """The split's tokens as one lazily concatenated sequence (nothing is read until a window asks)."""
+        split = _split(split)
+        if split not in self._views:
+            shards = self.meta["splits"][split]["shards"]
+            self._views[split] = TokenView([self.folder / s["file"] for s in shards], [s["tokens"] for s in shards],
+                                           self.dtype)
+        return self._views[split]
+
+    def documents(self, split: str) -> np.ndarray:
+        """(D,) int64 token offsets of the split's document starts (each document ends with EOS), memory-mapped."""
+        return np.load(self.folder / docs_name(_split(split)), mmap_mode="r")
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """meta.json of a prepared folder.
+
+    Raises:
+        ConfigError: no folder, no meta.json (an unfinished prepare), unreadable JSON, or another format version.
+    """
+    if not folder.is_dir():
+        raise ConfigError(f"prepared data '{folder}' does not exist: make it with meshtrain prepare")
+    path = folder / META_FILE
+    if not path.is_file():
+        raise ConfigError(f"'{folder}' is not a complete prepared dataset (no {META_FILE}): run meshtrain prepare "
+                          f"again")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"'{path}' cannot be read ({e}): run meshtrain prepare again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConfigError(f"'{path}' is not the meta.json of a meshtrain prepared dataset: run meshtrain prepare")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"prepared data '{folder}' has format version {meta.get('format_version')!r}; this "
+                          f"meshtrain reads version {FORMAT_VERSION}: run meshtrain prepare again")
+    return meta
+
+
+def _split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+    return split
