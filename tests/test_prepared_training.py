@@ -128,3 +128,41 @@ def test_resume_on_data_prepared_with_another_tokenizer_is_refused(prepared, tmp
     code = cli_main([*base, "--data.path", str(other), "--out", str(run), "--resume", "--steps", "3"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "tokenizer" in err, err
+
+
+def break_folder(kind: str, data, tmp):
+    """A copy of the prepared folder ``data`` damaged as ``kind``; returns (path, extra args)."""
+    import json
+    import shutil
+
+    copy = tmp / "data"
+    shutil.copytree(data, copy)
+    if kind == "half-written":
+        (copy / "meta.json").unlink()
+    elif kind == "other-version":
+        meta = json.loads((copy / "meta.json").read_text())
+        (copy / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
+    elif kind == "short-shard":
+        shard = copy / "train_00000.bin"
+        shard.write_bytes(shard.read_bytes()[:-2])
+    elif kind == "empty":
+        shutil.rmtree(copy)
+        copy.mkdir()
+    return copy, (["--model.vocab_size", "100"] if kind == "vocab-too-small" else [])
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("half-written", "not a complete prepared dataset"), ("other-version", "format version 99"),
+    ("short-shard", "meta.json says"), ("empty", "not a complete prepared dataset"),
+    ("vocab-too-small", "model.vocab_size = 100 is smaller than the vocabulary"),
+])
+def test_bad_prepared_folder_is_one_line_before_launch(prepared, tmp_path, capsys, kind, expected):
+    """Each damage: one line, exit code 2, before any rank starts, no output folder."""
+    _, data = prepared
+    folder, extra = break_folder(kind, data, tmp_path)
+    capsys.readouterr()
+    code = cli_main(["train", str(LLAMA), "--nproc", "1", "--data.path", str(folder), "--out", str(tmp_path / "run"),
+                     *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err and expected in err, err
+    assert not (tmp_path / "run").exists()

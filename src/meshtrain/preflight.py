@@ -28,6 +28,9 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     resume = cfg.checkpoint.resume
     if cfg.model.init_from and not resume:
         check_init_from(cfg, corpus.tokenizer.vocab_size)
+    if 0 < cfg.model.vocab_size < corpus.tokenizer.vocab_size:  # the ranks' own check, before they start
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of data.path = "
+                          f"'{cfg.data.resolved_path()}' ({corpus.tokenizer.vocab_size} ids): use 0 or >= that")
     if resume:
         found = ckpt.resolve_checkpoint(resume, verify=True)
         cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here

@@ -157,6 +157,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     except SignalException as e:  # Ctrl-C or SIGTERM here: torchrun forwarded it; rank 0 said where it stopped
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if all(f.exitcode == 2 for f in e.failures.values()):  # a config error a rank said in one line
+            return 2
         print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
         return 1
     finally:
@@ -175,11 +177,12 @@ _FORWARDING_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.dist
 
 
 class _QuietForwarding(logging.Filter):
-    """Drops torchrun's warnings that it received a signal and forwards it to each rank: the ranks stop
-    after a step, save, and rank 0 says so in one line (:mod:`meshtrain.runtime.faults`)."""
+    """Drops torchrun's warnings that it received a signal and forwards it to each rank (the ranks stop
+    after a step, save, and rank 0 says so in one line, :mod:`meshtrain.runtime.faults`), and its report of
+    ranks that exited 2 (a config error rank 0 said in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(text in record.getMessage() for text in ("death signal", "closing signal"))
+        return not any(text in record.getMessage() for text in ("death signal", "closing signal", "(exitcode: 2)"))
 
 
 def rank_threads(nproc: int) -> int:

@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank stops at the same step; one says why
             print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 3
+    except ConfigError as e:  # found while setting up (a file that changed since the checks): every rank
+        if rank == 0:  # reads the same files, so every rank stops here; one says why
+            print(f"meshtrain train: error: {e}", file=sys.stderr)
+        return 2
     except Stopped as e:
         if rank == 0:
             print(f"meshtrain train: {e}", file=sys.stderr, flush=True)
