@@ -291,7 +291,7 @@ def main() -> None:
     stats = {c.name: summarize(c, block) for c in field_list}
     reference = stats.get("plain PyTorch loop, fp32")
     columns = ["contender", "ranks x threads", "dtype", "tokens/s (median)", "per round", "vs plain fp32 loop",
-               "ms/step", "MFU", "peak RSS/rank (MiB)", f"val loss @ {args.steps}", "wall s"]
+               "ms/step", "MFU (vs measured matmul peak)", "peak RSS/rank (MiB)", f"val loss @ {args.steps}", "wall s"]
     rows = []
     for c in field_list:
         s = stats[c.name]

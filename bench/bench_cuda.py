@@ -51,7 +51,7 @@ JOBS = {"gpt2-medium": {"model": MODEL, "block": 1024, "vocab": 50304, "batch": 
                      "title": "meshtrain on one GPU (the main job's GPT)", "what": "the main job's: 4 x 128, 4 heads, 64 tokens, vocabulary 65"}}
 """``--job``: the 355M GPT, or the main job's own model at its own global batch."""
 JOB = JOBS["gpt2-medium"]
-COLUMNS = ["contender", "device", "tokens/s (median)", "per round", "vs plain fp32 loop", "ms/step", "MFU",
+COLUMNS = ["contender", "device", "tokens/s (median)", "per round", "vs plain fp32 loop", "ms/step", "MFU (vs measured matmul peak)",
            "peak GPU memory (GiB)", "val loss @ steps", "wall s"]
 
 

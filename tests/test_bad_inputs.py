@@ -37,7 +37,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("dropout-nan", [*TRAIN, "--model.dropout", "nan"], "model.dropout = nan must be a finite number"),
     ("key-typo", [*TRAIN, "--model.n_layers", "4"], "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
     ("section-typo", [*TRAIN, "--modle.n_layer", "4"], "unknown config section 'modle': did you mean 'model'?"),
-    ("zero-stage-1", [*TRAIN, "--parallel.zero_stage", "1"], "parallel.zero_stage = 1 is not supported: use one of 0, 2, 3"),
+    ("zero-stage-1", ["train", C, "--nproc", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"],
+     "parallel.zero_stage = 1 needs tp = 1 and pp = 1 (got tp = 2, pp = 1"),
     ("fsdp-unit-negative", [*TRAIN, "--parallel.fsdp_unit_mb", "-1"], "parallel.fsdp_unit_mb = -1.0 must be >= 0 (0 = one FSDP2 unit per block)"),
     ("tp-not-dividing-heads", ["train", C, "--nproc", "3", "--parallel.tp", "3"], "model.n_head = 4 is not divisible by parallel.tp = 3"),
     ("pp-without-microbatches", ["train", C, "--nproc", "2", "--parallel.pp", "2"], "batch.gradient_accumulation_steps = 1 is below pp = 2"),
@@ -107,6 +108,11 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
      "was not loaded: its .metadata names posix.system"),
     ("resume-damaged-shard", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/damaged", "--steps", "4"],
      "changed since it was saved (SHA-256 differs)"),
+    ("resume-no-files-record", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/unrecorded", "--steps", "4"],
+     "checkpoint file {user}/unrecorded/meta.json has no key 'files'"),
+    ("resume-uncommitted-tmp", [*TRAIN, "--out", "{user}/new", "--resume", "{user}/cut-short/step_000002.tmp",
+                                "--steps", "4"], "is a checkpoint that was never committed"),
+    ("out-holds-other-files", [*TRAIN, "--out", "{user}"], "holds files meshtrain did not write ("),
     ("collective-timeout-zero", [*TRAIN, "--train.collective_timeout_s", "0"], "train.collective_timeout_s = 0.0 must be > 0"),
     ("collective-timeout-inf", [*TRAIN, "--train.collective_timeout_s", "inf"], "must be a finite number"),
     # train: launcher
@@ -185,6 +191,11 @@ def user(tmp_path_factory) -> Path:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    unrecorded = _checkpoint_copy(folder / "run", folder / "unrecorded")  # meta.json without its files record
+    meta = json.loads((unrecorded / "meta.json").read_text())
+    del meta["files"]
+    (unrecorded / "meta.json").write_text(json.dumps(meta))
+    _checkpoint_copy(folder / "run", folder / "cut-short" / "step_000002.tmp")  # a save cut short before its commit
     return folder
 
 

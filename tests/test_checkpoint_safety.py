@@ -174,3 +174,96 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     warning = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: warning:")]
     assert len(warning) == 1 and str(newest) in warning[0] and f"using {older} instead" in warning[0]
     assert "resumed from step 1 of" in proc.stderr
+
+
+# meta.json's schema (meshtrain.checkpoint_schema): each required key missing, of a wrong type, out of range
+WRONG_TYPE = {"config": [], "tokenizer": "char", "corpus_sha256": 5, "sampler": [], "files": []}
+OUT_OF_RANGE = {"step": 0, "config": {}, "tokenizer": {}, "corpus_sha256": "xyz", "vocab_size": 0,
+                "sampler": {"samples_seen": -1}, "world_size": 0, "dp": 0, "tp": -1, "sp": 0, "pp": 0,
+                "global_batch_size": 0, "files": {}}
+
+
+def _meta_cases():
+    from meshtrain.checkpoint_schema import META_SCHEMA
+
+    cases = []
+    for key in META_SCHEMA:
+        cases.append(pytest.param(key, "missing", None, id=f"{key}-missing"))
+        cases.append(pytest.param(key, "wrong-type", WRONG_TYPE.get(key, "1"), id=f"{key}-wrong-type"))
+        cases.append(pytest.param(key, "out-of-range", OUT_OF_RANGE[key], id=f"{key}-out-of-range"))
+    cases.append(pytest.param("step", "wrong-type", True, id="step-bool"))
+    cases.append(pytest.param("files", "out-of-range", {".metadata": {"bytes": 1, "sha256": "0" * 64},
+                                                        "../../escape": {"bytes": 1, "sha256": "0" * 64}},
+                              id="files-outside-the-folder"))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def meta_copy(run, tmp_path_factory):
+    """A copy of the run's checkpoint whose meta.json each case rewrites (shards are never read here)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("meta") / "step_000002"
+    shutil.copytree(_checkpoint(run), folder)
+    return folder
+
+
+@pytest.mark.parametrize("key, damage, value", _meta_cases())
+def test_meta_json_is_checked_against_its_schema(meta_copy, key, damage, value):
+    import json
+
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.config import ConfigError
+
+    path = meta_copy / "meta.json"
+    good = path.read_text()
+    meta = json.loads(good)
+    ckpt.read_meta(meta_copy)  # the saved one passes
+    if damage == "missing":
+        del meta[key]
+    else:
+        meta[key] = value
+    path.write_text(json.dumps(meta))
+    try:
+        with pytest.raises(ConfigError) as e:
+            ckpt.resolve_checkpoint(meta_copy, verify=True)
+    finally:
+        path.write_text(good)
+    line = str(e.value)
+    assert "\n" not in line and str(path) in line and f"'{key}'" in line, line
+    assert ("has no key" in line) == (damage == "missing"), line
+
+
+def test_a_checkpoint_without_its_files_manifest_is_refused_in_one_line(run, tmp_path):
+    """Deleting ``files`` from meta.json does not turn the shard check off: the resume stops before launch."""
+    import json
+    import shutil
+
+    copy = tmp_path / "step_000002"
+    shutil.copytree(_checkpoint(run), copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["files"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    proc = run_cli("generate", "--checkpoint", str(copy), "--max-new-tokens", "5")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"meshtrain generate: error: checkpoint file {copy / 'meta.json'} has no key 'files': the checkpoint is "
+        f"incomplete or was edited; resume from another one"], proc.stderr
+
+
+def test_an_uncommitted_tmp_step_folder_is_never_resumed(run, tmp_path):
+    """A save cut short leaves ``step_N.tmp`` with a complete-looking meta.json; neither a run folder's
+    resume nor a resume naming it uses it."""
+    import shutil
+
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.config import ConfigError
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    committed = _checkpoint(copy)
+    tmp = committed.with_name("step_000009.tmp")
+    shutil.copytree(committed, tmp)
+    assert ckpt.resolve_checkpoint(copy, verify=True) == committed
+    with pytest.raises(ConfigError, match=r"is a checkpoint that was never committed"):
+        ckpt.resolve_checkpoint(tmp)

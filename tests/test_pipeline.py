@@ -31,6 +31,12 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
                           "parallel.fsdp_unit_mb": "0"}),  # a unit per block: gathered again per micro-batch
     "pp2-tp2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
     "pp2-tp2-seqpar": (4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    # the zero-bubble schedules detach_() the loss after its input-gradient pass: under tp it is loss_parallel's
+    # replicated DTensor, which the last stage must hand back as a copy, not to_local's view
+    "pp2-tp2-zbv": (4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.pp_schedule": "zbv",
+                        "parallel.virtual_stages": "2"}),
+    "pp2-tp2-seqpar-zero-bubble": (4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true",
+                                       "parallel.pp_schedule": "zero-bubble", "parallel.virtual_stages": "2"}),
     "pp2-sp2-ulysses": (4, {"parallel.pp": "2", "parallel.sp": "2"}),
     "pp2-sp2-ring": (4, {"parallel.pp": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "pp2-dp2-tp2": (8, {"parallel.pp": "2", "parallel.tp": "2", "batch.micro_batch_size": "1"}),

@@ -53,8 +53,9 @@ def test_search_honours_fixed_fields_and_the_framework():
     assert fixed and all(e.layout.tp == 2 and e.layout.recompute == "full" for e in fixed)
     core = search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["megatron-core"], job)
     assert {e.layout.zero_stage for e in core} <= {0, 1}
-    # a pinned value the framework lacks yields nothing (the trainer has no activation recomputation, no ZeRO-1)
-    for pin in ({"recompute": "full"}, {"zero_stage": 1}):
+    # a pinned value the framework lacks yields nothing (the trainer has no activation recomputation, no ZeRO-1
+    # with tp)
+    for pin in ({"recompute": "full"}, {"zero_stage": 1, "tp": 2}):
         assert search(m, hw, PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], job, fixed=pin, keep_unfit=True) == []
 
 
@@ -131,7 +132,7 @@ def test_plan_a_llama_config_with_the_overrides_of_train(capsys, tmp_path):
     args = (llama, "--profile", str(tmp_path / "none.toml"), "--tp", "2", "--model.n_layer", "6")
     code, out, _ = plan(capsys, *args)
     assert code == 0
-    assert "config: 0.00112 B params, 6 layers, seq_len 128 | 2 x cpu" in out
+    assert "config: 1.12 M params, 6 layers, seq_len 128 | 2 x cpu" in out
     assert "Your config's layout: dp1 tp2 pp1 sp1 z0 mbs12 ga1 none" in out
     code, out, _ = plan(capsys, *args, "--explain", "tp=2,micro_batch_size=12", "--json")
     row = json.loads(out)
@@ -226,3 +227,18 @@ def test_user_model_and_hardware_files(capsys, tmp_path):
     code, _, err = plan(capsys, "--model", str(model), "--gpu", "my-gpu", "--hardware", str(tmp_path / "no.toml"),
                         "--num-gpus", "8", "--global-batch-size", "64")
     assert code == 2 and "does not exist" in err
+
+
+def test_mfu_is_labelled_by_the_peak_it_is_measured_against(capsys, tmp_path):
+    """A calibrated CPU profile's peak is its fastest measured GEMM, not a datasheet figure: say so."""
+    profile = tmp_path / "profile.toml"
+    profile.write_text('[[device]]\nname = "cpu"\npeak_bf16_flops = 50e9\npeak_fp32_flops = 100e9\n'
+                       'memory_bytes = 16e9\nmemory_bandwidth = 10e9\nmatmul_efficiency = 1.0\n\n'
+                       '[network]\ndevices_per_node = 2\nintra_node_bandwidth = 2e9\ninter_node_bandwidth = 1e9\n')
+    job = ("--model", "gpt2-small", "--num-gpus", "2", "--global-batch-size", "8", "--top", "1")
+    code, out, _ = plan(capsys, *job, "--gpu", "cpu", "--profile", str(profile))
+    assert code == 0 and "MFU (vs measured matmul peak) " in out
+    code, out, _ = plan(capsys, *job, "--gpu", "cpu", "--profile", str(tmp_path / "none.toml"))
+    assert code == 0 and "MFU (vs assumed peak) " in out
+    code, out, _ = plan(capsys, *job, "--gpu", "H100", "--profile", str(tmp_path / "none.toml"))
+    assert code == 0 and "MFU " in out and "MFU (vs" not in out

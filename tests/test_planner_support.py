@@ -67,7 +67,7 @@ def test_the_trainer_rejects_what_the_planner_rules_out():
     model = MODELS[1]  # 6 heads, seq_len 24, dropout
     fw = FRAMEWORKS["meshtrain"]
     for layout in (Layout(dp=1, tp=4), Layout(dp=1, tp=2, sp=2), Layout(dp=1, sp=8, sp_mode="ring"),
-                   Layout(dp=1, sp=2, sp_mode="ring"), Layout(dp=2, zero_stage=1), Layout(dp=1, pp=2)):
+                   Layout(dp=1, sp=2, sp_mode="ring"), Layout(dp=1, tp=2, zero_stage=1), Layout(dp=1, pp=2)):
         assert divisibility_errors(model, layout) + framework_errors(fw, layout, model), layout
         with pytest.raises(ConfigError):
             validate(trainer_config(model, layout))
@@ -94,9 +94,10 @@ def test_plan_of_the_main_config_and_of_a_preset_ranks_only_runnable_layouts(cap
 
 def test_fix_and_explain_name_what_the_trainer_lacks(capsys):
     job = ["--model", "gpt2-small", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "64"]
-    assert main(["plan", *job, "--explain", "recompute=full,zero_stage=1"]) == 0
+    assert main(["plan", *job, "--explain", "recompute=full,zero_stage=1,tp=2"]) == 0
     out = capsys.readouterr().out
-    assert "recompute = 'full' is not available in meshtrain" in out and "zero_stage = 1 is not available" in out
+    assert "recompute = 'full' is not available in meshtrain" in out
+    assert "zero_stage = 1 needs tp = 1 and pp = 1 (got tp = 2, pp = 1;" in out
     assert main(["plan", *job, "--fix", "recompute=full"]) == 2
     assert "--fix asks for what meshtrain cannot run: recompute = 'full'" in capsys.readouterr().err
 
@@ -196,3 +197,20 @@ def test_layout_from_config_keeps_the_sync_mode_fields_of_other_modes_off(sync_m
     assert layout.ps_servers == (cfg.parallel.ps_servers if sync_mode == "async" else 0)
     assert (layout.dp, layout.recompute) == (world - layout.ps_servers, "none")
     assert layout.global_batch_size == cfg.batch.micro_batch_size * (1 if sync_mode == "async" else world)
+
+
+def test_zero1_is_ddp_with_adamw_states_split_over_dp():
+    """meshtrain's zero_stage 1 (DDP + ZeroRedundancyOptimizer): AdamW states 1/dp, DDP's buckets kept, and
+    the updated parameters' broadcast after the step adds to DDP's gradient all-reduce."""
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.memory import PRECISIONS, memory_breakdown
+    from meshtrain.planner.model_specs import preset
+
+    model, hw, fw, prec = preset("gpt2-small"), get_hardware("H100"), FRAMEWORKS["meshtrain"], PRECISIONS["bf16"]
+    z0, z1 = (Layout(dp=8, zero_stage=z, micro_batch_size=8) for z in (0, 1))
+    m0, m1 = (memory_breakdown(model, L, hw, prec, fw) for L in (z0, z1))
+    assert m1.optimizer == pytest.approx(m0.optimizer / 8) and m1.gradients == m0.gradients
+    assert m1.buffers == m0.buffers > 0  # DDP's gradient bucket copy
+    t0, t1 = (step_time(model, L, hw, prec, fw) for L in (z0, z1))
+    assert t1.dp_comm > t0.dp_comm and t1.optimizer < t0.optimizer

@@ -6,8 +6,9 @@ same arithmetic in the same order (data order from the sampler's state, dropout 
 AdamW state and LR schedule restored, gloo's 2-rank all-reduce is deterministic), so the final
 parameters must be **bit-identical** to the reference: ``atol=0``, no tolerance to derive.
 
-- SIGINT/SIGTERM to ``meshtrain train`` (Ctrl-C, a scheduler's preemption): torchrun forwards it, the
-  ranks stop after one agreed step, save, rank 0 prints one line, exit 128 + N; ``--resume`` continues.
+- SIGINT/SIGTERM/SIGHUP to ``meshtrain train`` (Ctrl-C, a scheduler's preemption, a closed terminal or SSH
+  session): torchrun forwards it, the ranks stop after one agreed step, save, rank 0 prints one line,
+  exit 128 + N; ``--resume`` continues.
 - SIGKILL of the launcher: its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop the same
   way instead of training on as orphans.
 - SIGKILL of a rank under ``--max-restarts``: all ranks restart from the newest checkpoint.
@@ -145,7 +146,7 @@ def stop_lines(text: str) -> list[str]:
 
 
 @pytest.mark.slow  # make test covers the stop, save and bit-identical resume through the killed launcher's SIGTERM
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["sigint", "sigterm", "sighup"])
 def test_signal_stops_after_a_step_saves_and_resume_is_bit_identical(reference, tmp_path, sig):
     out = tmp_path / "run"
     proc = start_train(out)

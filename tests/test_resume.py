@@ -1,10 +1,11 @@
 """Resume continues exactly: train 10 steps with a checkpoint at 5, resume from 5, compare steps 6-10,
 also at another layout (DCP reshards). Pairs (saved -> resumed), all at global batch 8:
 
-- here: one rank -> dp=2 DDP, one rank -> dp=2 FSDP2 (zero 0 -> 3), dp=2 -> tp=2, dp=2 -> sp=2;
+- here: one rank -> dp=2 DDP, one rank -> dp=2 ZeRO-1 and FSDP2 (zero 0 -> 1, 0 -> 3), ZeRO-1 dp=2 -> one
+  rank (zero 1 -> 0), dp=2 -> tp=2, dp=2 -> sp=2;
   ``test_pipeline.py``: pp=2 -> pp=1, dp=2 -> pp=2 (interleaved);
 - ``make test-slow``: sp=2 -> dp=2, FSDP2 dp=2 -> one rank (zero 3 -> 0), dp=4 -> dp=2 x tp=2,
-  tp=2 -> FSDP2 dp=2, each from a run of its own saved layout.
+  tp=2 -> FSDP2 dp=2, ZeRO-1 dp=2 -> FSDP2 dp=2, each from a run of its own saved layout.
 
 The first resumed step's loss is within 1e-6 of the uninterrupted run's, later steps within 1e-5
 (:func:`conftest.assert_resumed_losses`)."""
@@ -35,7 +36,7 @@ def test_resume_same_layout_is_exact(uninterrupted, tmp_path):
     assert_close_params(final_params(tmp_path), full_params, atol=0)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 3], ids=["ddp", "zero1", "fsdp2"])
 def test_resume_on_two_ranks_from_one_rank_checkpoint(uninterrupted, tmp_path, zero_stage):
     full_dir, full_losses, full_params = uninterrupted
     records = train_cli(tmp_path, 2, **{"batch.micro_batch_size": "4", "parallel.zero_stage": str(zero_stage),
@@ -43,6 +44,16 @@ def test_resume_on_two_ranks_from_one_rank_checkpoint(uninterrupted, tmp_path, z
                                         "checkpoint.resume": str(full_dir / "checkpoints" / "step_000005")})
     assert_resumed_losses(losses(records), {s: full_losses[s] for s in range(6, 11)})
     assert_close_params(final_params(tmp_path), full_params, atol=adamw_drift_bound(GLOBAL8))
+
+
+def test_resume_zero1_checkpoint_on_one_rank(tmp_path):
+    """A zero_stage 1 checkpoint (each rank held half the AdamW states) holds the whole state: one rank
+    at zero_stage 0 continues the run."""
+    saved = losses(train_cli(tmp_path / "saved", 2, **{**GLOBAL8, "batch.micro_batch_size": "4",
+                                                       "parallel.zero_stage": "1"}))
+    records = train_here(tmp_path / "resumed", **GLOBAL8, **{
+        "checkpoint.resume": str(tmp_path / "saved" / "checkpoints" / "step_000005")})
+    assert_resumed_losses(losses(records), {s: saved[s] for s in range(6, 11)})
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +95,14 @@ RESHARD = [  # (saved layout, its ranks, resumed layout, its ranks)
     ({"parallel.zero_stage": "3"}, 2, {}, 1),
     ({}, 4, {"parallel.tp": "2"}, 4),
     ({"parallel.tp": "2"}, 2, {"parallel.zero_stage": "3"}, 2),
+    ({"parallel.zero_stage": "1"}, 2, {"parallel.zero_stage": "3"}, 2),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,saved_ranks,resumed,resumed_ranks", RESHARD,
-                         ids=["sp2-to-dp2", "fsdp2-dp2-to-1", "dp4-to-dp2xtp2", "tp2-to-fsdp2-dp2"])
+                         ids=["sp2-to-dp2", "fsdp2-dp2-to-1", "dp4-to-dp2xtp2", "tp2-to-fsdp2-dp2",
+                              "zero1-dp2-to-fsdp2-dp2"])
 def test_reshard_matrix(tmp_path, saved, saved_ranks, resumed, resumed_ranks):
     full = losses(train_cli(tmp_path / "saved", saved_ranks, **_global8(saved, saved_ranks)))
     records = train_cli(tmp_path / "resumed", resumed_ranks, **_global8(resumed, resumed_ranks), **{

@@ -15,7 +15,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtrain.models", "meshtrain.data",
-       "meshtrain.runtime", "meshtrain.optim", "meshtrain.metrics", "meshtrain.mesh", "meshtrain.preflight")
+       "meshtrain.runtime", "meshtrain.optim", "meshtrain.metrics", "meshtrain.mesh", "meshtrain.preflight",
+       "meshtrain.profiling", "meshtrain.runlock", "meshtrain.checkpoint_schema")
 """The modules a rank runs: none may import the launcher, the CLI or the planner."""
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
 SHARED_PARALLEL = ("reduce", "rng", "model")
@@ -145,7 +146,8 @@ def test_a_cycle_is_found():
 
 
 @pytest.mark.parametrize("module", ["meshtrain.preflight", "meshtrain.train", "meshtrain.config",
-                                    "meshtrain.rules.support", "meshtrain.cli.main"])
+                                    "meshtrain.rules.support", "meshtrain.cli.main", "meshtrain.runlock",
+                                    "meshtrain.checkpoint_schema"])
 def test_imported_before_torch_without_torch(module):
     """The launcher's checks and a rank's entry (``python -m meshtrain.train``, whose stop handler must be in
     place before torch takes seconds to import) load no torch."""

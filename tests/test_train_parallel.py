@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
     "fsdp2-zero3-ga2": (2, {"parallel.zero_stage": "3", "batch.micro_batch_size": "2",
                             "batch.gradient_accumulation_steps": "2"}),
     "fsdp2-zero2": (2, {"parallel.zero_stage": "2", "batch.micro_batch_size": "4"}),
+    "zero1-dp2": (2, {"parallel.zero_stage": "1", "batch.micro_batch_size": "4"}),  # ZeroRedundancyOptimizer
     # FSDP2 units (meshtrain.rules.support.fsdp_units): the 25 MiB default puts this model's 2 blocks of 49.7 kB
     # in the root unit (the cases above); 0 gives each block its own unit (the last kept after forward);
     # 0.06 MiB = 62.9 kB groups both blocks into one unit.
@@ -38,6 +39,7 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
     "sp4-ring": (4, {"parallel.sp": "4", "parallel.sp_mode": "ring"}),
     "dp2-tp2": (4, {"parallel.tp": "2", "batch.micro_batch_size": "4"}),
     "dp2-sp2": (4, {"parallel.sp": "2", "batch.micro_batch_size": "4"}),
+    "zero1-dp2-sp2": (4, {"parallel.zero_stage": "1", "parallel.sp": "2", "batch.micro_batch_size": "4"}),
     "sp2-ring-tp2": (4, {"parallel.sp": "2", "parallel.sp_mode": "ring", "parallel.tp": "2"}),
     "fsdp2-zero3-tp2": (4, {"parallel.tp": "2", "parallel.zero_stage": "3", "batch.micro_batch_size": "4"}),
     "dp2-sp2-tp2-seqpar": (8, {"parallel.sp": "2", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true",

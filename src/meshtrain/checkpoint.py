@@ -3,14 +3,16 @@
 Layout of a run folder::
 
     OUT/checkpoints/step_000500/   committed checkpoint (DCP shards + .metadata + meta.json)
-    OUT/checkpoints/step_000500.tmp/   being written; never read, removed by the next save
+    OUT/checkpoints/step_000500.tmp/   being written; never read (nor resumed), removed by the next save
 
 A step folder is written under ``.tmp`` and renamed by rank 0 only after every rank finished and
 ``meta.json`` is on disk, so a crash never leaves a half-written checkpoint under a real name, and an
 existing checkpoint is never overwritten. Model and optimizer state go through
 ``get_state_dict``/``set_state_dict``, which name tensors by their unwrapped parameter names, so a
 checkpoint saved with DDP loads into FSDP2 at another dp size and the other way round (DCP reshards
-from its global metadata). ``meta.json`` holds the step, config, tokenizer, sampler and LR-schedule state.
+from its global metadata). A ``ZeroRedundancyOptimizer`` (zero_stage 1) saves and loads through a plain
+AdamW holding every state (:func:`_as_adamw`), so its checkpoints are those of zero_stage 0.
+``meta.json`` holds the step, config, tokenizer, sampler and LR-schedule state.
 
 Loading never runs code from a checkpoint: DCP's ``.metadata`` is a pickle, which torch reads with
 ``pickle.load``; here it is read by an unpickler that accepts only the metadata classes
@@ -40,8 +42,10 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from meshtrain.checkpoint_schema import check_meta
 from meshtrain.config import Config, ConfigError
 from meshtrain.fileio import write_json_atomic
 
@@ -144,6 +148,9 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
         ConfigError: nothing committed there, or (``verify``) no intact checkpoint there.
     """
     p = Path(path).expanduser()
+    if p.name.endswith(".tmp"):  # rank 0 writes meta.json into it before the commit; an interrupted save stays
+        raise ConfigError(f"{key} = '{path}' is a checkpoint that was never committed (a save still running or "
+                          f"cut short): give its run folder, which resumes from the newest committed step")
     if (p / META).is_file():
         if verify:
             verify_files(p)
@@ -179,15 +186,12 @@ def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
 
 def verify_files(ckpt: Path) -> None:
     """Check every file recorded in ``meta.json["files"]`` at save time: present, same size, same SHA-256.
-    Checkpoints saved before sizes were recorded pass unchecked.
+    The record is required (:func:`read_meta`): deleting it does not turn the check off.
 
     Raises:
         ConfigError: the first missing, truncated or altered file, in one line.
     """
-    recorded = read_meta(ckpt).get("files")
-    if recorded is None:
-        return
-    for name, want in recorded.items():
+    for name, want in read_meta(ckpt)["files"].items():
         f = Path(ckpt) / name
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt} is incomplete: {name} is missing")
@@ -201,7 +205,19 @@ def verify_files(ckpt: Path) -> None:
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt) / META).read_text())
+    """``meta.json`` of a step folder, checked against :data:`meshtrain.checkpoint_schema.META_SCHEMA`.
+
+    Raises:
+        ConfigError: unreadable, not JSON, or a key missing, of the wrong type or out of range (one line
+            naming the file and the key).
+    """
+    path = Path(ckpt) / META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"checkpoint file {path} is missing or not JSON ({e}): the checkpoint is incomplete or "
+                          f"damaged; resume from another one") from None
+    return check_meta(meta, path)
 
 
 def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any],
@@ -223,7 +239,7 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, _as_adamw(optimizer, gather=True), options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
     if rank == 0:  # every rank's files are in (DCP's save ends with a barrier); record them for verify_files
         write_json_atomic(tmp / META, {"step": step, **meta, "files": file_digests(tmp)})
@@ -251,7 +267,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
             dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(str(ckpt)))
         model.load_state_dict(model_sd)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        target = _as_adamw(optimizer, gather=False)
+        model_sd, optim_sd = get_state_dict(model, target, options=OPTIONS)
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
@@ -259,10 +276,29 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
+        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
+        if target is not optimizer:
+            optimizer.load_state_dict(target.state_dict())  # each rank keeps the states of its own share
         for g, chosen in zip(optimizer.param_groups, kernels):
             g.update(chosen)  # this layout's kernels, not the saving layout's (fused fails on DTensor states)
     return read_meta(ckpt)
+
+
+def _as_adamw(optimizer: Optimizer, gather: bool) -> Optimizer:
+    """``optimizer`` itself, or for a ``ZeroRedundancyOptimizer`` (which DCP's state dicts do not take: its
+    own ``state`` is empty, so DCP would initialise it with a zero-gradient step) a plain AdamW over the
+    same parameter groups, with every rank's states when ``gather`` (collective: each rank of its group
+    receives the others' shares, so the save holds the whole state on every rank for a moment)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    plain = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in optimizer.param_groups])
+    if gather:
+        for rank in range(optimizer.world_size):  # each call gathers onto one rank (and clears the others')
+            optimizer.consolidate_state_dict(to=rank)
+            if rank == optimizer.rank:
+                plain.load_state_dict(optimizer.state_dict())
+                optimizer._all_state_dicts.clear()  # else the whole state would stay on this rank until the next save
+    return plain
 
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")

@@ -13,7 +13,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
-                 max_nonfinite_steps, collective_timeout_s
+                 max_nonfinite_steps, collective_timeout_s, tensorboard, profile_steps
     [checkpoint] interval, keep, resume, allow_batch_change
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
@@ -307,6 +307,14 @@ class TrainConfig:
     """Seconds a collective may wait for its peers before the waiting rank stops with a message naming
     the step's phase and the ranks it waited on (torch's default for gloo, 30 min). Bounds every hang on
     a stuck or dead rank; keep it above the longest checkpoint save."""
+    tensorboard: bool = False
+    """Global rank 0 also writes every metrics.jsonl record's numbers as TensorBoard scalars to ``OUT/tb/``
+    (tags are the record's keys: loss, val_loss, lr, grad_norm, tokens_per_s, peak_memory_bytes, ...); needs
+    the ``tb`` extra, ``pip install 'meshtrain[tb]'``."""
+    profile_steps: list[int] = field(default_factory=list)
+    """``[a, b]``: every rank records a ``torch.profiler`` trace of steps a..b (1 <= a <= b <= steps) with
+    memory to ``OUT/profile/rank{r}.json`` (Chrome trace format; on CUDA also a memory snapshot
+    ``rank{r}_memory.pickle``); empty = off. On the command line ``--train.profile_steps 3,5``."""
 
 
 @dataclass
@@ -366,6 +374,8 @@ def _coerce(key: str, value: Any, typ: type, from_text: bool = True) -> Any:
     from the command line (``from_text``); in a TOML file, which is typed, a quoted number is an error."""
     if isinstance(typ, types.UnionType):  # pragma: no cover - no union fields today
         typ = typing.get_args(typ)[0]
+    if typing.get_origin(typ) is list:
+        return _coerce_list(key, value, typing.get_args(typ)[0], from_text)
     if isinstance(value, str) and typ is not str:
         if not from_text:
             raise ConfigError(f"{key} = {value!r} is a string but must be a {typ.__name__}: write it without quotes")
@@ -392,6 +402,17 @@ def _coerce(key: str, value: Any, typ: type, from_text: bool = True) -> Any:
     if not isinstance(value, typ):
         raise ConfigError(f"{key} = {value!r} is not a valid {typ.__name__}")
     return value
+
+
+def _coerce_list(key: str, value: Any, item: type, from_text: bool) -> list:
+    """A list key: a TOML array, or on the command line comma-separated items (``3,5``, ``[3, 5]``; ``""`` or
+    ``[]`` is empty); each item converted as ``item``."""
+    if isinstance(value, str) and from_text:
+        text = value.strip().removeprefix("[").removesuffix("]").strip()
+        value = [part.strip() for part in text.split(",")] if text else []
+    if not isinstance(value, list):
+        raise ConfigError(f"{key} = {value!r} is not a list: write an array such as [3, 5]")
+    return [_coerce(key, v, item, from_text) for v in value]
 
 
 def set_key(cfg: Config, dotted: str, value: Any, from_text: bool = True) -> None:
@@ -562,10 +583,29 @@ def validate(cfg: Config) -> Config:
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
     _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
     _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")
+    _validate_observability(cfg)
 
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
     return cfg
+
+
+def _validate_observability(cfg: Config) -> None:
+    """``train.profile_steps`` is off or a step range of the run; ``train.tensorboard`` needs its package
+    (found without importing it, so this stays torch-free)."""
+    import importlib.util
+
+    t = cfg.train
+    if t.profile_steps:
+        _require(len(t.profile_steps) == 2, f"train.profile_steps = {t.profile_steps} must be two steps [first, last] "
+                                            f"or empty (off)")
+        a, b = t.profile_steps
+        _require(1 <= a <= b <= t.steps, f"train.profile_steps = {t.profile_steps} must satisfy 1 <= first <= last "
+                                         f"<= train.steps = {t.steps}")
+        _require(cfg.parallel.sync_mode != "async", "train.profile_steps needs a step every rank shares, which "
+                                                    "parallel.sync_mode = 'async' has not: use [] (off)")
+    _require(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+             "train.tensorboard = true needs the tensorboard package: pip install 'meshtrain[tb]', or use false")
 
 
 def _validate_llama(m: ModelConfig) -> None:
@@ -606,11 +646,13 @@ def _validate_gpt_keys(m: ModelConfig) -> None:
 
 def _validate_support(cfg: Config) -> None:
     """Reject what the trainer cannot run (the table in :mod:`meshtrain.rules.support`)."""
-    from meshtrain.rules.support import SUPPORTED as S
+    from meshtrain.rules.support import SUPPORTED as S, zero_stage_error
 
     p = cfg.parallel
     zeros = ", ".join(map(str, S.zero_stages))
     _require(p.zero_stage in S.zero_stages, f"parallel.zero_stage = {p.zero_stage} is not supported: use one of {zeros}")
+    _require(not (S.zero1_ddp_only and zero_stage_error(p.zero_stage, p.tp, p.pp)),
+             f"parallel.{zero_stage_error(p.zero_stage, p.tp, p.pp)}")
     _require(p.fsdp_unit_mb >= 0, f"parallel.fsdp_unit_mb = {p.fsdp_unit_mb} must be >= 0 (0 = one FSDP2 unit per block)")
     _require(S.tp or p.tp == 1, f"parallel.tp = {p.tp} is not supported yet: use 1")
     _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")

@@ -1,9 +1,12 @@
 """Run metrics from one rank: a live rich progress bar, ``OUT/metrics.jsonl`` and a loss-curve PNG.
 
 ``metrics.jsonl`` holds one JSON object per line: train records ``{"step", "loss", "lr",
-"tokens_per_s", "grad_norm", "step_time_s"}`` every ``log_interval`` steps, and eval records
-``{"step", "val_loss"}``. On resume into the same folder, records after the resumed step are dropped
+"tokens_per_s", "grad_norm", "step_time_s", "peak_memory_bytes"}`` every ``log_interval`` steps, and eval
+records ``{"step", "val_loss"}``. On resume into the same folder, records after the resumed step are dropped
 (the file is rewritten atomically), so the file always describes one consistent run.
+
+With ``train.tensorboard`` the same records also go to ``OUT/tb/`` as TensorBoard scalars, one tag per
+numeric key (:class:`TensorBoardSink`); metrics.jsonl stays the source of truth.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ logger = logging.getLogger("meshtrain")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+TB_DIR = "tb"
+"""``OUT/tb/``: TensorBoard event files of rank 0 (``train.tensorboard``)."""
 """Written by global rank 0 at the end of a run: val loss, median step time, peak memory, the layout."""
 REFRESH_PER_S = 2
 """Progress-bar redraws per second. rich's default of 10 costs its drawing thread ~24 ms of CPU per second
@@ -36,16 +41,44 @@ def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class MetricsLog:
-    """Writes metrics and shows progress; every method is a no-op unless ``enabled`` (rank 0)."""
+class TensorBoardSink:
+    """Every numeric field of a metrics record (but ``step`` and ``elapsed_s``) as a TensorBoard scalar at the
+    record's step, tag = the key (``torch.utils.tensorboard.SummaryWriter``, stored as float32). A resumed run
+    purges the events after its start step, as metrics.jsonl drops its records."""
 
-    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int) -> None:
+    FLUSH_S = 10
+    """Seconds between the writer's flushes to disk, so a live run shows up in TensorBoard within them."""
+
+    def __init__(self, log_dir: Path, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None,
+                                    flush_secs=self.FLUSH_S)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key not in ("step", "elapsed_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricsLog:
+    """Writes metrics and shows progress; every method is a no-op unless ``enabled`` (rank 0). With
+    ``tensorboard``, every record also goes to ``OUT/tb/`` (:class:`TensorBoardSink`)."""
+
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int,
+                 tensorboard: bool = False) -> None:
         self.out_dir, self.enabled = Path(out_dir), enabled
         self.start_time = time.perf_counter()
         self.console = Console(stderr=True)
         self.progress: Progress | None = None
+        self.tb: TensorBoardSink | None = None
         if not enabled:
             return
+        if tensorboard:
+            self.tb = TensorBoardSink(self.out_dir / TB_DIR, start_step)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.out_dir) if r["step"] <= start_step]
         tmp = self.out_dir / (METRICS_FILE + ".tmp")
@@ -65,6 +98,8 @@ class MetricsLog:
             record = {**record, "elapsed_s": round(time.perf_counter() - self.start_time, 3)}
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+            if self.tb is not None:
+                self.tb.write(record)
 
     def step(self, step: int, record: dict[str, Any] | None) -> None:
         """Advance the bar to ``step``; write ``record`` (a train record) if given."""
@@ -89,6 +124,8 @@ class MetricsLog:
         if self.enabled:
             self.progress.stop()
             self.file.close()
+            if self.tb is not None:
+                self.tb.close()
 
 
 def plot_loss(out_dir: Path) -> Path | None:

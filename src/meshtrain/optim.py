@@ -10,6 +10,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -47,14 +49,23 @@ def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
     return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
 
 
-def build_optimizer(params: Iterable[nn.Parameter], cfg: Config,
-                    global_batch_size: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+def build_optimizer(params: Iterable[nn.Parameter], cfg: Config, global_batch_size: int,
+                    zero_group: ProcessGroup | None = None) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over ``params`` with weight decay on matrices only (norm weights and biases undecayed), and
-    its schedule, at the learning rate of ``global_batch_size`` (:func:`scaled_optim`)."""
+    its schedule, at the learning rate of ``global_batch_size`` (:func:`scaled_optim`).
+
+    With ``zero_group`` (``parallel.zero_stage = 1`` over DDP), torch's ``ZeroRedundancyOptimizer`` wraps
+    the AdamW: each rank of the group keeps the states of its share of the parameters (about 1/n of
+    them), updates those parameters, and broadcasts them to the others (ZeRO stage P_os, Rajbhandari et al.
+    2020, Sec. 5). Its checkpoints are those of a plain AdamW (:func:`meshtrain.checkpoint.save`)."""
     optim = scaled_optim(cfg.optim, global_batch_size)
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), **adamw_kernels(params, optim))
+    kwargs = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), **adamw_kernels(params, optim)}
+    if zero_group is None:
+        optimizer = torch.optim.AdamW(groups, **kwargs)
+    else:
+        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=zero_group, **kwargs)
     scheduler = LambdaLR(optimizer, lambda s: lr_at(s, optim, cfg.train.steps) / optim.lr)
     return optimizer, scheduler

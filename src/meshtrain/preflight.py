@@ -52,7 +52,30 @@ def preflight(cfg: Config, nproc_total: int) -> None:
     if ckpt.list_checkpoints(out) and not resuming_here:
         raise ConfigError(f"train.out_dir = '{out}' already holds checkpoints: choose another --out, or continue "
                           f"from them with --resume")
+    foreign = foreign_entries(out)
+    if foreign and not resuming_here:
+        raise ConfigError(f"train.out_dir = '{out}' holds files meshtrain did not write ({foreign[0]}"
+                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): choose a new or empty "
+                          f"folder for --out")
     check_writable_dir(out, "train.out_dir")  # last: it probes the folder the run is about to write in
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "plan_vs_actual.json", "pipeline_trace.json",
+             "pipeline_schedule.png")
+"""The files a run writes at the top of its output folder (``metrics``, ``planner.actual``, the pipeline's
+report); each may also be there as ``NAME.tmp``, an atomic write cut short."""
+RUN_DIRS = ("checkpoints", "tb", "profile")
+"""Its folders: checkpoints (:mod:`meshtrain.checkpoint`), TensorBoard events, profiler traces."""
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """Names in ``out`` that no run writes (:data:`RUN_FILES`, :data:`RUN_DIRS`, ``.meshtrain-*`` probes),
+    sorted; empty when ``out`` is missing. A run never writes into a folder that holds someone else's files."""
+    if not out.is_dir():
+        return []
+    ours = {*RUN_FILES, *(name + ".tmp" for name in RUN_FILES)}
+    return sorted(p.name for p in out.iterdir() if not (p.name in ours and p.is_file() or p.name in RUN_DIRS
+                                                          and p.is_dir() or p.name.startswith(".meshtrain-")))
 
 
 def check_init_from(cfg: Config, corpus_vocab: int) -> None:

@@ -6,6 +6,8 @@ folder that holds another run) and the checkpoint to resume. Then ``torch.distri
 ``nproc`` ranks of ``python -m meshtrain.train`` (the elastic agent, so ``--max-restarts`` and
 multi-node rendezvous work exactly as with ``torchrun``). Ctrl-C or SIGTERM here is forwarded to the
 ranks, which stop after a step and save (:mod:`meshtrain.runtime.faults`); the launcher then exits 128 + N.
+So is SIGHUP (the terminal or SSH session closed). The launcher holds the output folder's lock
+(:mod:`meshtrain.runlock`) from before its checks until it exits: a second run on the same folder is refused.
 
 After a successful run, node rank 0 compares plan and actual (docs/architecture.md, "Layers": the trainer
 does not import the planner): it reads ``OUT/summary.json``, which global rank 0 writes at the end of
@@ -29,6 +31,7 @@ from meshtrain.config import Config, ConfigError, load_config, parse_overrides, 
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
 from meshtrain.launch.report import report_plan_vs_actual
+from meshtrain import runlock
 from meshtrain.preflight import preflight
 
 SHORT = ("dp", "tp", "pp", "sp", "steps", "seed")
@@ -120,6 +123,21 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
     check_rendezvous(args, nnodes)
+    # one run per folder: the lock is this process's until it exits (the kernel drops it if it is killed);
+    # with several nodes only node 0's launcher holds it (a shared file system would refuse the others)
+    lock = runlock.hold(cfg.train.out_dir) if nnodes == 1 or args.node_rank == 0 else None
+    if lock:
+        os.environ[runlock.HELD_ENV] = str(os.getpid())  # its ranks do not take it again
+    try:
+        return _launch(args, extra, cfg, nproc, nnodes)
+    finally:
+        os.environ.pop(runlock.HELD_ENV, None)
+        if lock:
+            lock.release()
+
+
+def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int, nnodes: int) -> int:
+    """The pre-launch checks, then the ranks under torchrun's engine, then the plan-vs-actual report."""
     preflight(cfg, nproc * nnodes)
     if cfg.train.check_memory:
         check_memory(cfg, nproc, nnodes)
@@ -145,6 +163,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
     # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[SIGNALS_ENV] = stop_signals(os.environ.get(SIGNALS_ENV))  # SIGHUP too: forwarded, not fatal
     if local_store:  # one machine: every socket of the run listens on 127.0.0.1 only
         os.environ[LOOPBACK_ENV] = "1"
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -154,7 +173,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         logging.getLogger(name).addFilter(quiet)
     try:
         torchrun(torch_args)
-    except SignalException as e:  # Ctrl-C or SIGTERM here: torchrun forwarded it; rank 0 said where it stopped
+    except SignalException as e:  # Ctrl-C, SIGTERM or SIGHUP here: torchrun forwarded it; rank 0 said where it stopped
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         if all(f.exitcode == 2 for f in e.failures.values()):  # a config error a rank said in one line
@@ -171,6 +190,17 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
         report_plan_vs_actual(cfg, threads)
     return 0
+
+
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""The signals torchrun's engine catches in the launcher and forwards to its ranks (its default includes ours)."""
+
+
+def stop_signals(configured: str | None) -> str:
+    """``TORCHELASTIC_SIGNALS_TO_HANDLE`` with the ranks' stop signals (SIGTERM, SIGINT, SIGHUP) added, so a
+    closed terminal reaches the ranks, which save, instead of killing the launcher alone."""
+    names = [n.strip() for n in (configured or "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",") if n.strip()]
+    return ",".join(names + [n for n in ("SIGTERM", "SIGINT", "SIGHUP") if n not in names])
 
 
 _FORWARDING_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")

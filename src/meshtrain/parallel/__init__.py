@@ -103,8 +103,9 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
     (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` as a plain
     tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward
-    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one)."""
-    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True))
+    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view:
+    the zero-bubble schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
+    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True)).clone()
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:

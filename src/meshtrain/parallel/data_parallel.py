@@ -1,4 +1,4 @@
-"""Data parallelism: DDP (zero_stage 0) or FSDP2 ``fully_shard`` (zero_stage 2 and 3) over the ranks that
+"""Data parallelism: DDP (zero_stage 0 and 1) or FSDP2 ``fully_shard`` (zero_stage 2 and 3) over the ranks that
 hold different tokens: the ``"dp_sp"`` mesh (dp, and sp whose ranks hold different parts of each
 sample; a gradient is averaged over both, docs/architecture.md, "Layers").
 
@@ -6,6 +6,8 @@ sample; a gradient is averaged over both, docs/architecture.md, "Layers").
   buckets, overlapped with backward (Li et al. 2020, "PyTorch Distributed", VLDB, Sec. 3.2). DDP does
   not take the ``DTensor`` parameters of tensor parallelism, so with tp > 1 zero_stage 0 uses PyTorch's
   FSDP2-based ``replicate`` instead (the same all-reduce of gradients, per parameter group).
+- zero_stage 1: the same DDP; the optimizer shards its states instead (``ZeroRedundancyOptimizer``,
+  :func:`meshtrain.optim.build_optimizer`; ZeRO stage P_os, Rajbhandari et al. 2020, Sec. 5).
 - zero_stage 3: units of consecutive transformer blocks (:func:`meshtrain.rules.support.fsdp_units`: at
   least ``parallel.fsdp_unit_mb`` of parameters each, one block per unit at 0) and then the root are
   ``fully_shard``-ed: parameters, gradients and AdamW states are sharded 1/dp; each unit's parameters
@@ -45,12 +47,12 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
     ``model`` must expose ``blocks`` (an ``nn.ModuleDict``) for sharding with FSDP2, in units of at
     least ``unit_mb`` MiB of this rank's fp32 parameters (``parallel.fsdp_unit_mb``; 0 = one unit per
     block). Its parameters may already be ``DTensor`` shards of a tp mesh of the same root mesh (2-D:
-    FSDP2 shards them further along dp). With one rank and zero_stage 0 the model is returned as is.
+    FSDP2 shards them further along dp). With one rank and zero_stage 0 or 1 the model is returned as is.
 
     Raises:
-        ValueError: ``zero_stage`` not in (0, 2, 3).
+        ValueError: ``zero_stage`` not in (0, 1, 2, 3).
     """
-    if zero_stage == 0:
+    if zero_stage in (0, 1):  # zero_stage 1 shards the optimizer states, not the model
         if dp_mesh.size() == 1:
             return model
         if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -59,7 +61,7 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
         device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
         return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
     if zero_stage not in (2, 3):
-        raise ValueError(f"zero_stage = {zero_stage} is not supported: use 0, 2 or 3")
+        raise ValueError(f"zero_stage = {zero_stage} is not supported: use 0, 1, 2 or 3")
     blocks = list(model.blocks.values())
     units, _ = fsdp_units([local_bytes(block) for block in blocks], unit_mb * 2**20)  # the rest stays in the root
     placement = partial(fsdp_placement, dp=dp_mesh.size())

@@ -600,7 +600,7 @@ def _device_toml(name: str, compute: dict, memory: float, overhead: float, dp_ho
     lines = ["[[device]]", f'name = "{name}"', f"peak_fp32_flops = {peak32:.6g}", f"peak_bf16_flops = {peak16:.6g}",
              f"memory_bytes = {memory:.6g}", f"memory_bandwidth = {compute['bandwidth']:.6g}",
              "matmul_efficiency = 1.0", "memory_efficiency = 1.0", f"framework_overhead_bytes = {overhead:.6g}",
-             "comm_overlap = false"]
+             "comm_overlap = false", 'peak_source = "measured matmul"']
     lines += [f"{key} = {value:.6g}" for key, value in {**dp_host, **{k: compute[k] for k in HOST_KEYS if k in compute}}.items()]
     for key in ("matmul_table", "attention_table"):
         for dtype, rows in compute[key].items():

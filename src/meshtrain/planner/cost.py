@@ -344,7 +344,10 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     on a node (:meth:`Network.link`); FSDP's host time per unit collective
     (``Device.fsdp_unit_overhead_s``) is never hidden. Scalar all-reduces add their latency every step:
     the loss mean and the trainer's stop check (:meth:`meshtrain.runtime.faults.StopRequest.agreed`), and with
-    sharded gradients (FSDP) the gradient norm's sum of squares.
+    sharded gradients (FSDP) the gradient norm's sum of squares. zero_stage 1 is Megatron's distributed
+    optimizer (a reduce-scatter, then an all-gather of the weights behind the next forward), except in a
+    framework with ``zero1_ddp_only`` (meshtrain's ``ZeroRedundancyOptimizer``): DDP's all-reduce plus an
+    unhidden all-gather's worth of fp32 parameter broadcasts after the step.
 
     Local SGD (``layout.local_sgd_steps = H``, Lin et al. 2020) replaces the gradient all-reduce by one
     all-reduce of the weights (PyTorch's ``PeriodicModelAverager`` flattens them into one buffer) every
@@ -378,9 +381,11 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     if layout.local_sgd_steps:
         average = collective_time(hw, "all-reduce", n, p * prec.weight_bytes, spans, per_node)
         return scalars + average / layout.local_sgd_steps  # the loss mean and the stop check
-    if z == 0:  # DDP's per-bucket cost beyond the wire (measured on CPU) is never hidden
+    if z == 0 or (z == 1 and fw.zero1_ddp_only):  # DDP; its per-bucket cost beyond the wire (CPU) is never hidden
         buckets = fw.grad_buckets(grads)
-        host = hw.device.ddp_bucket_overhead_s * buckets
+        # zero_stage 1 as torch's ZeroRedundancyOptimizer: after the step each rank broadcasts the fp32
+        # parameters it updated, the traffic of one all-gather, with nothing to hide behind
+        host = hw.device.ddp_bucket_overhead_s * buckets + (collective("all-gather", p * 4, 1) if z == 1 else 0.0)
         if layout.hierarchical_allreduce and spans:
             return scalars + host + exposed(buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node),
                                             mb.backward)

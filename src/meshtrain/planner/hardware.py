@@ -85,6 +85,10 @@ class Device:
     attention_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """Measured FLOP/s (causal FLOPs executed) of fused attention forward + backward by sequence length,
     per dtype (``--calibrate``); without it attention runs at the GEMM rate."""
+    peak_source: str = "datasheet"
+    """Where ``peak_flops`` comes from: "datasheet" (the vendor's dense figure), "measured matmul" (a
+    calibrated CPU profile: this machine's fastest GEMM, which a step's own GEMMs nearly reach, so MFU
+    against it reads high, ~90% for the main job) or "assumed" (the uncalibrated ``cpu`` guess)."""
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype``. Raises ConfigError for a dtype the device does not list."""
@@ -92,6 +96,10 @@ class Device:
             raise ConfigError(f"device {self.name} has no peak for dtype {dtype!r}: "
                               f"valid are {', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
+
+    def mfu_label(self) -> str:
+        """"MFU" against a datasheet peak, else the peak it is measured against: "MFU (vs measured matmul peak)"."""
+        return "MFU" if self.peak_source == "datasheet" else f"MFU (vs {self.peak_source} peak)"
 
     def matmul_flops(self, dtype: str, k: int) -> float:
         """Achievable GEMM FLOP/s for inner dimension ``k``: measured table (interpolated) or peak*efficiency."""
@@ -209,7 +217,8 @@ ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "
 CPU_DEFAULT = Hardware(
     Device("cpu", {"float32": 50e9, "bfloat16": 25e9}, memory_bytes=16 * GiB, memory_bandwidth=10e9,
            matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=350 * 2**20, layer_host_s=1e-3,
-           microstep_host_s=2e-3, tensor_update_host_s=50e-6, sharded_tensor_update_host_s=1e-3, comm_overlap=False),
+           microstep_host_s=2e-3, tensor_update_host_s=50e-6, sharded_tensor_update_host_s=1e-3, comm_overlap=False,
+           peak_source="assumed"),
     Network(devices_per_node=2, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
             intra_node_latency_s=50e-6, inter_node_latency_s=100e-6, intra_node_efficiency=1.0,
             inter_node_efficiency=1.0))
@@ -239,8 +248,9 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
             raise ConfigError(f"{flag} = {value} must be >= 1")
     known = catalog()
     path = (profile or DEFAULT_PROFILE).expanduser()
-    if path.is_file():
-        known.update(load_hardware_file(path))
+    if path.is_file():  # a calibrated profile: its peaks are this machine's fastest measured GEMM
+        known.update({k: replace(h, device=replace(h.device, peak_source="measured matmul"))
+                      for k, h in load_hardware_file(path).items()})
     if hardware_file is not None:
         known.update(load_hardware_file(hardware_file))
     lookup = {k.lower(): k for k in known} | {k.lower(): v for k, v in ALIASES.items()}
@@ -282,6 +292,8 @@ def _device_from_table(t: dict[str, Any], where: str) -> Device:
             kw[key] = float(t[key])
     if "comm_overlap" in t:
         kw["comm_overlap"] = bool(t["comm_overlap"])
+    if "peak_source" in t:
+        kw["peak_source"] = str(t["peak_source"])
     for key in ("matmul_table", "attention_table"):
         kw[key] = {dtype: [(int(k), float(f)) for k, f in rows] for dtype, rows in t.get(key, {}).items()}
     return Device(name, peaks, _number(t, "memory_bytes", where), _number(t, "memory_bandwidth", where), **kw)
@@ -302,7 +314,7 @@ def load_hardware_file(path: Path) -> dict[str, Hardware]:
 
     Format: ``[[device]]`` tables (name, peak_bf16_flops, peak_fp32_flops, memory_bytes, memory_bandwidth,
     optional matmul_efficiency, memory_efficiency, framework_overhead_bytes, the host times of
-    :data:`HOST_KEYS`, comm_overlap,
+    :data:`HOST_KEYS`, comm_overlap, peak_source,
     matmul_table, attention_table)
     and one ``[network]`` table shared by them (devices_per_node, intra_node_bandwidth,
     inter_node_bandwidth, optional latencies, efficiencies and measured ``collectives``).

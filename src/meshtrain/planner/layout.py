@@ -17,7 +17,7 @@ from meshtrain import batch
 from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.pipeline_schedules import RULES, schedule_error
-from meshtrain.rules.support import SUPPORTED
+from meshtrain.rules.support import SUPPORTED, zero_stage_error
 
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = tuple(RULES)
@@ -182,6 +182,8 @@ class Framework:
     cross_entropy_bytes: float = 24.0
     hierarchical_allreduce: bool = False
     """The zero_stage-0 gradient all-reduce can run hierarchically (node leaders only cross nodes)."""
+    zero1_ddp_only: bool = False
+    """zero_stage 1 only at tp = pp = 1 (meshtrain's ZeroRedundancyOptimizer, :func:`zero_stage_error`)."""
 
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
@@ -197,7 +199,7 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
-                      hierarchical_allreduce=SUPPORTED.hierarchical_allreduce)
+                      hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only)
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
@@ -296,6 +298,8 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
     if layout.zero_stage not in framework.zero_stages:
         e.append(f"zero_stage = {layout.zero_stage} is not available in {framework.name} "
                  f"(it has {', '.join(map(str, framework.zero_stages))})")
+    if framework.zero1_ddp_only and (error := zero_stage_error(layout.zero_stage, layout.tp, layout.pp)):
+        e.append(f"{error} in {framework.name}")
     if layout.pp > 1 and layout.pp_schedule not in framework.pp_schedules:
         e.append(f"pp_schedule = {layout.pp_schedule!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.pp_schedules) or 'no pipeline parallelism'})")

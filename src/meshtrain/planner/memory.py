@@ -180,7 +180,7 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
         live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
         # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce)
         gathered = held * precision.weight_bytes + (live + max(unit, root)) * precision.grad_bytes
-    if z == 0 and shard > 1 and framework.torch_buffers:
+    if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
         gathered += p * precision.grad_bytes
     step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)
     optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0

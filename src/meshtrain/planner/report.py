@@ -31,7 +31,7 @@ class Context:
 
     def headline(self) -> str:
         m, d = self.model, self.hw.device
-        return (f"{m.name}: {m.num_params() / 1e9:.3g} B params, {m.layers} layers, seq_len {m.seq_len} | "
+        return (f"{m.name}: {param_count(m.num_params())} params, {m.layers} layers, seq_len {m.seq_len} | "
                 f"{self.job.num_devices} x {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
                 f"{d.peak(self.precision.compute_dtype) / 1e12:.4g} TFLOP/s {self.precision.compute_dtype}), "
                 f"{self.hw.network.devices_per_node}/node | {self.precision.name}, {self.framework.name} | "
@@ -54,6 +54,13 @@ def duration(seconds: float | None) -> str:
     return f"{seconds:.3g} s"
 
 
+def param_count(n: float) -> str:
+    """A parameter count in the unit that reads: ``804_000`` -> ``"0.80 M"``, ``124e6`` -> ``"124 M"``,
+    ``8.03e9`` -> ``"8.03 B"``, ``1.2e12`` -> ``"1.20 T"`` (3 significant digits, 2 decimals below 10)."""
+    value, unit = next(((n / size, unit) for unit, size in (("T", 1e12), ("B", 1e9)) if n >= 0.9995 * size), (n / 1e6, "M"))
+    return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {unit}"
+
+
 def number(value: float) -> str:
     """Thousands with separators and no decimals; smaller numbers with 4 significant digits."""
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
@@ -71,10 +78,10 @@ def _row(rank: str, e: Estimate) -> list[str]:
             duration(e.total_time_s)]
 
 
-def _table() -> Table:
+def _table(mfu: str) -> Table:
     t = Table()
     for name in ("#", "dp", "tp", "pp", "sp", "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
-                 "s/step", "tokens/s", "MFU", "total"):
+                 "s/step", "tokens/s", mfu, "total"):
         t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule") else "left")
     return t
 
@@ -91,7 +98,7 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
     layout when none fits)."""
     out = console()
     out.print(ctx.headline(), soft_wrap=True)
-    table = _table()
+    table = _table(ctx.hw.device.mfu_label())
     for i, e in enumerate(fitting[:top], 1):
         table.add_row(*_row(str(i), e))
     mine = None
@@ -108,7 +115,7 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
         best = fitting[0]
         b = best.layout
         lines.append(f"Best: {b.label()} -> {best.time.total:.4g} s/step, {best.tokens_per_s:,.0f} tokens/s, "
-                     f"MFU {best.mfu:.1%}; {_dominant(best)}.")
+                     f"{ctx.hw.device.mfu_label()} {best.mfu:.1%}; {_dominant(best)}.")
         lines.append(f"Batch: global_batch_size = micro_batch_size * gradient_accumulation_steps * dp = "
                      f"{b.micro_batch_size} * {b.gradient_accumulation_steps} * {b.dp} = {b.global_batch_size} "
                      f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
@@ -157,7 +164,7 @@ def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
     out.print(table)
     capacity = ctx.hw.device.memory_bytes / GiB
     verdict = "fits" if e.fits else f"does NOT fit: {e.memory.total / GiB:.1f} > {capacity:.0f} GiB"
-    out.print(f"{layout.label()} {verdict}; {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, "
+    out.print(f"{layout.label()} {verdict}; {e.tokens_per_s:,.0f} tokens/s, {ctx.hw.device.mfu_label()} {e.mfu:.1%}, "
                   f"{e.hardware_tflops_per_device:.4g} hardware TFLOP/s per device; {_dominant(e)}.", soft_wrap=True)
     return 0
 

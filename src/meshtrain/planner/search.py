@@ -21,6 +21,7 @@ from typing import Any
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline_schedules import schedule_error
+from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision, memory_breakdown
 from meshtrain.planner.model_specs import ModelSpec
@@ -80,6 +81,8 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
                     if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
                         continue
                     for zero in zeros:
+                        if framework.zero1_ddp_only and zero_stage_error(zero, tp, pp):
+                            continue
                         layout = Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp, sp_mode)
                         for hier in _hierarchical(framework, layout, devices_per_node, fixed):
                             yield replace(layout, hierarchical_allreduce=hier), modes

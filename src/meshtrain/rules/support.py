@@ -16,7 +16,7 @@ class Support:
     """Features of the trainer, as the values each config key may take."""
 
     zero_stages: tuple[int, ...]
-    """``parallel.zero_stage`` values: 0 DDP, 2 and 3 FSDP2."""
+    """``parallel.zero_stage`` values: 0 DDP, 1 DDP with sharded AdamW states, 2 and 3 FSDP2."""
     tp: bool
     """Tensor parallelism (``parallel.tp > 1``)."""
     tp_sequence_parallel: bool
@@ -31,10 +31,22 @@ class Support:
     """sp modes that apply ``model.dropout`` to attention weights (ring attention does not)."""
     hierarchical_allreduce: bool = True
     """``parallel.hierarchical_allreduce`` (DDP at zero_stage 0 without tp)."""
+    zero1_ddp_only: bool = True
+    """zero_stage 1 only at tp = pp = 1 (:func:`zero_stage_error`)."""
 
 
-SUPPORTED = Support(zero_stages=(0, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
+SUPPORTED = Support(zero_stages=(0, 1, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
                     pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none",), attention_dropout_sp_modes=("ulysses",))
+
+
+def zero_stage_error(zero_stage: int, tp: int, pp: int) -> str:
+    """Why ``zero_stage`` cannot run at these degrees ("" when it can). zero_stage 1 is torch's
+    ``ZeroRedundancyOptimizer`` over DDP: it broadcasts each updated parameter whole, so it takes neither
+    tp's ``DTensor`` shards (``replicate``, not DDP, syncs those) nor, untested, a pipeline stage's parts."""
+    if zero_stage == 1 and (tp > 1 or pp > 1):
+        return (f"zero_stage = 1 needs tp = 1 and pp = 1 (got tp = {tp}, pp = {pp}; zero_stage 2 and 3 "
+                f"shard the optimizer states there)")
+    return ""
 
 
 def uses_parameter_server(sync_mode: str) -> bool:

@@ -1,7 +1,7 @@
 """Stopping cleanly: preemption signals, a launcher that died, and collectives that fail or hang.
 
-- **SIGTERM / SIGINT** (a scheduler's preemption, Ctrl-C on the launcher, which torchrun forwards to
-  its ranks): the handler only records the signal (:class:`StopRequest`). At the next step boundary the
+- **SIGTERM / SIGINT / SIGHUP** (a scheduler's preemption, Ctrl-C on the launcher, a closed terminal or
+  SSH session; torchrun forwards each to its ranks): the handler only records the signal (:class:`StopRequest`). At the next step boundary the
   ranks agree on it (one all-reduce of the signal number over all ranks, :meth:`StopRequest.agreed`), so
   every rank stops after the same step; the trainer saves a checkpoint there and raises :class:`Stopped`,
   which rank 0 reports in one line. torchrun gives its ranks 30 s after forwarding the signal before it
@@ -28,7 +28,9 @@ from types import FrameType
 LAUNCHER_PID_ENV = "MESHTRAIN_LAUNCHER_PID"
 """Set by ``meshtrain train`` to its own pid: the parent every rank it starts must have."""
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run after a step with a checkpoint; SIGHUP (the terminal or SSH session closed)
+would otherwise kill a rank mid-step with nothing saved."""
 
 
 class Stopped(Exception):
@@ -56,9 +58,9 @@ class Stopped(Exception):
 
 
 class StopRequest:
-    """Records SIGTERM/SIGINT for the training loop to act on at a step boundary.
+    """Records SIGTERM/SIGINT/SIGHUP for the training loop to act on at a step boundary.
 
-    ``install()`` (main thread only) replaces the two handlers; ``signum`` is the last signal received
+    ``install()`` (main thread only) replaces the handlers of :data:`STOP_SIGNALS`; ``signum`` is the last signal received
     (0: none). With ``immediate=True`` the handler raises :class:`Stopped` at once instead, for loops
     that have no step all ranks share (the asynchronous trainer).
     """

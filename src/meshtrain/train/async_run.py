@@ -137,7 +137,8 @@ class AsyncRun:
         stale = [s for _, s in self.window if s == s]  # applied ones (NaN marks a dropped gradient)
         record = {"step": k, "loss": statistics.fmean(loss for loss, _ in self.window), "lr": self.server.lr_of(k - 1),
                   "tokens_per_s": tokens_per_step(self.batch, self.cfg.model.block_size) / dt, "step_time_s": dt,
-                  "staleness": statistics.fmean(stale) if stale else None, "dropped": self.server.stats.dropped}
+                  "staleness": statistics.fmean(stale) if stale else None, "dropped": self.server.stats.dropped,
+                  "peak_memory_bytes": peak_memory_bytes("cpu")}  # server 0's, so far
         if self.log is not None:
             self.log.step(k, record)
         self.window, self.window_start = [], now
@@ -179,7 +180,8 @@ class AsyncRun:
         t = self.cfg.train
         if self.start >= t.steps:
             raise ConfigError(f"train.steps = {t.steps} but the checkpoint is already at step {self.start}")
-        self.log = MetricsLog(self.out_dir, self.rank == 0, self.start, t.steps) if self.rank == 0 else None
+        self.log = (MetricsLog(self.out_dir, True, self.start, t.steps, tensorboard=t.tensorboard)
+                    if self.rank == 0 else None)
         try:
             if self.rank in self.servers:
                 stats = self.server.serve()

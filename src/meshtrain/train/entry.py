@@ -17,6 +17,7 @@ import torch.distributed as dist
 from meshtrain.checkpoint import elastic_restart
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
 from meshtrain.rules.support import uses_parameter_server
+from meshtrain import runlock
 from meshtrain.preflight import preflight
 from meshtrain.runtime.faults import (LAUNCHER_PID_ENV, STOP, Stopped, current_phase, describe_collective_error,
                                       die_with_parent)
@@ -33,7 +34,7 @@ def train(cfg: Config) -> dict[str, Any]:
     with "terminate called without an active exception").
 
     Raises:
-        Stopped: SIGTERM/SIGINT; the synchronous trainer saved a checkpoint after the step all ranks stopped at.
+        Stopped: SIGTERM/SIGINT/SIGHUP; the synchronous trainer saved a checkpoint after the step all ranks stopped at.
         TrainingDiverged: too many non-finite steps in a row.
     """
     finished, trainer = False, None
@@ -70,15 +71,29 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()  # launcher, never train on as an orphan (done on import when run as __main__)
     STOP.install()
     rank = int(os.environ.get("RANK", "0"))
+    lock = None
     try:
         cfg = load_config(argv[0], parse_overrides(argv[1:]))
+        if rank == 0 and runlock.HELD_ENV not in os.environ:  # no launcher holds the output folder: rank 0 does
+            lock = runlock.hold(cfg.train.out_dir)
         if not elastic_restart() and LAUNCHER_PID_ENV not in os.environ:  # the checks of `meshtrain train`
             # (which ran them once, before starting the ranks) for ranks started by torchrun itself; every rank
             # runs them before joining the group, so none can see another rank's new files
             preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
+        if lock:
+            lock.release()
         print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _run(cfg, rank)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _run(cfg: Config, rank: int) -> int:
+    """Train ``cfg`` on this rank: its ending as an exit code and at most one line (see :func:`main`)."""
     STOP.install(immediate=uses_parameter_server(cfg.parallel.sync_mode))  # no step boundary the async ranks share
     try:
         if STOP.signum:  # while starting: every rank got it (torchrun signals each), none joins the group

@@ -37,6 +37,7 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean
 from meshtrain.parallel.rng import seed_step
+from meshtrain.profiling import StepProfiler
 from meshtrain.runtime.device import device_and_backend
 from meshtrain.runtime.distributed import init_distributed
 from meshtrain.runtime.faults import STOP, Stopped, enter_phase
@@ -67,8 +68,10 @@ class Trainer:
         self.model = self.parallel.model
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
         b = cfg.batch
+        zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
         self.optimizer, self.scheduler = build_optimizer(
-            self.model.parameters(), cfg, global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp))
+            self.model.parameters(), cfg, global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp),
+            self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
         dp_rank = self.dims.rank_of(Axis.DP)
         corpus = self.setup.corpus
         self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
@@ -131,7 +134,8 @@ class Trainer:
         signum = STOP.agreed(self.device)
         if signum:  # stopped while starting: nothing is written (a resumed run keeps its checkpoint)
             raise Stopped(signum, self.start_step, t.steps, None)
-        log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps)
+        log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps, tensorboard=t.tensorboard)
+        profiler = StepProfiler(t.profile_steps, self.out_dir, self.rank, self.device.type)
         tokens = tokens_per_step(self.sampler.global_batch_size, self.cfg.model.block_size)
         step_times: list[float] = []
         val_loss = None
@@ -143,6 +147,7 @@ class Trainer:
                 # stop check count, as in a hand-written loop timed step to step; evaluation and checkpoint
                 # saves (every eval_interval / checkpoint.interval steps) do not.
                 t0 = mark
+                profiler.begin(step)
                 seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
                 lr = self.scheduler.get_last_lr()[0]
                 enter_phase(f"step {step}: forward/backward", self.world_ranks)
@@ -165,7 +170,8 @@ class Trainer:
                 record = None
                 if step % t.log_interval == 0 or last or not finite:
                     record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
-                              "grad_norm": grad_norm, "step_time_s": dt}
+                              "grad_norm": grad_norm, "step_time_s": dt,
+                              "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
                     if not finite:
                         record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
                 log.step(step, record)
@@ -176,6 +182,7 @@ class Trainer:
                         f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
                         f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
                 periodic = time.perf_counter()
+                profiler.end(step)  # writes the trace after the last profiled step, untimed
                 if last or (t.eval_interval and step % t.eval_interval == 0):
                     enter_phase(f"step {step}: evaluation", self.world_ranks)
                     val_loss = self.evaluate()
@@ -195,6 +202,7 @@ class Trainer:
                         raise Stopped(signum, step, t.steps, saved)
                 mark = time.perf_counter() - periodic
         finally:
+            profiler.close()
             log.close()
         return self._finish(step_times, val_loss, tokens)
 

@@ -1,0 +1,81 @@
+"""The schema of a checkpoint's ``meta.json``: every key a save writes, its type and its range.
+
+:func:`meshtrain.checkpoint.read_meta` checks it before anything uses a checkpoint, so an edited or
+damaged ``meta.json`` is one line naming the file and the key, not a ``KeyError`` deep in a rank. The
+files manifest ``files`` is required like the rest: deleting it does not turn off the size and SHA-256
+check of the shards (:func:`meshtrain.checkpoint.verify_files`). Importing it imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from meshtrain.config import ConfigError
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _int_at_least(low: int) -> tuple[str, Callable[[Any], bool], Callable[[Any], bool]]:
+    return f"an integer >= {low}", lambda v: isinstance(v, int) and not isinstance(v, bool), lambda v: v >= low
+
+
+def _table(required: str, valid: Callable[[dict], bool]) -> tuple[str, Callable[[Any], bool], Callable[[Any], bool]]:
+    return f"an object {required}", lambda v: isinstance(v, dict), valid
+
+
+def _manifest_ok(files: dict) -> bool:
+    """``{name: {"bytes": n >= 0, "sha256": 64 hex digits}}`` of plain file names, ``.metadata`` among them."""
+    return ".metadata" in files and all(
+        isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..")
+        and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool)
+        and entry["bytes"] >= 0 and isinstance(entry.get("sha256"), str) and SHA256_RE.match(entry["sha256"])
+        for name, entry in files.items())
+
+
+META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]] = {
+    "step": _int_at_least(1),
+    "config": _table("with a 'model' object", lambda v: isinstance(v.get("model"), dict)),
+    "tokenizer": _table("with a string 'kind'", lambda v: isinstance(v.get("kind"), str)),
+    "corpus_sha256": ("a string of 64 hex digits", lambda v: isinstance(v, str), lambda v: bool(SHA256_RE.match(v))),
+    "vocab_size": _int_at_least(1),
+    "sampler": _table("with an integer 'samples_seen' >= 0",
+                      lambda v: isinstance(v.get("samples_seen"), int) and v["samples_seen"] >= 0),
+    "world_size": _int_at_least(1),
+    "dp": _int_at_least(1),
+    "tp": _int_at_least(1),
+    "sp": _int_at_least(1),
+    "pp": _int_at_least(1),
+    "global_batch_size": _int_at_least(1),
+    "files": _table("mapping each file name (.metadata among them) to its 'bytes' and 'sha256'", _manifest_ok),
+}
+"""key -> (what it must be, its type check, its range check); every key is required."""
+
+OPTIONAL = {"scheduler": dict, "async": dict}
+"""Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts."""
+
+
+def check_meta(meta: Any, path: Path) -> dict[str, Any]:
+    """``meta`` (parsed from ``path``) if it matches :data:`META_SCHEMA`. Raises ConfigError naming the file
+    and the first key that is missing, of the wrong type or out of range."""
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint file {path} holds a JSON {type(meta).__name__}, not an object: the checkpoint "
+                          f"is damaged; resume from another one")
+    for key, (want, typed, in_range) in META_SCHEMA.items():
+        if key not in meta:
+            raise ConfigError(f"checkpoint file {path} has no key '{key}': the checkpoint is incomplete or was edited; "
+                              f"resume from another one")
+        if not typed(meta[key]) or not in_range(meta[key]):
+            raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be {want}: the checkpoint "
+                              f"is damaged or was edited; resume from another one")
+    for key, kind in OPTIONAL.items():
+        if key in meta and not isinstance(meta[key], kind):
+            raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be an object: the "
+                              f"checkpoint is damaged or was edited; resume from another one")
+    return meta
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
