@@ -36,6 +36,7 @@ def test_one_rank_tensorboard_equals_metrics_and_no_profile_when_off(tmp_path):
     assert not (tmp_path / "profile").exists()
 
 
+@pytest.mark.slow  # 2 ranks through the launcher, ~20 s: `make test` keeps the 1-rank check, under 15 min
 def test_two_ranks_tensorboard_and_a_trace_per_rank(tmp_path):
     records = train_cli(tmp_path, 2, **{"train.tensorboard": "true", "train.profile_steps": "2,3"})
     assert_tensorboard_matches(tmp_path, records)
