@@ -118,16 +118,17 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     """
     sources = hf.sources(model_dict(cfg))
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    transposed: dict[str, bool] = {}
     tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
     for name, source in sources.items():
         if name == "lm_head.weight" and tied:
             continue
         parts.setdefault(source.name, []).append((source.row0, state[name].detach()))
+        transposed[source.name] = source.transpose
     out = {}
     for name, blocks in parts.items():
         whole = torch.cat([t for _, t in sorted(blocks, key=lambda b: b[0])])
-        transpose = next(s.transpose for s in sources.values() if s.name == name)
-        out[name] = (whole.t() if transpose else whole).contiguous()
+        out[name] = (whole.t() if transposed[name] else whole).contiguous()
     if cfg.type == "gpt" and not cfg.bias:
         weights = dict(out)
         for name, t in weights.items():
