@@ -98,19 +98,24 @@ def get_batch(data: torch.Tensor, batch: int, block: int, generator: torch.Gener
 
 
 @torch.no_grad()
-def val_loss(model: torch.nn.Module, corpus, block: int, chunk: int = VAL_WINDOWS) -> float:
-    """Mean loss over VAL_WINDOWS evenly spaced windows of the val split (fp32, ``chunk`` windows at a time)."""
+def val_loss(model: torch.nn.Module, corpus, block: int, chunk: int = VAL_WINDOWS, windows: int = VAL_WINDOWS) -> float:
+    """Mean loss over ``windows`` evenly spaced windows of the val split (fp32, ``chunk`` windows at a time);
+    ``windows = 0``: every non-overlapping window of the split (all of it but a tail shorter than a window,
+    ~1,740 windows of 64 tokens for the main job: the val loss without the sampling noise of a few windows)."""
     model.eval()
     data, device = corpus.val, next(model.parameters()).device
-    starts = torch.linspace(0, len(data) - block - 2, VAL_WINDOWS).long().tolist()
+    if windows:
+        starts = torch.linspace(0, len(data) - block - 2, windows).long().tolist()
+    else:
+        starts = list(range(0, len(data) - block - 1, block))
     total = 0.0
-    for i in range(0, VAL_WINDOWS, chunk):
+    for i in range(0, len(starts), chunk):
         x = torch.stack([data[j:j + block] for j in starts[i:i + chunk]]).to(device)
         y = torch.stack([data[j + 1:j + 1 + block] for j in starts[i:i + chunk]]).to(device)
         logits = model(x)
         total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"))
     model.train()
-    return total / (VAL_WINDOWS * block)
+    return total / (len(starts) * block)
 
 
 def peak_rss() -> int:
@@ -119,16 +124,20 @@ def peak_rss() -> int:
 
 
 def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int, rank: int, dtype: str,
-               backward=lambda loss: loss.backward(), clip=None) -> list[float]:
-    """The loop everyone writes: get a batch, forward, loss, backward, clip, step. Returns seconds per step."""
-    generator = torch.Generator().manual_seed(1000 + rank)
+               backward=lambda loss: loss.backward(), clip=None, data_seed: int = 1000,
+               on_step=None, batches=None) -> list[float]:
+    """The loop everyone writes: get a batch, forward, loss, backward, clip, step. Returns seconds per step.
+    Rank r draws its batches from a generator seeded ``data_seed + r`` (or calls ``batches()`` for each step's
+    (x, y)); ``on_step(step)`` (1-based, e.g. an evaluation) runs after each step, outside its time."""
+    generator = torch.Generator().manual_seed(data_seed + rank)
+    batches = batches or (lambda: get_batch(corpus.train, batch, cfg.model.block_size, generator))
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        x, y = get_batch(corpus.train, batch, cfg.model.block_size, generator)
+        x, y = batches()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             logits = model(x)
@@ -141,13 +150,16 @@ def train_loop(model, optimizer, scheduler, corpus, cfg, steps: int, batch: int,
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are done: its time is real
         times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(len(times))
     return times
 
 
-def report(out: str, times: list[float], model, corpus, cfg, world: int, gather=None) -> None:
-    """Rank 0 writes the result; ``gather`` collects every rank's peak RSS (default: this process's only)."""
+def report(out: str, times: list[float], model, corpus, cfg, world: int, gather=None, extra: dict | None = None) -> None:
+    """Rank 0 writes the result (with ``extra`` fields); ``gather`` collects every rank's peak RSS (default: this
+    process's only)."""
     rss = gather(peak_rss()) if gather else [peak_rss()]
-    result = {"step_times_s": times, "peak_rss_bytes": rss, "world_size": world, "threads": torch.get_num_threads(),
+    result = {**(extra or {}), "step_times_s": times, "peak_rss_bytes": rss, "world_size": world, "threads": torch.get_num_threads(),
               "val_loss": val_loss(model, corpus, cfg.model.block_size, chunk=8 if torch.cuda.is_available() else 96)}
     if torch.cuda.is_available():
         result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
@@ -159,8 +171,25 @@ def run_plain(args) -> None:
     optimizer, scheduler = optimizer_for(model, cfg, fused=args.fused)
     if args.compile:
         model.compile()
-    times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch, 0, args.dtype)
-    report(args.out, times, model, corpus, cfg, 1)
+    curve = []  # --eval-interval: [step, val loss on the whole val split, on the VAL_WINDOWS windows]
+
+    def evaluate(step: int) -> None:
+        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
+            block = cfg.model.block_size
+            curve.append([step, val_loss(model, corpus, block, windows=0), val_loss(model, corpus, block)])
+
+    from meshtrain.data.sampler import ShardedSampler
+
+    # --windows meshtrain: meshtrain's sampler at seed DATA_SEED, the batches of `meshtrain train --seed DATA_SEED`
+    sampler = ShardedSampler(corpus.train, cfg.model.block_size, args.batch, 1, 1, 0, args.data_seed)
+
+    def sampler_batch():
+        return sampler.next_step()[0]  # the step's one micro-batch (x, y)
+
+    times = train_loop(model, optimizer, scheduler, corpus, cfg, args.steps, args.batch, 0, args.dtype,
+                       data_seed=args.data_seed, on_step=evaluate,
+                       batches=sampler_batch if args.windows == "meshtrain" else None)
+    report(args.out, times, model, corpus, cfg, 1, extra={"val_curve": curve} if curve else None)
 
 
 def _gather_ints(value: int) -> list[int]:
@@ -233,7 +262,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=24, help="global batch, samples")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337, help="initial weights (torch.manual_seed before the build)")
+    parser.add_argument("--data-seed", type=int, default=1000,
+                        help="batch order: rank r draws its windows from a generator seeded DATA_SEED + r")
+    parser.add_argument("--eval-interval", type=int, default=0,
+                        help="plain: val loss every N steps and at the last (0 = at the end only), kept as val_curve")
+    parser.add_argument("--windows", default="random", choices=["random", "meshtrain"],
+                        help="plain: random windows (nanoGPT's get_batch), or meshtrain's sampler seeded DATA_SEED")
     parser.add_argument("--devices", type=int, default=1, help="fabric: processes it starts")
     parser.add_argument("--device", default="cpu", help="plain: cpu or cuda")
     parser.add_argument("--fused", action="store_true", help="plain, ddp: AdamW(fused=True)")

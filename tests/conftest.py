@@ -155,3 +155,6 @@ def check_layout(got: tuple, want: tuple, overrides: dict[str, str]) -> None:
     assert_close_losses(got[0], want[0])
     assert_close_grads(got[1], want[1])
     assert_close_params(got[2], want[2], atol=adamw_drift_bound(overrides))
+
+
+from artefacts import artefacts  # noqa: E402,F401 (a session fixture: one of each artefact, built once)

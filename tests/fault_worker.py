@@ -9,7 +9,9 @@ torch.distributed itself is untouched):
   ``before`` (entering the save), ``shard`` (after DCP wrote the first tensor of its shard file),
   ``shard-late`` (after the second tensor), ``shards`` (DCP's save returned: every shard on disk),
   ``meta`` (rank 0: meta.json written into the ``.tmp`` folder, not yet renamed), ``cleanup`` (rank 0:
-  committed, deleting the older checkpoint).
+  committed, deleting the older checkpoint). With ``checkpoint.async_save`` the shard points are in the
+  background writer's thread (the whole process dies), and one more: ``training`` (the writer stalls
+  before its first tensor; the rank dies in the next step's forward/backward, its write still in flight).
 """
 
 from __future__ import annotations
@@ -57,23 +59,38 @@ def kill_in_save(rank: int, point: str) -> None:
 
     from meshtrain import checkpoint as ckpt
 
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    from meshtrain.train.loop import Trainer
+
     saves = {"n": 0, "items": 0}
     def armed() -> bool:
         return saves["n"] == 2 and dist.get_rank() == rank
 
-    save = ckpt.save
+    begin_save = ckpt.begin_save
 
     def counted_save(*args, **kwargs):
         saves["n"] += 1
         if point == "before" and armed():
             _die()
-        return save(*args, **kwargs)
+        return begin_save(*args, **kwargs)
 
-    ckpt.save = counted_save  # the trainer calls it as ckpt.save
+    ckpt.begin_save = counted_save  # every save, blocking or in the background, begins with it
+
+    forward_backward = Trainer.forward_backward
+
+    def step_while_writing(self, micro_batches):
+        if point == "training" and armed():  # the second save began in the previous step; its writer stalls
+            _die()
+        return forward_backward(self, micro_batches)
+
+    Trainer.forward_backward = step_while_writing
 
     write_item = fs._write_item
 
     def item(*args, **kwargs):
+        if point == "training" and armed():
+            time.sleep(120)  # a write that outlasts the next step (the rank dies there)
         result = write_item(*args, **kwargs)
         saves["items"] += 1 if armed() else 0
         if armed() and ((point == "shard" and saves["items"] == 1) or (point == "shard-late" and saves["items"] == 2)):
@@ -90,7 +107,8 @@ def kill_in_save(rank: int, point: str) -> None:
             _die()
         return result
 
-    dcp.save = after_shards
+    dcp.save = after_shards  # a blocking save calls dcp.save, the background writer state_dict_saver.save
+    saver.save = after_shards
 
     write_json = ckpt.write_json_atomic
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bad_inputs_doc import DOC, check, doc_writer, parse  # noqa: F401 (doc_writer: a fixture)
 from conftest import CONFIG, ROOT, TINY, run_cli, train_here
 
 C = str(CONFIG)
@@ -62,13 +63,19 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("steps-nan", [*TRAIN, "--steps", "nan"], "train.steps = 'nan' is not a valid int"),
     ("dtype-float16", [*TRAIN, "--train.dtype", "float16"], "train.dtype = 'float16' is not valid: use one of auto, float32, bfloat16"),
     ("compile-unknown", [*TRAIN, "--train.compile", "yes"], "train.compile = 'yes' is not valid: use one of auto, on, off"),
-    ("compile-on-with-tp", ["train", C, "--nproc", "2", "--parallel.tp", "2", "--train.compile", "on"],
-     'train.compile = "on" compiles a GPT or Llama at pp = tp = sp = 1 without sync_mode async (here pp=1 tp=2 sp=1'),
+    ("compile-on-with-async", ["train", C, "--nproc", "2", "--parallel.sync_mode", "async", "--train.compile", "on"],
+     'train.compile = "on" cannot run here: sync_mode = \'async\' workers run their own loop, uncompiled'),
+    ("recompute-unknown", [*TRAIN, "--train.recompute", "attention"],
+     "train.recompute = 'attention' is not valid: use one of none, selective, full"),
+    ("recompute-selective-zbv", ["train", C, "--nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
+                                 "--parallel.virtual_stages", "2", "--batch.gradient_accumulation_steps", "2",
+                                 "--train.recompute", "selective"],
+     "train.recompute = 'selective' cannot run with pp_schedule = 'zbv'"),
     ("log-interval-zero", [*TRAIN, "--train.log_interval", "0"], "train.log_interval = 0 must be >= 1"),
     ("val-fraction", [*TRAIN, "--data.val_fraction", "1.5"], "data.val_fraction = 1.5 must be in (0, 1)"),
     ("missing-corpus", [*TRAIN, "--data.path", "/nonexistent/corpus.txt"], "data.path = '/nonexistent/corpus.txt' does not exist"),
     ("keep-zero", [*TRAIN, "--checkpoint.keep", "0"], "checkpoint.keep = 0 must be >= 1"),
-    ("model-too-wide", [*TRAIN, "--model.n_embd", "100000"], "GiB CPU (MemAvailable): shrink the model or batch"),
+    ("model-too-wide", [*TRAIN, "--model.n_embd", "100000"], "GiB CPU (MemAvailable), over by"),
     ("model-too-deep", [*TRAIN, "--model.n_layer", "100000"], "or skip this check with --train.check_memory false"),
     ("async-one-rank", [*TRAIN, "--parallel.sync_mode", "async"], "needs at least one worker besides parallel.ps_servers = 1"),
     ("local-sgd-one-rank", [*TRAIN, "--parallel.sync_mode", "local-sgd"], "needs dp >= 2 replicas to average"),
@@ -230,8 +237,16 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
-@pytest.mark.parametrize("args, fragment", [(a, f) for _, a, f in CATALOGUE], ids=[i for i, _, _ in CATALOGUE])
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(user, args, fragment):
+def documented_commands() -> list[tuple[str, str]]:
+    """(id, the command line as docs/bad_inputs.md shows it) of each case, ``~/work`` standing for the user's folder."""
+    def shown(arg: str) -> str:
+        return arg.replace(C, "configs/shakespeare_char.toml").format(user="~/work", run="~/work/run")
+
+    return [(ident, " ".join(["meshtrain", *map(shown, args)])) for ident, args, _ in CATALOGUE]
+
+
+@pytest.mark.parametrize("ident, args, fragment", CATALOGUE, ids=[i for i, _, _ in CATALOGUE])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(user, doc_writer, ident, args, fragment):  # noqa: F811
     before = snapshot(user)
     proc = run_cli(*[a.format(user=user, run=user / "run") for a in args])
     command = args[0]
@@ -241,11 +256,14 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(user, args, fragment):
     assert lines[0].startswith(f"meshtrain {command}: error: ") and fragment.format(user=user) in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert snapshot(user) == before
+    check(("catalogue", ident), lines[0].replace(str(user), "~/work"))
 
 
 def test_the_catalogue_is_large_distinct_and_documented():
     ids = [i for i, _, _ in CATALOGUE]
     assert len(ids) >= 60 and len(set(ids)) == len(ids)
-    doc = (ROOT / "docs" / "bad_inputs.md").read_text()
-    documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", doc, flags=re.MULTILINE))
-    assert documented == set(ids), sorted(set(ids) ^ documented)
+    documented = {key[1] for key in parse(DOC.read_text()) if key[0] == "catalogue"}
+    assert documented == set(ids), f"{sorted(set(ids) ^ documented)}: run python tests/gen_bad_inputs_doc.py"
+    catalogue = DOC.read_text().split("\n## The matrix")[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `(.*?)` \|", catalogue, flags=re.MULTILINE)
+    assert dict(rows) == dict(documented_commands()), "run python tests/gen_bad_inputs_doc.py"

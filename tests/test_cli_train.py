@@ -29,6 +29,11 @@ def test_train_two_ranks_then_generate(tmp_path):
     assert compared["measured"]["step_time_s"] == json.loads((out / "summary.json").read_text())["step_time_s"]
     assert compared["predicted"]["layout"].startswith("dp2 tp1 pp1 sp1 z0") and compared["predicted"]["step_time_s"] > 0
     assert (out / "loss.png").stat().st_size > 1000
+    # the last line names the run folder and its contents; the bar, written to a pipe, is not clipped at 80 columns
+    assert proc.stderr.strip().splitlines()[-1] == (f"run folder {out}: checkpoints/ (2, newest step_000030), loss.png, "
+                                                    "metrics.jsonl, plan_vs_actual.json, summary.json")
+    bar = [line for line in proc.stderr.splitlines() if line.startswith("train ") and "30/30" in line]
+    assert bar and "tok/s" in bar[-1] and "ETA" in bar[-1] and "…" not in bar[-1]
     import torch  # bf16 on a CPU without bf16 matmul is warned about (30-180x slower there), once, by the launcher
     slow_bf16 = not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert proc.stderr.count("has no bf16 matmul, so bf16 runs far slower than float32 here") == int(slow_bf16)
@@ -40,6 +45,18 @@ def test_train_two_ranks_then_generate(tmp_path):
     gen = run_cli("generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "40")
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.rstrip("\n")) == len("ROMEO:") + 40
+
+
+def test_a_run_too_short_to_time_says_why_it_has_no_plan_vs_actual(tmp_path):
+    from meshtrain.train.loop import TIMING_WARMUP_STEPS
+
+    out = tmp_path / "run"
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out),
+                   *override_args({**TINY, "train.steps": str(TIMING_WARMUP_STEPS)}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (f"no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} steps of a run are warm-up"
+            in proc.stderr)
+    assert not (out / "plan_vs_actual.json").exists() and proc.stderr.strip().splitlines()[-1].startswith("run folder")
 
 
 @pytest.mark.parametrize("args,needle", [

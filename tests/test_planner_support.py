@@ -28,6 +28,7 @@ def trainer_config(model: ModelSpec, layout: Layout) -> Config:
     p.sp_mode, p.pp_schedule, p.virtual_stages = layout.sp_mode, layout.pp_schedule, layout.virtual_stages
     p.tp_sequence_parallel, p.hierarchical_allreduce = layout.tp_sequence_parallel, layout.hierarchical_allreduce
     b.micro_batch_size, b.gradient_accumulation_steps = layout.micro_batch_size, layout.gradient_accumulation_steps
+    cfg.train.recompute = layout.recompute
     return cfg
 
 
@@ -49,7 +50,9 @@ def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, b
     assert candidates
     seen = set()
     for base, modes in candidates:
-        assert modes == list(SUPPORTED.recompute)
+        # every mode, but "selective" under the zero-bubble schedules (ScheduleRule.selective_recompute)
+        assert modes == [m for m in SUPPORTED.recompute if m != "selective" or base.pp == 1
+                         or base.pp_schedule not in ("zero-bubble", "zbv")]
         for rc in modes:
             layout = Layout(**{**base.to_dict(), "recompute": rc})
             validate(trainer_config(model, layout))  # raises ConfigError if the trainer would reject it
@@ -62,12 +65,13 @@ def test_every_meshtrain_candidate_passes_the_trainer_validation(model, world, b
 
 
 def test_the_trainer_rejects_what_the_planner_rules_out():
-    """The other direction, for the rules both sides state: each layout breaks one rule in each
-    (recompute has no trainer key: the planner alone must not offer it)."""
+    """The other direction, for the rules both sides state: each layout breaks one rule in each."""
     model = MODELS[1]  # 6 heads, seq_len 24, dropout
     fw = FRAMEWORKS["meshtrain"]
     for layout in (Layout(dp=1, tp=4), Layout(dp=1, tp=2, sp=2), Layout(dp=1, sp=8, sp_mode="ring"),
-                   Layout(dp=1, sp=2, sp_mode="ring"), Layout(dp=1, tp=2, zero_stage=1), Layout(dp=1, pp=2)):
+                   Layout(dp=1, sp=2, sp_mode="ring"), Layout(dp=1, tp=2, zero_stage=1), Layout(dp=1, pp=2),
+                   Layout(dp=1, pp=2, gradient_accumulation_steps=2, pp_schedule="zbv", virtual_stages=1,
+                          recompute="selective")):
         assert divisibility_errors(model, layout) + framework_errors(fw, layout, model), layout
         with pytest.raises(ConfigError):
             validate(trainer_config(model, layout))
@@ -94,12 +98,13 @@ def test_plan_of_the_main_config_and_of_a_preset_ranks_only_runnable_layouts(cap
 
 def test_fix_and_explain_name_what_the_trainer_lacks(capsys):
     job = ["--model", "gpt2-small", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "64"]
-    assert main(["plan", *job, "--explain", "recompute=full,zero_stage=1,tp=2"]) == 0
+    assert main(["plan", *job, "--explain", "recompute=selective,pp=2,pp_schedule=zbv,virtual_stages=2,zero_stage=1"]) == 0
     out = capsys.readouterr().out
-    assert "recompute = 'full' is not available in meshtrain" in out
-    assert "zero_stage = 1 needs tp = 1 and pp = 1 (got tp = 2, pp = 1;" in out
-    assert main(["plan", *job, "--fix", "recompute=full"]) == 2
-    assert "--fix asks for what meshtrain cannot run: recompute = 'full'" in capsys.readouterr().err
+    assert "recompute = 'selective' does not run with pp_schedule = 'zbv' in meshtrain" in out
+    assert "zero_stage = 1 needs tp = 1 and pp = 1 (got tp = 1, pp = 2;" in out
+    assert main(["plan", *job, "--fix", "recompute=selective,pp=2,pp_schedule=zero-bubble"]) == 2
+    assert ("--fix asks for what meshtrain cannot run: recompute = 'selective' does not run with pp_schedule = "
+            "'zero-bubble'") in capsys.readouterr().err
 
 
 def test_fsdp_units_group_consecutive_blocks_up_to_the_unit_size():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def test_unpredictable_measured_fields_are_one_line_errors(tmp_path, measured, w
     assert "\n" not in message and message.startswith("run 'x': ")
     assert all(w in message for w in words), message
     assert message.endswith("use any of tflops_per_gpu, percent_of_peak, mfu_percent, tokens_per_s_per_gpu, "
-                            "iteration_time_s")
+                            "iteration_time_s, peak_memory_gib")
 
 
 @pytest.mark.parametrize("measured, words", [
@@ -118,3 +119,37 @@ def test_cli_prints_the_iteration_time_row(tmp_path, capsys):
     assert code == 0
     assert result["runs"][0]["measured"] == {"iteration_time_s": 5.0}
     assert result["runs"][0]["leave_one_out_relative_error"].keys() == {"iteration_time_s"}
+
+
+def test_leave_one_source_out_fits_each_source_on_the_others(tmp_path, capsys):
+    """Source A measured 4000 tokens/s twice, source B 5000 on the same run: held out by source, A is
+    predicted with the efficiency that fits B exactly, so its error is B's measurement against A's (+25%)
+    while leave-one-out over runs keeps A's other run in the fit and flatters it. A device with one source
+    has nothing to fit on: not held out. A memory-only run never enters the fit."""
+    def run(name: str, source: str, **measured: Any) -> dict[str, Any]:
+        return {**MPT_A100, "name": name, "source": source, "framework": "fsdp", "measured": measured}
+
+    alone = {**run("alone", "Paper C", tokens_per_s_per_gpu=10000), "gpu": "H100-SXM-80GB"}
+    path = write_runs(tmp_path / "runs.toml", run("a1", "Paper A 2020, Table 1", tokens_per_s_per_gpu=4000),
+                      run("a2", "Paper A 2020, Table 2", tokens_per_s_per_gpu=4000),
+                      run("b", "Recipe B (v2)", tokens_per_s_per_gpu=5000), alone,
+                      run("a-memory", "Paper A 2020", peak_memory_gib=40.0))
+    result = validate_file(path, profile=tmp_path / "none.toml")
+    loso, runs = result["leave_one_source_out"], {r["name"]: r for r in result["runs"]}
+    assert [s["source"] for s in loso["sources"]] == ["Paper A 2020", "Recipe B", "Paper C"]
+    assert loso["not_held_out"] == ["alone"] and "leave_one_source_out_relative_error" not in runs["alone"]
+    held = {n: runs[n]["leave_one_source_out_relative_error"] for n in ("a1", "b")}
+    assert held["a1"]["tokens_per_s_per_gpu"] == pytest.approx(5000 / 4000 - 1, abs=0.01)
+    assert held["b"]["tokens_per_s_per_gpu"] == pytest.approx(4000 / 5000 - 1, abs=0.01)
+    assert abs(runs["a1"]["leave_one_out_relative_error"]["tokens_per_s_per_gpu"]) < 0.15  # a2 and b in its fit
+    source_a = loso["sources"][0]["step_time"]
+    assert source_a["in_sample"]["runs"] == source_a["held_out"]["runs"] == 2  # a-memory has no step time
+    assert source_a["held_out"]["median_abs_error"] == pytest.approx(1 - 4000 / 5000, abs=0.01)  # step time -20%
+    assert loso["sources"][0]["memory"]["in_sample"]["runs"] == 1
+    assert "peak_memory_gib" in runs["a-memory"]["leave_one_source_out_relative_error"]
+    assert result["median_abs_error"] == statistics.median(  # time fields only
+        abs(e) for r in result["runs"] for k, e in r["relative_error"].items() if k != "peak_memory_gib")
+    assert main(["plan", "--validate", str(path), "--markdown", "--profile", str(tmp_path / "none.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "| held out by source |" in out and "| Recipe B | 1 |" in out and "Not held out" in out
+    assert "Peak memory per GPU (1 runs report it)" in out

@@ -266,20 +266,23 @@ SAVE_KILLS = [(0, "before"), (1, "before"), (0, "shard"), (1, "shard"), (0, "sha
               (0, "shards"), (1, "shards"), (0, "meta"), (0, "cleanup")]
 
 
-def kill_in_save_trial(tmp_path: Path, rank: int, point: str) -> Path:
-    """Checkpoints at steps 3 and 6; rank ``rank`` dies at ``point`` of the second save. Returns the
-    checkpoint a resume would use, after checking it is complete and loads."""
+def kill_in_save_trial(tmp_path: Path, rank: int, point: str, async_save: bool = False) -> Path:
+    """Checkpoints at steps 3 and 6 (``async_save``: written in the background); rank ``rank`` dies at
+    ``point`` of the second save. Returns the checkpoint a resume would use, after checking it is complete
+    and loads."""
     from meshtrain import checkpoint as ckpt
     from meshtrain.cli.export import load_checkpoint_model
 
     proc = fault_run(tmp_path, f"kill-in-save:{rank}:{point}",
-                     **{"train.steps": "8", "checkpoint.interval": "3", "checkpoint.keep": "1"})
+                     **{"train.steps": "8", "checkpoint.interval": "3", "checkpoint.keep": "1",
+                        "checkpoint.async_save": str(async_save).lower()})
     assert proc.returncode != 0
     found = ckpt.resolve_checkpoint(tmp_path / "run", verify=True)
     # A step is committed only when rank 0 renamed it, after every shard and meta.json. Step 6 is when rank 0
     # died deleting the older one, and may be when rank 1 died after DCP's save had finished: rank 0 needs
     # nothing more from it to commit (torchrun's SIGTERM only asks it to stop after the step). Else step 3.
-    want = {6} if point == "cleanup" else {3, 6} if (rank, point) == (1, "shards") else {3}
+    # In the background, rank 0 commits only once every rank said its write ended: step 3 there.
+    want = {6} if point == "cleanup" else {3, 6} if (rank, point, async_save) == (1, "shards", False) else {3}
     assert int(found.name.split("_")[1]) in want, (rank, point, found)
     ckpt.verify_files(found)  # every file present, of the recorded size and SHA-256
     load_checkpoint_model(found)  # and DCP reads it
@@ -301,6 +304,17 @@ def test_kill_during_save_keeps_a_complete_checkpoint_and_resume_runs(tmp_path, 
 @pytest.mark.parametrize(("rank", "point"), SAVE_KILLS, ids=[f"rank{r}-{p}" for r, p in SAVE_KILLS])
 def test_kill_during_save_ten_trials(tmp_path, rank, point):
     kill_in_save_trial(tmp_path, rank, point)
+
+
+BACKGROUND_SAVE_KILLS = [*SAVE_KILLS, (0, "training")]  # make test has (1, "training"), test_async_checkpoint.py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "point"), BACKGROUND_SAVE_KILLS, ids=[f"rank{r}-{p}" for r, p in BACKGROUND_SAVE_KILLS])
+def test_kill_during_background_save_trials(tmp_path, rank, point):
+    """``checkpoint.async_save``: the same kills, the shard ones in the writer's thread, and one while the
+    rank trains on with its write in flight."""
+    kill_in_save_trial(tmp_path, rank, point, async_save=True)
 
 
 def test_a_failing_rank_prints_its_error_once_and_the_others_one_line(tmp_path):

@@ -392,13 +392,13 @@ def test_the_command_line_gives_exit_2_and_no_traceback(tmp_path, tok_path):
 class BigVocab:
     """A tokenizer of 70,000 ids (past uint16) that maps each character to an id above 65,535."""
 
-    kind, vocab_size, bos_id, eos_id = "fake", 70_000, None, 69_999
+    kind, vocab_size, bos_id, eos_id = "hf", 70_000, None, 69_999
 
     def encode(self, text: str) -> list[int]:
         return [65_536 + ord(ch) % 1000 for ch in text]
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "path": "unused", "sha256": "0" * 64, "vocab_size": self.vocab_size}
 
 
 def test_a_vocabulary_past_uint16_gives_uint32_shards(tmp_path, docs, monkeypatch):

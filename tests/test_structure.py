@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtrain.models", "meshtrain.data",
        "meshtrain.runtime", "meshtrain.optim", "meshtrain.metrics", "meshtrain.mesh", "meshtrain.preflight",
-       "meshtrain.profiling", "meshtrain.runlock", "meshtrain.checkpoint_schema")
+       "meshtrain.profiling", "meshtrain.runlock", "meshtrain.checkpoint_schema", "meshtrain.checkpoint_async")
 """The modules a rank runs: none may import the launcher, the CLI or the planner."""
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
 SHARED_PARALLEL = ("reduce", "rng", "model")

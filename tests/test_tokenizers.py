@@ -269,3 +269,32 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, args, fragment):
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "t.json").exists() and (tmp_path / "exists.json").read_text() == "{}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_generate_streams_pieces_that_add_up_to_the_text(files, data):
+    """``meshtrain generate`` writes its text as the tokens come (``cli.generate.TextStream``): for every kind and
+    any token sequence, even one that cuts a character's bytes apart, the pieces handed out add up to the decoded
+    text, the prompt comes first, and a character tokenizer hands out one piece per token."""
+    import torch
+
+    from meshtrain.cli.generate import TextStream
+
+    kind = data.draw(st.sampled_from(KINDS))
+    tok = load(kind, files)
+    prompt = tok.encode("ROMEO:")
+    drawn = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=20) if kind != "char"
+                      else st.lists(st.sampled_from(tok.encode(TEXT[:200])), max_size=20))
+    pieces: list[str] = []
+    stream = TextStream(tok, prompt, pieces.append)
+    for token in drawn:
+        stream(torch.tensor([[token]]))
+    text = tok.decode(prompt + drawn)
+    stream.finish(text)
+    assert pieces[0] == tok.decode(prompt)
+    if text.startswith(tok.decode(prompt)) and all(tok.decode(prompt + drawn[:i]) == text[:len(tok.decode(prompt + drawn[:i]))]
+                                                   for i in range(len(drawn))):
+        assert "".join(pieces) == text  # decoding only ever appended: nothing lost, nothing twice
+    if kind == "char":
+        assert len([p for p in pieces if p]) == 1 + len(drawn)

@@ -41,6 +41,26 @@ def _number(kind: type, minimum: float | None, strict: bool) -> Callable[[str], 
     return parse
 
 
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer in ``[low, high]``: the upper bound where a library or the OS cannot take more (a seed of
+    torch's generator, processes, a tokenizer's vocabulary)."""
+    what = f"an integer in [{low}, {high:,}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+seed_int = int_in(0, 2**64 - 1)
+"""A seed torch's generator takes: 0 .. 2**64 - 1."""
 positive_int = _number(int, 0, strict=True)
 """An integer >= 1."""
 nonnegative_int = _number(int, 0, strict=False)

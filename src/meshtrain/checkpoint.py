@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 
 from meshtrain.checkpoint_schema import check_meta
 from meshtrain.config import Config, ConfigError
+from meshtrain.paths import path_problem
 from meshtrain.fileio import write_json_atomic
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -133,7 +134,7 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / META).is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and os.path.lexists(p / META)]
     return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 
@@ -151,7 +152,7 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
     if p.name.endswith(".tmp"):  # rank 0 writes meta.json into it before the commit; an interrupted save stays
         raise ConfigError(f"{key} = '{path}' is a checkpoint that was never committed (a save still running or "
                           f"cut short): give its run folder, which resumes from the newest committed step")
-    if (p / META).is_file():
+    if os.path.lexists(p / META):
         if verify:
             verify_files(p)
         return p
@@ -193,8 +194,10 @@ def verify_files(ckpt: Path) -> None:
     """
     for name, want in read_meta(ckpt)["files"].items():
         f = Path(ckpt) / name
-        if not f.is_file():
-            raise ConfigError(f"checkpoint {ckpt} is incomplete: {name} is missing")
+        problem = path_problem(f)
+        if problem:
+            raise ConfigError(f"checkpoint {ckpt} is incomplete: {name} "
+                              f"{'is missing' if problem == 'does not exist' else problem}")
         size = f.stat().st_size
         if size != want["bytes"]:
             raise ConfigError(f"checkpoint {ckpt} is damaged: {name} has {size:,} bytes, {want['bytes']:,} bytes when saved")
@@ -212,6 +215,9 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
             naming the file and the key).
     """
     path = Path(ckpt) / META
+    problem = path_problem(path)
+    if problem and problem != "does not exist":
+        raise ConfigError(f"checkpoint file {path} {problem}: the checkpoint is damaged; resume from another one")
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -225,28 +231,56 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     """Collectively save model + optimizer state and ``meta``; commit atomically; keep the newest ``keep``.
 
     Every rank of ``group`` (default: all) must call this, global rank 0 among them. Returns the
-    committed step folder.
+    committed step folder. (:class:`meshtrain.checkpoint_async.Checkpoints` writes the same folders in the
+    background.)
+
+    Raises:
+        FileExistsError: that step is already committed (nothing is overwritten).
+    """
+    tmp = begin_save(out_dir, step, group)
+    dcp.save(state_to_save(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    # every rank's files are in (DCP's save ends with a gather of every rank's write results)
+    final = commit(out_dir, step, meta, file_digests(tmp) if dist.get_rank() == 0 else {}, keep)
+    dist.barrier(group)
+    return final
+
+
+def begin_save(out_dir: Path, step: int, group: dist.ProcessGroup | None = None) -> Path:
+    """Collectively (over ``group``) make the empty ``step_N.tmp`` folder a save writes into; return it.
 
     Raises:
         FileExistsError: that step is already committed (nothing is overwritten).
     """
     final = step_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    rank = dist.get_rank()
     if final.exists():
         raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
-    if rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group)
+    return tmp
+
+
+def state_to_save(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as DCP saves it: tensors named by parameter name (:data:`OPTIONS`).
+    Collective for a ``ZeroRedundancyOptimizer`` (:func:`_as_adamw` gathers its shares)."""
     model_sd, optim_sd = get_state_dict(model, _as_adamw(optimizer, gather=True), options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
-    if rank == 0:  # every rank's files are in (DCP's save ends with a barrier); record them for verify_files
-        write_json_atomic(tmp / META, {"step": step, **meta, "files": file_digests(tmp)})
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def commit(out_dir: Path, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]], keep: int) -> Path:
+    """Rank 0 (a no-op elsewhere): write ``meta.json`` with the files manifest ``files``
+    (:func:`file_digests` of the finished ``.tmp`` folder) into ``step_N.tmp``, rename it to ``step_N``,
+    and delete all but the newest ``keep`` committed checkpoints. Call it once every rank's files are
+    written. Returns the committed step folder."""
+    final = step_dir(out_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        write_json_atomic(tmp / META, {"step": step, **meta, "files": files})
         os.replace(tmp, final)
         for old in list_checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old)
-    dist.barrier(group)
     return final
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, check_saved_config
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -34,10 +34,23 @@ def _manifest_ok(files: dict) -> bool:
         for name, entry in files.items())
 
 
+def _tokenizer_ok(tok: dict) -> bool:
+    """A tokenizer's ``to_dict`` (:mod:`meshtrain.data.tokenizers`): "char" with a non-empty string of distinct
+    characters, or a file kind with the file's path and SHA-256."""
+    from meshtrain.config import TOKENIZER_KINDS
+
+    if tok.get("kind") == "char":
+        chars = tok.get("chars")
+        return isinstance(chars, str) and len(chars) >= 1 and len(set(chars)) == len(chars)
+    return (tok.get("kind") in TOKENIZER_KINDS and isinstance(tok.get("path"), str)
+            and isinstance(tok.get("sha256"), str) and bool(SHA256_RE.match(tok["sha256"])))
+
+
 META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]] = {
     "step": _int_at_least(1),
     "config": _table("with a 'model' object", lambda v: isinstance(v.get("model"), dict)),
-    "tokenizer": _table("with a string 'kind'", lambda v: isinstance(v.get("kind"), str)),
+    "tokenizer": _table("with a 'kind' among char, hf, tiktoken, sentencepiece: char with its distinct 'chars', "
+                        "the others with their file's 'path' and 'sha256'", lambda v: _tokenizer_ok(v)),
     "corpus_sha256": ("a string of 64 hex digits", lambda v: isinstance(v, str), lambda v: bool(SHA256_RE.match(v))),
     "vocab_size": _int_at_least(1),
     "sampler": _table("with an integer 'samples_seen' >= 0",
@@ -69,6 +82,11 @@ def check_meta(meta: Any, path: Path) -> dict[str, Any]:
         if not typed(meta[key]) or not in_range(meta[key]):
             raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be {want}: the checkpoint "
                               f"is damaged or was edited; resume from another one")
+    try:
+        check_saved_config(meta["config"])
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint file {path}: in its saved config, {e}: the checkpoint is damaged or was edited; "
+                          f"resume from another one") from None
     for key, kind in OPTIONAL.items():
         if key in meta and not isinstance(meta[key], kind):
             raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be an object: the "

@@ -14,7 +14,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
     [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
                  max_nonfinite_steps, collective_timeout_s, tensorboard, profile_steps
-    [checkpoint] interval, keep, resume, allow_batch_change
+    [checkpoint] interval, keep, resume, allow_batch_change, async_save
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
 key, the value and what would be valid.
@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.rules.support import compile_eligible
+from meshtrain.paths import path_problem
+from meshtrain.rules.support import SUPPORTED, compile_error, recompute_error
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("auto", "float32", "bfloat16")
 COMPILES = ("auto", "on", "off")
+RECOMPUTES = SUPPORTED.recompute
 MODEL_TYPES = ("gpt", "llama", "lstm", "gru")
 TRANSFORMER_TYPES = ("gpt", "llama")
 RECURRENT_TYPES = ("lstm", "gru")
@@ -48,6 +50,15 @@ SYNC_MODES = ("sync", "async", "local-sgd")
 STALE_POLICIES = ("drop", "wait")
 LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch.scaled_lr`)."""
+MAX_SEED = 2**32 - 1
+"""Largest ``train.seed``: per-step seeds ``(seed * 1_000_003 + step) * 1_009 + rank`` stay below torch's 2**64."""
+MAX_TIMEOUT_S = 1e9
+"""Largest ``train.collective_timeout_s``: torch keeps the timeout in C++ milliseconds (1e308 s overflowed a rank)."""
+MAX_MODEL_SIZE = {"n_layer": 2**20, "n_head": 2**20, "n_embd": 2**24, "block_size": 2**31 - 1, "vocab_size": 2**31 - 1}
+"""Upper bounds of the model's sizes, each far past any model: the planner and the model hold per-layer lists and
+int32-indexed tables (a plan of 2**63 layers overflowed; 2**40 would fill the memory)."""
+MAX_MODEL_SIZE_WHY = {"n_layer": "blocks are built and planned one by one", "n_head": "far past any model",
+                      "n_embd": "far past any model", "block_size": "an int32 position"}
 
 
 class ConfigError(ValueError):
@@ -79,8 +90,9 @@ def tokenizer_kind(spec: str) -> str:
         if (path / HF_TOKENIZER_FILE).is_file():
             return "hf"
         raise ConfigError(f"data.tokenizer = '{spec}' is a folder without {HF_TOKENIZER_FILE}: {valid}")
-    if not path.is_file():
-        raise ConfigError(f"data.tokenizer = '{spec}' does not exist: {valid}")
+    problem = path_problem(path)
+    if problem:
+        raise ConfigError(f"data.tokenizer = '{spec}' {problem}: {valid}")
     if path.suffix == ".json":
         return "hf"
     if path.suffix == ".tiktoken":
@@ -296,7 +308,13 @@ class TrainConfig:
     compile: str = "auto"
     """``torch.compile`` each transformer block (``nn.Module.compile``: parameter names unchanged): "on",
     "off", or "auto": on for a GPT on CUDA, off on CPU, where it measured no faster (docs/benchmarks.md).
-    Layouts with pp, tp or sp > 1 and sync_mode "async" run uncompiled; "on" there is refused."""
+    Every layout compiles (per block, after tp/sp, before DDP/FSDP2) but a parameter-server run (sync_mode
+    "async") and the recurrent models, which run uncompiled; "on" there is refused."""
+    recompute: str = "none"
+    """Activation recomputation per transformer block (:mod:`meshtrain.parallel.recompute`): "none"; "selective"
+    (torch's per-operator selective checkpointing: GEMM, attention-kernel and tp/sp collective outputs kept,
+    norms, activations, dropout and residual adds recomputed in backward); "full" (only each block's input kept,
+    the whole block run again in backward). Trades step time for activation memory (docs/training.md)."""
     check_memory: bool = True
     """Before launch, refuse a run whose predicted peak memory (the planner's, all ranks of this node)
     exceeds the memory available (CPU: MemAvailable; GPU: each device's). false skips the check."""
@@ -328,6 +346,11 @@ class CheckpointConfig:
     allow_batch_change: bool = False
     """Resume at another global batch size than the checkpoint's (by default that is refused, since it
     changes the loss and the learning-rate schedule's meaning)."""
+    async_save: bool = False
+    """Write checkpoints in the background (``torch.distributed.checkpoint.async_save``): training waits
+    only while the state is copied to CPU memory, and a step becomes a checkpoint once every rank's write
+    finished (:mod:`meshtrain.checkpoint_async`). Costs a CPU copy of the model and optimizer state per rank
+    while a write runs. Needs a synchronous ``parallel.sync_mode`` (not "async")."""
 
 
 @dataclass
@@ -462,6 +485,30 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return cfg
 
 
+SAVED_KEYS = ("data.val_fraction", "train.seed")
+"""Keys of a saved config besides ``[model]`` that a resume compares with the run's (:mod:`meshtrain.preflight`)."""
+
+
+def check_saved_config(saved: dict[str, Any]) -> ModelConfig:
+    """The model of a config a checkpoint saved (``meta.json["config"]``): each ``[model]`` key present, typed
+    and in range as :func:`validate` checks a config (the other sections at their defaults), and
+    :data:`SAVED_KEYS` too; keys it lacks (older checkpoints) take their defaults.
+
+    Raises:
+        ConfigError: the first wrong key, e.g. "model.n_layer = 0 must be >= 1".
+    """
+    cfg = Config()
+    for dotted in [f"model.{key}" for key in saved["model"]] + list(SAVED_KEYS):
+        section, key = dotted.split(".")
+        table = saved.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"'{section}' = {table!r} (it must be a table)")
+        if key in table:
+            set_key(cfg, dotted, table[key], from_text=False)
+    validate(cfg)
+    return cfg.model
+
+
 def apply_init_from(m: ModelConfig, given: set[str]) -> None:
     """Set the model keys from ``model.init_from``'s ``config.json`` (:func:`meshtrain.hf_format.model_keys`);
     nothing when it is empty. ``given`` holds the dotted keys the user set: one of them with another value
@@ -503,12 +550,27 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
     Raises:
         ConfigError: the file does not exist or is not valid TOML (one line naming the file).
     """
-    if not path.is_file():
-        raise ConfigError(f"{what} '{path}' does not exist")
+    require_regular_file(path, what)
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}): save it as UTF-8 TOML") from None
+    except OSError as e:
+        raise ConfigError(f"{what} '{path}' cannot be read: {e.strerror}") from None
+    if not text.strip():
+        raise ConfigError(f"{what} '{path}' is empty: give a TOML file with [section] tables, e.g. "
+                          f"configs/shakespeare_char.toml")
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what} '{path}' is not valid TOML: {e}") from None
+
+
+def require_regular_file(path: Path, what: str) -> None:
+    """Raise ConfigError (one line naming ``what`` and the path) unless ``path`` is a regular file."""
+    problem = path_problem(path)
+    if problem:
+        raise ConfigError(f"{what} '{path}' {problem}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -526,22 +588,28 @@ def validate(cfg: Config) -> Config:
     _require(m.type in MODEL_TYPES, f"model.type = {m.type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
+        _require(getattr(m, key) <= MAX_MODEL_SIZE[key], f"model.{key} = {getattr(m, key)} must be at most "
+                                                         f"{MAX_MODEL_SIZE[key]:,} ({MAX_MODEL_SIZE_WHY[key]})")
     _require(m.type in RECURRENT_TYPES or m.n_embd % m.n_head == 0,
              f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
     _require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
     if m.type in TRANSFORMER_TYPES:
         _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
-    if m.type == "llama":
-        _validate_llama(m)
+    _validate_llama(m)
     _validate_gpt_keys(m)
     _require(m.tbptt_steps == 0 or m.type in RECURRENT_TYPES,
              f"model.tbptt_steps = {m.tbptt_steps} applies to recurrent models only: use 0 with model.type = {m.type!r}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
     _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
+    _require(m.vocab_size <= MAX_MODEL_SIZE["vocab_size"], f"model.vocab_size = {m.vocab_size} must be at most "
+                                                           f"{MAX_MODEL_SIZE['vocab_size']:,} (an int32 token id)")
 
     path = d.resolved_path()
-    _require(path.is_file() or path.is_dir(), f"data.path = {d.path!r} does not exist: give a UTF-8 text file, a "
-                                              f"folder meshtrain prepare wrote, or leave it empty")
+    problem = None if path.is_dir() else path_problem(path)
+    _require(problem != "does not exist", f"data.path = {d.path!r} does not exist: give a UTF-8 text file, a "
+                                          f"folder meshtrain prepare wrote, or leave it empty")
+    _require(problem is None, f"data.path = {d.path!r} {problem}: give a UTF-8 text file or a folder meshtrain "
+                              f"prepare wrote")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     tokenizer_kind(d.tokenizer)
 
@@ -572,21 +640,31 @@ def validate(cfg: Config) -> Config:
              f"optim.lr was tuned at")
 
     _require(t.steps >= 1, f"train.steps = {t.steps} must be >= 1")
+    _require(0 <= t.seed <= MAX_SEED, f"train.seed = {t.seed} must be in [0, {MAX_SEED}] (2**32 - 1: numpy's "
+                                      f"and torch's generators are seeded from it per step and rank)")
     _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
     _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
-    _require(t.compile != "on" or compile_eligible(m.type, p.pp, p.tp, p.sp, p.sync_mode),
-             f"train.compile = \"on\" compiles a GPT or Llama at pp = tp = sp = 1 without sync_mode async (here pp={p.pp} "
-             f"tp={p.tp} sp={p.sp}, {p.sync_mode}, {m.type}): use \"auto\" or \"off\"")
+    why = compile_error(m.type, p.pp, p.tp, p.sp, p.sync_mode, p.pp_schedule) if t.compile == "on" else ""
+    _require(not why, f"train.compile = \"on\" cannot run here: {why}; use \"auto\" or \"off\"")
+    _require(t.recompute in RECOMPUTES,
+             f"train.recompute = {t.recompute!r} is not valid: use one of {', '.join(RECOMPUTES)}")
+    why = recompute_error(t.recompute, m.type, p.pp, p.pp_schedule, p.sync_mode)
+    _require(not why, why)
     _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
     _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
+    _require(t.collective_timeout_s <= MAX_TIMEOUT_S, f"train.collective_timeout_s = {t.collective_timeout_s} must be "
+                                                      f"at most {MAX_TIMEOUT_S:g} seconds (31 years)")
     _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")
     _validate_observability(cfg)
 
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    _require(not c.async_save or p.sync_mode != "async",
+             "checkpoint.async_save = true needs a synchronous parallel.sync_mode: the parameter server (sync_mode "
+             "= 'async') saves from inside its gradient handling, with no step the ranks share; use false")
     return cfg
 
 
@@ -610,13 +688,15 @@ def _validate_observability(cfg: Config) -> None:
 
 def _validate_llama(m: ModelConfig) -> None:
     """The llama keys: grouped-query heads, the MLP width rule, RoPE and its scaling (the norm's epsilon,
-    shared with the GPT, is checked in :func:`validate`)."""
+    shared with the GPT, is checked in :func:`validate`). Their ranges are checked for every model type (a
+    GPT ignores them, and a value no model takes is a mistake all the same), the shape rules for a llama."""
     kv = m.n_kv_head or m.n_head
     _require(m.n_kv_head >= 0, f"model.n_kv_head = {m.n_kv_head} must be >= 0 (0 = n_head)")
-    _require(m.n_head % kv == 0, f"model.n_kv_head = {m.n_kv_head} must divide model.n_head = {m.n_head} "
-                                 f"(each kv head serves n_head / n_kv_head query heads)")
-    _require((m.n_embd // m.n_head) % 2 == 0, f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head size) "
-                                              f"must be even: RoPE rotates pairs of features")
+    if m.type == "llama":
+        _require(m.n_head % kv == 0, f"model.n_kv_head = {m.n_kv_head} must divide model.n_head = {m.n_head} "
+                                     f"(each kv head serves n_head / n_kv_head query heads)")
+        _require((m.n_embd // m.n_head) % 2 == 0, f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head "
+                                                  f"size) must be even: RoPE rotates pairs of features")
     _require(m.ffn_hidden >= 0, f"model.ffn_hidden = {m.ffn_hidden} must be >= 0 (0 = Llama's rule)")
     _require(m.multiple_of >= 1, f"model.multiple_of = {m.multiple_of} must be >= 1")
     _require(m.ffn_dim_multiplier >= 0 and math.isfinite(m.ffn_dim_multiplier),
@@ -625,12 +705,11 @@ def _validate_llama(m: ModelConfig) -> None:
                                                                f"number > 1 (Llama 2: 10000, Llama 3: 500000)")
     _require(m.rope_scaling_factor >= 0 and math.isfinite(m.rope_scaling_factor),
              f"model.rope_scaling_factor = {m.rope_scaling_factor} must be a finite number >= 0 (0 = no scaling)")
-    if m.rope_scaling_factor:
-        _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor and math.isfinite(m.rope_high_freq_factor),
-                 f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and model.rope_high_freq_factor = "
-                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
-        _require(m.rope_original_max_positions >= 1,
-                 f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
+    _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+             f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and model.rope_high_freq_factor = "
+             f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
+    _require(m.rope_original_max_positions >= 1,
+             f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
 
 
 def _validate_gpt_keys(m: ModelConfig) -> None:
@@ -665,7 +744,7 @@ def _validate_support(cfg: Config) -> None:
         from meshtrain.rules.pipeline_schedules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
-                               cfg.model.n_layer, max(p.dp, 1) * p.sp)  # dp = -1 is checked in resolve_world
+                               cfg.model.n_layer, max(p.dp, 1) * p.sp, p.zero_stage)  # dp = -1: resolve_world
         _require(error is None, error or "")
     _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
              "parallel.tp_sequence_parallel = true is not supported yet: use false")
@@ -791,7 +870,7 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
         from meshtrain.rules.pipeline_schedules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
-                               cfg.model.n_layer, dp * p.sp)
+                               cfg.model.n_layer, dp * p.sp, p.zero_stage)
         _require(error is None, error or "")
     _require(p.sync_mode != "local-sgd" or dp >= 2,
              f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtrain.paths import path_problem
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,8 +57,9 @@ class Source:
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """The JSON object at ``path``. Raises HFFormatError (missing, unreadable or not an object)."""
-    if not path.is_file():
-        raise HFFormatError(f"{what} '{path}' does not exist")
+    problem = path_problem(path)
+    if problem:
+        raise HFFormatError(f"{what} '{path}' {problem}")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -70,7 +73,10 @@ def architecture(hf: dict[str, Any], where: Path) -> str:
     """The ``model.type`` building the architecture ``config.json`` names (``architectures[0]``, else
     ``model_type``). Raises HFFormatError for an architecture meshtrain does not build."""
     names = hf.get("architectures") or []
-    name = names[0] if isinstance(names, list) and names else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise HFFormatError(f"'{where}': architectures = {names!r} must be a list of names, e.g. "
+                            f"[\"{next(iter(ARCHITECTURES))}\"]")
+    name = names[0] if names else None
     if name in ARCHITECTURES:
         return ARCHITECTURES[name]
     if name is None and hf.get("model_type") in HF_MODEL_TYPE.values():
@@ -81,10 +87,13 @@ def architecture(hf: dict[str, Any], where: Path) -> str:
 
 
 def _get(hf: dict[str, Any], key: str, where: Path, typ: type | tuple[type, ...], default: Any = None) -> Any:
-    """``hf[key]`` (or ``default``), a number of type ``typ``. Raises HFFormatError: missing, or not a number."""
+    """``hf[key]`` (or ``default``), a positive number of type ``typ`` (a size, an epsilon, a RoPE base or
+    factor). Raises HFFormatError: missing, not a number, or not > 0."""
     value = hf.get(key, default)
     if not isinstance(value, typ) or isinstance(value, bool):
         raise HFFormatError(f"'{where}': {key} = {value!r} is missing or not a number")
+    if not 0 < value < float("inf"):
+        raise HFFormatError(f"'{where}': {key} = {value!r} must be a finite number > 0")
     return value
 
 
@@ -266,8 +275,9 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         HFFormatError: missing file, a header that is not safetensors JSON, or a file shorter than its
             header says (truncated).
     """
-    if not path.is_file():
-        raise HFFormatError(f"weights file '{path}' does not exist")
+    problem = path_problem(path)
+    if problem:
+        raise HFFormatError(f"weights file '{path}' {problem}")
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -296,18 +306,19 @@ def weight_map(folder: Path) -> dict[str, str]:
         HFFormatError: neither file, an index without a ``weight_map`` object, or a file it names missing.
     """
     index = folder / INDEX_FILE
-    if index.exists():
+    if os.path.lexists(index):
         data = read_json(index, "index")
         mapping = data.get("weight_map")
         if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
             raise HFFormatError(f"index '{index}' has no weight_map object of tensor name -> file name")
         for file in sorted(set(mapping.values())):
-            if os.sep in file or not (folder / file).is_file():
-                raise HFFormatError(f"shard '{folder / file}' named by '{index}' does not exist: copy every shard "
+            problem = "is not a file name" if os.sep in file else path_problem(folder / file)
+            if problem:
+                raise HFFormatError(f"shard '{folder / file}' named by '{index}' {problem}: copy every shard "
                                     f"into '{folder}'")
         return mapping
     single = folder / SINGLE_FILE
-    if not single.is_file():
+    if not os.path.lexists(single):
         raise HFFormatError(f"'{folder}' has neither {SINGLE_FILE} nor {INDEX_FILE}: give a Hugging Face model "
                             f"folder with safetensors weights")
     return {name: SINGLE_FILE for name in safetensors_header(single)}
@@ -333,7 +344,8 @@ def check_weights(folder: Path, model: dict[str, Any], vocab_size: int, ffn_hidd
         file = mapping.get(name)
         entry = headers[file].get(name) if file else None
         if not isinstance(entry, dict):
-            where = f"'{folder / file}'" if file else f"'{folder}'"
+            index = folder / INDEX_FILE
+            where = f"'{folder / file}'" if file else f"the weight_map of '{index}'" if index.exists() else f"'{folder}'"
             raise HFFormatError(f"tensor {name} is missing from {where}: the checkpoint does not match its "
                                 f"config.json")
         if tuple(entry.get("shape", ())) != shape:

@@ -64,6 +64,11 @@ class TensorBoardSink:
         self.writer.close()
 
 
+FILE_WIDTH = 160
+"""Columns of the progress bar and messages when stderr is not a terminal (a log file, a pipe): wide enough that
+the bar's loss, lr, tokens/s, elapsed time and ETA are never cut off."""
+
+
 class MetricsLog:
     """Writes metrics and shows progress; every method is a no-op unless ``enabled`` (rank 0). With
     ``tensorboard``, every record also goes to ``OUT/tb/`` (:class:`TensorBoardSink`)."""
@@ -73,6 +78,8 @@ class MetricsLog:
         self.out_dir, self.enabled = Path(out_dir), enabled
         self.start_time = time.perf_counter()
         self.console = Console(stderr=True)
+        if not self.console.is_terminal:  # a file or pipe: rich would clip every line at 80 columns
+            self.console = Console(stderr=True, width=FILE_WIDTH)
         self.progress: Progress | None = None
         self.tb: TensorBoardSink | None = None
         if not enabled:

@@ -44,6 +44,13 @@ def preflight(cfg: Config, nproc_total: int) -> None:
         check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
         check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
+    if resuming_here:
+        later = [p.name for p in ckpt.list_checkpoints(out) if int(p.name.split("_")[1]) > meta["step"]]
+        if later:  # the run would write those steps again, and its first save would stop on them
+            raise ConfigError(f"checkpoint.resume = '{found}' goes back to step {meta['step']}, but train.out_dir = "
+                              f"'{out}' holds later checkpoints ({later[0]}{f' .. {later[-1]}' if len(later) > 1 else ''}"
+                              f"): resume from the newest with --resume alone, or keep this one's run in another "
+                              f"folder: --resume '{found}' --out NEW_FOLDER")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
     if (out / METRICS_FILE).exists() and not resuming_here:

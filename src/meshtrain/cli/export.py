@@ -162,7 +162,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DE
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        files = export_hf(args.checkpoint, args.out, int(args.max_shard_mb * 2**20))
+        files = export_hf(args.checkpoint, args.out, int(min(args.max_shard_mb * 2**20, 2**62)))  # 1e308 MiB: no limit
         print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
         return 0
     path = export(args.checkpoint, args.out)

@@ -9,10 +9,12 @@ whose ``tokenizer.json`` (``tokenizers`` library) encodes the prompt. ``--temper
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from meshtrain.argtypes import nonnegative_float
+from meshtrain.argtypes import nonnegative_float, seed_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,13 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=nonnegative_float, default=0.8,
                    help="softmax temperature; 0 = greedy (always the most likely token)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--seed", type=int, default=1337, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=1337, help="sampling seed (0 .. 2**64 - 1)")
     p.set_defaults(func=run)
 
 
 def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-           top_k: int | None = None, seed: int = 1337) -> str:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens with the model saved in ``checkpoint``.
+           top_k: int | None = None, seed: int = 1337, on_text: Callable[[str], None] | None = None) -> str:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens with the model saved in ``checkpoint``. With ``on_text``,
+    the text is also handed out as it grows (:class:`TextStream`): the prompt, then each new piece.
 
     Raises:
         ConfigError: no checkpoint there, bad sampling arguments, or a prompt character outside the vocabulary.
@@ -57,9 +60,42 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
         raise ConfigError("--prompt is empty: give at least one character to continue")
     model.eval()
     idx = torch.tensor([ids], dtype=torch.long)  # (1, T0)
+    stream = TextStream(tokenizer, ids, on_text) if on_text is not None else None
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(seed))  # (1, T0 + N)
-    return tokenizer.decode(out[0].tolist())
+                         generator=torch.Generator().manual_seed(seed), on_token=stream)  # (1, T0 + N)
+    text = tokenizer.decode(out[0].tolist())
+    if stream is not None:
+        stream.finish(text)
+    return text
+
+
+class TextStream:
+    """Hands out the decoded text of a growing token sequence piece by piece, as ``generate`` draws tokens.
+
+    Each call appends the new token (a (1, 1) tensor) and, when the text decoded so far extends what was
+    handed out, hands out the new end. A text ending in U+FFFD (a character whose bytes are not all drawn
+    yet, byte-level BPE) or that rewrites earlier text waits for later tokens; :meth:`finish` hands out the
+    rest, so the pieces add up to the final text whenever decoding only ever appends."""
+
+    def __init__(self, tokenizer, ids: list[int], on_text: Callable[[str], None]) -> None:
+        self.tokenizer, self.ids, self.on_text = tokenizer, list(ids), on_text
+        self.sent = ""
+        self._send(tokenizer.decode(self.ids))
+
+    def __call__(self, token) -> None:
+        self.ids.append(int(token.reshape(-1)[0]))
+        self._send(self.tokenizer.decode(self.ids))
+
+    def _send(self, text: str) -> None:
+        if text.startswith(self.sent) and not text.endswith("\ufffd") and len(text) > len(self.sent):
+            self.on_text(text[len(self.sent):])
+            self.sent = text
+
+    def finish(self, text: str) -> None:
+        """Hand out what of the final ``text`` is not out yet."""
+        if text.startswith(self.sent):
+            self.on_text(text[len(self.sent):])
+            self.sent = text
 
 
 def _load(checkpoint: str | Path):
@@ -76,14 +112,23 @@ def _load(checkpoint: str | Path):
     from meshtrain.data.tokenizers import HFTokenizer, tokenizer_from_dict
 
     path = Path(checkpoint).expanduser()
-    if path.is_dir() and any((path / name).exists() for name in (hf.CONFIG_FILE, hf.SINGLE_FILE, hf.INDEX_FILE)):
+    if path.is_dir() and any(os.path.lexists(path / name) for name in (hf.CONFIG_FILE, hf.SINGLE_FILE, hf.INDEX_FILE)):
+        from meshtrain.paths import path_problem
         from meshtrain.models.hf import load_hf_model
 
         model, _ = load_hf_model(path)
-        if not (path / hf.TOKENIZER_FILE).is_file():
+        problem = path_problem(path / hf.TOKENIZER_FILE)
+        if problem == "does not exist":
             raise ConfigError(f"'{path}' has no {hf.TOKENIZER_FILE}: generate needs the model's tokenizer to read "
                               f"the prompt and write the text")
-        return model, HFTokenizer(path)
+        if problem:
+            raise ConfigError(f"'{path / hf.TOKENIZER_FILE}' {problem}: copy the model's tokenizer.json again")
+        try:
+            return model, HFTokenizer(path)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"'{path / hf.TOKENIZER_FILE}' cannot be read as a tokenizer ({reason}): copy the "
+                              f"model's tokenizer.json again") from None
     if path.suffix == SUFFIX and path.is_file():
         model, info = load_export(path)
     else:
@@ -92,6 +137,10 @@ def _load(checkpoint: str | Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    text = sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    sys.stdout.write(text + "\n")
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_text=write)
+    write("\n")
     return 0

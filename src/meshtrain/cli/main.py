@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the file system refused (name too long, read-only, no space, permission): not a bug
+        if e.errno is None:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"meshtrain {args.command}: error: {where}{e.strerror} (check the path, its permissions and the free "
+              f"space)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before any rank started (checks, planning): nothing was written
         print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from meshtrain.argtypes import positive_float, positive_int
+from meshtrain.argtypes import int_in, positive_float, positive_int
 from meshtrain.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, default_workers, prepare
 from meshtrain.data.sources import DOC_SPLITS
 
 REFRESH_PER_S = 4
+MAX_WORKERS = 1024
+"""Most tokenizing processes ``--workers`` starts (2**63 overflowed the process pool)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="jsonl key / parquet column holding the text (default: text)")
     p.add_argument("--val-fraction", type=positive_float, default=DEFAULT_VAL_FRACTION, metavar="F",
                    help="one document in every 1/F goes to val, spread evenly (default: %(default)s)")
-    p.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
+    p.add_argument("--workers", type=int_in(1, MAX_WORKERS), default=default_workers(), metavar="N",
                    help="tokenizing processes (default: min(4, CPUs) = %(default)s)")
     p.add_argument("--doc-split", choices=DOC_SPLITS, default="file",
                    help="text files: one document per file, or per blank-line-separated block (default: file)")

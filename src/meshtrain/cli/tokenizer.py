@@ -14,13 +14,16 @@ import argparse
 import os
 from pathlib import Path
 
-from meshtrain.argtypes import positive_int
+from meshtrain.argtypes import int_in
 from meshtrain.config import ConfigError
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN,)
 BYTE_ALPHABET = 256
 """Base symbols of a byte-level BPE: one per byte value."""
+MAX_VOCAB = 2**24
+"""Largest ``--vocab-size`` (16.8 M ids, past any tokenizer): the ``tokenizers`` trainer sizes its tables from it
+(2**63 made it panic)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,10 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            description="Train a byte-level BPE (tokenizers library, special token <|endoftext|> "
                                        "as EOS) on UTF-8 text files and write it as a tokenizer.json.")
     t.add_argument("--input", required=True, nargs="+", metavar="FILE", help="UTF-8 text files to learn merges from")
-    t.add_argument("--vocab-size", required=True, type=positive_int, metavar="N",
+    t.add_argument("--vocab-size", required=True, type=int_in(1, MAX_VOCAB), metavar="N",
                    help=f"ids in the vocabulary, special tokens included (>= {BYTE_ALPHABET + len(SPECIAL_TOKENS)})")
     t.add_argument("--out", required=True, metavar="FILE", help="tokenizer.json to write; it must not exist")
-    t.add_argument("--min-frequency", type=positive_int, default=2, metavar="K",
+    t.add_argument("--min-frequency", type=int_in(1, 2**32 - 1), default=2, metavar="K",
                    help="merge only pairs seen at least K times (default 2)")
     t.set_defaults(func=run)
 

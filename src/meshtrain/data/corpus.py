@@ -80,6 +80,23 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
     return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
 
 
+def read_text_corpus(path: Path) -> str:
+    """The text of the corpus file ``data.path``.
+
+    Raises:
+        ConfigError: (naming ``data.path``) unreadable, not UTF-8 or empty.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.path = '{path}' is not UTF-8 text (byte {e.start}): give a UTF-8 file") from None
+    except OSError as e:
+        raise ConfigError(f"data.path = '{path}' cannot be read: {e.strerror}") from None
+    if not text:
+        raise ConfigError(f"data.path = '{path}' is empty: give a non-empty UTF-8 text file")
+    return text
+
+
 def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
     """Read the UTF-8 text at ``path``, tokenize it with ``tokenizer`` (``data.tokenizer``: "char", or a file
     :func:`meshtrain.data.tokenizers.load_tokenizer` reads) and split it train | val; or, when ``path`` is a
@@ -96,14 +113,7 @@ def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str
     path = Path(path)
     if path.is_dir():
         return load_prepared(path, block_size, tokenizer)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"data.path = '{path}' is not UTF-8 text (byte {e.start}): give a UTF-8 file") from None
-    except OSError as e:
-        raise ConfigError(f"data.path = '{path}' cannot be read: {e.strerror}") from None
-    if not text:
-        raise ConfigError(f"data.path = '{path}' is empty: give a non-empty UTF-8 text file")
+    text = read_text_corpus(path)
     tok = load_tokenizer(tokenizer, text)
     try:
         ids = torch.tensor(tok.encode(text), dtype=torch.long)  # (N,) int64: holds ids >= 65536

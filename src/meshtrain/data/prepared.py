@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError
+from meshtrain.config import TOKENIZER_KINDS, ConfigError
+from meshtrain.paths import path_problem
 
 FORMAT = "meshtrain-prepared"
 FORMAT_VERSION = 1
@@ -186,9 +187,10 @@ class PreparedData:
             for shard in info["shards"]:
                 path = folder / shard["file"]
                 want = shard["tokens"] * data.dtype.itemsize
-                size = path.stat().st_size if path.is_file() else None
+                problem = path_problem(path)
+                size = None if problem else path.stat().st_size
                 if size != want:
-                    found = "is missing" if size is None else f"has {size} bytes"
+                    found = ("is missing" if problem == "does not exist" else problem) if problem else f"has {size} bytes"
                     raise ConfigError(f"prepared data '{folder}': shard {shard['file']} {found}, meta.json says "
                                       f"{want} ({shard['tokens']} tokens): run meshtrain prepare again")
         return data
@@ -223,9 +225,12 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise ConfigError(f"prepared data '{folder}' does not exist: make it with meshtrain prepare")
     path = folder / META_FILE
-    if not path.is_file():
+    problem = path_problem(path)
+    if problem == "does not exist":
         raise ConfigError(f"'{folder}' is not a complete prepared dataset (no {META_FILE}): run meshtrain prepare "
                           f"again")
+    if problem:
+        raise ConfigError(f"'{path}' {problem}: run meshtrain prepare again")
     try:
         meta = json.loads(path.read_text())
     except (ValueError, OSError) as e:
@@ -233,9 +238,49 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(f"'{path}' is not the meta.json of a meshtrain prepared dataset: run meshtrain prepare")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(f"prepared data '{folder}' has format version {meta.get('format_version')!r}; this "
+        raise ConfigError(f"'{path}' (prepared data) has format version {meta.get('format_version')!r}; this "
                           f"meshtrain reads version {FORMAT_VERSION}: run meshtrain prepare again")
+    for key, want, ok in _META_SCHEMA:
+        value = meta
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if not ok(value):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ConfigError(f"'{path}': '{key}' = {shown} must be {want}: the prepared data is damaged or was "
+                              f"edited; run meshtrain prepare again")
+    for split in SPLITS:
+        info = meta["splits"][split]
+        total = sum(s["tokens"] for s in info["shards"])
+        if total != info["tokens"] and info["tokens"] and info["documents"]:  # an empty split: PreparedData.open says so
+            raise ConfigError(f"'{path}': 'splits.{split}.tokens' = {info['tokens']} is not the sum of its shards' "
+                              f"tokens ({total}): the prepared data is damaged or was edited; run meshtrain prepare "
+                              f"again")
     return meta
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shards_ok(shards: Any) -> bool:
+    """A list of ``{"file": plain name, "tokens": n >= 0}``."""
+    return isinstance(shards, list) and all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) and s["file"] == Path(s["file"]).name
+        and s["file"] not in ("", ".", "..") and _count(s.get("tokens")) for s in shards)
+
+
+_META_SCHEMA = [
+    ("vocab_size", "an integer >= 1", lambda v: _count(v) and v >= 1),
+    ("dtype", f"one of {', '.join(DTYPES)}", lambda v: isinstance(v, str) and v in DTYPES),
+    ("tokenizer", "an object", lambda v: isinstance(v, dict)),
+    ("tokenizer.kind", f"one of {', '.join(TOKENIZER_KINDS[1:])}", lambda v: v in TOKENIZER_KINDS[1:]),
+    *((f"tokenizer.{key}", "a string", lambda v: isinstance(v, str)) for key in ("path", "sha256")),
+    ("splits", "an object", lambda v: isinstance(v, dict)),
+    *((f"splits.{split}", "an object", lambda v: isinstance(v, dict)) for split in SPLITS),
+    *((f"splits.{split}.{key}", "an integer >= 0", _count) for split in SPLITS for key in ("documents", "tokens")),
+    *((f"splits.{split}.shards", "a list of {\"file\": name, \"tokens\": n}", _shards_ok) for split in SPLITS),
+]
+"""(dotted key, what it must be, its check) of meta.json, in order: what the reader and the planner use."""
 
 
 def _split(split: str) -> str:

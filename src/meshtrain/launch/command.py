@@ -30,7 +30,7 @@ from meshtrain.argtypes import nonnegative_int
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides, resolve_world
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
-from meshtrain.launch.report import report_plan_vs_actual
+from meshtrain.launch.report import describe_run_folder, report_plan_vs_actual
 from meshtrain import runlock
 from meshtrain.preflight import preflight
 
@@ -48,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, help="ranks on this node (default: pp*dp*sp*tp of the config)")
     for name in SHORT:
         p.add_argument(f"--{name}", type=str, help=f"short for --{'parallel' if len(name) == 2 else 'train'}.{name}")
+    p.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="config: the config's layout (default); auto: the planner picks dp/tp/pp/sp, zero stage, "
+                        "micro-batch size, gradient accumulation, recompute and pipeline schedule for these ranks, "
+                        "keeping the config's global batch (layout keys given here are pinned; docs/planner.md)")
     p.add_argument("--out", help="output folder (short for --train.out_dir); must not hold another run")
     p.add_argument("--resume", nargs="?", const="@out", metavar="PATH",
                    help="continue from a checkpoint: a step folder or a run folder (its latest); "
@@ -64,10 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
     """The validated config of a ``train`` command line. Raises ConfigError."""
-    overrides = parse_overrides(extra)
-    for name in SHORT:
-        if getattr(args, name) is not None:
-            overrides[f"{'parallel' if len(name) == 2 else 'train'}.{name}"] = getattr(args, name)
+    overrides = _command_line_overrides(args, extra)
     if args.out is not None:
         overrides["train.out_dir"] = args.out
     if args.resume is not None:
@@ -76,6 +77,15 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
     if cfg.checkpoint.resume == "@out":
         cfg.checkpoint.resume = cfg.train.out_dir
     return cfg
+
+
+def _command_line_overrides(args: argparse.Namespace, extra: list[str]) -> dict[str, str]:
+    """The ``section.key`` overrides of the command line (``--tp 2`` as ``parallel.tp``), not the config file's."""
+    overrides = parse_overrides(extra)
+    for name in SHORT:
+        if getattr(args, name) is not None:
+            overrides[f"{'parallel' if len(name) == 2 else 'train'}.{name}"] = getattr(args, name)
+    return overrides
 
 
 def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int,
@@ -122,6 +132,12 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         nproc = args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
+    if args.layout == "auto":
+        from meshtrain.launch import auto
+
+        chosen = auto.apply(cfg, _command_line_overrides(args, extra), nproc * nnodes, nproc, rank_threads(nproc))
+        extra += [arg for key, value in chosen.items() for arg in (f"--{key}", value)]
+        cfg = build_config(args, extra)
     check_rendezvous(args, nnodes)
     # one run per folder: the lock is this process's until it exits (the kernel drops it if it is killed);
     # with several nodes only node 0's launcher holds it (a shared file system would refuse the others)
@@ -178,7 +194,8 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
     except ChildFailedError as e:
         if all(f.exitcode == 2 for f in e.failures.values()):  # a config error a rank said in one line
             return 2
-        print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above", file=sys.stderr)
+        print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above. "
+              f"{failed_run_hint(Path(cfg.train.out_dir))}", file=sys.stderr)
         return 1
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -189,7 +206,20 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
             logging.getLogger(name).removeFilter(quiet)
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
         report_plan_vs_actual(cfg, threads)
+        print(describe_run_folder(Path(cfg.train.out_dir)), file=sys.stderr)
     return 0
+
+
+def failed_run_hint(out_dir: Path) -> str:
+    """What a run folder allows after its ranks failed: ``--resume`` from the newest committed checkpoint (a
+    save cut short never committed, and its ``.tmp`` folder is never resumed), or, with none, starting again in a
+    new folder (a folder with a run in it is never reused)."""
+    from meshtrain.checkpoint import list_checkpoints
+
+    found = list_checkpoints(out_dir)
+    if found:
+        return f"The same command with --resume continues from {found[-1].name} in {out_dir}."
+    return f"{out_dir} holds no checkpoint: start again with another --out (or remove {out_dir})."
 
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"

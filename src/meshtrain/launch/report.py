@@ -21,6 +21,10 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
     try:
         summary = json.loads(path.read_text())
         if summary.get("step_time_s") is None:
+            from meshtrain.train.loop import TIMING_WARMUP_STEPS
+            print(f"meshtrain train: no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} steps of a "
+                  f"run are warm-up and not timed, and this one ran no step past them (train.steps = "
+                  f"{cfg.train.steps}); run more steps to measure", file=sys.stderr)
             return
         pipeline = summary.get("pipeline")
         if pipeline:
@@ -31,3 +35,21 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
         report_run(cfg, summary, threads)
     except (ConfigError, OSError, KeyError, TypeError, ValueError) as e:
         print(f"meshtrain train: warning: no plan vs actual: {e}", file=sys.stderr)
+
+
+def describe_run_folder(out_dir: Path) -> str:
+    """One line naming the run folder and what is in it: its files and folders, the checkpoints counted with
+    the newest named (``checkpoints/step_*``)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return f"run folder {out_dir}: not written"
+    parts = []
+    for entry in sorted(out_dir.iterdir(), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir() and entry.name == "checkpoints":
+            steps = sorted(p.name for p in entry.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            parts.append(f"checkpoints/ ({len(steps)}, newest {steps[-1]})" if steps else "checkpoints/ (none)")
+        else:
+            parts.append(entry.name + ("/" if entry.is_dir() else ""))
+    return f"run folder {out_dir}: " + ", ".join(parts)

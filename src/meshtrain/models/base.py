@@ -25,13 +25,16 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                  generator: torch.Generator | None) -> torch.Tensor:
     """One sampled token id per row: ``logits`` (B, V) of the last position -> (B, 1) int64.
 
-    ``temperature`` 0 is greedy decoding: the most likely id (the first of equal ones, ``argmax``). Otherwise
+    ``temperature`` 0 (or below the smallest normal of ``logits``' dtype, which would round it to 0) is greedy
+    decoding: the most likely id (the first of equal ones, ``argmax``). Otherwise
     logits are divided by ``temperature`` (> 0), optionally restricted to the ``top_k`` largest, and
     sampled with ``torch.multinomial`` from ``generator`` (same device as ``logits``) if given.
     """
-    if temperature == 0:
+    if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one the logits' dtype rounds to 0: the greedy limit
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-    logits = logits / temperature
+    # shifted by the row's max first (softmax is shift-invariant): a tiny temperature (1e-38) then gives 0 for
+    # the max and -inf below it, the greedy limit, instead of inf - inf = nan
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -27,6 +27,7 @@ returns hidden states). Blocks live in a ``ModuleDict`` keyed by layer index, so
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -284,15 +285,18 @@ class GPT(LayeredLM):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
 
         The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
         by :func:`meshtrain.models.base.sample_token` (``temperature`` >= 0, 0 greedy; optional ``top_k``,
-        ``generator`` on the device of ``idx``).
+        ``generator`` on the device of ``idx``). ``on_token`` gets each new token (B, 1) as it is drawn.
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.block_size:]  # (B, <= block_size)
             nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
+            if on_token is not None:
+                on_token(nxt)
         return idx

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshtrain import hf_format as hf
-from meshtrain.config import ConfigError, ModelConfig, apply_init_from
+from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
 
 def model_dict(cfg: ModelConfig) -> dict[str, Any]:
     from dataclasses import asdict
@@ -45,8 +45,13 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     """
     cfg = ModelConfig(init_from=str(folder))
     apply_init_from(cfg, set())
-    limit = hf.max_positions(hf.read_json(Path(folder).expanduser() / hf.CONFIG_FILE, "config"))
+    where = Path(folder).expanduser() / hf.CONFIG_FILE
+    limit = hf.max_positions(hf.read_json(where, "config"))
     cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
+    try:
+        check_saved_config({"model": model_dict(cfg)})
+    except ConfigError as e:
+        raise ConfigError(f"'{where}' describes a model meshtrain cannot build: {e}") from None
     return cfg
 
 

@@ -42,6 +42,7 @@ from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
 from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
 from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
+from meshtrain.parallel.recompute import apply_recompute, compile_blocks
 from meshtrain.parallel.rng import TPRegionRNG
 from meshtrain.parallel.reduce import cross_entropy, local_value
 from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
@@ -66,18 +67,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     """
     p, b = cfg.parallel, cfg.batch
     eos = _packing_eos(cfg, eos_id)
+    device_type = next(model.parameters()).device.type
+    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode,
+                                                                   p.pp_schedule), device_type)
+    blockwise = {"recompute": cfg.train.recompute, "compiled": compiled}
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
         pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
-                                        document_masking=eos is not None)
-        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast)
-    device_type = next(model.parameters()).device.type
-    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode), device_type)
-    if compiled:
-        for block in model.blocks.values():
-            block.compile()  # before DDP/FSDP2 wrap it, as torchtitan orders them; names unchanged
-    model = parallelize_model(model, dims, p)
+                                        document_masking=eos is not None, **blockwise)
+        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast, compiled=compiled)
+    model = parallelize_model(model, dims, p, **blockwise)
     local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
                  if p.sync_mode == "local-sgd" else None)
     return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
@@ -108,42 +108,63 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return local_value(cross_entropy(logits, targets, inside_loss_parallel=True)).clone()
 
 
-def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """Apply tp -> sp -> dp to ``model`` (built on this rank's device) on ``dims``' mesh; return the module to train.
+def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",
+                      compiled: bool = False) -> nn.Module:
+    """Apply tp -> sp -> per-block recomputation and compile -> dp to ``model`` (built on this rank's device) on
+    ``dims``' mesh; return the module to train.
 
     ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
-    ``inner_attention`` submodules (:class:`meshtrain.models.gpt.GPT` does). With pp > 1 use
-    :func:`parallelize_pipeline`.
+    ``inner_attention`` submodules (:class:`meshtrain.models.gpt.GPT` does). ``recompute``: ``train.recompute``
+    ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`).
+    With pp > 1 use :func:`parallelize_pipeline`.
+
+    Raises:
+        ValueError: ``dims.pp > 1``, or an unknown ``recompute``.
     """
     if dims.pp > 1:
         raise ValueError(f"pp = {dims.pp}: use parallelize_pipeline")
     model = _shard(model, dims, cfg)
     _attach_tp_rng(model, dims, cfg)
+    _blockwise(model, model, recompute, compiled)
     model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb)
     _maybe_hierarchical(dims, cfg, [model])
     return model
 
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, n_microbatches: int,
-                         tokens_per_step: int, loss_fn: Callable, document_masking: bool = False) -> Pipeline:
-    """Split ``model`` into pipeline chunks for this rank, apply tp -> sp -> dp to each; return the
-    :class:`Pipeline` that trains them (``.model`` holds this rank's parameters, unwrapped).
+                         tokens_per_step: int, loss_fn: Callable, document_masking: bool = False,
+                         recompute: str = "none", compiled: bool = False) -> Pipeline:
+    """Split ``model`` into pipeline chunks for this rank, apply tp -> sp -> per-block recomputation and
+    compile -> dp to each; return the :class:`Pipeline` that trains them (``.model`` holds this rank's
+    parameters, unwrapped).
 
     ``n_microbatches``: micro-batches per step; ``tokens_per_step``: for balancing the chunks' costs;
     ``loss_fn``: ``(logits (B, T, V), targets (B, T)) -> mean loss`` on the last stage;
-    ``document_masking``: steps carry per-sample positions and document ids (``data.packing = "document"``).
+    ``document_masking``: steps carry per-sample positions and document ids (``data.packing = "document"``);
+    ``recompute``, ``compiled``: as in :func:`parallelize_model`.
     """
     pp_mesh = dims.get_mesh(Axis.PP)
     chunks, mine, parts = split_model(model, dims.pp, pp_mesh.get_local_rank(), cfg.virtual_stages,
                                       cfg.pp_schedule, tokens_per_step)
     parts = [_shard(part, dims, cfg) for part in parts]
     _attach_tp_rng(model, dims, cfg)
+    for part in parts:
+        _blockwise(part, model, recompute, compiled, split_backward=cfg.pp_schedule in ("zero-bubble", "zbv"))
     parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb) for part in parts]
     _maybe_hierarchical(dims, cfg, parts)
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
                     next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,
                     hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1, document_masking=document_masking)
+
+
+def _blockwise(part: nn.Module, model: nn.Module, recompute: str, compiled: bool, split_backward: bool = False) -> None:
+    """Recomputation, then compile, on each block of ``part`` (``model``, or one of its pipeline chunks, whose
+    tp dropout stream ``model.tp_rng`` the recomputation rewinds), after tp/sp and before dp: torchtitan's order.
+    ``split_backward``: a zero-bubble schedule runs them (:func:`meshtrain.parallel.recompute.compile_blocks`)."""
+    apply_recompute(part.blocks, recompute, getattr(model, "tp_rng", None))
+    if compiled:
+        compile_blocks(part.blocks, split_backward)
 
 
 def _maybe_hierarchical(dims: ParallelDims, cfg: ParallelConfig, models: list[nn.Module]) -> None:

@@ -143,9 +143,10 @@ class PipelineModel(ParallelModel):
     """pp > 1: the step's micro-batches through this rank's stages (:class:`meshtrain.parallel.pipeline.Pipeline`)."""
 
     def __init__(self, pipeline: Any, dims: ParallelDims, shard: Sharder,
-                 autocast: contextlib.AbstractContextManager) -> None:
+                 autocast: contextlib.AbstractContextManager, *, compiled: bool = False) -> None:
         super().__init__(pipeline.model, dims, shard, autocast)
         self.pipeline = pipeline
+        self.compiled = compiled
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         x, y, positions, doc_ids = self.local(torch.cat([mb[0] for mb in micro_batches]),

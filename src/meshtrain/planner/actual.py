@@ -64,7 +64,9 @@ def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware
     return hw, (f"{profile} [{name}]" if calibrated else "uncalibrated cpu defaults (run meshtrain plan --calibrate)")
 
 
-def _corpus_bytes(cfg: Config, profile: Path) -> float:
+def corpus_rss_bytes(cfg: Config, profile: Path) -> float:
+    """Bytes of RSS a CPU rank adds by loading ``cfg``'s corpus: its size times the profile's measured
+    ``corpus_bytes_per_char`` (or :data:`CORPUS_BYTES_PER_CHAR` without one)."""
     per_char = CORPUS_BYTES_PER_CHAR
     path = profile.expanduser()
     if path.is_file():
@@ -94,7 +96,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     framework = meshtrain_framework(cfg)
     memory = memory_breakdown(model, layout, hw, precision, framework)
     time = step_time(model, layout, hw, precision, framework)
-    peak = memory.total + (_corpus_bytes(cfg, profile) if device == "cpu" else 0.0)
+    peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)
     return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description,
             "threads_per_rank": threads, "layout": layout.label(),
             "memory_breakdown_bytes": {k: int(v) for k, v in memory.to_dict().items()},

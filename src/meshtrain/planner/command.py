@@ -193,6 +193,13 @@ def parse_fix(text: str) -> dict:
     return out
 
 
+MAX_DEVICES = 2**24
+"""Most devices the search takes (16.8 M, far past any cluster): it factors the device count and the batch
+(:func:`meshtrain.planner.search.divisors`, O(sqrt n)), which for 2**64 would not end."""
+MAX_BATCH = 2**40
+"""Most samples per optimizer step the search takes (1.1 T), for the same reason."""
+
+
 def build_context(args: argparse.Namespace):
     """Resolve model, hardware, precision, framework and job from the arguments (and a config)."""
     from meshtrain.planner.report import Context
@@ -247,9 +254,18 @@ def build_context(args: argparse.Namespace):
         raise ConfigError("give --num-gpus N (>= 1)")
     if not gbs or gbs < 1:
         raise ConfigError("give --global-batch-size N or --global-batch-tokens N (>= 1)")
+    if world > MAX_DEVICES:
+        raise ConfigError(f"{world:,} devices (--num-gpus or the config's layout) is more than the planner searches: "
+                          f"give at most {MAX_DEVICES:,}")
+    if gbs > MAX_BATCH:
+        raise ConfigError(f"a global batch of {gbs:,} samples is more than the planner searches: give at most "
+                          f"{MAX_BATCH:,} (--global-batch-size, --global-batch-tokens / seq_len, or the config's batch)")
     samples = args.dataset_samples
     if args.dataset_tokens:
         samples = int(args.dataset_tokens // model.seq_len)
+        if samples < 1:
+            raise ConfigError(f"--dataset-tokens = {args.dataset_tokens:g} is less than one sample of seq_len = "
+                              f"{model.seq_len} tokens: give at least {model.seq_len}")
     steps = cfg.train.steps if cfg is not None and not (samples or args.token_budget) else None
     job = Job(world, gbs, num_samples=samples, epochs=args.epochs, token_budget=args.token_budget, total_steps=steps)
     return Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)

@@ -15,6 +15,8 @@ et al. 2022, Eq. 7, ``72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h))``, generalised as M
 ``B*s*L*(dense + attention)`` (Narayanan et al. 2021, Eq. 3, factor 96), selective adds
 ``B*s*L*attention``. Attention is counted non-causal (the convention of these papers and of MFU as
 Megatron and MosaicML report it); FlashAttention *executes* only the causal half, which the time model uses.
+meshtrain's "selective" (``Framework.selective = "op-level"``, :mod:`meshtrain.parallel.recompute`) recomputes
+no GEMM and no attention kernel, only the element-wise kernels (and ring attention's passes and merges).
 
 Time is a roofline per kernel class on the busiest stage: GEMMs at the device's achievable FLOP/s
 plus the time to move their operands (:func:`gemm_traffic_bytes`), element-wise kernels (norms,
@@ -81,10 +83,12 @@ def model_flops(model: ModelSpec, samples: int) -> float:
     return 3.0 * samples * model.seq_len * per_token
 
 
-def hardware_flops(model: ModelSpec, samples: int, recompute: str) -> float:
-    """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``)."""
+def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: str = "attention-core") -> float:
+    """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``); ``selective``:
+    ``Framework.selective`` ("op-level" recomputes no GEMM: no extra FLOPs)."""
     tokens = samples * model.seq_len
-    extra = {"none": 0.0, "selective": attention_flops_per_token(model),
+    attention_again = attention_flops_per_token(model) if selective == "attention-core" else 0.0
+    extra = {"none": 0.0, "selective": attention_again,
              "full": dense_flops_per_token(model) + attention_flops_per_token(model)}[recompute]
     return model_flops(model, samples) + tokens * model.layers * extra
 
@@ -204,9 +208,21 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     head += head_io
     ops = (_layer_host_s(dev, layout) * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
     forward = dense + attn + core + elementwise + head + ops
-    recompute = {"none": 0.0, "selective": attn + core, "full": dense + attn + core + elementwise}[layout.recompute]
-    gemm = 3 * dense + (dense if layout.recompute == "full" else 0.0)
-    return forward, 2 * forward + recompute, gemm
+    selective = elementwise + (core if ring else 0.0) if fw.selective == "op-level" else attn + core
+    recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
+    passes = recompute_passes(layout)
+    gemm = 3 * dense + (passes * dense if layout.recompute == "full" else 0.0)
+    return forward, 2 * forward + passes * recompute, gemm
+
+
+def recompute_passes(layout: Layout) -> int:
+    """How often backward recomputes a block's forward per micro-batch: once, but twice under the zero-bubble
+    schedules with full recomputation, whose input-gradient and weight-gradient passes are two backwards
+    through each block and each recomputes it (torch's non-reentrant checkpoint recomputes per backward;
+    selective recomputation does not run there, :func:`meshtrain.planner.layout.selective_runs`)."""
+    if layout.recompute == "none":
+        return 0
+    return 2 if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv") else 1
 
 
 def _layer_host_s(dev, layout: Layout) -> float:
@@ -286,7 +302,8 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
     rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens' width: ring pays more wire and latency
     but keeps every head on every rank (no ``heads % (tp*sp)`` rule).
     """
-    full = 1 if layout.recompute == "full" else 0
+    full = recompute_passes(layout) if layout.recompute == "full" else 0
+    ring_again = recompute_passes(layout)  # any recomputation runs ring attention's forward again
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     act = tokens * model.hidden * prec.activation_bytes
     out: list[Collective] = []
@@ -297,7 +314,7 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
     if layout.sp > 1:
         per_token = tokens * prec.activation_bytes / layout.tp
         if layout.sp_mode == "ring":
-            passes = (layout.sp - 1) * (1 + full) + (layout.sp - 1) + layout.sp
+            passes = (layout.sp - 1) * (1 + ring_again) + (layout.sp - 1) + layout.sp
             out.append(Collective("sp", "send-recv", 2, 2 * model.kv_dim * per_token, passes))
         else:
             out += [Collective("sp", "all-to-all", layout.sp, width * per_token, 2 + full)

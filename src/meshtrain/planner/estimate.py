@@ -79,18 +79,21 @@ class Estimate:
 
 
 def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
-             job: Job | None = None) -> Estimate:
+             job: Job | None = None, memory: MemoryBreakdown | None = None, checked: bool = False) -> Estimate:
     """Predict ``layout``. MFU = model FLOPs per second / (world_size * peak FLOP/s of the compute dtype).
+    ``memory``: its :func:`memory_breakdown` when the caller has it; ``checked``: the caller generated the
+    layout by the rules (:mod:`meshtrain.planner.search`), so they are not checked again.
 
     Raises:
         ConfigError: the layout breaks a divisibility rule or needs a feature the framework lacks
             (all of them listed in one line).
     """
-    errors = divisibility_errors(model, layout, job.global_batch_size if job else None)
-    errors += framework_errors(framework, layout, model)
-    if errors:
-        raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
-    mem = memory_breakdown(model, layout, hw, precision, framework)
+    if not checked:
+        errors = divisibility_errors(model, layout, job.global_batch_size if job else None)
+        errors += framework_errors(framework, layout, model)
+        if errors:
+            raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
+    mem = memory if memory is not None else memory_breakdown(model, layout, hw, precision, framework)
     t = step_time(model, layout, hw, precision, framework)
     seconds = t.total
     samples = layout.global_batch_size
@@ -100,6 +103,6 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
                     tokens_per_s=tokens_per_step(samples, model.seq_len) / seconds,
                     mfu=mflops / seconds / (world * hw.device.peak(precision.compute_dtype)),
-                    hardware_tflops_per_device=hardware_flops(model, samples, layout.recompute) / seconds / world / 1e12,
+                    hardware_tflops_per_device=hardware_flops(model, samples, layout.recompute, framework.selective) / seconds / world / 1e12,
                     model_tflops_per_device=mflops / seconds / world / 1e12,
                     total_steps=steps, total_time_s=steps * seconds if steps else None)

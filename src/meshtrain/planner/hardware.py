@@ -206,9 +206,16 @@ _CATALOG: dict[str, tuple[float, float, float, float, float, Network]] = {
     "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.51, _DGX_H100),
     "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.51, _PCIE5),
     "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.51, _DGX_H100),
+    # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s, 500 W power limit,
+    # 400 Gb/s RDMA per GPU. Its real peak is "between SXM and NVL" (torchtitan); the SXM datasheet's here.
+    "H100-HBM2e-96GB": (989 * TB, 67 * TB, 95 * GiB, 2.4 * TB, 0.51, _DGX_H100),
     "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.51, _DGX_B200),
     "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.35, _MI300X),
 }
+EFFICIENCY_FROM = {"A100-SXM-40GB": "A100-SXM-80GB", "H100-PCIe-80GB": "H100-SXM-80GB",
+                   "H200-SXM-141GB": "H100-SXM-80GB", "H100-HBM2e-96GB": "H100-SXM-80GB"}
+"""Device types that reuse another's ``matmul_efficiency`` (the same chip): one fit moves them together
+(:func:`meshtrain.planner.validate.fit_matmul_efficiency` fits per group, docs/planner.md "Constants")."""
 ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "A100-SXM-80GB",
            "H100": "H100-SXM-80GB", "H100-SXM": "H100-SXM-80GB", "H100-PCIe": "H100-PCIe-80GB",
            "H200": "H200-SXM-141GB", "B200": "B200-SXM-180GB", "MI300X": "MI300X-192GB"}

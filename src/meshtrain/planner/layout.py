@@ -69,7 +69,7 @@ class Layout:
           config's -1 fills the ranks; with ``sync_mode = "async"``, the number of workers);
         - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
         - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
-        - ``recompute``: the trainer has no activation recomputation, so it keeps its default "none".
+        - ``recompute``: the config's ``train.recompute``.
 
         Raises:
             ConfigError: ``world_size`` does not suit the config (:func:`meshtrain.config.resolve_world`).
@@ -79,9 +79,36 @@ class Layout:
         names = {f.name for f in fields(cls)}
         values = {f.name: getattr(section, f.name) for section in (p, cfg.batch) for f in fields(section)
                   if f.name in names}
-        values.update(dp=dp, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
+        values.update(dp=dp, recompute=cfg.train.recompute, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
                       ps_servers=p.ps_servers if p.sync_mode == "async" else 0)
         return cls(**values)
+
+    def to_overrides(self) -> dict[str, str]:
+        """The ``meshtrain train`` overrides (``section.key`` -> value text) that run this layout: the inverse
+        of :meth:`from_config`. Fields shared by name with :class:`~meshtrain.config.ParallelConfig` or
+        :class:`~meshtrain.config.BatchConfig` as they are, ``dp`` as ``parallel.dp``, ``recompute`` as
+        ``train.recompute``; ``local_sgd_steps`` and ``ps_servers`` only when set (with the ``sync_mode`` they
+        imply); otherwise ``sync_mode = "sync"``.
+
+        Raises:
+            ValueError: a field the trainer has no key for holds another value than its default (a layout of
+                another framework's, e.g. from ``--framework megatron-core``).
+        """
+        from meshtrain.config import BatchConfig
+
+        sections = {f.name: "parallel" for f in fields(ParallelConfig)} | {f.name: "batch" for f in fields(BatchConfig)}
+        sections["recompute"] = "train"
+        sync_mode = "local-sgd" if self.local_sgd_steps else "async" if self.ps_servers else "sync"
+        out = {"parallel.sync_mode": sync_mode}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("local_sgd_steps", "ps_servers") and not value:
+                continue
+            if f.name in sections:
+                out[f"{sections[f.name]}.{f.name}"] = str(value).lower() if isinstance(value, bool) else str(value)
+            elif value != f.default:
+                raise ValueError(f"layout field {f.name} = {value!r} has no key in the trainer's config")
+        return out
 
     @property
     def world_size(self) -> int:
@@ -184,6 +211,12 @@ class Framework:
     """The zero_stage-0 gradient all-reduce can run hierarchically (node leaders only cross nodes)."""
     zero1_ddp_only: bool = False
     """zero_stage 1 only at tp = pp = 1 (meshtrain's ZeroRedundancyOptimizer, :func:`zero_stage_error`)."""
+    selective: str = "attention-core"
+    """What ``recompute = "selective"`` recomputes: "attention-core", Korthikanti et al. 2022, Sec. 5 (the
+    attention scores' QK^T, softmax, dropout and AV; Megatron-LM), or "op-level", meshtrain's per-operator
+    selective checkpointing (:mod:`meshtrain.parallel.recompute`: GEMM, attention-kernel and tp/sp collective
+    outputs kept, every other operator recomputed), which the zero-bubble schedules do not run
+    (:func:`selective_runs`)."""
 
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
@@ -199,7 +232,8 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
-                      hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only)
+                      hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only,
+                      selective="op-level")
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
@@ -224,6 +258,9 @@ FRAMEWORKS = {f.name: f for f in (
               pp_schedules=("1f1b", "interleaved-1f1b"), grad_bucket_bytes=float("inf"),
               cross_entropy_bytes=MEGATRON_CE_BYTES),
     Framework("fsdp", zero_stages=(0, 2, 3), pp_schedules=("1f1b",), grad_sync_every_microstep=True),
+    # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
+    # checkpointing saves matmul, attention and collective outputs and recomputes the rest (op-level).
+    Framework("torchtitan", zero_stages=(0, 3), selective="op-level"),
 )}
 
 
@@ -266,7 +303,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"pp_schedule = {L.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
     elif L.pp > 1 and schedule:
         error = schedule_error(L.pp_schedule, L.pp, L.virtual_stages, L.gradient_accumulation_steps, model.layers,
-                               L.dp * L.sp)
+                               L.dp * L.sp, L.zero_stage)
         e += [error] if error else []
     elif L.virtual_stages > 1:
         e.append(f"virtual_stages = {L.virtual_stages} needs pp > 1")
@@ -295,6 +332,9 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
     if layout.recompute not in framework.recompute:
         e.append(f"recompute = {layout.recompute!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.recompute)})")
+    elif not selective_runs(framework, layout):
+        e.append(f"recompute = 'selective' does not run with pp_schedule = {layout.pp_schedule!r} in {framework.name} "
+                 f"(its per-operator checkpoint allows one backward per block; the schedule's weight pass is a second)")
     if layout.zero_stage not in framework.zero_stages:
         e.append(f"zero_stage = {layout.zero_stage} is not available in {framework.name} "
                  f"(it has {', '.join(map(str, framework.zero_stages))})")
@@ -310,6 +350,21 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
         e.append(f"hierarchical_allreduce is not available in {framework.name} with zero_stage = "
                  f"{layout.zero_stage} and tp = {layout.tp} (meshtrain: zero_stage 0 and tp 1)")
     return e
+
+
+def selective_runs(framework: Framework, layout: Layout) -> bool:
+    """False where ``layout`` asks for "selective" recomputation under a pipeline schedule whose split backward
+    the framework's selective mode does not take (op-level under zero-bubble and zbv:
+    :attr:`meshtrain.rules.pipeline_schedules.ScheduleRule.selective_recompute`), else True."""
+    return not (layout.recompute == "selective" and framework.selective == "op-level" and layout.pp > 1
+                and layout.pp_schedule in RULES and not RULES[layout.pp_schedule].selective_recompute)
+
+
+def recompute_modes(framework: Framework, modes: list[str], pp: int, pp_schedule: str) -> list[str]:
+    """``modes`` without those :func:`selective_runs` refuses at ``pp`` and ``pp_schedule`` (the search's list)."""
+    if pp == 1 or framework.selective != "op-level" or RULES[pp_schedule].selective_recompute:
+        return modes
+    return [m for m in modes if m != "selective"]
 
 
 def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:

@@ -14,8 +14,11 @@ Activations (Korthikanti et al. 2022, Sec. 4 and Table 2), per layer and micro-b
     no parallelism          s*b*h*(34 + 5*a*s/h)        (2-byte activations, dropout, f = 4h, MHA)
     tp                      s*b*h*(10 + 24/t + 5*a*s/(h*t))
     tp + sequence parallel  s*b*h*(34/t + 5*a*s/(h*t))
-    selective recompute     drops the 5*a*s/h attention-score term
+    selective recompute     drops the 5*a*s/h attention-score term (Korthikanti's, "attention-core")
     full recompute          2*s*b*h (the layer input only; /t with sequence parallelism)
+
+meshtrain's own "selective" is per-operator (``Framework.selective = "op-level"``): the layer input plus
+the GEMM, attention-kernel and collective outputs (:func:`op_level_saved_bytes`).
 
 generalised below to grouped-query attention, SwiGLU, other f, no dropout, FlashAttention (which keeps
 no s x s scores; nor does the trainer's ring attention, which recomputes them in backward) and sp
@@ -100,8 +103,13 @@ def _stage_params(model: ModelSpec, pp: int, tp: int) -> float:
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
     """``(units, blocks per unit)`` of the busiest stage under ZeRO-3/FSDP: its blocks grouped as the
     trainer groups them (:func:`meshtrain.rules.support.fsdp_units`); blocks left over stay in the root."""
-    block_bytes = 4 * model.layer_params() / layout.tp
-    units, _ = fsdp_units([block_bytes] * stage_layers(model, layout), framework.fsdp_unit_bytes)
+    return _unit_shape(4 * model.layer_params() / layout.tp, stage_layers(model, layout), framework.fsdp_unit_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _unit_shape(block_bytes: float, blocks: int, unit_bytes: float) -> tuple[int, int]:
+    """:func:`fsdp_unit_shape` of ``blocks`` equal blocks (cached: the search asks it once per candidate)."""
+    units, _ = fsdp_units([block_bytes] * blocks, unit_bytes)
     return len(units), (len(units[0]) if units else 0)
 
 
@@ -120,6 +128,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     sharded_seq = t if layout.tp_sequence_parallel else 1
     if recompute == "full":
         return s * b * h * e / sharded_seq
+    if recompute == "selective" and framework.selective == "op-level":
+        return s * b * h * e / sharded_seq + op_level_saved_bytes(model, layout, e)
     masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
     replicated = s * b * (h * e * 4 + masks * h)  # 2 norm inputs + qkv input + fc1 input, masks
     mlp_hidden = (3 if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input; SwiGLU: gate, up, product
@@ -128,6 +138,37 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
         per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
         sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
     return replicated / sharded_seq + sharded / t
+
+
+def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
+    """Bytes per layer and micro-batch that meshtrain's per-operator selective recomputation keeps besides the
+    block's input (:mod:`meshtrain.parallel.recompute`): the outputs of
+
+    - the weight GEMMs, ``s*b*e*((q + 2kv + (m-1)*f)/t + 2h)``: the column-parallel q, k, v and MLP up (SwiGLU:
+      gate and up) outputs split over tp, the row-parallel attention and MLP down outputs whole (partial sums
+      before their reduction; all-gathered rows s with sequence parallelism);
+    - the attention kernel, ``s*b*q/t*e`` plus its fp32 log-sum-exp ``s*b*a/t*4``; ring attention keeps every
+      chunk pair's, (2sp+1)/2 times that, in fp32 (:class:`meshtrain.parallel.sequence.ring.RingAttention`);
+    - the collectives: tp's two all-reduces ``2*s*b*h*e``, or with sequence parallelism two all-gathers
+      ``2*s*b*h*e`` and two reduce-scatters ``2*s*b*h*e/t``; Ulysses' all-to-alls of q, k, v and the output
+      ``s*b*e*(2q + 2kv)/t``.
+
+    ``s`` is the sequence over sp. Measured per operator on the trainer (docs/planner.md). Takeaway: it keeps
+    about 11 of the ~16 activations of h per token a plain fp32 GPT block keeps (GELU MLP, no dropout), so it
+    saves less than full recomputation but recomputes no GEMM.
+    """
+    b, s, h, t = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp
+    kv, up = model.kv_dim, (model.mlp_matrices - 1) * model.ffn_hidden
+    gemms = s * b * e * ((h + 2 * kv + up) / t + 2 * h)
+    ring = layout.sp > 1 and layout.sp_mode == "ring"
+    pairs = (2 * layout.sp + 1) / 2 if ring else 1.0
+    attention = pairs * s * b * (h * (4 if ring else e) + model.heads * 4) / t
+    collectives = 0.0
+    if t > 1:
+        collectives += 2 * s * b * h * e * (1 + 1 / t if layout.tp_sequence_parallel else 1)
+    if layout.sp > 1 and not ring:
+        collectives += s * b * e * (2 * h + 2 * kv) / t
+    return gemms + attention + collectives
 
 
 def in_flight_microbatches(layout: Layout) -> float:

@@ -205,10 +205,9 @@ def corpus_vocab_size(cfg: Config) -> int:
     if cfg.data.tokenizer != "char":
         tok = load_tokenizer(cfg.data.tokenizer)
         return model_vocab_size(tok.kind, tok.vocab_size, 0, cfg.parallel.tp)
-    try:
-        return len(set(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"data.path = '{path}' cannot be read as UTF-8 text: {e}") from None
+    from meshtrain.data.corpus import read_text_corpus
+
+    return len(set(read_text_corpus(path)))
 
 
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:

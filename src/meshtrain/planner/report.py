@@ -169,40 +169,101 @@ def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
     return 0
 
 
-def print_validation(result: dict) -> None:
-    """Table of predicted vs measured for every run and field, with the median and max errors."""
-    table = Table(title="meshtrain plan --validate: predicted vs measured", title_justify="left")
-    for name in ("run", "layout (searched where unstated)", "field", "predicted", "measured", "error", "held-out error"):
-        table.add_column(name, justify="right" if name in ("predicted", "measured", "error", "held-out error") else "left")
+HELD_OUT = "held out by source"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _validation_rows(result: dict) -> list[list[str]]:
+    """One row per run and field: predicted, measured, in-sample error, leave-one-source-out error."""
+    rows = []
     for run in result["runs"]:
         for field, err in run["relative_error"].items():
-            loo = run.get("leave_one_out_relative_error", {}).get(field)
-            table.add_row(run["name"], run["layout"], field, number(run["predicted"][field]),
-                          number(run["measured"][field]), f"{err:+.1%}", "-" if loo is None else f"{loo:+.1%}")
+            held = run.get("leave_one_source_out_relative_error", {}).get(field)
+            rows.append([run["name"], run["layout"], field, number(run["predicted"][field]),
+                         number(run["measured"][field]), f"{err:+.1%}", "-" if held is None else f"{held:+.1%}"])
+    return rows
+
+
+def _source_rows(result: dict) -> list[list[str]]:
+    """Per source and overall: runs, step-time |error| median / mean in sample and held out by source."""
+    loso = result.get("leave_one_source_out")
+    if loso is None:
+        return []
+
+    def row(name: str, stats: dict, fitted: str) -> list[str]:
+        inside, held = stats["step_time"]["in_sample"], stats["step_time"]["held_out"]
+        return [name, str(inside["runs"]), f"{_pct(inside['median_abs_error'])} / {_pct(inside['mean_abs_error'])}",
+                f"{_pct(held['median_abs_error'])} / {_pct(held['mean_abs_error'])}", fitted]
+
+    rows = [row(s["source"], s, ", ".join(f"{g} {'-' if e is None else f'{e:.3f}'}" for g, e in s["gpus"].items()))
+            for s in loso["sources"]]
+    return rows + [row("all sources", loso, "catalog (in sample)")]
+
+
+def _memory_line(result: dict) -> str | None:
+    """Peak memory per GPU over the runs that report one (nothing in the memory model is fitted)."""
+    memory = result.get("leave_one_source_out", {}).get("memory", {}).get("in_sample")
+    if not memory or not memory["runs"]:
+        return None
+    return (f"peak memory per GPU ({memory['runs']} runs report it): median |error| {_pct(memory['median_abs_error'])}, "
+            f"mean {_pct(memory['mean_abs_error'])}; nothing in the memory model is fitted, so held out = in sample")
+
+
+SOURCE_COLUMNS = ("source held out", "runs", "step time |error| in sample (median / mean)",
+                  f"{HELD_OUT} (median / mean)", "matmul_efficiency refitted on the other sources")
+
+
+def print_validation(result: dict) -> None:
+    """Table of predicted vs measured for every run and field, with the in-sample and the
+    leave-one-source-out errors (:func:`meshtrain.planner.validate.leave_one_source_out`), then the
+    step-time errors per source."""
+    table = Table(title="meshtrain plan --validate: predicted vs measured", title_justify="left")
+    for name in ("run", "layout (searched where unstated)", "field", "predicted", "measured", "error", HELD_OUT):
+        table.add_column(name, justify="right" if name in ("predicted", "measured", "error", HELD_OUT) else "left")
+    for row in _validation_rows(result):
+        table.add_row(*row)
     out = console()
     out.print(table)
     out.print(f"median |error| {result['median_abs_error']:.1%}, max {result['max_abs_error']:.1%} "
-                  f"(catalog constants, fitted on these runs)")
-    if "leave_one_out" in result:
-        loo = result["leave_one_out"]
-        out.print(f"held out: median |error| {loo['median_abs_error']:.1%}, max {loo['max_abs_error']:.1%} "
-                      f"(each run predicted with its device's matmul efficiency fitted on the other runs)")
+              f"(catalog constants; their matmul_efficiency was fitted on runs of this table)")
+    if "leave_one_source_out" in result:
+        loso = result["leave_one_source_out"]
+        out.print(f"{HELD_OUT}: median |error| {_pct(loso['median_abs_error'])}, max {_pct(loso['max_abs_error'])} "
+                  f"(each source predicted with the matmul efficiency fitted on the other sources' runs)")
+        sources = Table(title="step time by source: in sample vs held out by source", title_justify="left")
+        for name in SOURCE_COLUMNS:
+            sources.add_column(name, justify="right" if "|error|" in name or "median" in name or name == "runs"
+                               else "left")
+        for row in _source_rows(result):
+            sources.add_row(*row)
+        out.print(sources)
+        if _memory_line(result):
+            out.print(_memory_line(result))
+        if loso["not_held_out"]:
+            out.print(f"no other source on their device, so not held out: {', '.join(loso['not_held_out'])}")
 
 
 def validation_markdown(result: dict) -> str:
-    """The validation table as Markdown (what docs/planner.md publishes)."""
-    lines = ["| run | layout (searched where unstated) | field | predicted | measured | error | held-out error |",
+    """The validation tables as Markdown (what docs/planner.md publishes)."""
+    lines = [f"| run | layout (searched where unstated) | field | predicted | measured | error | {HELD_OUT} |",
              "|---|---|---|---:|---:|---:|---:|"]
-    for run in result["runs"]:
-        for field, err in run["relative_error"].items():
-            loo = run.get("leave_one_out_relative_error", {}).get(field)
-            lines.append(f"| {run['name']} | {run['layout']} | {field} | {number(run['predicted'][field])} | "
-                         f"{number(run['measured'][field])} | {err:+.1%} | {'-' if loo is None else f'{loo:+.1%}'} |")
+    lines += ["| " + " | ".join(row) + " |" for row in _validation_rows(result)]
     lines.append("")
     lines.append("Median \\|error\\| " f"{result['median_abs_error']:.1%}, max {result['max_abs_error']:.1%} with the catalog "
-                 "constants (fitted on these runs).")
-    if "leave_one_out" in result:
-        loo = result["leave_one_out"]
-        lines.append("Held out (leave-one-out): median \\|error\\| " f"{loo['median_abs_error']:.1%}, "
-                     f"max {loo['max_abs_error']:.1%}.")
+                 "constants (their matmul_efficiency was fitted on runs of this table).")
+    if "leave_one_source_out" in result:
+        loso = result["leave_one_source_out"]
+        lines.append(f"Held out by source: median \\|error\\| {_pct(loso['median_abs_error'])}, "
+                     f"max {_pct(loso['max_abs_error'])}.")
+        lines += ["", "| " + " | ".join(SOURCE_COLUMNS).replace("|error|", "\\|error\\|") + " |",
+                  "|---|---:|---:|---:|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in _source_rows(result)]
+        memory = _memory_line(result)
+        if memory:
+            lines += ["", "P" + memory[1:].replace("|error|", "\\|error\\|") + "."]
+        if loso["not_held_out"]:
+            lines += ["", f"Not held out (no other source on their device): {', '.join(loso['not_held_out'])}."]
     return "\n".join(lines)

@@ -14,16 +14,16 @@ is not possible, since both only ever add time (Korthikanti et al. 2022, Sec. 5)
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import Hardware
-from meshtrain.rules.pipeline_schedules import schedule_error
+from meshtrain.rules.pipeline_schedules import runs_with_data_parallel, schedule_error
 from meshtrain.rules.support import zero_stage_error
-from meshtrain.planner.layout import RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors
-from meshtrain.planner.memory import Precision, memory_breakdown
+from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
+                                     recompute_modes)
+from meshtrain.planner.memory import Precision, memory_breakdown, stage_params
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -43,7 +43,7 @@ def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...], bat
     per_stage = -(-model.layers // pp)
     for sched in allowed:
         for v in [1] + [v for v in divisors(per_stage) if v > 1]:
-            if schedule_error(sched, pp, v, ga, model.layers, batch_degree) is None:
+            if schedule_error(sched, pp, v, ga, model.layers, batch_degree, zero_stage=3) is None:  # DDP: below
                 yield sched, v
 
 
@@ -52,13 +52,15 @@ def _choices(fixed: dict[str, Any], key: str, options: list[Any]) -> list[Any]:
 
 
 def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: dict[str, Any] | None = None,
-                      devices_per_node: int | None = None) -> Iterator[tuple[Layout, list[str]]]:
+                      devices_per_node: int | None = None,
+                      states_fit: Callable[[int, int, int, int], bool] | None = None) -> Iterator[tuple[Layout, list[str]]]:
     """Valid layouts the framework can run, as ``(layout, recompute modes)``: the layout holds the
     cheapest mode, the list every mode to try, cheapest first. ``fixed`` pins any Layout field (e.g.
     ``{"tp": 8, "recompute": "full"}``); a pinned value the framework lacks yields nothing. The model's
     divisibility rules are checked once per (tp, sp, sp_mode, pp, tp_sequence_parallel); batch and
     schedule rules hold by construction. With ``devices_per_node``, DDP layouts whose dp group spans
-    nodes come both with a flat and a hierarchical gradient all-reduce.
+    nodes come both with a flat and a hierarchical gradient all-reduce. ``states_fit(tp, pp, dp*sp, zero_stage)``
+    False skips every layout of those degrees and zero stage (their model states alone do not fit).
     """
     fixed = fixed or {}
     world, gbs = job.num_devices, job.global_batch_size
@@ -72,6 +74,9 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
         dp = world // (tp * sp * pp)
         if fixed.get("dp", dp) != dp or gbs % dp:
             continue
+        fitting_zeros = [z for z in zeros if states_fit is None or states_fit(tp, pp, dp * sp, z)]
+        if not fitting_zeros:
+            continue
         for sp_mode, seqp in _model_splits(model, framework, fixed, dp, tp, pp, sp):
             for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
                 ga = gbs // (dp * mbs)
@@ -80,12 +85,18 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
                 for sched, v in _schedules(model, pp, ga, framework.pp_schedules, dp * sp):
                     if fixed.get("pp_schedule", sched) != sched or fixed.get("virtual_stages", v) != v:
                         continue
-                    for zero in zeros:
+                    for zero in fitting_zeros:
                         if framework.zero1_ddp_only and zero_stage_error(zero, tp, pp):
                             continue
-                        layout = Layout(dp, tp, pp, sp, zero, mbs, ga, modes[0], sched, v, seqp, sp_mode)
+                        if not runs_with_data_parallel(sched, dp * sp, zero):
+                            continue
+                        runnable = recompute_modes(framework, modes, pp, sched)
+                        if not runnable:
+                            continue
+                        layout = Layout(dp, tp, pp, sp, zero, mbs, ga, runnable[0], sched, v, seqp, sp_mode)
                         for hier in _hierarchical(framework, layout, devices_per_node, fixed):
-                            yield replace(layout, hierarchical_allreduce=hier), modes
+                            yield (Layout(dp, tp, pp, sp, zero, mbs, ga, runnable[0], sched, v, seqp, sp_mode,
+                                          hierarchical_allreduce=True) if hier else layout), runnable
 
 
 def _hierarchical(framework: Framework, layout: Layout, devices_per_node: int | None,
@@ -121,20 +132,49 @@ def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fram
     """Predict every candidate; return them fastest first (fitting ones first when ``keep_unfit``).
 
     For each candidate the first recompute mode that fits is kept (later ones are slower by
-    construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged.
+    construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged. Degrees and
+    zero stages whose model states alone exceed the memory (:func:`states_lower_bound`) are not generated
+    (unless ``keep_unfit``), and each fitting layout's memory is predicted once.
     """
-    out = []
-    for base, modes in candidate_layouts(model, job, framework, fixed, hw.network.devices_per_node):
+    budget = hw.device.memory_bytes
+
+    def states_fit(tp: int, pp: int, shard: int, zero: int) -> bool:
+        return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision) <= budget
+
+    fits, unfit = [], []  # (layout, its memory breakdown)
+    for base, modes in candidate_layouts(model, job, framework, fixed, hw.network.devices_per_node, states_fit):
         chosen = None
         for rc in modes:
-            layout = base if rc == base.recompute else replace(base, recompute=rc)
-            if memory_breakdown(model, layout, hw, precision, framework).total <= hw.device.memory_bytes:
+            layout = base if rc == base.recompute else _with_recompute(base, rc)
+            memory = memory_breakdown(model, layout, hw, precision, framework)
+            if memory.total <= budget:
                 chosen = layout
                 break
-        if chosen is None:
-            if not keep_unfit:
-                continue
-            chosen = layout
-        out.append(estimate(model, chosen, hw, precision, framework, job))
+        if chosen is not None:
+            fits.append((chosen, memory))
+        elif keep_unfit:
+            unfit.append((layout, memory))
+    out = [estimate(model, layout, hw, precision, framework, job, memory, checked=True) for layout, memory in fits + unfit]
     out.sort(key=lambda e: (not e.fits, e.time.total))
     return out
+
+
+def _with_recompute(layout: Layout, recompute: str) -> Layout:
+    """``dataclasses.replace(layout, recompute=recompute)`` without its per-call field introspection (the
+    search makes one per candidate and mode; this is ~5x faster). ``Layout`` is frozen and holds no derived
+    state, so a copy of its fields with one changed is that layout."""
+    new = object.__new__(Layout)
+    new.__dict__.update(layout.__dict__, recompute=recompute)
+    return new
+
+
+def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int, hw: Hardware,
+                       precision: Precision) -> float:
+    """Bytes per device that every layout of these degrees needs at least: the busiest stage's weights,
+    gradients and optimizer states, each sharded over the ``shard`` = dp*sp ranks as ZeRO stage ``zero``
+    can shard it (Rajbhandari et al. 2020, Sec. 5; gradients counted sharded from stage 2 even where gradient
+    accumulation keeps them whole), plus the runtime overhead; no activations, no buffers. A lower bound of
+    :func:`meshtrain.planner.memory.memory_breakdown` (``tests/test_planner_search.py`` checks it)."""
+    p = stage_params(model, Layout(1, tp=tp, pp=pp))
+    return (p * precision.weight_bytes / (shard if zero >= 3 else 1) + p * precision.grad_bytes / (shard if zero >= 2 else 1)
+            + p * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)

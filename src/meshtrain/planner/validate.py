@@ -5,8 +5,13 @@ Input schema (``shared/validation/published_runs.toml``): ``[[run]]`` tables wit
 ``layout = {tp, pp, dp, global_batch_size, [micro_batch_size, gradient_accumulation_steps, recompute,
 zero_stage, pp_schedule]}`` and ``measured = {...}`` with one or more of ``tflops_per_gpu`` (+
 ``tflops_per_gpu_kind`` "hardware" or "model"), ``percent_of_peak``, ``mfu_percent``,
-``tokens_per_s_per_gpu`` and ``iteration_time_s`` (seconds per optimizer step of the whole global batch);
-any other key is an error.
+``tokens_per_s_per_gpu``, ``iteration_time_s`` (seconds per optimizer step of the whole global batch)
+and ``peak_memory_gib`` (peak memory per GPU as the source reports it: compared with the planner's peak,
+never used to fit); any other key is an error.
+
+Honest errors (docs/planner.md, "Validation"): the only constant fitted to these runs is each device's
+``matmul_efficiency`` (:func:`fit_matmul_efficiency`). Next to the in-sample errors (catalog constants)
+:func:`leave_one_source_out` refits it without each source (paper or recipe) and predicts that source.
 
 Uniform rules for what a run does not state (docs/planner.md, "Validation"):
 
@@ -29,18 +34,20 @@ from typing import Any
 
 from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job
-from meshtrain.planner.hardware import get_hardware
+from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.model_specs import from_table
 from meshtrain.planner.search import search
 
 SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"), ("korthikanti", "megatron-2022"),
-                     ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
+                     ("llm-foundry", "fsdp"), ("fsdp", "fsdp"), ("torchtitan", "torchtitan"))
 FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
            "pp_schedule", "virtual_stages", "tp_sequence_parallel", "sp_mode")
-PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s_per_gpu", "iteration_time_s")
+PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s_per_gpu", "iteration_time_s",
+               "peak_memory_gib")
 TIME_FIELDS = ("iteration_time_s",)  # inversely proportional to throughput: measured/predicted is inverted
+MEMORY_FIELDS = ("peak_memory_gib",)  # the planner's peak per device; never part of the efficiency fit
 TFLOPS_KINDS = ("model", "hardware")
 
 
@@ -49,6 +56,7 @@ class RunResult:
     """One published run: what was predicted, what was measured, signed relative errors (fractions)."""
 
     name: str
+    source: str
     layout: str
     fits: bool
     predicted: dict[str, float]
@@ -56,7 +64,7 @@ class RunResult:
     relative_error: dict[str, float]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "layout": self.layout, "fits": self.fits, "predicted": self.predicted,
+        return {"name": self.name, "source": self.source, "layout": self.layout, "fits": self.fits, "predicted": self.predicted,
                 "measured": self.measured, "relative_error": self.relative_error}
 
 
@@ -132,7 +140,7 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
     tflops = best.hardware_tflops_per_device if kind == "hardware" else best.model_tflops_per_device
     predicted = {"tflops_per_gpu": tflops, "percent_of_peak": 100 * tflops * 1e12 / hw.device.peak("bfloat16"),
                  "mfu_percent": 100 * best.mfu, "tokens_per_s_per_gpu": best.tokens_per_s / job.num_devices,
-                 "iteration_time_s": best.time.total}
+                 "iteration_time_s": best.time.total, "peak_memory_gib": best.memory.total / GiB}
     return best, {k: v for k, v in predicted.items() if k in measured}
 
 
@@ -141,14 +149,26 @@ def _ratio(run: dict[str, Any], profile: Path | None, efficiency: float) -> floa
     efficiency; a time field counts as predicted / measured, so every ratio > 1 means "run faster"."""
     _, predicted = predict_run(run, profile, efficiency)
     measured = measured_fields(run)
-    return statistics.mean(v / measured[k] if k in TIME_FIELDS else measured[k] / v for k, v in predicted.items())
+    return statistics.mean(v / measured[k] if k in TIME_FIELDS else measured[k] / v for k, v in predicted.items()
+                           if k not in MEMORY_FIELDS)
+
+
+def efficiency_group(run: dict[str, Any], profile: Path | None = None) -> str:
+    """The device type whose fitted ``matmul_efficiency`` ``run``'s device uses (:data:`EFFICIENCY_FROM`)."""
+    name = get_hardware(run["gpu"], profile=profile).device.name
+    return EFFICIENCY_FROM.get(name, name)
+
+
+def _timed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that measured a time or a throughput (those that constrain the matmul efficiency)."""
+    return [r for r in runs if any(k not in MEMORY_FIELDS for k in measured_fields(r))]
 
 
 def fit_matmul_efficiency(runs: list[dict[str, Any]], start: float, profile: Path | None = None) -> float:
     """The matmul efficiency of one device type that makes the median measured/predicted ratio of
     ``runs`` equal to 1 (fixed-point iteration: throughput is nearly proportional to it)."""
-    efficiency = start
-    for _ in range(4):
+    efficiency, runs = start, _timed(runs)
+    for _ in range(4 if runs else 0):
         efficiency *= statistics.median(_ratio(r, profile, efficiency) for r in runs)
     return efficiency
 
@@ -156,9 +176,9 @@ def fit_matmul_efficiency(runs: list[dict[str, Any]], start: float, profile: Pat
 def cross_validate(runs: list[dict[str, Any]], profile: Path | None = None) -> dict[str, dict[str, float]]:
     """Leave-one-out errors: each run is predicted with its device's matmul efficiency fitted on the
     *other* runs of that device (the catalog value when it is the only one). ``{name: {field: error}}``."""
-    out = {}
+    out, groups = {}, [efficiency_group(r, profile) for r in runs]
     for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if j != i and r["gpu"] == run["gpu"]]
+        others = _timed([r for j, r in enumerate(runs) if j != i and groups[j] == groups[i]])
         start = get_hardware(run["gpu"], profile=profile).device.matmul_efficiency
         eff = fit_matmul_efficiency(others, start, profile) if others else start
         _, predicted = predict_run(run, profile, eff)
@@ -170,12 +190,93 @@ def _summary(errors: list[float]) -> tuple[float | None, float | None]:
     return (statistics.median(errors), max(errors)) if errors else (None, None)
 
 
+def source_key(run: dict[str, Any]) -> str:
+    """The paper or recipe a run comes from: its ``source`` up to the first comma or parenthesis
+    ("Narayanan et al. 2021", "Megatron-LM README", "mosaicml/llm-foundry scripts/train/benchmarking/README.md");
+    the unit that :func:`leave_one_source_out` holds out."""
+    text = str(run.get("source", "")).strip() or "(no source)"
+    return text.split(",")[0].split(" (")[0].strip()
+
+
+def step_time_error(field: str, error: float) -> float:
+    """The step-time error a field's error implies: a time as it is; a throughput (TFLOP/s, MFU, tokens/s)
+    is inversely proportional to the step time of the same global batch, so ``1 / (1 + e) - 1``."""
+    return error if field in TIME_FIELDS else 1 / (1 + error) - 1
+
+
+def _run_step_error(errors: dict[str, float]) -> float | None:
+    """One step-time error per run: the mean over its time and throughput fields (views of one measurement)."""
+    steps = [step_time_error(k, e) for k, e in errors.items() if k not in MEMORY_FIELDS]
+    return statistics.mean(steps) if steps else None
+
+
+def _abs_stats(errors: list[float]) -> dict[str, float | int | None]:
+    """Median and mean of absolute errors (fractions), and how many there were."""
+    values = [abs(e) for e in errors]
+    return {"runs": len(values), "median_abs_error": statistics.median(values) if values else None,
+            "mean_abs_error": statistics.mean(values) if values else None}
+
+
+def leave_one_source_out(runs: list[dict[str, Any]], profile: Path | None = None) -> dict[str, Any]:
+    """Leave-one-source-out errors: for every source (:func:`source_key`) and device it ran on, the one
+    fitted constant (the device's ``matmul_efficiency``, :func:`fit_matmul_efficiency`) is refitted on the
+    runs of that device from every *other* source, and this source's runs are predicted with it.
+
+    A device whose runs all come from this source has nothing to fit on: those runs get no held-out
+    error (listed under ``"not_held_out"``). Returns ``{"errors": {run name: {field: error}},
+    "efficiency": {source: {gpu: value or None}}, "not_held_out": [names]}``. Everything else of the
+    model (frameworks, overlaps, traffic laws) is the same in and out of sample. Leave-one-out over runs
+    of the same paper flatters the fit: a paper's runs share its stack, cluster and counting conventions
+    (grouped cross-validation, Hastie, Tibshirani and Friedman, The Elements of Statistical Learning,
+    Sec. 7.10: the held-out unit must be as independent of the fit as a new user's run will be).
+    """
+    errors: dict[str, dict[str, float]] = {}
+    efficiency: dict[str, dict[str, float | None]] = {}
+    not_held_out: list[str] = []
+    keyed = [(source_key(r), efficiency_group(r, profile), r) for r in runs]
+    for source in dict.fromkeys(k for k, _, _ in keyed):
+        efficiency[source] = {}
+        for gpu in dict.fromkeys(g for k, g, _ in keyed if k == source):
+            others = _timed([r for k, g, r in keyed if g == gpu and k != source])
+            start = get_hardware(gpu, profile=profile).device.matmul_efficiency
+            eff = fit_matmul_efficiency(others, start, profile) if others else None
+            efficiency[source][gpu] = eff
+            for run in (r for k, g, r in keyed if k == source and g == gpu):
+                if eff is None:
+                    not_held_out.append(run["name"])
+                    continue
+                _, predicted = predict_run(run, profile, eff)
+                errors[run["name"]] = {k: (v - float(run["measured"][k])) / float(run["measured"][k])
+                                       for k, v in predicted.items()}
+    return {"errors": errors, "efficiency": efficiency, "not_held_out": not_held_out}
+
+
+def _source_summary(records: list[dict[str, Any]], loso: dict[str, Any]) -> dict[str, Any]:
+    """Per source and overall: step-time |error| in sample and held out by source (median, mean)."""
+    def stats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        held = [r["leave_one_source_out_relative_error"] for r in rs if "leave_one_source_out_relative_error" in r]
+        step = [_run_step_error(r["relative_error"]) for r in rs]
+        held_step = [_run_step_error(e) for e in held]
+        memory = [r["relative_error"][k] for r in rs for k in MEMORY_FIELDS if k in r["relative_error"]]
+        held_memory = [e[k] for e in held for k in MEMORY_FIELDS if k in e]
+        return {"step_time": {"in_sample": _abs_stats([e for e in step if e is not None]),
+                              "held_out": _abs_stats([e for e in held_step if e is not None])},
+                "memory": {"in_sample": _abs_stats(memory), "held_out": _abs_stats(held_memory)}}
+
+    sources = [{"source": s, "gpus": loso["efficiency"][s], **stats([r for r in records if r["source"] == s])}
+               for s in loso["efficiency"]]
+    return {"sources": sources, **stats(records), "not_held_out": loso["not_held_out"],
+            "fitted": "matmul_efficiency per device type (hardware catalog), refitted without the held-out source"}
+
+
 def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -> dict[str, Any]:
     """Predict every run of ``path``; return ``{"runs": [...], "median_abs_error", "max_abs_error"}``.
 
     Errors are signed fractions ``(predicted - measured) / measured``; the median and max are over the
-    absolute errors of every measured field of every run. With ``cross``, also the leave-one-out
-    errors (:func:`cross_validate`) per run and their median and max under ``"leave_one_out"``.
+    absolute errors of every time and throughput field of every run (memory is reported apart). With
+    ``cross``, also the leave-one-out errors (:func:`cross_validate`) under ``"leave_one_out"``, and the
+    leave-one-source-out errors (:func:`leave_one_source_out`) per run, per source and overall, in-sample
+    beside held-out, step time and memory, under ``"leave_one_source_out"``.
 
     Raises:
         ConfigError: missing file, bad TOML, or a malformed run.
@@ -188,14 +289,23 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -
         best, predicted = predict_run(run, profile)
         measured = {k: float(run["measured"][k]) for k in predicted}
         errors = {k: (predicted[k] - measured[k]) / measured[k] for k in predicted}
-        results.append(RunResult(run["name"], best.layout.label(), best.fits, predicted, measured, errors))
-    median, worst = _summary([abs(e) for r in results for e in r.relative_error.values()])
+        results.append(RunResult(run["name"], source_key(run), best.layout.label(), best.fits, predicted, measured,
+                                 errors))
+    median, worst = _summary([abs(e) for r in results for k, e in r.relative_error.items() if k not in MEMORY_FIELDS])
     out = {"runs": [r.to_dict() for r in results], "median_abs_error": median, "max_abs_error": worst}
     if cross:
         loo = cross_validate(runs, profile)
         for record in out["runs"]:
             record["leave_one_out_relative_error"] = loo[record["name"]]
-        median, worst = _summary([abs(e) for errs in loo.values() for e in errs.values()])
+        median, worst = _summary([abs(e) for errs in loo.values() for k, e in errs.items() if k not in MEMORY_FIELDS])
         out["leave_one_out"] = {"median_abs_error": median, "max_abs_error": worst}
+        loso = leave_one_source_out(runs, profile)
+        for record in out["runs"]:
+            if record["name"] in loso["errors"]:
+                record["leave_one_source_out_relative_error"] = loso["errors"][record["name"]]
+        median, worst = _summary([abs(e) for errs in loso["errors"].values() for k, e in errs.items()
+                                  if k not in MEMORY_FIELDS])
+        out["leave_one_source_out"] = {"median_abs_error": median, "max_abs_error": worst,
+                                       **_source_summary(out["runs"], loso)}
     return out
 

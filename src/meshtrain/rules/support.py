@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshtrain.rules.pipeline_schedules import RULES
+
 
 @dataclass(frozen=True)
 class Support:
@@ -36,7 +38,8 @@ class Support:
 
 
 SUPPORTED = Support(zero_stages=(0, 1, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
-                    pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none",), attention_dropout_sp_modes=("ulysses",))
+                    pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none", "selective", "full"),
+                    attention_dropout_sp_modes=("ulysses",))
 
 
 def zero_stage_error(zero_stage: int, tp: int, pp: int) -> str:
@@ -56,10 +59,36 @@ def uses_parameter_server(sync_mode: str) -> bool:
     return sync_mode == "async"
 
 
-def compile_eligible(model_type: str, pp: int, tp: int, sp: int, sync_mode: str) -> bool:
-    """Whether ``train.compile`` may compile this layout's blocks (``torch.compile`` per block, before DDP/
-    FSDP2 wrap them, as torchtitan orders it): a GPT or Llama at pp = tp = sp = 1, not a parameter-server run."""
-    return (pp, tp, sp) == (1, 1, 1) and not uses_parameter_server(sync_mode) and model_type in ("gpt", "llama")
+def compile_error(model_type: str, pp: int, tp: int, sp: int, sync_mode: str, pp_schedule: str = "1f1b") -> str:
+    """Why ``train.compile`` cannot compile this layout's blocks ("" when it can): ``torch.compile`` per block,
+    after tp/sp and before DDP/FSDP2 wrap it (torchtitan's order), under every layout of a GPT or Llama but a
+    parameter-server run (:mod:`meshtrain.parallel.recompute`)."""
+    if model_type not in ("gpt", "llama"):
+        return f"model.type = {model_type!r} has no transformer blocks to compile (a GPT or Llama has)"
+    if uses_parameter_server(sync_mode):
+        return "sync_mode = 'async' workers run their own loop, uncompiled"
+    return ""
+
+
+def compile_eligible(model_type: str, pp: int, tp: int, sp: int, sync_mode: str, pp_schedule: str = "1f1b") -> bool:
+    """Whether ``train.compile`` may compile this layout's blocks (:func:`compile_error` is empty)."""
+    return not compile_error(model_type, pp, tp, sp, sync_mode, pp_schedule)
+
+
+def recompute_error(recompute: str, model_type: str, pp: int, pp_schedule: str, sync_mode: str) -> str:
+    """Why ``train.recompute`` cannot run this layout ("" when it can; "none" always can)."""
+    if recompute == "none":
+        return ""
+    if model_type not in ("gpt", "llama"):
+        return f"train.recompute = {recompute!r} recomputes transformer blocks: model.type = {model_type!r} has none; use 'none'"
+    if uses_parameter_server(sync_mode):
+        return f"train.recompute = {recompute!r} does not run with sync_mode = 'async' (its workers' own loop); use 'none'"
+    rule = RULES.get(pp_schedule)
+    if recompute == "selective" and pp > 1 and rule is not None and not rule.selective_recompute:
+        return (f"train.recompute = 'selective' cannot run with pp_schedule = {pp_schedule!r}: its weight pass is a "
+                f"second backward through each block, and torch 2.13's selective checkpointing allows one; use "
+                f"train.recompute = 'full' or another pp_schedule")
+    return ""
 
 
 def blocks_compiled(compile_mode: str, eligible: bool, device_type: str) -> bool:

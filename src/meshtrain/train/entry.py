@@ -14,7 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshtrain.checkpoint import elastic_restart
+from torch.distributed.checkpoint.api import CheckpointException
+
+from meshtrain.checkpoint import elastic_restart, list_checkpoints
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock
@@ -111,6 +113,13 @@ def _run(cfg: Config, rank: int) -> int:
         if rank == 0:
             print(f"meshtrain train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except (OSError, CheckpointException) as e:  # a write that failed: a full disk, a read-only folder, ...
+        error = write_error(e)
+        if error is None:
+            raise
+        print(f"meshtrain train: error: rank {rank}: stopped in {current_phase()[0]}: {error}; "
+              f"{resume_hint(cfg)}", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as e:  # gloo's errors (DistBackendError is one) when a peer died or a wait timed out
         line = describe_collective_error(e, rank, *current_phase(), cfg.train.collective_timeout_s)
         if line is None:
@@ -119,3 +128,29 @@ def _run(cfg: Config, rank: int) -> int:
             print(f"meshtrain train: error: {line}", file=sys.stderr, flush=True)
         return 128 + STOP.signum if STOP.signum else 1
     return 0
+
+
+def write_error(error: BaseException) -> str | None:
+    """What failed, in a few words, for an ``OSError`` of a file write (or DCP's ``CheckpointException``
+    wrapping one from any rank): ``"could not write PATH: No space left on device"``; None for other errors."""
+    if isinstance(error, CheckpointException):
+        wrapped = [exc for exc, _ in error.failures.values() if isinstance(exc, OSError)]
+        if not wrapped:
+            return None
+        error = wrapped[0]
+    if not isinstance(error, OSError) or error.errno is None:
+        return None
+    where = f" {error.filename}" if error.filename else ""
+    return f"could not write{where}: {error.strerror or error}"
+
+
+def resume_hint(cfg: Config) -> str:
+    """What the run folder of ``cfg`` allows after a failed write: ``--resume`` from its newest committed
+    checkpoint (a save that failed never committed; its ``step_*.tmp`` folder is never resumed), or starting
+    again when it holds none."""
+    found = list_checkpoints(cfg.train.out_dir)
+    if found:
+        return (f"nothing committed was changed: after freeing space (or fixing the folder), the same command with "
+                f"--resume continues from {found[-1].name}")
+    return ("no checkpoint was committed yet: after freeing space (or fixing the folder), the same command with "
+            "a new --out starts again")

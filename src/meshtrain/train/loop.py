@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint_async import Checkpoints
 from meshtrain.batch import global_batch_size, tokens_per_step
 from meshtrain.config import Config, resolve_world
 from meshtrain.data.sampler import ShardedSampler, eval_batches
@@ -80,6 +81,8 @@ class Trainer:
                                 dp, dp_rank, cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
+        c = cfg.checkpoint
+        self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         if self.start_step == 0 and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
 
@@ -119,13 +122,17 @@ class Trainer:
         d = self.dims
         return {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "sp": d.sp, "pp": d.pp}
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, wait: bool = False) -> Path | None:
         """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point); return
-        the committed step folder."""
-        self.parallel.consolidate()
-        meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
-                               self.sampler.global_batch_size, scheduler=self.scheduler.state_dict())
-        return ckpt.save(self.out_dir, step, self.model, self.optimizer, meta, keep=self.cfg.checkpoint.keep)
+        the committed step folder, or None while ``checkpoint.async_save`` writes it in the background
+        (``wait``: wait for that write and commit it). A step whose write is in flight is not saved twice."""
+        saved = None
+        if self.checkpoints.in_flight != step:
+            self.parallel.consolidate()
+            meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
+                                   self.sampler.global_batch_size, scheduler=self.scheduler.state_dict())
+            saved = self.checkpoints.save(step, self.model, self.optimizer, meta)
+        return saved or (self.checkpoints.wait() if wait else None)
 
     def run(self) -> dict[str, Any]:
         """Train from ``start_step`` to ``train.steps``; return a summary (rank 0's view)."""
@@ -176,6 +183,8 @@ class Trainer:
                         record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
                 log.step(step, record)
                 if nonfinite >= t.max_nonfinite_steps:
+                    enter_phase(f"step {step}: waiting for the checkpoint write", self.world_ranks)
+                    self.checkpoints.wait()
                     kept = ckpt.list_checkpoints(self.out_dir)
                     raise TrainingDiverged(
                         f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
@@ -190,7 +199,10 @@ class Trainer:
                 saved = None
                 if last or (c.interval and step % c.interval == 0):
                     enter_phase(f"step {step}: checkpoint save", self.world_ranks)
-                    saved = self.save(step)
+                    saved = self.save(step, wait=last)  # the final save (async too) is committed before the end
+                elif self.checkpoints.in_flight:
+                    enter_phase(f"step {step}: the checkpoint commit check", self.world_ranks)
+                    self.checkpoints.commit_if_written()
                 periodic = time.perf_counter() - periodic
                 if not last:
                     enter_phase(f"step {step}: the stop check", self.world_ranks)
@@ -198,7 +210,7 @@ class Trainer:
                     if signum:
                         if saved is None:
                             enter_phase(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
-                            saved = self.save(step)
+                            saved = self.save(step, wait=True)
                         raise Stopped(signum, step, t.steps, saved)
                 mark = time.perf_counter() - periodic
         finally:

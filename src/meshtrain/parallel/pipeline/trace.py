@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.nn.parallel import DistributedDataParallel
 
 COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
 
@@ -104,6 +106,20 @@ class TimedStage(PipelineStage):
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         return self._timed(f"W{bwd_chunk_id}", "backward-weight", super().backward_weight_one_chunk, bwd_chunk_id,
                            last_backward)
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        """The forward torch 2.13 runs once, before the first step, to infer the shapes sent between stages.
+
+        torch runs it with gradients on and, unlike every later forward of a stage, outside DDP's ``no_sync``:
+        DDP then expects its reducer's hooks in the next backward, which is an early micro-batch's (the
+        schedule arms the reducer itself before the last one only). Two backwards in a row (1F1B with
+        ``gradient_accumulation_steps <= pp``, GPipe, interleaved) then record every gradient twice and step 2
+        stops in DDP's bucket rebuild ("rebuilt parameter indices size ... 18 versus 36"). Run it in
+        ``no_sync`` as the schedule runs the others."""
+        if isinstance(module, DistributedDataParallel):
+            with module.no_sync():
+                return super()._compute_outputs(*args, module=module, **kwargs)
+        return super()._compute_outputs(*args, module=module, **kwargs)
 
 
 def measured_bubble(per_rank: list[list[StepRecord]]) -> list[float]:

@@ -1,0 +1,168 @@
+"""``meshtrain train CONFIG --layout auto``: the planner picks the layout, the trainer runs it.
+
+The search is ``meshtrain plan CONFIG --num-gpus N``'s (:func:`meshtrain.planner.search.search`) for the
+ranks of the command line (``--nproc`` x ``--nnodes``), on the hardware the run will use (the GPU's catalog
+entry, or this CPU's calibrated profile with the node's available memory shared by its ranks), keeping the
+config's global batch. It chooses dp, tp, pp, sp, zero stage, micro-batch size, gradient accumulation,
+recompute mode, pipeline schedule and virtual stages; layout keys given on the command line (``--tp 2``,
+``--parallel.zero_stage 3``, ``--train.recompute full``) are pinned, not searched. The choice becomes
+config overrides (:meth:`meshtrain.planner.layout.Layout.to_overrides`), so the ranks, the memory check and
+``plan_vs_actual.json`` see exactly the layout the planner ranked. Every layout the search may return is one
+the trainer runs (the planner and config validation read the same rules, :mod:`meshtrain.rules`;
+``tests/test_planned_layouts.py`` trains them).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+from meshtrain.batch import global_batch_size
+from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.planner.estimate import Estimate
+
+PINNABLE = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.sp": "sp",
+            "parallel.zero_stage": "zero_stage", "batch.micro_batch_size": "micro_batch_size",
+            "batch.gradient_accumulation_steps": "gradient_accumulation_steps", "train.recompute": "recompute",
+            "parallel.pp_schedule": "pp_schedule", "parallel.virtual_stages": "virtual_stages",
+            "parallel.tp_sequence_parallel": "tp_sequence_parallel", "parallel.sp_mode": "sp_mode",
+            "parallel.hierarchical_allreduce": "hierarchical_allreduce"}
+"""Command-line override keys that pin a :class:`~meshtrain.planner.layout.Layout` field of the search."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``--layout auto`` chose: the fastest layout that fits, the next one, and how many fit."""
+
+    best: Estimate
+    runner_up: Estimate | None
+    fitting: int
+    global_batch_size: int
+    memory_per_rank_bytes: float
+    hardware: str
+
+    def overrides(self) -> dict[str, str]:
+        """The ``section.key`` -> value overrides that run :attr:`best` (``parallel.dp`` included)."""
+        return self.best.layout.to_overrides()
+
+    def lines(self) -> list[str]:
+        """The few lines the launcher prints: the choice, the runner-up, and why the one beat the other."""
+        b = self.best
+        head = (f"layout auto: {b.layout.world_size} ranks, global batch {self.global_batch_size} (the config's), "
+                f"{self.fitting} layout(s) fit in {self.memory_per_rank_bytes / 2**30:,.2f} GiB per rank "
+                f"({self.hardware})")
+        out = [head, f"  chosen:    {_summary(b)}"]
+        if self.runner_up is not None:
+            out.append(f"  runner-up: {_summary(self.runner_up)}")
+            out.append(f"  why: {reason(b, self.runner_up)}")
+        else:
+            out.append("  why: the only layout that fits")
+        return out
+
+
+def _summary(e: Estimate) -> str:
+    return (f"{e.layout.label()}: {e.time.total:.4g} s/step, {e.memory.total / 2**30:,.2f} GiB/rank predicted")
+
+
+def reason(best: Estimate, other: Estimate) -> str:
+    """One clause saying where ``other`` loses time to ``best``: the step-time terms
+    (:class:`meshtrain.planner.cost.StepTime`, seconds) that grow most from ``best`` to ``other``."""
+    a, b = best.time.to_dict(), other.time.to_dict()
+    a.pop("total"), b.pop("total")
+    deltas = sorted(((b[k] - a[k], k) for k in a), reverse=True)
+    total = other.time.total - best.time.total
+    grew = [f"{k.replace('_', ' ')} +{d * 1e3:.3g} ms" for d, k in deltas[:2] if d > 0]
+    gains = [f"{k.replace('_', ' ')} {d * 1e3:.3g} ms" for d, k in deltas[::-1][:1] if d < 0]
+    text = f"the runner-up is {total / best.time.total:+.1%} per step"
+    if grew:
+        text += f" ({', '.join(grew)}" + (f"; {gains[0]}" if gains else "") + ")"
+    return text
+
+
+def config_global_batch(cfg: Config, world: int) -> int:
+    """The global batch the config trains with on ``world`` ranks: ``micro_batch_size *
+    gradient_accumulation_steps * dp`` of its own layout (:func:`meshtrain.config.resolve_world`).
+
+    Raises:
+        ConfigError: the config's layout does not suit ``world`` ranks, so it names no global batch there.
+    """
+    try:
+        _, dp = resolve_world(cfg, world)
+    except ConfigError as e:
+        raise ConfigError(f"--layout auto keeps the config's global batch (micro_batch_size * "
+                          f"gradient_accumulation_steps * dp), but the config's own layout names none on {world} "
+                          f"ranks ({e}); set parallel.dp (or --dp) so that it does") from None
+    return global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps, dp)
+
+
+def pinned(overrides: dict[str, str]) -> dict:
+    """Layout fields the command line fixes (``{"tp": 2}`` for ``--tp 2``), typed as :class:`Layout`'s.
+
+    Raises:
+        ConfigError: a pinned value that is not of the field's type.
+    """
+    from meshtrain.planner.command import parse_fix
+
+    return parse_fix(",".join(f"{PINNABLE[k]}={v}" for k, v in overrides.items() if k in PINNABLE))
+
+
+def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict) -> Choice:
+    """The fastest layout for ``cfg`` on ``world`` ranks (``nproc`` per node) that fits the devices' memory.
+
+    On CUDA the planner's catalog entry of the GPU (:func:`meshtrain.planner.actual.hardware_for_run`) and its
+    memory; on the CPU the calibrated profile for ``threads`` torch threads per rank and the node's available
+    memory (:func:`meshtrain.launch.checks.available_memory`) shared by ``nproc`` ranks, less the corpus each
+    rank loads. The precision is the config's ``train.dtype`` on that device.
+
+    Raises:
+        ConfigError: a model or sync mode the planner does not model, a global batch no layout can split, or
+            no layout that fits (with the smallest one's memory).
+    """
+    from meshtrain.launch.checks import available_memory
+    from meshtrain.planner.actual import corpus_rss_bytes, hardware_for_run
+    from meshtrain.planner.estimate import Job
+    from meshtrain.planner.hardware import DEFAULT_PROFILE
+    from meshtrain.planner.layout import meshtrain_framework
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.model_specs import corpus_vocab_size, from_config
+    from meshtrain.planner.search import search
+    from meshtrain.runtime.device import compute_dtype
+
+    if cfg.model.type not in ("gpt", "llama"):
+        raise ConfigError(f"--layout auto plans transformers: model.type = {cfg.model.type!r} has no planner model; "
+                          f"give the layout in the config")
+    if cfg.parallel.sync_mode != "sync":
+        raise ConfigError(f"--layout auto plans synchronous training: parallel.sync_mode = "
+                          f"{cfg.parallel.sync_mode!r}; use sync_mode = 'sync' or give the layout in the config")
+    gbs = config_global_batch(cfg, world)
+    what, available = available_memory()
+    device = "cuda" if what == "GPU" else "cpu"
+    hw, description = hardware_for_run(device, DEFAULT_PROFILE, threads)
+    per_rank = available if device == "cuda" else available / nproc - corpus_rss_bytes(cfg, DEFAULT_PROFILE)
+    hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
+    model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
+    precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
+    framework = meshtrain_framework(cfg)
+    job = Job(world, gbs, total_steps=cfg.train.steps)
+    fitting = search(model, hw, precision, framework, job, fixed=fixed)
+    if not fitting:
+        unfit = search(model, hw, precision, framework, job, fixed=fixed, keep_unfit=True)
+        pins = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} pinned" if fixed else ""
+        if not unfit:
+            raise ConfigError(f"--layout auto: no layout of this model on {world} ranks{pins} splits the global batch "
+                              f"{gbs} (micro_batch_size * gradient_accumulation_steps * dp) and meets the divisibility "
+                              f"rules; change the batch, the ranks or the pins")
+        smallest = min(unfit, key=lambda e: e.memory.total)
+        raise ConfigError(f"--layout auto: no layout on {world} ranks{pins} fits in {per_rank / 2**30:,.2f} GiB per "
+                          f"rank; the smallest ({smallest.layout.label()}) needs {smallest.memory.total / 2**30:,.2f} "
+                          f"GiB: add ranks, shrink the model or the batch")
+    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(fitting), gbs, per_rank, description)
+
+
+def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int) -> dict[str, str]:
+    """Choose the layout (:func:`choose_layout`, the command line's layout keys in ``overrides`` pinned),
+    print the choice to stderr, and return the overrides that run it."""
+    choice = choose_layout(cfg, world, nproc, threads, pinned(overrides))
+    print("\n".join(choice.lines()), file=sys.stderr)
+    return choice.overrides()
+

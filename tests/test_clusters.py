@@ -1,0 +1,178 @@
+"""Clusters: two hosts over a real network, and jobs submitted to Slurm (``make test-slow``).
+
+Two hosts (:mod:`netns`): two network namespaces joined by a veth pair, 10.77.0.1/24 and 10.77.0.2/24,
+each with its own loopback, hostname and ``/etc/hosts``. One ``meshtrain train --nnodes 2 --node-rank R
+--rdzv-endpoint 10.77.0.1:PORT`` per host, 2 ranks each (dp = 4), with ``GLOO_SOCKET_IFNAME`` naming the
+hosts' shared interface, as an operator sets it on a cluster. The tests check what the loopback versions
+check (``test_hierarchical.py``, ``test_resume.py``) through the real command line:
+
+- the hierarchical all-reduce across the two hosts: every step's loss equals one process's (1e-5
+  relative) and so do the final parameters (AdamW's drift bound); the step-1 gradients, which
+  ``test_hierarchical.py`` also compares, are not written by ``meshtrain train``;
+- a resume across them, from the checkpoint both hosts wrote at step 5: step 6 within 1e-6 of the
+  uninterrupted run, later steps within 1e-5;
+- nothing listens beyond the two hosts' addresses: every listening socket seen while the run goes on
+  (``ss -ltnp`` in each namespace, polled) is on that host's veth address or its loopback, except
+  torchrun's rendezvous store on node 0, which torch binds to every address of that host (inside the
+  namespace, just those two); none of the run's processes listens in the machine's own namespace.
+
+Slurm (:mod:`slurm_cluster`): ``scripts/slurm/meshtrain.sbatch`` submitted with ``sbatch --wait`` to a
+throw-away cluster on this machine (one node) and on the two hosts (one slurmd each); the run folder
+holds every step and the world size.
+
+Without root, iproute2/util-linux or Slurm (or where ``ip netns add`` fails, e.g. in an unprivileged
+container) the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (CONFIG, ROOT, TINY, adamw_drift_bound, assert_close_losses, assert_close_params,
+                      assert_resumed_losses, final_params, losses, override_args, read_records, train_here)
+from netns import IFNAME, Host, Unavailable, descendants, listeners, two_hosts
+from slurm_cluster import slurm_cluster
+
+pytestmark = pytest.mark.slow
+
+PORT = 29500  # free in a fresh namespace
+HIER = {**TINY, "model.n_head": "4", "batch.micro_batch_size": "2", "parallel.hierarchical_allreduce": "true",
+        "checkpoint.interval": "5", "checkpoint.keep": "3"}
+"""10 steps on 2 hosts x 2 ranks, global batch 8, checkpoints at steps 5 and 10."""
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        with two_hosts(f"mt{os.getpid() % 10000}") as pair:  # unique: other sessions may run this test too
+            yield pair
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def _env(ifname: str | None = IFNAME) -> dict[str, str]:
+    """The launchers' environment: gloo on the hosts' shared interface (one machine: none, the launcher
+    picks loopback), ``meshtrain`` of this venv on PATH."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    return {**env, "GLOO_SOCKET_IFNAME": ifname} if ifname else env
+
+
+def train_two_hosts(pair: list[Host], out: Path, overrides: dict[str, str], log: Path) -> list[tuple]:
+    """``meshtrain train`` on both hosts, 2 ranks each, node 0 hosting the rendezvous; returns every
+    listening socket seen meanwhile (:func:`netns.listeners`)."""
+    nodes = []
+    for rank, host in enumerate(pair):
+        argv = host.run(sys.executable, "-m", "meshtrain.cli", "train", str(CONFIG), "--nproc", "2", "--nnodes", "2",
+                        "--node-rank", str(rank), "--rdzv-endpoint", f"{pair[0].addr}:{PORT}", "--out", str(out),
+                        *override_args(overrides))
+        with open(f"{log}.node{rank}", "w") as sink:
+            nodes.append(subprocess.Popen(argv, env=_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT))
+    seen: set[tuple] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            seen |= listeners(pair, descendants({node.pid for node in nodes}))
+            time.sleep(0.5)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()  # the launcher; its ranks get SIGTERM when it dies (faults.die_with_parent)
+                node.wait()
+    for rank, node in enumerate(nodes):
+        assert node.returncode == 0, Path(f"{log}.node{rank}").read_text()[-4000:]
+    return sorted(seen)
+
+
+@pytest.fixture(scope="module")
+def across(hosts, tmp_path_factory):
+    """The hierarchical run on the two hosts: (run folder, losses, listeners seen)."""
+    out = tmp_path_factory.mktemp("two-hosts") / "run"
+    seen = train_two_hosts(hosts, out, HIER, out.parent / "log")
+    return out, losses(read_records(out)), seen
+
+
+def test_hierarchical_allreduce_across_two_hosts_equals_one_process(across, tmp_path):
+    out, got, _ = across
+    one = {**HIER, "batch.micro_batch_size": "8", "parallel.hierarchical_allreduce": "false"}
+    want = losses(train_here(tmp_path, **one))
+    assert sorted(got) == list(range(1, 11))
+    assert_close_losses(got, want)
+    assert_close_params(final_params(out), final_params(tmp_path), atol=adamw_drift_bound(one))
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 4
+
+
+def test_nothing_listens_beyond_the_two_hosts(across, hosts):
+    """gloo listens on the veth address (``GLOO_SOCKET_IFNAME``); the one wildcard is torchrun's rendezvous
+    store on node 0 (``--rdzv-endpoint``'s port, bound by torch on every address of its host)."""
+    _, _, seen = across
+    assert seen, "no listening socket seen during the run: the poll missed it"
+    assert not [s for s in seen if s[0] == "machine"], seen
+    for ns, addr, port, process in seen:
+        host = next(h for h in hosts if h.ns == ns)
+        wildcard = addr in ("0.0.0.0", "*", "[::]") and ns == hosts[0].ns and port == PORT
+        assert addr in (host.addr, "127.0.0.1", "[::1]") or wildcard, (ns, addr, port, process)
+    for host in hosts:  # the ranks' sockets (gloo) are on the network address, not loopback: a real two-host run
+        assert any(ns == host.ns and addr == host.addr for ns, addr, _, _ in seen), (host, seen)
+
+
+def test_resume_across_two_hosts(across, hosts, tmp_path):
+    out, whole, _ = across
+    resumed = tmp_path / "resumed"
+    train_two_hosts(hosts, resumed, {**HIER, "checkpoint.resume": str(out / "checkpoints" / "step_000005")},
+                    tmp_path / "log")
+    assert_resumed_losses(losses(read_records(resumed)), {s: whole[s] for s in range(6, 11)})
+    assert_close_params(final_params(resumed), final_params(out), atol=adamw_drift_bound(HIER))
+
+
+SBATCH = ROOT / "scripts" / "slurm" / "meshtrain.sbatch"
+SMALL = {"model.n_layer": "2", "model.n_embd": "32", "model.block_size": "32", "train.steps": "5",
+         "train.dtype": "float32", "checkpoint.interval": "0", "train.eval_interval": "0", "train.log_interval": "1"}
+
+
+def submit(run: list[str], env: dict[str, str], out: Path, nodes: int) -> str:
+    """``sbatch --wait`` of the script on ``nodes`` nodes, 2 ranks each (``--ntasks-per-node 2``); returns
+    the job's output (the script's line and meshtrain's)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([*run, "sbatch", "--wait", f"--chdir={ROOT}", f"--output={out.parent}/slurm-%j.out",
+                           f"--nodes={nodes}", "--ntasks-per-node=2", "--time=10", str(SBATCH), str(CONFIG),
+                           "--out", str(out), *override_args(SMALL)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    log = "".join(p.read_text(errors="replace") for p in out.parent.glob("slurm-*.out"))
+    assert proc.returncode == 0, f"{proc.stderr[-2000:]}\n{log[-4000:]}"
+    return log
+
+
+def check_run(out: Path, world: int) -> None:
+    assert [r["step"] for r in read_records(out) if "loss" in r] == list(range(1, 6))
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["world_size"], summary["dp"]) == (world, world)
+
+
+def test_sbatch_on_one_node(tmp_path):
+    try:
+        with slurm_cluster([("localhost", "127.0.0.1", [])], _env(None)) as env:
+            log = submit([], env, tmp_path / "job" / "run", nodes=1)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    assert "1 node(s) of localhost" in log and "--nproc 2" in log and "--rdzv-endpoint" not in log
+    check_run(tmp_path / "job" / "run", world=2)
+
+
+def test_sbatch_on_two_hosts(hosts, tmp_path):
+    """Two slurmd, one per namespace; the job's launchers meet at the first host's name (its /etc/hosts)."""
+    try:
+        with slurm_cluster([(h.name, h.addr, h.run()) for h in hosts], _env()) as env:
+            log = submit(hosts[0].run(), env, tmp_path / "job" / "run", nodes=2)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    assert f"--nproc 2 --nnodes 2 --rdzv-endpoint {hosts[0].name}:" in log, log[-3000:]
+    check_run(tmp_path / "job" / "run", world=4)

@@ -1,0 +1,257 @@
+"""The generated bad-input matrix: every file meshtrain reads x every damage x every subcommand that reads it.
+
+The artefacts are built once per session (:func:`artefacts`); each case copies the ones it needs into a fresh
+folder, damages one file and runs the CLI in this process with torchrun's engine replaced by a trap, so
+nothing can start a rank. Each case must end with exit code 2 and one line ``meshtrain CMD: error: ...`` that
+names the damaged file (or, for a file that is gone, the folder it belongs to), with no traceback, within
+:data:`LIMIT_S` seconds (a FIFO must not block a read), and with every other file of the folder unchanged and
+no output written. The line is the one docs/bad_inputs.md gives (:mod:`bad_inputs_doc`).
+
+A new file joins by one :class:`InputFile` line in :data:`FILES`, a new subcommand by one argv in its readers;
+a new damage by one entry in :data:`DAMAGES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from artefacts import LIMIT_S, run_cli_here
+from bad_inputs_doc import check, doc_writer  # noqa: F401 (a fixture)
+
+STEP = "run/checkpoints/step_000002"
+TRAIN = ("train", "{w}/config.toml", "--nproc", "1", "--out", "{w}/out")
+RESUME = ("train", "{w}/config.toml", "--nproc", "1", "--out", "{w}/run", "--resume", "--steps", "4")
+PLAN = ("plan", "{w}/config.toml", "--num-gpus", "1")
+GENERATE = ("generate", "--max-new-tokens", "2", "--checkpoint")
+EXPORT = ("export", "--out", "{w}/model.safetensors", "--checkpoint")
+EXPORT_HF = ("export", "--format", "hf", "--out", "{w}/exported", "--checkpoint")
+CHECKPOINT_READERS = {"train --resume": RESUME, "generate": (*GENERATE, "{w}/run"), "export": (*EXPORT, "{w}/run"),
+                      "export --format hf": (*EXPORT_HF, "{w}/run")}
+HF = ("--model.init_from", "{w}/hf")
+HF_READERS = {"train": (*TRAIN, *HF), "plan": (*PLAN, *HF), "generate": (*GENERATE, "{w}/hf")}
+PREPARED = ("--data.path", "{w}/prepared")
+CORPUS = ("--data.path", "{w}/corpus.txt")
+BPE = ("--data.tokenizer", "{w}/bpe/tokenizer.json")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A file meshtrain reads: its path in the folder of artefacts, its kind ("toml", "text", "json", "binary"),
+    the subcommands that read it (name -> argv, ``{w}`` the case's folder), for JSON the fields meshtrain reads
+    (dotted key -> a value out of its range, None where every value of the type is valid), and the damages
+    that leave a valid input for some readers (damage -> those readers: half a text is a text)."""
+
+    path: str
+    kind: str
+    readers: dict[str, tuple[str, ...]]
+    fields: dict[str, Any] = field(default_factory=dict)
+    valid: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+FILES = [
+    InputFile("config.toml", "toml", {"train": TRAIN, "train --resume": RESUME, "plan": PLAN}),
+    InputFile("corpus.txt", "text", {"train": (*TRAIN, *CORPUS), "train --resume": (*RESUME, *CORPUS),
+                                     "plan": (*PLAN, *CORPUS)}, valid={"truncated": ("train", "plan")}),
+    InputFile("bpe/tokenizer.json", "json", {"train": (*TRAIN, *BPE), "plan": (*PLAN, *BPE)},
+              {"model": None, "model.vocab": None, "model.merges": None, "added_tokens": None}),
+    InputFile("prepared/meta.json", "json", {"train": (*TRAIN, *PREPARED), "plan": (*PLAN, *PREPARED)},
+              {"format": "meshtrain-other", "format_version": 99, "vocab_size": 0, "dtype": "float64",
+               "tokenizer": None, "tokenizer.kind": "bogus", "splits": None, "splits.train": None,
+               "splits.train.tokens": -1, "splits.train.documents": -1, "splits.train.shards": None,
+               "splits.val.tokens": 10**30}),
+    InputFile("prepared/train_00000.bin", "binary", {"train": (*TRAIN, *PREPARED)}),
+    InputFile("prepared/val_00000.bin", "binary", {"train": (*TRAIN, *PREPARED)}),
+    InputFile(f"{STEP}/meta.json", "json", CHECKPOINT_READERS,
+              {"step": 0, "vocab_size": 0, "files": {}, "tokenizer": None, "tokenizer.kind": "bogus",
+               "tokenizer.chars": "", "sampler.samples_seen": -1, "global_batch_size": 0, "config": None,
+               "config.model": None, "config.model.type": "rnn", "config.model.n_layer": 0,
+               "config.model.n_head": 0, "config.model.n_embd": 0, "config.model.block_size": 0,
+               "config.model.dropout": 1.5, "config.model.norm_eps": -1.0, "config.model.bias": None,
+               "config.model.activation": "relu", "config.data.val_fraction": 2.0, "config.train.seed": -1}),
+    InputFile(f"{STEP}/.metadata", "binary", CHECKPOINT_READERS),
+    InputFile(f"{STEP}/__0_0.distcp", "binary", CHECKPOINT_READERS),
+    InputFile("hf/config.json", "json", HF_READERS,
+              {"architectures": ["MistralForCausalLM"], "n_layer": 0, "n_head": 0, "n_embd": 0, "n_positions": 0,
+               "vocab_size": 0, "layer_norm_epsilon": -1.0, "activation_function": "relu"}),
+    InputFile("hf/model.safetensors.index.json", "json", {"train": (*TRAIN, *HF), "generate": (*GENERATE, "{w}/hf")},
+              {"weight_map": {}}),
+    InputFile("hf/model-00001-of-00003.safetensors", "binary",
+              {"train": (*TRAIN, *HF), "generate": (*GENERATE, "{w}/hf")}),
+    InputFile("hf/tokenizer.json", "json", {"generate": (*GENERATE, "{w}/hf")},
+              {"model": None, "model.vocab": None}),
+    InputFile("export/model.safetensors", "binary", {"generate": (*GENERATE, "{w}/export/model.safetensors")}),
+]
+ACCEPTED = "accepted: still a valid input of this command"
+"""The doc's line for a damage that leaves a valid input (:attr:`InputFile.valid`)."""
+
+
+# --- damages -----------------------------------------------------------------------------------------------
+
+def _replace(path: Path, make) -> None:
+    path.unlink()
+    make(path)
+
+
+GARBAGE = random.Random(0).randbytes(4096)
+DAMAGES = {
+    "missing": lambda p: p.unlink(),
+    "empty": lambda p: p.write_bytes(b""),
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "not UTF-8": lambda p: p.write_bytes(p.read_bytes()[:40] + b"\xe9" + p.read_bytes()[40:]),
+    "binary garbage": lambda p: p.write_bytes(GARBAGE),
+    "a folder": lambda p: _replace(p, Path.mkdir),
+    "a FIFO": lambda p: _replace(p, os.mkfifo),
+    "a dangling symlink": lambda p: _replace(p, lambda q: q.symlink_to(q.with_name(q.name + ".gone"))),
+    "/dev/null": lambda p: _replace(p, lambda q: q.symlink_to("/dev/null")),
+}
+"""Damage name -> what it does to the file. "not UTF-8" applies to text kinds only."""
+
+
+def _wrong_type(value: Any) -> Any:
+    """A JSON value of another type than ``value``'s."""
+    if isinstance(value, dict):
+        return [1, 2]
+    if isinstance(value, list):
+        return {"a": 1}
+    if isinstance(value, str):
+        return 7
+    return "7"
+
+
+def _set_field(path: Path, dotted: str, value: Any) -> None:
+    data = json.loads(path.read_text())
+    *parents, last = dotted.split(".")
+    target = data
+    for key in parents:
+        target = target[key]
+    target[last] = value(target[last]) if callable(value) else value
+    path.write_text(json.dumps(data))
+
+
+def damages(f: InputFile) -> dict[str, Any]:
+    """The damages of ``f``: name -> a function of the file's path."""
+    out = {name: hurt for name, hurt in DAMAGES.items() if name != "not UTF-8" or f.kind != "binary"}
+    for dotted, bad in f.fields.items():
+        out[f"{dotted}: wrong type"] = lambda p, d=dotted: _set_field(p, d, _wrong_type)
+        if bad is not None:
+            out[f"{dotted}: {json.dumps(bad)}"] = lambda p, d=dotted, v=bad: _set_field(p, d, v)
+    return out
+
+
+def command_lines() -> dict[str, dict[str, str]]:
+    """{file: {subcommand: its command line}}, as the doc shows them (``~/work`` the case's folder)."""
+    return {f.path: {name: "meshtrain " + " ".join(argv).replace("{w}", "~/work") for name, argv in f.readers.items()}
+            for f in FILES}
+
+
+def case_keys() -> list[tuple[str, str, str]]:
+    """(file, damage, command) of every case, in the doc's order."""
+    return [(f.path, damage, command) for f in FILES for damage in damages(f) for command in f.readers]
+
+
+CASES = [pytest.param(f, damage, command, id=f"{f.path}|{damage}|{command}")
+         for f in FILES for damage in damages(f) for command in f.readers]
+
+
+# --- running a case ----------------------------------------------------------------------------------------
+
+def workspace(artefacts: Path, to: Path, f: InputFile, argv: tuple[str, ...]) -> Path:
+    """A copy of the artefacts ``f`` and ``argv`` name, at ``to``."""
+    names = {"config.toml", f.path.split("/")[0]} | {a.split("/")[1] for a in argv if a.startswith("{w}/")}
+    for name in names:
+        src = artefacts / name
+        if src.is_dir():
+            shutil.copytree(src, to / name, symlinks=True)
+        elif src.exists():
+            to.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, to / name)
+    return to
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``folder``: (mode, size, mtime) from ``lstat`` (a FIFO or a link is not followed)."""
+    out = {}
+    for p in folder.rglob("*"):
+        st = p.lstat()
+        out[str(p.relative_to(folder))] = (st.st_mode, 0 if p.is_dir() else st.st_size,
+                                           0 if p.is_dir() else st.st_mtime_ns)
+    return out
+
+
+def normalise(line: str, w: Path, artefacts: Path) -> str:
+    return line.replace(str(w), "~/work").replace(str(artefacts), "~/artefacts")
+
+
+@pytest.mark.parametrize("f, damage, command", CASES)
+def test_a_damaged_file_is_one_line_exit_2_and_changes_nothing(artefacts, doc_writer, tmp_path, f, damage, command):  # noqa: F811
+    argv = f.readers[command]
+    w = workspace(artefacts, tmp_path / "w", f, argv)
+    target = w / f.path
+    damages(f)[damage](target)
+    before = snapshot(w)
+    code, err, out = run_cli_here([a.replace("{w}", str(w)) for a in argv])
+    lines = err.strip().splitlines()
+    assert not str(code).startswith("traceback"), f"TRACEBACK {code}"
+    assert code != "hang", f"HANG: no answer in {LIMIT_S} s"
+    if command in f.valid.get(damage, ()):
+        assert code in (0, "launched"), err[-2000:]
+        check(("matrix", f.path, damage, command), ACCEPTED)
+        return
+    assert code not in (0, "launched"), f"ACCEPTED ({code}): {err[-2000:]}"
+    assert snapshot(w) == before, f"WROTE: {sorted(set(snapshot(w).items()) ^ set(before.items()))}"
+    assert code == 2 and len(lines) == 1 and out == "", f"NOT ONE LINE (exit {code}): {err[-2000:]}"
+    line = lines[0]
+    assert line.startswith(f"meshtrain {command.split()[0]}: error: ") and "Traceback" not in err, line
+    named = target.name in line or (damage == "missing" and str(target.parent) in line)
+    assert named, f"NO FILE NAME: {line}"
+    check(("matrix", f.path, damage, command), normalise(line, w, artefacts))
+
+
+@pytest.mark.parametrize("f, command", [pytest.param(f, c, id=f"{f.path}|{c}") for f in FILES for c in f.readers])
+def test_the_undamaged_artefacts_pass_every_reader(artefacts, tmp_path, f, command):
+    """The control: without the damage each command gets past every check (so each refusal is the damage's)."""
+    argv = f.readers[command]
+    w = workspace(artefacts, tmp_path / "w", f, argv)
+    code, err, _ = run_cli_here([a.replace("{w}", str(w)) for a in argv])
+    assert code in (0, "launched"), f"{code}: {err[-3000:]}"
+
+
+def test_the_doc_lists_every_case_and_the_readme_counts_them():
+    """docs/bad_inputs.md has a line for each case of the matrix and the catalogue (and no other), none left
+    "(not run)", and README.md's counts are the doc's (regenerate both with tests/gen_bad_inputs_doc.py)."""
+    import re
+
+    from bad_inputs_doc import DOC, README_COUNTS, ROOT, documented_count, parse
+
+    text = DOC.read_text()
+    documented = {key[1:] for key in parse(text) if key[0] == "matrix"}
+    assert documented == set(case_keys()), f"{sorted(documented ^ set(case_keys()))[:5]}: run tests/gen_bad_inputs_doc.py"
+    assert "(not run)" not in text, "run python tests/gen_bad_inputs_doc.py"
+    catalogue, matrix = documented_count(text)
+    found = re.search(README_COUNTS, (ROOT / "README.md").read_text())
+    assert found and tuple(map(int, found.groups())) == (catalogue + matrix, catalogue, matrix), found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("f, command", [pytest.param(f, c, id=f"{f.path}|{c}") for f in FILES for c in f.readers])
+def test_the_installed_cli_says_the_same_line(artefacts, tmp_path, f, command):
+    """The real command in a fresh interpreter, torchrun's engine included, on one damage per (file, command)
+    (binary garbage in its place): the same single line and exit code 2 as in this process, nothing written."""
+    from conftest import run_cli
+
+    argv = [a.replace("{w}", str(tmp_path / "w")) for a in f.readers[command]]
+    w = workspace(artefacts, tmp_path / "w", f, f.readers[command])
+    DAMAGES["binary garbage"](w / f.path)
+    before = snapshot(w)
+    proc = run_cli(*argv, timeout=LIMIT_S * 4)
+    _, err, _ = run_cli_here(argv)
+    assert proc.returncode == 2 and proc.stderr.strip() == err.strip() and proc.stdout == "", proc.stderr[-2000:]
+    assert snapshot(w) == before

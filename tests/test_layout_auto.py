@@ -1,0 +1,85 @@
+"""``meshtrain train CONFIG --layout auto`` (issue 24, Sec. 3): the planner's fastest fitting layout for the ranks
+given, the config's global batch kept, command-line layout keys pinned, and the run trains that very layout
+(its ``plan_vs_actual.json`` predicts the chosen one). That every layout the search may return trains and
+equals one process is ``tests/test_planned_layouts.py``'s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import CONFIG, TINY, override_args, run_cli
+from meshtrain.config import ConfigError, load_config
+
+MODEL = {**TINY, "model.n_layer": "4", "model.n_head": "4", "train.steps": "3"}
+RUN = {"train.steps": "8", "train.log_interval": "4"}
+"""Enough steps that the run times some (after its warm-up steps) and writes plan_vs_actual.json."""
+
+
+def choose(world: int, fixed: dict | None = None, **overrides: str):
+    from meshtrain.launch.auto import choose_layout
+
+    return choose_layout(load_config(CONFIG, {**MODEL, **overrides}), world, world, 1, fixed or {})
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_the_choice_is_the_fastest_fitting_layout_and_keeps_the_global_batch(world):
+    """The chosen layout is ranked first by the planner's own search of the same job, the runner-up second;
+    the config's global batch (micro_batch_size 12 x dp filling the ranks) is kept; its overrides read back as
+    that layout through config validation (``Layout.from_config``)."""
+    from meshtrain.planner.layout import Layout
+
+    choice = choose(world)
+    assert choice.global_batch_size == 12 * world == choice.best.layout.global_batch_size
+    assert choice.runner_up is not None and choice.best.time.total <= choice.runner_up.time.total
+    assert choice.best.fits and choice.best.memory.total <= choice.memory_per_rank_bytes
+    cfg = load_config(CONFIG, {**MODEL, **choice.overrides()})
+    assert Layout.from_config(cfg, world) == choice.best.layout
+    lines = choice.lines()
+    assert len(lines) == 4 and choice.best.layout.label() in lines[1] and "why:" in lines[3]
+
+
+def test_command_line_layout_keys_are_pinned():
+    from meshtrain.launch.auto import pinned
+
+    fixed = pinned({"parallel.tp": "2", "train.recompute": "full", "optim.lr": "1e-3"})
+    assert fixed == {"tp": 2, "recompute": "full"}
+    choice = choose(4, fixed)
+    assert (choice.best.layout.tp, choice.best.layout.recompute) == (2, "full")
+    assert all((e.layout.tp, e.layout.recompute) == (2, "full") for e in (choice.best, choice.runner_up))
+
+
+@pytest.mark.parametrize("overrides, fixed, needle", [
+    ({"model.type": "lstm"}, {}, "model.type = 'lstm' has no planner model"),
+    ({"parallel.sync_mode": "local-sgd"}, {}, "plans synchronous training"),
+    ({}, {"tp": 3}, "no layout of this model on 4 ranks with tp=3 pinned"),
+    ({"parallel.tp": "2"}, {}, "the config's own layout names none on 3 ranks"),
+])
+def test_what_it_cannot_plan_is_one_config_error(overrides, fixed, needle):
+    with pytest.raises(ConfigError, match=needle):
+        choose(3 if "3 ranks" in needle else 4, fixed, **overrides)
+
+
+def _auto_run(tmp_path, world: int, *extra: str):
+    out = tmp_path / "run"
+    proc = run_cli("train", str(CONFIG), "--nproc", str(world), "--layout", "auto", "--out", str(out),
+                   *override_args({**MODEL, **RUN}), *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    chosen = next(line for line in proc.stderr.splitlines() if line.startswith("  chosen:"))
+    predicted = json.loads((out / "plan_vs_actual.json").read_text())["predicted"]
+    assert chosen.split(":")[1].strip() == predicted["layout"]  # the run trained the layout the planner chose
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 8
+    return proc, predicted
+
+
+def test_a_2_rank_auto_run_trains_the_chosen_layout(tmp_path):
+    proc, predicted = _auto_run(tmp_path, 2)
+    assert proc.stderr.count("layout auto: 2 ranks, global batch 24") == 1
+
+
+@pytest.mark.slow  # one 4-rank launch on 2 cores, ~30 s
+def test_a_4_rank_auto_run_with_a_pinned_tp_trains_the_chosen_layout(tmp_path):
+    proc, predicted = _auto_run(tmp_path, 4, "--tp", "2")
+    # the config's global batch with the command line's tp: 12 x dp = 12 x 4 / 2
+    assert " tp2" in predicted["layout"] and "global batch 24" in proc.stderr

@@ -1,0 +1,72 @@
+"""Writes that fail are one line, and nothing committed is damaged (issue 25, Sec. 2): a full disk during a
+checkpoint save (a small tmpfs mounted for the test; skipped where mounting is not allowed), a path the file
+system refuses (a name too long) before launch, and a resume that would write over later checkpoints of its
+own folder (refused before launch, not at its first save)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import CONFIG, TINY, override_args, read_records, run_cli
+
+
+def test_a_name_the_file_system_refuses_is_one_line_before_launch(tmp_path):
+    out = tmp_path / ("x" * 300)  # NAME_MAX is 255 on Linux file systems
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "File name too long" in lines[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs: room for the run's first checkpoint (~0.4 MB per save of this model), not its second."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)],
+                                                       capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow  # two 2-rank launches, ~40 s
+def test_a_full_disk_during_a_save_is_one_line_per_rank_and_the_run_resumes(small_disk, tmp_path):
+    run = small_disk / "run"
+    args = override_args({**TINY, "train.steps": "20", "checkpoint.interval": "5", "checkpoint.keep": "5"})
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(run), *args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "No space left on device" in line]
+    assert len(errors) == 2 and all("stopped in step 10: checkpoint save" in line and
+                                    "--resume continues from step_000005" in line for line in errors), errors
+    assert f"The same command with --resume continues from step_000005 in {run}." in proc.stderr  # the launcher
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept[0] == "step_000005" and json.loads((run / "checkpoints" / "step_000005" / "meta.json").read_text())
+    # nothing committed is damaged: moved to a disk with room, the same command with --resume finishes the run
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(moved), "--resume", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_records(moved) if "loss" in r][-1] == 20
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir())[-1] == "step_000020"
+
+
+def test_resuming_an_earlier_checkpoint_into_its_own_folder_is_refused_before_launch(tmp_path):
+    """Going back to step 5 in a folder that holds step 10 would write step 10 again (torch refuses at the first
+    save, after the steps were trained) and drop the metrics after step 5: refused before launch, nothing changed."""
+    out = tmp_path / "run"
+    args = override_args({**TINY, "train.steps": "10", "checkpoint.interval": "5", "checkpoint.keep": "3"})
+    assert run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *args).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--resume",
+                   str(out / "checkpoints" / "step_000005"), *override_args({**TINY, "train.steps": "20",
+                                                                              "checkpoint.interval": "5"}))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "goes back to step 5, but train.out_dir" in proc.stderr and "holds later checkpoints (step_000010)" in proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
