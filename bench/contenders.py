@@ -6,6 +6,8 @@
     python bench/contenders.py fabric OUT.json --devices 2 ...     (Fabric starts its own processes)
     python bench/contenders.py plain OUT.json --device cuda --dtype bfloat16 --fused --set model.n_layer=24 ...
     python bench/contenders.py plain OUT.json --config configs/llama_tiny.toml --hf     (transformers' Llama)
+    python bench/contenders.py plain OUT.json --steps 2000 --batch 12 --seed 1 --data-seed 1 --eval-interval 250 \
+        [--windows meshtrain]     (bench/bench_seeds.py: a val curve; meshtrain's batches of `--seed 1`)
 
 Every contender trains meshtrain's GPT of ``configs/shakespeare_char.toml`` (``meshtrain.models.GPT``:
 the model is the same object, so only the loop around it differs), or the model of ``--config``; with

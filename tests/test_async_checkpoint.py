@@ -115,6 +115,7 @@ def test_a_stop_waits_for_the_write_in_flight_and_commits_both(blocking, slow_wr
     assert_close_params(final_params(out), final_params(ref_dir), atol=0)
 
 
+@pytest.mark.slow  # a 2-rank torchrun launch killed mid-write, ~20 s: `make test-slow` (make test is at its limit)
 def test_a_rank_killed_while_its_write_runs_leaves_the_previous_checkpoint(tmp_path):
     from test_preemption import kill_in_save_trial
 

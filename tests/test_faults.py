@@ -39,6 +39,7 @@ def test_nonfinite_steps_are_skipped_and_the_weights_stay_finite(tmp_path):
     assert all(torch.isfinite(p).all() for p in _params(run).values())
 
 
+@pytest.mark.slow  # ~14 s: `make test-slow` keeps `make test` under 15 min
 def test_too_many_nonfinite_steps_stop_the_run_keeping_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(run),
@@ -69,6 +70,7 @@ def test_resume_on_other_ranks_keeps_the_global_batch_or_says_how(tmp_path):
     assert [r["step"] for r in read_records(run) if "loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # a run and its refused resumes, ~20 s: `make test-slow` keeps `make test` under 15 min
 def test_resume_refuses_another_model_or_text_before_launch(tmp_path):
     """A checkpoint of another width or another corpus would fail inside every rank's DCP load (a
     traceback per rank); it is one line before launch, naming the override that fits."""

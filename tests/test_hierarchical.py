@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, TINY, assert_close_grads, check_layout, free_port
 from layout_worker import load_result, reference_run
 
@@ -37,6 +39,7 @@ def launch_two_nodes(root, layouts: dict[str, dict[str, str]]) -> dict[str, tupl
     return {name: load_result(root / name) for name in layouts}
 
 
+@pytest.mark.slow  # two 2-node launches, ~25 s; tests/test_clusters.py runs it over a real network: `make test-slow` keeps `make test` under 15 min
 def test_hierarchical_equals_flat_and_one_process(tmp_path):
     got = launch_two_nodes(tmp_path / "nodes", LAYOUTS)
     want = reference_run(tmp_path / "ref", MODEL)

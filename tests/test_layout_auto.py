@@ -73,6 +73,7 @@ def _auto_run(tmp_path, world: int, *extra: str):
     return proc, predicted
 
 
+@pytest.mark.slow  # a 2-rank launch, ~15 s: `make test-slow` (make test is at its 15-minute limit)
 def test_a_2_rank_auto_run_trains_the_chosen_layout(tmp_path):
     proc, predicted = _auto_run(tmp_path, 2)
     assert proc.stderr.count("layout auto: 2 ranks, global batch 24") == 1

@@ -82,6 +82,7 @@ def _train(out, nproc: int, **overrides: str) -> dict[int, float]:
     return losses(read_records(out))
 
 
+@pytest.mark.slow  # two 2-rank runs and two resumes, ~30 s: `make test-slow` keeps `make test` under 15 min
 def test_resume_pp2_checkpoint_at_pp1_and_dp2_checkpoint_at_pp2(tmp_path):
     """DCP reshards across pipeline layouts: stages' parameter names are the model's own, so a pp=2
     checkpoint loads into one process and a dp=2 one into two stages; the next steps' losses equal the

@@ -216,8 +216,10 @@ def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys)
     cfg = load_config(CONFIG, {"train.out_dir": str(tmp_path)})
     report_plan_vs_actual(cfg, threads=1)  # no summary.json (rank 0 on another node): nothing
     (tmp_path / "summary.json").write_text(json.dumps(_summary(step_time_s=None)))
-    report_plan_vs_actual(cfg, threads=1)  # no measured step: nothing
-    assert not (tmp_path / "plan_vs_actual.json").exists() and capsys.readouterr().err == ""
+    assert capsys.readouterr().err == ""
+    report_plan_vs_actual(cfg, threads=1)  # no measured step: no comparison, one line saying why
+    err = capsys.readouterr().err
+    assert not (tmp_path / "plan_vs_actual.json").exists() and err.count("\n") == 1 and "no step time" in err
     (tmp_path / "summary.json").write_text(json.dumps(_summary(world_size=2, tp=1, sp=1, dp=2)))
     report_plan_vs_actual(cfg, threads=1)
     assert "plan vs actual:" in capsys.readouterr().err

@@ -191,6 +191,7 @@ def test_sigint_before_the_first_step_leaves_nothing_behind(tmp_path):
     proc.kill()
 
 
+@pytest.mark.slow  # a killed launcher, ~21 s: `make test-slow` keeps `make test` under 15 min
 def test_killed_launcher_leaves_no_orphans_and_its_ranks_save(reference, tmp_path):
     out = tmp_path / "run"
     proc = start_train(out)
@@ -238,6 +239,7 @@ def elastic_run(reference, tmp_path, seed: int) -> None:
     assert_close_params(final_params(out), reference, atol=0)  # seed in the test id reproduces the kills
 
 
+@pytest.mark.slow  # restarts after killed ranks, ~22 s: `make test-slow` keeps `make test` under 15 min
 @pytest.mark.parametrize("seed", [0])
 def test_elastic_restarts_after_killed_ranks_end_bit_identical(reference, tmp_path, seed):
     elastic_run(reference, tmp_path, seed)

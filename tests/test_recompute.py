@@ -12,9 +12,10 @@ Layouts are grouped per torchrun launch (``tests/layout_worker.py``): the fast p
 Llama layouts and the dropout runs together) plus the in-process references; the rest (every schedule, every
 family, 4 ranks, compile) is ``@pytest.mark.slow``. What runs where:
 
-- fast: FSDP2 (zero 3, a unit per block) with full, tp + Megatron SP with selective, zbv with full, and tp + SP
-  with dropout (none, selective, full); the Llama with ring sp and selective;
-- slow: every other schedule with both modes, DDP, FSDP2 zero 2, tp, Ulysses and ring in both modes, pp x tp,
+- fast: tp + Megatron SP with selective, and tp + SP with dropout (none, selective, full); the Llama with ring sp
+  and selective;
+- slow: FSDP2 (zero 3, a unit per block) with full, zbv with full, every other schedule with both modes, DDP, FSDP2
+  zero 2, tp, Ulysses and ring in both modes, pp x tp,
   pp x sp, pp x FSDP2, dp x tp (4 ranks), the Llama's tp, Ulysses, 1F1B, zero-bubble and FSDP2 x tp; and compile on for
   each strategy family (DDP, FSDP2, tp, Ulysses, ring, 1F1B, zbv with full recomputation, tp with selective).
 """
@@ -117,9 +118,9 @@ def _pp(schedule: str) -> dict[str, str]:
 
 GPT_LAYOUTS: dict[str, tuple[int, dict[str, str], bool]] = {  # name: (world size, overrides, slow)
     "ddp-selective": (2, {**DP2, **SEL}, True),
-    "fsdp2-zero3-full": (2, {**DP2, **FULL, "parallel.zero_stage": "3", "parallel.fsdp_unit_mb": "0"}, False),
+    "fsdp2-zero3-full": (2, {**DP2, **FULL, "parallel.zero_stage": "3", "parallel.fsdp_unit_mb": "0"}, True),
     "tp2-seqpar-selective": (2, {**SEQPAR, **SEL}, False),
-    "pp2-zbv-full": (2, {**_pp("zbv"), **FULL}, False),
+    "pp2-zbv-full": (2, {**_pp("zbv"), **FULL}, True),
     **{f"pp2-{s}-{m}": (2, {**_pp(s), "train.recompute": m}, True) for s in SCHEDULES for m in ("selective", "full")
        if s != "zbv" and (m, s) not in SELECTIVE_REFUSED},
     "ddp-full": (2, {**DP2, **FULL}, True),

@@ -100,6 +100,7 @@ def test_compiled_blocks_train_as_the_eager_ones(tmp_path):
     assert_close_losses(compiled, eager)
 
 
+@pytest.mark.slow  # a parameter-server launch, ~10 s: `make test-slow` keeps `make test` under 15 min
 def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
     """One server and one worker: each gradient is computed on the parameters the previous one updated
     (the worker waits for the server's answer), so the run is the synchronous dp = 1 run, in its dtype."""

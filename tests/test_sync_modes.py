@@ -90,6 +90,7 @@ def test_runs_converge_below_the_unigram_entropy(tmp_path, mode, extra):
     assert val[-1] < unigram_entropy(), val
 
 
+@pytest.mark.slow  # a slowed worker, ~12 s per policy: `make test-slow` keeps `make test` under 15 min
 @pytest.mark.parametrize("policy", ["drop", "wait"])
 def test_staleness_bound_holds_with_a_slow_worker(tmp_path, policy):
     """Three workers, the first 50 ms slower per gradient than the others' ~5 ms: by the time its

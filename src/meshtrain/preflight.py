@@ -45,12 +45,14 @@ def preflight(cfg: Config, nproc_total: int) -> None:
         check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if resuming_here:
-        later = [p.name for p in ckpt.list_checkpoints(out) if int(p.name.split("_")[1]) > meta["step"]]
-        if later:  # the run would write those steps again, and its first save would stop on them
+        interval, last = cfg.checkpoint.interval, cfg.train.steps
+        saved = [p.name for p in ckpt.list_checkpoints(out) if meta["step"] < (step := int(p.name.split("_")[1]))
+                 <= last and (step == last or (interval > 0 and step % interval == 0))]
+        if saved:  # the run would save those steps again: torch refuses at the first, after the steps were trained
             raise ConfigError(f"checkpoint.resume = '{found}' goes back to step {meta['step']}, but train.out_dir = "
-                              f"'{out}' holds later checkpoints ({later[0]}{f' .. {later[-1]}' if len(later) > 1 else ''}"
-                              f"): resume from the newest with --resume alone, or keep this one's run in another "
-                              f"folder: --resume '{found}' --out NEW_FOLDER")
+                              f"'{out}' holds later checkpoints this run would save again ({saved[0]}"
+                              f"{f' .. {saved[-1]}' if len(saved) > 1 else ''}): resume from the newest with --resume "
+                              f"alone, or keep this one's run in another folder: --resume '{found}' --out NEW_FOLDER")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
     if (out / METRICS_FILE).exists() and not resuming_here:
