@@ -357,6 +357,16 @@ def _aliased_keys(ckpt: Path, optim_sd: dict[str, Any], aliases: dict[str, str])
     return out
 
 
+def resume_hint(out_dir: Path) -> str:
+    """What a run folder allows after a failed run: ``--resume`` from its newest committed checkpoint (a save cut
+    short never committed, and its ``.tmp`` folder is never resumed), or, with none, starting again in a new folder
+    (a folder with a run in it is never reused). Lower case, for the end of a sentence."""
+    found = list_checkpoints(out_dir)
+    if found:
+        return f"the same command with --resume continues from {found[-1].name} in {out_dir}"
+    return f"{out_dir} holds no checkpoint: start again with another --out (or remove {out_dir})"
+
+
 def resume_checkpoint(cfg: Config) -> Path | None:
     """The step folder a rank resumes from: ``checkpoint.resume``, or, in ranks torchrun restarted after a
     failure, the newest checkpoint of this run's own output folder; None to start fresh."""

@@ -194,8 +194,11 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
     except ChildFailedError as e:
         if all(f.exitcode == 2 for f in e.failures.values()):  # a config error a rank said in one line
             return 2
+        from meshtrain.checkpoint import resume_hint
+
+        hint = resume_hint(Path(cfg.train.out_dir))
         print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above. "
-              f"{failed_run_hint(Path(cfg.train.out_dir))}", file=sys.stderr)
+              f"{hint[0].upper()}{hint[1:]}.", file=sys.stderr)
         return 1
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -208,18 +211,6 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
         report_plan_vs_actual(cfg, threads)
         print(describe_run_folder(Path(cfg.train.out_dir)), file=sys.stderr)
     return 0
-
-
-def failed_run_hint(out_dir: Path) -> str:
-    """What a run folder allows after its ranks failed: ``--resume`` from the newest committed checkpoint (a
-    save cut short never committed, and its ``.tmp`` folder is never resumed), or, with none, starting again in a
-    new folder (a folder with a run in it is never reused)."""
-    from meshtrain.checkpoint import list_checkpoints
-
-    found = list_checkpoints(out_dir)
-    if found:
-        return f"The same command with --resume continues from {found[-1].name} in {out_dir}."
-    return f"{out_dir} holds no checkpoint: start again with another --out (or remove {out_dir})."
 
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtrain.checkpoint import elastic_restart, list_checkpoints
+from meshtrain.checkpoint import elastic_restart, resume_hint
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock
@@ -117,8 +117,9 @@ def _run(cfg: Config, rank: int) -> int:
         error = write_error(e)
         if error is None:
             raise
-        print(f"meshtrain train: error: rank {rank}: stopped in {current_phase()[0]}: {error}; "
-              f"{resume_hint(cfg)}", file=sys.stderr, flush=True)
+        print(f"meshtrain train: error: rank {rank}: stopped in {current_phase()[0]}: {error}; nothing committed "
+              f"was changed: after freeing space (or fixing the folder), {resume_hint(cfg.train.out_dir)}",
+              file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:  # gloo's errors (DistBackendError is one) when a peer died or a wait timed out
         line = describe_collective_error(e, rank, *current_phase(), cfg.train.collective_timeout_s)
@@ -142,15 +143,3 @@ def write_error(error: BaseException) -> str | None:
         return None
     where = f" {error.filename}" if error.filename else ""
     return f"could not write{where}: {error.strerror or error}"
-
-
-def resume_hint(cfg: Config) -> str:
-    """What the run folder of ``cfg`` allows after a failed write: ``--resume`` from its newest committed
-    checkpoint (a save that failed never committed; its ``step_*.tmp`` folder is never resumed), or starting
-    again when it holds none."""
-    found = list_checkpoints(cfg.train.out_dir)
-    if found:
-        return (f"nothing committed was changed: after freeing space (or fixing the folder), the same command with "
-                f"--resume continues from {found[-1].name}")
-    return ("no checkpoint was committed yet: after freeing space (or fixing the folder), the same command with "
-            "a new --out starts again")
