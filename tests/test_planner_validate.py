@@ -14,7 +14,7 @@ from meshtrain.cli.main import main
 from meshtrain.config import ConfigError
 from meshtrain.planner.validate import PREDICTABLE, validate_file
 
-# "mosaicml-mpt-a100-7B" of shared/validation/published_runs.toml without its measured table.
+# "mosaicml-mpt-a100-7B" of the shipped published_runs.toml without its measured table.
 MPT_A100 = {
     "name": "mosaicml-mpt-a100-7B",
     "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md",
@@ -31,7 +31,7 @@ TOKENS_PER_STEP = MPT_A100["layout"]["global_batch_size"] * MPT_A100["model"]["s
 def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(value) if isinstance(value, str) else repr(value)
+    return json.dumps(value) if isinstance(value, str | bool) else repr(value)
 
 
 def write_runs(path: Path, *runs: dict[str, Any]) -> Path:
@@ -92,6 +92,8 @@ def test_unpredictable_measured_fields_are_one_line_errors(tmp_path, measured, w
     ({"iteration_time_s": 0}, ["iteration_time_s = 0", "> 0"]),
     ({"iteration_time_s": "5.2"}, ["iteration_time_s = '5.2'", "> 0"]),
     ({"tflops_per_gpu": 137, "tflops_per_gpu_kind": "hw"}, ["'hw'", "model, hardware"]),
+    ({"out_of_memory": False}, ["out_of_memory = False", "must be true"]),
+    ({"out_of_memory": "yes", "tokens_per_s_per_gpu": 4641}, ["out_of_memory = 'yes'", "must be true"]),
 ])
 def test_bad_measured_values_are_one_line_errors(tmp_path, measured, words):
     path = write_runs(tmp_path / "runs.toml", run_with("x", **measured))
@@ -153,3 +155,20 @@ def test_leave_one_source_out_fits_each_source_on_the_others(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| held out by source |" in out and "| Recipe B | 1 |" in out and "Not held out" in out
     assert "Peak memory per GPU (1 runs report it)" in out
+
+
+def test_fit_verdicts_compare_the_planner_with_what_each_run_did(tmp_path, capsys):
+    """A run that measured something trained, so it fit; ``out_of_memory = true`` says it did not. The MPT run
+    fits in 80 GB; at micro-batch 96 without recomputation (96 x 2048 tokens through 32 layers of 4096) it cannot:
+    marked out of memory, the verdicts agree; marked as trained, the planner disagrees and says so."""
+    big = {**MPT_A100["layout"], "micro_batch_size": 96, "gradient_accumulation_steps": 1, "global_batch_size": 768}
+    oom = {**MPT_A100, "name": "oom", "layout": big, "measured": {"out_of_memory": True}}
+    trained = {**oom, "name": "trained", "measured": {"tokens_per_s_per_gpu": 1000}}
+    path = write_runs(tmp_path / "runs.toml", run_with("fits", tokens_per_s_per_gpu=TOKENS_PER_S_PER_GPU), oom, trained)
+    result = validate_file(path, profile=tmp_path / "none.toml", cross=False)
+    assert result["fits"] == {"runs": 3, "agree": 2,
+                              "disagree": [{"name": "trained", "predicted": "out of memory", "measured": "fits"}]}
+    assert [r["relative_error"] for r in result["runs"]][1] == {}  # nothing measured, nothing compared
+    assert main(["plan", "--validate", str(path), "--profile", str(tmp_path / "none.toml")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "agrees for 2 of 3 runs" in out and "trained predicted out of memory, fits measured" in out

@@ -16,7 +16,8 @@ et al. 2022, Eq. 7, ``72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h))``, generalised as M
 ``B*s*L*attention``. Attention is counted non-causal (the convention of these papers and of MFU as
 Megatron and MosaicML report it); FlashAttention *executes* only the causal half, which the time model uses.
 meshtrain's "selective" (``Framework.selective = "op-level"``, :mod:`meshtrain.parallel.recompute`) recomputes
-no GEMM and no attention kernel, only the element-wise kernels (and ring attention's passes and merges).
+no GEMM and no attention kernel, only the element-wise kernels (and ring attention's passes and merges);
+torchtitan's ("op-level-alternate") also every second weight GEMM (:func:`recomputed_gemm_fraction`).
 
 Time is a roofline per kernel class on the busiest stage: GEMMs at the device's achievable FLOP/s
 plus the time to move their operands (:func:`gemm_traffic_bytes`), element-wise kernels (norms,
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import Precision, fsdp_unit_shape, stage_layers, stage_params
+from meshtrain.planner.memory import Precision, fsdp_unit_shape, stage_layers, stage_params, torchtitan_gemms
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -83,11 +84,24 @@ def model_flops(model: ModelSpec, samples: int) -> float:
     return 3.0 * samples * model.seq_len * per_token
 
 
+def recomputed_gemm_fraction(model: ModelSpec, selective: str) -> float:
+    """Share of a layer's forward weight-GEMM FLOPs that ``recompute = "selective"`` runs again: none for
+    "attention-core" and meshtrain's "op-level"; torchtitan's "op-level-alternate" recomputes every second GEMM,
+    the 2nd, 4th and 6th (wk, wo, w3 of a SwiGLU Llama: :func:`meshtrain.planner.memory.torchtitan_gemms`),
+    ~37% of them for Llama 3 8B."""
+    if selective != "op-level-alternate":
+        return 0.0
+    gemms = torchtitan_gemms(model)
+    return sum(k * n for k, n in gemms[1::2]) / sum(k * n for k, n in gemms)
+
+
 def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: str = "attention-core") -> float:
     """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``); ``selective``:
-    ``Framework.selective`` ("op-level" recomputes no GEMM: no extra FLOPs)."""
+    ``Framework.selective`` ("op-level" recomputes no GEMM: no extra FLOPs; "op-level-alternate" the GEMMs of
+    :func:`recomputed_gemm_fraction`)."""
     tokens = samples * model.seq_len
     attention_again = attention_flops_per_token(model) if selective == "attention-core" else 0.0
+    attention_again += recomputed_gemm_fraction(model, selective) * dense_flops_per_token(model)
     extra = {"none": 0.0, "selective": attention_again,
              "full": dense_flops_per_token(model) + attention_flops_per_token(model)}[recompute]
     return model_flops(model, samples) + tokens * model.layers * extra
@@ -208,10 +222,12 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     head += head_io
     ops = (_layer_host_s(dev, layout) * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
     forward = dense + attn + core + elementwise + head + ops
-    selective = elementwise + (core if ring else 0.0) if fw.selective == "op-level" else attn + core
+    gemms_again = recomputed_gemm_fraction(model, fw.selective) * dense  # torchtitan's every second GEMM
+    selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.selective.startswith("op-level")
+                 else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)
-    gemm = 3 * dense + (passes * dense if layout.recompute == "full" else 0.0)
+    gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
     return forward, 2 * forward + passes * recompute, gemm
 
 

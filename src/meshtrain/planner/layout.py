@@ -213,10 +213,23 @@ class Framework:
     """zero_stage 1 only at tp = pp = 1 (meshtrain's ZeroRedundancyOptimizer, :func:`zero_stage_error`)."""
     selective: str = "attention-core"
     """What ``recompute = "selective"`` recomputes: "attention-core", Korthikanti et al. 2022, Sec. 5 (the
-    attention scores' QK^T, softmax, dropout and AV; Megatron-LM), or "op-level", meshtrain's per-operator
+    attention scores' QK^T, softmax, dropout and AV; Megatron-LM), "op-level", meshtrain's per-operator
     selective checkpointing (:mod:`meshtrain.parallel.recompute`: GEMM, attention-kernel and tp/sp collective
     outputs kept, every other operator recomputed), which the zero-bubble schedules do not run
-    (:func:`selective_runs`)."""
+    (:func:`selective_runs`), or "op-level-alternate", torchtitan's: the same but only every other GEMM's output
+    kept and of the collectives only the reduce-scatters' (:func:`meshtrain.planner.memory.alternate_saved_bytes`)."""
+    loss_backward_bytes: float = 12.0
+    """Bytes per logit the loss holds while its backward runs. PyTorch's ``F.cross_entropy(logits.float())``
+    (meshtrain, torchtitan) keeps the fp32 log-softmax for backward (4); its backward writes the fp32 gradient of
+    the log-softmax (``nll_loss_backward``, 4) and then of the logits (``_log_softmax_backward_data``, 4): 12.
+    Megatron's vocab-parallel cross-entropy keeps the fp32 softmax (4), turns it into the gradient in place and
+    casts that to 16 bits (2): 6. Each micro-batch waiting for its backward holds 4 of them. Measured on the
+    logits alone with torch's profiler (``tests/test_planner_memory_mechanisms.py``)."""
+    loss_parallel_bytes: float = 16.0
+    """``loss_backward_bytes`` under tp > 1, per logit of the rank's vocabulary slice: torch's ``loss_parallel``
+    (meshtrain, torchtitan) computes the log-softmax of a vocab-sharded DTensor from fp32 temporaries (the shifted
+    logits, their exp) and its backward from ``exp(log-softmax)``: 16, measured as ``loss_backward_bytes``.
+    Megatron's vocab-parallel cross-entropy is the same at every tp: 6."""
 
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
@@ -247,20 +260,21 @@ def meshtrain_framework(cfg: Config) -> Framework:
 FRAMEWORKS = {f.name: f for f in (
     MESHTRAIN,
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
-              grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES),
+              grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
-              grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES),
+              grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     # Megatron-LM as Korthikanti et al. 2022 ran it: sequence parallelism and selective recomputation are
     # new, attention still writes the s x s scores (which is what selective recomputation recomputes, their
     # Sec. 5), no tp/dp communication overlap yet (that came with Megatron-Core and Transformer Engine).
     Framework("megatron-2022", attention="materialized", dp_comm_overlap=False, zero_stages=(0,),
               pp_schedules=("1f1b", "interleaved-1f1b"), grad_bucket_bytes=float("inf"),
-              cross_entropy_bytes=MEGATRON_CE_BYTES),
+              cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     Framework("fsdp", zero_stages=(0, 2, 3), pp_schedules=("1f1b",), grad_sync_every_microstep=True),
     # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
-    # checkpointing saves matmul, attention and collective outputs and recomputes the rest (op-level).
-    Framework("torchtitan", zero_stages=(0, 3), selective="op-level"),
+    # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and
+    # recomputes the rest (op-level-alternate); context parallelism is ring attention.
+    Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",)),
 )}
 
 
@@ -356,13 +370,13 @@ def selective_runs(framework: Framework, layout: Layout) -> bool:
     """False where ``layout`` asks for "selective" recomputation under a pipeline schedule whose split backward
     the framework's selective mode does not take (op-level under zero-bubble and zbv:
     :attr:`meshtrain.rules.pipeline_schedules.ScheduleRule.selective_recompute`), else True."""
-    return not (layout.recompute == "selective" and framework.selective == "op-level" and layout.pp > 1
+    return not (layout.recompute == "selective" and framework.selective.startswith("op-level") and layout.pp > 1
                 and layout.pp_schedule in RULES and not RULES[layout.pp_schedule].selective_recompute)
 
 
 def recompute_modes(framework: Framework, modes: list[str], pp: int, pp_schedule: str) -> list[str]:
     """``modes`` without those :func:`selective_runs` refuses at ``pp`` and ``pp_schedule`` (the search's list)."""
-    if pp == 1 or framework.selective != "op-level" or RULES[pp_schedule].selective_recompute:
+    if pp == 1 or not framework.selective.startswith("op-level") or RULES[pp_schedule].selective_recompute:
         return modes
     return [m for m in modes if m != "selective"]
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from meshtrain.planner.hardware import Hardware
-from meshtrain.rules.pipeline_schedules import microbatches_in_flight
+from meshtrain.rules.pipeline_schedules import loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.support import fsdp_units
@@ -130,6 +130,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
         return s * b * h * e / sharded_seq
     if recompute == "selective" and framework.selective == "op-level":
         return s * b * h * e / sharded_seq + op_level_saved_bytes(model, layout, e)
+    if recompute == "selective" and framework.selective == "op-level-alternate":
+        return s * b * h * e / sharded_seq + alternate_saved_bytes(model, layout, e)
     masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
     replicated = s * b * (h * e * 4 + masks * h)  # 2 norm inputs + qkv input + fc1 input, masks
     mlp_hidden = (3 if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input; SwiGLU: gate, up, product
@@ -171,6 +173,43 @@ def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
     return gemms + attention + collectives
 
 
+def torchtitan_gemms(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(K, N) of one block's weight GEMMs in the order they run in torchtitan's Llama
+    (``models/llama3/model/model.py`` of pytorch/torchtitan): wq, wk, wv, wo, then w1, w3, w2 (SwiGLU) or w1, w2."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    mlp = ((h, f), (h, f), (f, h)) if model.mlp_matrices == 3 else ((h, f), (f, h))
+    return ((h, h), (h, kv), (h, kv), (h, h)) + mlp
+
+
+def torchtitan_gemm_outputs(model: ModelSpec, tp: int) -> tuple[float, ...]:
+    """Output widths (elements per token on one tp rank) of :func:`torchtitan_gemms`: column-parallel outputs are
+    split over tp; the row-parallel wo and w2 (the GEMMs whose output width is h after a sharded K) write whole
+    rows of partial sums before their reduction."""
+    row_parallel = {3, len(torchtitan_gemms(model)) - 1}
+    return tuple(n if i in row_parallel else n / tp for i, (_, n) in enumerate(torchtitan_gemms(model)))
+
+
+def alternate_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
+    """Bytes per layer and micro-batch that torchtitan's op-level selective checkpointing keeps besides the
+    block's input (``Framework.selective = "op-level-alternate"``; pytorch/torchtitan
+    ``distributed/activation_checkpoint.py``, ``_custom_policy``): the outputs of
+
+    - every other weight GEMM, counted per block in forward order, the 1st, 3rd, 5th and 7th
+      (:func:`torchtitan_gemm_outputs`: wq, wv, w1 and w2 of a SwiGLU Llama); the 2nd, 4th and 6th are recomputed;
+    - the attention kernel, ``s*b*q/t*e`` plus its fp32 log-sum-exp ``s*b*a/t*4``;
+    - the reduce-scatters of sequence parallelism, ``2*s*b*h*e/t`` (all-gathers are not in the policy's list:
+      recomputed, so sent again).
+
+    ``s`` is the sequence over sp; ``b`` the micro-batch.
+    """
+    b, s, h, t = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp
+    outputs = torchtitan_gemm_outputs(model, t)
+    gemms = s * b * e * sum(outputs[0::2])
+    attention = s * b * (h * e + model.heads * 4) / t
+    collectives = 2 * s * b * h * e / t if t > 1 and layout.tp_sequence_parallel else 0.0
+    return gemms + attention + collectives
+
+
 def in_flight_microbatches(layout: Layout) -> float:
     """Micro-batches whose activations the first (fullest) stage holds at its peak
     (:func:`meshtrain.rules.pipeline_schedules.microbatches_in_flight`, the trainer's schedules)."""
@@ -179,14 +218,30 @@ def in_flight_microbatches(layout: Layout) -> float:
 
 
 def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:
-    """Peak activation bytes: stored layers x in-flight micro-batches, one layer being recomputed or
-    back-propagated (its full activations), and the logits with their fp32 cross-entropy copy (last stage)."""
+    """Peak activation bytes on the busier of two ranks, each at its own peak:
+
+    - the first rank: its stored layers x in-flight micro-batches (:func:`in_flight_microbatches`) and one layer
+      being recomputed or back-propagated (its full activations);
+    - the rank with the loss (the same one at pp = 1 and under zbv): its stored layers x its in-flight
+      micro-batches (:func:`meshtrain.rules.pipeline_schedules.loss_rank_in_flight`), the fp32 log-softmax of
+      each waiting micro-batch (4 bytes per logit), and the larger of the loss's backward
+      (``Framework.loss_backward_bytes`` per logit, ``loss_parallel_bytes`` under tp) and one layer's backward:
+      the logits are freed before the
+      layers' backward begins, so the two never add up.
+
+    Logits per micro-batch: ``b*s/sp`` tokens x ``V/t`` (vocab-parallel under tp).
+    """
     n = stage_layers(model, layout)
-    stored = n * in_flight_microbatches(layout) * layer_activation_bytes(model, layout, precision, framework)
+    per_layer = layer_activation_bytes(model, layout, precision, framework)
     working = layer_activation_bytes(model, layout, precision, framework, recompute="none")
-    tokens = layout.micro_batch_size * model.seq_len / layout.sp
-    logits = tokens * model.vocab / layout.tp * (precision.activation_bytes + 4 + 4)  # logits, fp32 softmax, grad
-    return stored + working + logits
+    logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
+    m, v = layout.gradient_accumulation_steps, layout.virtual_stages
+    held = loss_rank_in_flight(layout.pp_schedule, layout.pp, m, v)
+    loss = framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes
+    loss_rank = n * held * per_layer + logits * 4 * (held - 1) + max(working, logits * loss)
+    if layout.pp == 1 or layout.pp_schedule == "zbv":
+        return loss_rank
+    return max(n * in_flight_microbatches(layout) * per_layer + working, loss_rank)
 
 
 def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
@@ -200,7 +255,10 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     gathers two units of blocks at a time (current + prefetched; :func:`fsdp_unit_shape`) and holds the
     root's parameters (embedding, head and blocks left out of the units) through the step. In backward
     the root's gradients (head first, embedding last) and the current unit's are unsharded until their
-    reduce-scatter, whose flat input copies a unit's gradients once more. The peak is the larger of the forward/backward
+    reduce-scatter, whose flat input copies a unit's gradients once more. Under a pipeline (pp > 1) torch's
+    stages keep the whole stage's weights and gradients unsharded from the first backward on, and reduce the
+    gradients once after the last micro-batch (``torch.distributed.pipelining.stage``, meshtrain's and
+    torchtitan's pipelines). The peak is the larger of the forward/backward
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
@@ -208,7 +266,11 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
         return _parameter_server_memory(model, layout, hw, precision, framework)
     p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
     weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
-    grads_sharded = z >= 2 and (layout.gradient_accumulation_steps == 1 or framework.grad_sync_every_microstep)
+    # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
+    # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
+    pipelined = layout.pp > 1
+    grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
+                                                  or framework.grad_sync_every_microstep)
     grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
     optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
     block = model.layer_params() / layout.tp
@@ -217,10 +279,11 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
         units, per_unit = fsdp_unit_shape(model, layout, framework)
         unit = per_unit * block
         root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
-        held = p if z == 2 else root + min(units, 2) * unit  # unsharded weights
+        held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
         live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
         # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce)
-        gathered = held * precision.weight_bytes + (live + max(unit, root)) * precision.grad_bytes
+        # unsharded gradients have the gathered weights' dtype; the reduce-scatter's input is in the gradients'
+        gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
     if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
         gathered += p * precision.grad_bytes
     step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)

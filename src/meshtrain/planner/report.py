@@ -212,6 +212,16 @@ def _memory_line(result: dict) -> str | None:
             f"mean {_pct(memory['mean_abs_error'])}; nothing in the memory model is fitted, so held out = in sample")
 
 
+def _fits_line(result: dict) -> str | None:
+    """How often the planner's fits / out-of-memory verdict agrees with what the runs did."""
+    fits = result.get("fits")
+    if not fits:
+        return None
+    wrong = "; ".join(f"{d['name']} predicted {d['predicted']}, {d['measured']} measured" for d in fits["disagree"])
+    return (f"fits in memory: the planner's verdict agrees for {fits['agree']} of {fits['runs']} runs (a run that "
+            f"measured something fit; one the source reports out of memory did not)" + (f"; disagrees: {wrong}" if wrong else ""))
+
+
 SOURCE_COLUMNS = ("source held out", "runs", "step time |error| in sample (median / mean)",
                   f"{HELD_OUT} (median / mean)", "matmul_efficiency refitted on the other sources")
 
@@ -242,6 +252,10 @@ def print_validation(result: dict) -> None:
         out.print(sources)
         if _memory_line(result):
             out.print(_memory_line(result))
+    if _fits_line(result):
+        out.print(_fits_line(result))
+    if "leave_one_source_out" in result:
+        loso = result["leave_one_source_out"]
         if loso["not_held_out"]:
             out.print(f"no other source on their device, so not held out: {', '.join(loso['not_held_out'])}")
 
@@ -264,6 +278,8 @@ def validation_markdown(result: dict) -> str:
         memory = _memory_line(result)
         if memory:
             lines += ["", "P" + memory[1:].replace("|error|", "\\|error\\|") + "."]
+        if _fits_line(result):
+            lines += ["", "F" + _fits_line(result)[1:] + "."]
         if loso["not_held_out"]:
             lines += ["", f"Not held out (no other source on their device): {', '.join(loso['not_held_out'])}."]
     return "\n".join(lines)

@@ -1,13 +1,14 @@
 """Predict published training runs from their configuration and compare with what they measured.
 
-Input schema (``shared/validation/published_runs.toml``): ``[[run]]`` tables with ``name``, ``source``,
+Input schema (``meshtrain/planner/data/published_runs.toml``, the default of ``plan --validate``): ``[[run]]`` tables with ``name``, ``source``,
 ``gpu``, ``num_gpus``, ``model = {layers, hidden, heads, vocab, seq_len, [ffn_hidden, kv_heads]}``,
 ``layout = {tp, pp, dp, global_batch_size, [micro_batch_size, gradient_accumulation_steps, recompute,
 zero_stage, pp_schedule]}`` and ``measured = {...}`` with one or more of ``tflops_per_gpu`` (+
 ``tflops_per_gpu_kind`` "hardware" or "model"), ``percent_of_peak``, ``mfu_percent``,
 ``tokens_per_s_per_gpu``, ``iteration_time_s`` (seconds per optimizer step of the whole global batch)
 and ``peak_memory_gib`` (peak memory per GPU as the source reports it: compared with the planner's peak,
-never used to fit); any other key is an error.
+never used to fit), or ``out_of_memory = true`` alone (the source says the run did not fit); any other key is
+an error. Every run is also a verdict: one that measured something trained, so it fit (:func:`fit_verdicts`).
 
 Honest errors (docs/planner.md, "Validation"): the only constant fitted to these runs is each device's
 ``matmul_efficiency`` (:func:`fit_matmul_efficiency`). Next to the in-sample errors (catalog constants)
@@ -40,8 +41,9 @@ from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.model_specs import from_table
 from meshtrain.planner.search import search
 
-SOURCE_FRAMEWORKS = (("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"), ("korthikanti", "megatron-2022"),
-                     ("llm-foundry", "fsdp"), ("fsdp", "fsdp"), ("torchtitan", "torchtitan"))
+SOURCE_FRAMEWORKS = (("torchtitan", "torchtitan"), ("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
+                     ("korthikanti", "megatron-2022"), ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
+"""(keyword of a run's source, framework), first match wins: "torchtitan ... (FSDP)" is torchtitan."""
 FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
            "pp_schedule", "virtual_stages", "tp_sequence_parallel", "sp_mode")
 PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s_per_gpu", "iteration_time_s",
@@ -49,6 +51,14 @@ PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s
 TIME_FIELDS = ("iteration_time_s",)  # inversely proportional to throughput: measured/predicted is inverted
 MEMORY_FIELDS = ("peak_memory_gib",)  # the planner's peak per device; never part of the efficiency fit
 TFLOPS_KINDS = ("model", "hardware")
+MODIFIERS = ("tflops_per_gpu_kind", "out_of_memory")
+"""``measured`` keys that are not predicted numbers: the kind of ``tflops_per_gpu``, and ``out_of_memory = true``
+for a run that did not fit (its source says so); every other run trained, so it fit."""
+
+
+def out_of_memory(run: dict[str, Any]) -> bool:
+    """Whether ``run``'s source says it ran out of memory (``measured.out_of_memory = true``)."""
+    return run.get("measured", {}).get("out_of_memory") is True
 
 
 @dataclass(frozen=True)
@@ -80,21 +90,25 @@ def framework_for(run: dict[str, Any]) -> Framework:
 
 
 def measured_fields(run: dict[str, Any]) -> dict[str, float]:
-    """The predictable fields of ``run``'s ``measured`` table as floats (``tflops_per_gpu_kind`` is a
-    modifier of ``tflops_per_gpu``, not a field).
+    """The predictable fields of ``run``'s ``measured`` table as floats (:data:`MODIFIERS` are not fields; a run
+    with ``out_of_memory = true`` may have none).
 
     Raises:
-        ConfigError: an unknown field, none predictable, a value that is not a number > 0, or a bad kind.
+        ConfigError: an unknown field, none predictable (and not out of memory), a value that is not a number > 0,
+            a bad kind, or ``out_of_memory`` other than true.
     """
     name, measured = run.get("name", "?"), run["measured"]
     use = f"use any of {', '.join(PREDICTABLE)}"
     if not isinstance(measured, dict):
         raise ConfigError(f"run {name!r}: measured must be a table of {', '.join(PREDICTABLE)}")
-    unknown = [k for k in measured if k not in PREDICTABLE and k != "tflops_per_gpu_kind"]
+    unknown = [k for k in measured if k not in PREDICTABLE and k not in MODIFIERS]
     if unknown:
         raise ConfigError(f"run {name!r}: measured field(s) {', '.join(map(repr, unknown))} cannot be predicted: {use}")
+    if "out_of_memory" in measured and measured["out_of_memory"] is not True:
+        raise ConfigError(f"run {name!r}: measured out_of_memory = {measured['out_of_memory']!r} must be true "
+                          f"(leave it out for a run that trained)")
     fields = {k: v for k, v in measured.items() if k in PREDICTABLE}
-    if not fields:
+    if not fields and not out_of_memory(run):
         raise ConfigError(f"run {name!r}: measured has no field the planner can predict: {use}")
     for k, v in fields.items():
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
@@ -269,6 +283,19 @@ def _source_summary(records: list[dict[str, Any]], loso: dict[str, Any]) -> dict
             "fitted": "matmul_efficiency per device type (hardware catalog), refitted without the held-out source"}
 
 
+def fit_verdicts(runs: list[dict[str, Any]], results: list[RunResult]) -> dict[str, Any]:
+    """Whether the planner's fits / does-not-fit agrees with what each run did: a run that reports a measurement
+    trained, so it fit; one marked ``out_of_memory`` did not. ``{"runs", "agree", "disagree": [{"name",
+    "predicted", "measured"}]}`` with "fits" / "out of memory" as the verdicts."""
+    disagree = []
+    for run, result in zip(runs, results, strict=True):
+        measured = not out_of_memory(run)
+        if result.fits != measured:
+            verdict = {True: "fits", False: "out of memory"}
+            disagree.append({"name": run["name"], "predicted": verdict[result.fits], "measured": verdict[measured]})
+    return {"runs": len(results), "agree": len(results) - len(disagree), "disagree": disagree}
+
+
 def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -> dict[str, Any]:
     """Predict every run of ``path``; return ``{"runs": [...], "median_abs_error", "max_abs_error"}``.
 
@@ -292,7 +319,8 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -
         results.append(RunResult(run["name"], source_key(run), best.layout.label(), best.fits, predicted, measured,
                                  errors))
     median, worst = _summary([abs(e) for r in results for k, e in r.relative_error.items() if k not in MEMORY_FIELDS])
-    out = {"runs": [r.to_dict() for r in results], "median_abs_error": median, "max_abs_error": worst}
+    out = {"runs": [r.to_dict() for r in results], "median_abs_error": median, "max_abs_error": worst,
+           "fits": fit_verdicts(runs, results)}
     if cross:
         loo = cross_validate(runs, profile)
         for record in out["runs"]:

@@ -116,3 +116,23 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, virtual_st
     if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
         return min(float(m), p + (p - 1) / v)
     return float(min(m, p))
+
+
+def loss_rank_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches of one whole stage's activations the rank that computes the loss holds at its peak
+    (stage-equivalents, as :func:`microbatches_in_flight`).
+
+    The loss is on the last rank, except under zbv, whose V placement puts the last chunk on rank 0 (Qi et
+    al. 2024, Sec. 6), the first rank. naive and 1F1B run each micro-batch's backward right after its
+    forward there: 1; GPipe holds all ``m``; the interleaved schedules warm the last rank up with ``(v-1)*p``
+    chunk forwards (torch's ``ScheduleInterleaved1F1B``; Narayanan et al. 2021, Sec. 2.2.2), so it holds
+    ``((v-1)*p + 1)/v`` stage-equivalents, at most ``m``.
+    """
+    p, m, v = pp, microbatches, virtual_stages
+    if p == 1 or schedule == "zbv":
+        return microbatches_in_flight(schedule, p, m, v)
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        return min(float(m), ((v - 1) * p + 1) / v)
+    return 1.0

@@ -1,0 +1,201 @@
+"""The planner's activation memory (meshtrain.planner.memory) against what torch allocates, on the CPU.
+
+torch's profiler records every allocation and free of the CPU allocator (``profile_memory=True``); the memory
+timeline built from it (``profile._memory_profile().timeline``) gives the bytes of tensors alive at every moment,
+so its peak is the *allocated* peak of a function: exact and deterministic, unlike a process's RSS. Tensors that
+exist before the function (parameters, pre-allocated gradients) are not counted.
+
+Checked here:
+
+- the loss's bytes per logit (``Framework.loss_backward_bytes`` and, under tensor parallelism, torch's
+  ``loss_parallel``, ``Framework.loss_parallel_bytes``, on 2 gloo ranks);
+- torchtitan's selective policy (every other GEMM kept) counted operator by operator on a Llama block, equal to
+  :func:`meshtrain.planner.memory.alternate_saved_bytes`;
+- the peak of one forward + backward of the trainer's models per recompute mode against
+  :func:`meshtrain.planner.memory.activation_bytes` (stored layers + the larger of the loss and one layer's
+  backward).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from conftest import free_port
+from meshtrain.planner.layout import FRAMEWORKS, MESHTRAIN, Layout
+from meshtrain.planner.memory import PRECISIONS, activation_bytes, layer_activation_bytes
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
+TOKENS, VOCAB = 1024, 512
+PER_TOKEN_EXTRA = 64
+"""Bytes per token a cross-entropy may allocate besides its (tokens, vocab) tensors: the int64 targets' masks
+and gathered values, the per-token max / log-sum-exp / loss (at most 8 such tensors of <= 8 bytes)."""
+
+
+def allocated_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes of CPU tensors alive while ``fn`` runs, counting only those it allocates (torch's profiler
+    memory timeline: CREATE adds a tensor's bytes, DESTROY removes them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    alive = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        name = str(action)
+        if name.endswith("CREATE"):
+            alive += size
+        elif name.endswith("DESTROY"):
+            alive -= size
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loss_bytes_per_logit(dtype):
+    """``F.cross_entropy(logits.float())`` (meshtrain's and torchtitan's loss) holds ``loss_backward_bytes`` per
+    logit at its peak (its backward), besides the logits themselves."""
+    torch.manual_seed(0)
+    logits = torch.randn(TOKENS, VOCAB, dtype=dtype)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+
+    def step():
+        leaf = logits.clone().requires_grad_()  # the logits, allocated here: dtype's bytes per logit
+        F.cross_entropy(leaf.float(), targets).backward()
+
+    per_logit = allocated_peak(step) / (TOKENS * VOCAB) - logits.element_size()
+    want = MESHTRAIN.loss_backward_bytes
+    assert want <= per_logit <= want + PER_TOKEN_EXTRA / VOCAB
+    assert FRAMEWORKS["torchtitan"].loss_backward_bytes == want
+
+
+def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        logits = torch.randn(TOKENS, VOCAB, dtype=torch.bfloat16)
+        targets = torch.randint(0, VOCAB, (TOKENS,))
+
+        def step():
+            leaf = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()  # this rank's VOCAB/2 columns
+            with loss_parallel():
+                F.cross_entropy(leaf.float(), targets).backward()
+
+        step()  # the first call sets up DTensor's sharding caches, which would count as allocations
+        torch.save(allocated_peak(step), Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_parallel_bytes_per_logit(tmp_path):
+    """Under tp = 2, torch's ``loss_parallel`` on vocab-sharded logits holds ``loss_parallel_bytes`` per logit of
+    the rank's slice at its peak, besides the logits themselves (2 gloo ranks)."""
+    mp.spawn(_loss_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    local = TOKENS * VOCAB / 2
+    for rank in range(2):
+        per_logit = torch.load(tmp_path / f"rank{rank}.pt") / local - 2  # bf16 logits
+        want = MESHTRAIN.loss_parallel_bytes
+        assert want <= per_logit <= want + PER_TOKEN_EXTRA / (VOCAB / 2)
+
+
+def _llama(layers: int, vocab: int):
+    from meshtrain.config import load_config
+
+    return load_config(CONFIG, {"model.type": "llama", "model.n_layer": str(layers), "model.n_head": "4",
+                                "model.n_kv_head": "2", "model.n_embd": "128", "model.block_size": "64",
+                                "model.multiple_of": "16", "model.dropout": "0.0", "model.vocab_size": str(vocab)})
+
+
+def test_torchtitan_policy_keeps_what_the_planner_counts(monkeypatch):
+    """torchtitan's op-level policy (``_custom_policy``: keep matmul, attention and reduce-scatter outputs, but
+    recompute every second matmul counted per block) applied to the trainer's Llama block, whose GEMMs run in
+    torchtitan's order (q, k, v, out-projection, gate, up, down): block input + kept outputs =
+    :func:`meshtrain.planner.memory.layer_activation_bytes` for ``FRAMEWORKS["torchtitan"]`` (fp32), exactly."""
+    from collections import defaultdict
+
+    import meshtrain.parallel.recompute as rc
+    from meshtrain.models import build_model
+    from meshtrain.planner.model_specs import from_config
+
+    kept: list[int] = []
+    counts: dict[str, int] = defaultdict(int)
+    mm = torch.ops.aten.mm.default
+
+    def torchtitan_policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        counts[mode] += func == mm
+        keep = func in rc.SAVED_OPS and func != torch.ops.aten.addmm.default and not (func == mm and counts[mode] % 2 == 0)
+        if keep and not ctx.is_recompute:
+            kept.extend(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(ctx.op_output)
+                        if isinstance(t, torch.Tensor))
+        return rc.CheckpointPolicy.MUST_SAVE if keep else rc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    monkeypatch.setattr(rc, "_selective_policy", torchtitan_policy)
+    cfg = _llama(1, 50)
+    model = build_model(cfg.model, 50)
+    rc.apply_recompute(model.blocks, "selective")
+    b, T = 3, cfg.model.block_size
+    model(torch.randint(0, 50, (b, T))).sum().backward()
+    assert counts["forward"] == 7  # the block's seven GEMMs (the policy sees only the checkpointed block)
+    block_input = b * T * cfg.model.n_embd * 4
+    layout = Layout(dp=1, micro_batch_size=b, recompute="selective")
+    want = layer_activation_bytes(from_config(cfg, 50), layout, PRECISIONS["fp32"], FRAMEWORKS["torchtitan"])
+    assert block_input + sum(kept) == want  # bytes, exactly
+
+
+MODELS = {"gpt": {}, "llama": {"model.type": "llama", "model.n_kv_head": "2", "model.multiple_of": "16"}}
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("gpt", "none"), ("gpt", "selective"), ("gpt", "full"),
+                                            ("llama", "selective"), ("llama", "full")])
+def test_step_peak_is_the_planned_activations(kind, mode):
+    """One forward + backward of the trainer's model (4 layers, fp32, vocabulary 2048 so that the loss is the
+    larger term at the backward's start), its gradients allocated beforehand: the allocated peak is
+    :func:`meshtrain.planner.memory.activation_bytes` plus what that leaves out, the activations outside the
+    blocks (the embedding's output, the final norm's input, output and statistics, the head's input): at most
+    4 vectors of width h per token. The Llama without recomputation is not in the list: its blocks keep more
+    than the planner counts (a composite RMSNorm's intermediates, k and v repeated over the query heads), about
+    a fifth more at this size."""
+    import meshtrain.parallel.recompute as rc
+    from meshtrain.config import load_config
+    from meshtrain.models import build_model
+    from meshtrain.planner.model_specs import from_config
+
+    vocab, b = 2048, 8
+    cfg = load_config(CONFIG, {"model.n_layer": "4", "model.n_head": "4", "model.n_embd": "128", "model.block_size": "128",
+                               "model.dropout": "0.0", **MODELS[kind]})
+    torch.manual_seed(0)
+    model = build_model(cfg.model, vocab)
+    rc.apply_recompute(model.blocks, mode)
+    T = cfg.model.block_size
+    x, y = torch.randint(0, vocab, (b, T)), torch.randint(0, vocab, (b, T))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the gradients exist before the step: only activations are allocated in it
+
+    def step():
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        del logits  # as the trainer's loss() does on return
+        loss.backward()
+
+    step()
+    measured = allocated_peak(step)
+    planned = activation_bytes(from_config(cfg, vocab), Layout(dp=1, micro_batch_size=b, recompute=mode),
+                               PRECISIONS["fp32"], MESHTRAIN)
+    outside_blocks = 4 * cfg.model.n_embd * 4 * b * T
+    assert planned <= measured <= planned + outside_blocks
