@@ -48,7 +48,7 @@ def test_train_two_ranks_then_generate(tmp_path):
 
 
 def test_a_run_too_short_to_time_says_why_it_has_no_plan_vs_actual(tmp_path):
-    from meshtrain.train.loop import TIMING_WARMUP_STEPS
+    from meshtrain.metrics import TIMING_WARMUP_STEPS
 
     out = tmp_path / "run"
     proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out),

@@ -22,6 +22,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+TIMING_WARMUP_STEPS = 3
+"""Steps left out of the median step time (allocator and autotuning warm-up); the summary has no step time
+when a run goes no further."""
+
 logger = logging.getLogger("meshtrain")
 
 METRICS_FILE = "metrics.jsonl"

@@ -72,24 +72,31 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
 class TextStream:
     """Hands out the decoded text of a growing token sequence piece by piece, as ``generate`` draws tokens.
 
-    Each call appends the new token (a (1, 1) tensor) and, when the text decoded so far extends what was
-    handed out, hands out the new end. A text ending in U+FFFD (a character whose bytes are not all drawn
-    yet, byte-level BPE) or that rewrites earlier text waits for later tokens; :meth:`finish` hands out the
-    rest, so the pieces add up to the final text whenever decoding only ever appends."""
+    Each call appends the new token (a (1, 1) tensor) and decodes only a window: the tokens since the last
+    piece plus the ones before it (the prefix), whose own decoding is subtracted, so that a tokenizer that
+    decodes a token differently after a neighbour (a leading space) still yields the right piece (the scheme of
+    Hugging Face's text-generation-inference ``decode_token``). Work per token is the window's, not the whole
+    sequence's. A window ending in U+FFFD (a character whose bytes are not all drawn yet, byte-level BPE) or one
+    that rewrites the prefix waits for later tokens; :meth:`finish` hands out the rest of the final text, so the
+    pieces add up to it whenever decoding only ever appends."""
 
     def __init__(self, tokenizer, ids: list[int], on_text: Callable[[str], None]) -> None:
         self.tokenizer, self.ids, self.on_text = tokenizer, list(ids), on_text
         self.sent = ""
-        self._send(tokenizer.decode(self.ids))
+        self.prefix = self.read = 0  # ids[prefix:read] decoded last time; ids[read:] not handed out yet
+        self._step()
 
     def __call__(self, token) -> None:
         self.ids.append(int(token.reshape(-1)[0]))
-        self._send(self.tokenizer.decode(self.ids))
+        self._step()
 
-    def _send(self, text: str) -> None:
-        if text.startswith(self.sent) and not text.endswith("\ufffd") and len(text) > len(self.sent):
-            self.on_text(text[len(self.sent):])
-            self.sent = text
+    def _step(self) -> None:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if text.startswith(before) and not text.endswith("\ufffd") and len(text) > len(before):
+            self.on_text(text[len(before):])
+            self.sent += text[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def finish(self, text: str) -> None:
         """Hand out what of the final ``text`` is not out yet."""

@@ -13,7 +13,7 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
     """Print and save the planner's prediction next to what the run measured (``OUT/summary.json``).
     No summary here (global rank 0 ran on another node) or no measured step: nothing to compare. The
     planner failing never fails a finished run: it costs one warning line."""
-    from meshtrain.metrics import SUMMARY_FILE
+    from meshtrain.metrics import SUMMARY_FILE, TIMING_WARMUP_STEPS
 
     path = Path(cfg.train.out_dir) / SUMMARY_FILE
     if not path.is_file():
@@ -21,7 +21,6 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
     try:
         summary = json.loads(path.read_text())
         if summary.get("step_time_s") is None:
-            from meshtrain.train.loop import TIMING_WARMUP_STEPS
             print(f"meshtrain train: no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} steps of a "
                   f"run are warm-up and not timed, and this one ran no step past them (train.steps = "
                   f"{cfg.train.steps}); run more steps to measure", file=sys.stderr)
@@ -38,8 +37,10 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
 
 
 def describe_run_folder(out_dir: Path) -> str:
-    """One line naming the run folder and what is in it: its files and folders, the checkpoints counted with
-    the newest named (``checkpoints/step_*``)."""
+    """One line naming the run folder and what is in it: its files and folders, the committed checkpoints
+    (:func:`meshtrain.checkpoint.list_checkpoints`) counted with the newest named."""
+    from meshtrain.checkpoint import list_checkpoints
+
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return f"run folder {out_dir}: not written"
@@ -48,7 +49,7 @@ def describe_run_folder(out_dir: Path) -> str:
         if entry.name.startswith("."):
             continue
         if entry.is_dir() and entry.name == "checkpoints":
-            steps = sorted(p.name for p in entry.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            steps = [p.name for p in list_checkpoints(out_dir)]
             parts.append(f"checkpoints/ ({len(steps)}, newest {steps[-1]})" if steps else "checkpoints/ (none)")
         else:
             parts.append(entry.name + ("/" if entry.is_dir() else ""))

@@ -32,7 +32,7 @@ from meshtrain.batch import global_batch_size, tokens_per_step
 from meshtrain.config import Config, resolve_world
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
-from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
+from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
@@ -44,7 +44,6 @@ from meshtrain.runtime.distributed import init_distributed
 from meshtrain.runtime.faults import STOP, Stopped, enter_phase
 from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 
-TIMING_WARMUP_STEPS = 3  # steps left out of the median step time (allocator and autotuning warm-up)
 
 
 class TrainingDiverged(RuntimeError):
