@@ -218,6 +218,14 @@ class Framework:
     outputs kept, every other operator recomputed), which the zero-bubble schedules do not run
     (:func:`selective_runs`), or "op-level-alternate", torchtitan's: the same but only every other GEMM's output
     kept and of the collectives only the reduce-scatters' (:func:`meshtrain.planner.memory.alternate_saved_bytes`)."""
+    repeats_kv: bool = False
+    """Grouped-query attention's K and V are repeated to the query heads before the attention kernel, which then
+    keeps them at the query width (meshtrain's ``models.gpt.repeat_kv``, torchtitan's ``repeat_kv`` in its Llama);
+    False: the kernel takes the kv heads as they are (Megatron-Core with Transformer Engine)."""
+    swiglu_keeps_activation: bool = False
+    """An eager ``down(silu(gate(x)) * up(x))`` keeps four f-wide tensors for backward (gate's output for silu's,
+    silu's output and up's output for the product's, the product for down's); a fused SwiGLU (Megatron's
+    ``bias_swiglu``) keeps three."""
     loss_backward_bytes: float = 12.0
     """Bytes per logit the loss holds while its backward runs. PyTorch's ``F.cross_entropy(logits.float())``
     (meshtrain, torchtitan) keeps the fp32 log-softmax for backward (4); its backward writes the fp32 gradient of
@@ -246,7 +254,7 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only,
-                      selective="op-level")
+                      selective="op-level", repeats_kv=True, swiglu_keeps_activation=True)
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
@@ -274,7 +282,8 @@ FRAMEWORKS = {f.name: f for f in (
     # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
     # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and
     # recomputes the rest (op-level-alternate); context parallelism is ring attention.
-    Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",)),
+    Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",), repeats_kv=True,
+              swiglu_keeps_activation=True),
 )}
 
 

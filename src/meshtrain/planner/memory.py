@@ -114,13 +114,16 @@ def _unit_shape(block_bytes: float, blocks: int, unit_bytes: float) -> tuple[int
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
-                           recompute: str | None = None) -> float:
+                           recompute: str | None = None, composite_norms: bool = False) -> float:
     """Activation bytes one layer keeps for backward, per micro-batch, on one device.
 
     Korthikanti et al. 2022, Sec. 4.1 split into tp-replicated parts (norm inputs 4sbh, qkv and fc1
     inputs 2sbh each, two dropout masks sbh each) and tp-sharded parts (Q, K, V, out-proj input, MLP
     hidden 2x f, and with materialized attention the scores 2as^2b + softmax mask as^2b + dropout out
-    2as^2b). Element size ``precision.activation_bytes``; masks 1 byte.
+    2as^2b). Element size ``precision.activation_bytes``; masks 1 byte. What the framework's eager code keeps
+    besides: K and V at the query width (``Framework.repeats_kv``), SwiGLU's fourth f-wide tensor
+    (``swiglu_keeps_activation``), and with ``composite_norms`` (torch's RMSNorm on a CPU, which has no fused
+    kernel there: ``aten._fused_rms_norm`` dispatches to CUDA only) each RMSNorm's normalised input.
     """
     recompute = recompute or layout.recompute
     b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.ffn_hidden
@@ -133,9 +136,12 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     if recompute == "selective" and framework.selective == "op-level-alternate":
         return s * b * h * e / sharded_seq + alternate_saved_bytes(model, layout, e)
     masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
-    replicated = s * b * (h * e * 4 + masks * h)  # 2 norm inputs + qkv input + fc1 input, masks
-    mlp_hidden = (3 if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input; SwiGLU: gate, up, product
-    sharded = s * b * e * (2 * h + 2 * model.kv_dim + mlp_hidden)  # Q, K, V, out-proj input + MLP
+    norms = 4 + (2 if composite_norms and model.norm == "rmsnorm" else 0)  # 2 norm inputs + qkv and fc1 inputs
+    replicated = s * b * (h * e * norms + masks * h)
+    swiglu = 4 if framework.swiglu_keeps_activation else 3  # gate, (silu(gate),) up, product
+    mlp_hidden = (swiglu if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input
+    kv = h if framework.repeats_kv else model.kv_dim
+    sharded = s * b * e * (2 * h + 2 * kv + mlp_hidden)  # Q, K, V, out-proj input + MLP
     if framework.attention == "materialized" and recompute == "none":
         per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
         sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
@@ -217,7 +223,8 @@ def in_flight_microbatches(layout: Layout) -> float:
                                   layout.virtual_stages)
 
 
-def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:
+def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
+                     composite_norms: bool = False) -> float:
     """Peak activation bytes on the busier of two ranks, each at its own peak:
 
     - the first rank: its stored layers x in-flight micro-batches (:func:`in_flight_microbatches`) and one layer
@@ -229,11 +236,12 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
       the logits are freed before the
       layers' backward begins, so the two never add up.
 
-    Logits per micro-batch: ``b*s/sp`` tokens x ``V/t`` (vocab-parallel under tp).
+    Logits per micro-batch: ``b*s/sp`` tokens x ``V/t`` (vocab-parallel under tp). ``composite_norms``: as
+    :func:`layer_activation_bytes` (a CPU).
     """
     n = stage_layers(model, layout)
-    per_layer = layer_activation_bytes(model, layout, precision, framework)
-    working = layer_activation_bytes(model, layout, precision, framework, recompute="none")
+    per_layer = layer_activation_bytes(model, layout, precision, framework, composite_norms=composite_norms)
+    working = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
     logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
     m, v = layout.gradient_accumulation_steps, layout.virtual_stages
     held = loss_rank_in_flight(layout.pp_schedule, layout.pp, m, v)
@@ -286,7 +294,8 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
         gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
     if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
         gathered += p * precision.grad_bytes
-    step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework)
+    cpu = hw.device.name.startswith("cpu")  # torch's RMSNorm is composite there (layer_activation_bytes)
+    step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework, cpu)
     optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
     acts = max(step_peak, optimizer_peak)
     return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer, activations=acts - gathered,

@@ -55,6 +55,12 @@ class ModelSpec:
     """Whether dropout layers run (their masks cost activation memory: Korthikanti et al. 2022, Sec. 4.1)."""
     final_norm: bool = True
 
+    @property
+    def norm(self) -> str:
+        """"rmsnorm" for the Llama family (SwiGLU with rotary positions, Touvron et al. 2023, Sec. 2.2),
+        "layernorm" otherwise (GPT)."""
+        return "rmsnorm" if self.activation == "swiglu" and not self.learned_positions else "layernorm"
+
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
