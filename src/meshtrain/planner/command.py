@@ -14,6 +14,7 @@ from pathlib import Path
 
 from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.config import ConfigError
+from meshtrain.planner.layout import FRAMEWORKS
 
 EPILOG = """examples:
   meshtrain plan --model llama3-70b --gpu H100-SXM-80GB --num-gpus 512 --global-batch-size 1024 --seq-len 8192
@@ -50,8 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="NICs a node's devices share (default: one per device; 1 for a typical CPU/Ethernet cluster)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "bf16-autocast"),
                    help="precision (default: the framework's mixed precision; a config's train.dtype)")
-    g.add_argument("--framework", choices=("meshtrain", "megatron-core", "megatron-2021", "fsdp"),
-                   default=None, help="software whose overlaps and features to model (default meshtrain)")
+    g.add_argument("--framework", choices=tuple(FRAMEWORKS), default=None,
+                   help="software whose overlaps, features and memory to model (default meshtrain; docs/planner.md, "
+                        "\"Frameworks\")")
     j = p.add_argument_group("job")
     j.add_argument("--num-gpus", type=positive_int, help="devices in the job (world_size)")
     j.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step")
