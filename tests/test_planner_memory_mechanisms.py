@@ -197,3 +197,25 @@ def test_step_peak_is_the_planned_activations(kind, mode):
                                PRECISIONS["fp32"], MESHTRAIN, composite_norms=True)
     outside_blocks = 4 * cfg.model.n_embd * 4 * b * T
     assert planned <= measured <= planned + outside_blocks
+
+
+def test_meshtrain_llama_eager_elementwise_bytes_are_counted():
+    """``Framework.eager_elementwise`` of meshtrain is what ``bench/eager_elementwise.py`` counts on the trainer's
+    Llama block at a width it was not derived from (grouped and per-head K/V), fp32 = twice the 16-bit bytes. The
+    count also has per-token scalars that the formula leaves out: the two RMSNorms' fp32 rstd and the reductions of
+    their backward, 120 bytes per token at every width (at most 32 fp32 values: 128 bytes)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    import sys
+
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("eager_elementwise", bench / "eager_elementwise.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    a, b, c, d = MESHTRAIN.eager_elementwise
+    for heads, kv_heads, multiple_of in ((14, 2, 64), (7, 7, 96)):
+        counted, kv, f = module.meshtrain_block("llama", 448, heads, kv_heads, multiple_of)
+        h = 448
+        formula = 2 * ((a * h + b * kv + c * f) if kv < h else ((a + b - d) * h + c * f))
+        assert 0 <= counted - formula <= 128, (heads, kv_heads, counted, formula)

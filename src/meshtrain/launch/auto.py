@@ -142,7 +142,7 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
     model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
-    framework = meshtrain_framework(cfg)
+    framework = meshtrain_framework(cfg, device)
     job = Job(world, gbs, total_steps=cfg.train.steps)
     fitting = search(model, hw, precision, framework, job, fixed=fixed)
     if not fitting:

@@ -93,7 +93,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     from meshtrain.runtime.device import compute_dtype
 
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
-    framework = meshtrain_framework(cfg)
+    framework = meshtrain_framework(cfg, "cpu" if device == "cpu" else "cuda")
     memory = memory_breakdown(model, layout, hw, precision, framework)
     time = step_time(model, layout, hw, precision, framework)
     peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)

@@ -225,9 +225,9 @@ def build_context(args: argparse.Namespace):
     else:
         raise ConfigError("give --model (a preset or a TOML file) or a training config")
     framework = FRAMEWORKS[args.framework or "meshtrain"]
-    if cfg is not None and framework.name == "meshtrain":
-        framework = meshtrain_framework(cfg)  # the config's own FSDP2 unit size
     gpu = args.gpu or ("cpu" if cfg is not None else None)
+    if cfg is not None and framework.name == "meshtrain":  # the config's FSDP2 unit size, compiled blocks or not
+        framework = meshtrain_framework(cfg, "cpu" if gpu == "cpu" else "cuda")
     if gpu is None:
         raise ConfigError("give --gpu, e.g. --gpu H100-SXM-80GB (or cpu)")
     if cfg is not None and args.gpu is None:

@@ -164,8 +164,13 @@ class _MicroBatch:
     p2p: float
 
 
-def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, materialized: bool) -> tuple[float, float]:
+def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, materialized: bool,
+                                 eager: tuple[float, float, float, float] | None = None) -> tuple[float, float]:
     """(layer, attention-core) HBM bytes of one layer's forward element-wise kernels per token.
+
+    ``eager``: ``Framework.eager_elementwise``, the bytes an eager block's kernels move counted per operator
+    (forward + backward, 16-bit): a third of them is charged here, as a forward (backward = 2x forward in
+    :func:`_compute`), scaled to the element size ``e``; the h-wide part (norms, residual adds) as replicated.
 
     Norms read+write h twice; two residual adds read 2h, write h; activation function reads m-1 of f
     and writes f; attention reads Q, K, V and writes O; dropout masks 1 byte. Materialized attention
@@ -176,6 +181,12 @@ def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, mater
     h, f, t, seq = model.hidden, model.ffn_hidden, layout.tp, (layout.tp if layout.tp_sequence_parallel else 1)
     replicated = e * (4 * h + 6 * h) + (2 * h if model.dropout else 0)
     sharded = e * ((model.mlp_matrices - 1) * f + f + 2 * h + 2 * model.kv_dim)
+    if eager is not None:  # the framework's eager count (Framework.eager_elementwise), forward + backward: a third
+        a, b, c, d = eager
+        if model.kv_heads == model.heads:  # no grouped K/V: no repeat_kv copies nor their backward sums
+            a, b = a + b - d, 0.0
+        replicated = (a * h) / 3 * e / 2
+        sharded = (b * model.kv_dim + c * f) / 3 * e / 2 + e * (2 * h + 2 * model.kv_dim)  # + the attention kernel's IO
     core = 0.0
     if materialized:
         per_score = 2 * e + (2 * e + 1 if model.dropout else 0)
@@ -206,7 +217,8 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
     dense = tokens * n * dense_flops_per_token(model) / t / rate + n * layer_io
     attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
-    layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized)
+    layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
+                                                           fw.eager_elementwise if model.norm == "rmsnorm" else None)
     core = executed * tokens * n * core_bytes / bw
     if materialized:
         scores = executed * tokens * n * model.heads * model.seq_len / (t * layout.sp)

@@ -17,7 +17,7 @@ from meshtrain import batch
 from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.pipeline_schedules import RULES, schedule_error
-from meshtrain.rules.support import SUPPORTED, zero_stage_error
+from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = tuple(RULES)
@@ -218,6 +218,23 @@ class Framework:
     outputs kept, every other operator recomputed), which the zero-bubble schedules do not run
     (:func:`selective_runs`), or "op-level-alternate", torchtitan's: the same but only every other GEMM's output
     kept and of the collectives only the reduce-scatters' (:func:`meshtrain.planner.memory.alternate_saved_bytes`)."""
+    eager_elementwise: tuple[float, float, float, float] | None = None
+    """Bytes per token and layer that the element-wise kernels of an eager Llama block move, forward and backward
+    together, as ``(a, b, c, d)``: ``a*h + b*kv + c*f`` with grouped K/V, ``(a + b - d)*h + c*f`` without (no
+    ``repeat_kv`` copies and backward sums); 16-bit activations, the attention kernel and GEMMs excluded; counted
+    operator by operator from the framework's own block under torch's dispatcher (``bench/eager_elementwise.py``,
+    ``bench/results/eager_elementwise.md``). None: one fused kernel per norm, activation and residual add
+    (:func:`meshtrain.planner.cost._elementwise_bytes_per_token`; what torch.compile gets close to, and within 11%
+    of meshtrain's eager GPT block, whose LayerNorm and GELU are single kernels). Llama blocks:
+
+    - torchtitan's of December 2024 (``models/llama/model.py`` and ``models/norms.py`` at commit 9dec370, bf16):
+      its RMSNorm in fp32 (casts, pow, mean, rsqrt, two multiplies), RoPE through fp32 complex views,
+      ``repeat_kv`` copies, SwiGLU's silu and product, the residual adds and their backward kernels:
+      ``(358, 44, 28, 16)``, 3.8x the fused count for Llama 3 8B;
+    - meshtrain's (``models.llama``, counted in fp32, halved): torch's composite RMSNorm, RoPE by halves
+      (multiplies, negation, concatenation), ``repeat_kv``, SwiGLU: ``(218, 52, 28, 24)``.
+
+    Both counts are exactly linear in h, kv and f (residual 0 over ten widths), up to a few per-token scalars."""
     repeats_kv: bool = False
     """Grouped-query attention's K and V are repeated to the query heads before the attention kernel, which then
     keeps them at the query width (meshtrain's ``models.gpt.repeat_kv``, torchtitan's ``repeat_kv`` in its Llama);
@@ -254,15 +271,22 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only,
-                      selective="op-level", repeats_kv=True, swiglu_keeps_activation=True)
+                      selective="op-level", repeats_kv=True, swiglu_keeps_activation=True,
+                      eager_elementwise=(218.0, 52.0, 28.0, 24.0))
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
 
 
-def meshtrain_framework(cfg: Config) -> Framework:
-    """The trainer as ``cfg`` sets it up (its FSDP2 unit size, ``parallel.fsdp_unit_mb``)."""
-    return replace(MESHTRAIN, fsdp_unit_bytes=cfg.parallel.fsdp_unit_mb * 2**20)
+def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
+    """The trainer as ``cfg`` sets it up on ``device_type`` ("cpu"/"cuda"): its FSDP2 unit size
+    (``parallel.fsdp_unit_mb``), and fused element-wise kernels where its blocks are compiled
+    (:func:`meshtrain.rules.support.blocks_compiled`), eager ones (``eager_elementwise``) where not."""
+    p = cfg.parallel
+    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode,
+                                                                   p.pp_schedule), device_type)
+    return replace(MESHTRAIN, fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
+                   eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise)
 
 
 FRAMEWORKS = {f.name: f for f in (
@@ -283,7 +307,11 @@ FRAMEWORKS = {f.name: f for f in (
     # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and
     # recomputes the rest (op-level-alternate); context parallelism is ring attention.
     Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",), repeats_kv=True,
-              swiglu_keeps_activation=True),
+              swiglu_keeps_activation=True, eager_elementwise=(358.0, 44.0, 28.0, 16.0)),
+    # the same under torch.compile (train.compile / --training.compile), whose fused element-wise kernels are
+    # what the default count models
+    Framework("torchtitan-compile", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",),
+              repeats_kv=True, swiglu_keeps_activation=True),
 )}
 
 

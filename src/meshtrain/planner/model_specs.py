@@ -57,9 +57,9 @@ class ModelSpec:
 
     @property
     def norm(self) -> str:
-        """"rmsnorm" for the Llama family (SwiGLU with rotary positions, Touvron et al. 2023, Sec. 2.2),
-        "layernorm" otherwise (GPT)."""
-        return "rmsnorm" if self.activation == "swiglu" and not self.learned_positions else "layernorm"
+        """"rmsnorm" for the Llama family (the SwiGLU models: RMSNorm and SwiGLU come together, Touvron et al.
+        2023, Sec. 2.2), "layernorm" otherwise (GPT)."""
+        return "rmsnorm" if self.activation == "swiglu" else "layernorm"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
