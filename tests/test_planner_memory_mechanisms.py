@@ -96,7 +96,7 @@ def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
                 F.cross_entropy(leaf.float(), targets).backward()
 
         step()  # the first call sets up DTensor's sharding caches, which would count as allocations
-        torch.save(allocated_peak(step), Path(out) / f"rank{rank}.pt")
+        torch.save([allocated_peak(step) for _ in range(3)], Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -104,13 +104,16 @@ def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
 
 def test_loss_parallel_bytes_per_logit(tmp_path):
     """Under tp = 2, torch's ``loss_parallel`` on vocab-sharded logits holds ``loss_parallel_bytes`` per logit of
-    the rank's slice at its peak, besides the logits themselves (2 gloo ranks)."""
+    the rank's slice at its peak, besides the logits themselves (2 gloo ranks, 3 measurements each). A measurement
+    may hold one fp32 copy of the slice more (4 bytes per logit): a temporary of the all-reduce that gloo has not
+    released yet when the next one is allocated, which depends on the two ranks' timing."""
     mp.spawn(_loss_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    local = TOKENS * VOCAB / 2
+    local, want = TOKENS * VOCAB / 2, MESHTRAIN.loss_parallel_bytes
+    extra = PER_TOKEN_EXTRA / (VOCAB / 2)
     for rank in range(2):
-        per_logit = torch.load(tmp_path / f"rank{rank}.pt") / local - 2  # bf16 logits
-        want = MESHTRAIN.loss_parallel_bytes
-        assert want <= per_logit <= want + PER_TOKEN_EXTRA / (VOCAB / 2)
+        per_logit = [peak / local - 2 for peak in torch.load(tmp_path / f"rank{rank}.pt")]  # bf16 logits
+        assert want <= min(per_logit) <= want + extra
+        assert max(per_logit) <= want + 4 + extra
 
 
 def _llama(layers: int, vocab: int):

@@ -11,7 +11,7 @@ import pytest
 from meshtrain.cli.main import main
 from meshtrain.planner.estimate import Job
 from meshtrain.planner.hardware import get_hardware
-from meshtrain.planner.layout import FRAMEWORKS, divisibility_errors, framework_errors
+from meshtrain.planner.layout import RECOMPUTE, FRAMEWORKS, divisibility_errors, framework_errors, recompute_modes
 from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.model_specs import preset
 from meshtrain.planner.search import search
@@ -47,6 +47,33 @@ def test_pruned_degrees_never_fit_and_pruning_changes_nothing(name, world, gbs):
     pruned = search(m, hw, prec, fw, job)
     assert [e.layout for e in pruned] == [e.layout for e in everything if e.fits]
     assert len(pruned) < len(everything)  # the case prunes something
+
+
+@pytest.mark.parametrize("name, gpu", [("gpt2-xl", "cpu"), ("llama3-8b", "H100")])
+def test_the_search_memo_changes_no_number(name, gpu):
+    """A search shares one memo of the cost model's parts between its layouts (``cost.step_time``): every
+    estimate is the one computed alone, bit for bit, in every framework (each part's key holds every layout field
+    it reads); local SGD too, which the search never generates. Its memory, shared between a layout's recompute
+    modes (``memory.memory_by_recompute``), is each layout's ``memory_breakdown``, and the mode kept is the first
+    of the framework's modes that fits."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.estimate import estimate
+    from meshtrain.planner.memory import memory_breakdown
+
+    m, hw, prec = preset(name), get_hardware(gpu), PRECISIONS["bf16"]
+    job = Job(num_devices=16, global_batch_size=32, token_budget=1e9)
+    for fw in FRAMEWORKS.values():
+        memo: dict = {}
+        for e in search(m, hw, prec, fw, job, keep_unfit=True):
+            assert e == estimate(m, e.layout, hw, prec, fw, job, checked=True)  # memory_breakdown's memory too
+            runnable = recompute_modes(fw, list(fw.recompute), e.layout.pp, e.layout.pp_schedule)
+            cheaper = [r for r in runnable if RECOMPUTE.index(r) < RECOMPUTE.index(e.layout.recompute)]
+            assert all(memory_breakdown(m, replace(e.layout, recompute=r), hw, prec, fw).total > hw.device.memory_bytes
+                       for r in cheaper if e.fits)
+            local = replace(e.layout, local_sgd_steps=4)
+            assert step_time(m, local, hw, prec, fw, memo) == step_time(m, local, hw, prec, fw)
 
 
 def test_search_returns_only_valid_fitting_layouts_fastest_first():

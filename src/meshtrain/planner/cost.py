@@ -30,7 +30,9 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
@@ -264,14 +266,52 @@ def _layer_host_s(dev, layout: Layout) -> float:
     return dev.layer_host_s + extra
 
 
-def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> _MicroBatch:
+def memoized(memo: dict | None, key: tuple, compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)``, kept in ``memo`` under ``key`` (no memo: computed every time). See :func:`step_time`: a
+    key holds every layout field the part reads and the results of the memory helpers it calls, so that it stays
+    right when those helpers change (``tests/test_planner_search.py`` checks a search's numbers against no memo)."""
+    if memo is None:
+        return compute(*args)
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = compute(*args)
+        return value
+
+
+def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
+                 memo: dict | None = None) -> _MicroBatch:
     """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
-    forward, backward, gemm = _compute(model, layout, hw, prec, fw)
+    key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
+           layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute)
+    forward, backward, tp, sp = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
-    net, n, t = hw.network, stage_layers(model, layout), layout.tp
-    tokens = layout.micro_batch_size * model.seq_len / layout.sp
-    act = tokens * model.hidden * prec.activation_bytes
+    # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
+    # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
+    # On a calibrated CPU each action of torch's schedule (a forward, a backward, or a zero-bubble half of
+    # one, per chunk) also costs its measured host time.
+    p2p = 0.0
+    if layout.pp > 1:
+        key = ("p2p", layout.dp, layout.tp, layout.pp, layout.sp, layout.micro_batch_size)
+        send = memoized(memo, key, _stage_send_time, model, layout, hw, prec)
+        actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
+        p2p = layout.virtual_stages * (2 * send + actions * hw.device.pipeline_action_host_s)
+    return _MicroBatch(forward, backward, tp, sp, p2p)
+
+
+def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+    """Seconds of one micro-batch's activations (or their gradient) sent to the next pipeline stage, split over tp."""
+    act = layout.micro_batch_size * model.seq_len / layout.sp * model.hidden * prec.activation_bytes
+    return collective_time(hw, "p2p", 2, act / layout.tp, layout.spans_nodes("pp", hw.network.devices_per_node))
+
+
+def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
+                fw: Framework) -> tuple[float, float, float, float]:
+    """(forward, backward, tp, sp) of :class:`_MicroBatch` before the pipeline's share: the busiest stage's
+    layers and head (:func:`_compute`) and their tp and sp collectives."""
+    forward, backward, gemm = _compute(model, layout, hw, prec, fw)
+    net, n = hw.network, stage_layers(model, layout)
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
     # (Korthikanti et al. 2022, Sec. 4.2.2), of the same ring time on a modelled link, each at its own
@@ -287,17 +327,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     tp, sp = comm["tp"], comm["sp"]
     if fw.tp_comm_overlap:
         tp = max(0.0, tp - gemm)
-    # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
-    # (scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).
-    # On a calibrated CPU each action of torch's schedule (a forward, a backward, or a zero-bubble half of
-    # one, per chunk) also costs its measured host time.
-    p2p = 0.0
-    if layout.pp > 1:
-        pp_spans = layout.spans_nodes("pp", net.devices_per_node)
-        actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
-        p2p = layout.virtual_stages * (2 * collective_time(hw, "p2p", 2, act / t, pp_spans)
-                                       + actions * hw.device.pipeline_action_host_s)
-    return _MicroBatch(forward, backward, tp, sp, p2p)
+    return forward, backward, tp, sp
 
 
 @dataclass(frozen=True)
@@ -374,7 +404,8 @@ def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
     return f / (1.0 - f) * m * whole
 
 
-def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: _MicroBatch) -> float:
+def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: _MicroBatch,
+            memo: dict | None = None) -> float:
     """Exposed seconds of data-parallel communication per step, over the dp*sp ranks holding a replica.
 
     Stage 0 all-reduces gradients in the framework's buckets; 1 reduce-scatters gradients and all-gathers
@@ -400,9 +431,54 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     replica's own: ``allreduce(weights) / H`` plus the loss mean's and the stop check's latency, in the
     steady state after the synchronous warm-up. Takeaway: dp communication falls by H.
     """
-    n = layout.dp * layout.sp
-    if n == 1:
+    if layout.dp * layout.sp == 1:
         return 0.0
+    key = ("dp", layout.dp, layout.sp, layout.tp, layout.pp, layout.zero_stage, layout.hierarchical_allreduce,
+           layout.local_sgd_steps, stage_params(model, layout), fsdp_unit_shape(model, layout, fw))
+    c = memoized(memo, key, _dp_collectives, model, layout, hw, prec, fw)
+    if c.whole is not None:
+        return c.whole
+    m, z = layout.gradient_accumulation_steps, layout.zero_stage
+    overlap = fw.dp_comm_overlap and hw.device.comm_overlap
+
+    def exposed(comm: float, window: float) -> float:
+        return max(0.0, comm - window) if overlap else comm
+
+    if c.ddp:
+        if c.hierarchical:
+            return c.scalars + c.host + exposed(c.reduce, mb.backward)
+        return c.scalars + exposed(c.reduce, mb.backward) + c.host
+    reduce = exposed(c.reduce, mb.backward) + c.host
+    if fw.grad_sync_every_microstep:
+        reduce *= m
+    if z == 1:
+        return c.scalars + reduce + exposed(c.gather, mb.forward)
+    per_micro = exposed(c.gather, mb.forward) + c.host
+    if c.back_gather is not None:
+        per_micro += exposed(c.back_gather, mb.backward) + c.back_host
+    return c.scalars + reduce + m * per_micro
+
+
+@dataclass(frozen=True)
+class _DpCollectives:
+    """Seconds of :func:`dp_time`'s parts before any hides behind compute: the scalar all-reduces, the gradient
+    reduction (DDP's all-reduce, flat or hierarchical, or a reduce-scatter), the weight all-gather (and stage 3's
+    second one before backward), the host time beside them; ``whole``: local SGD's whole dp time."""
+
+    scalars: float
+    reduce: float = 0.0
+    gather: float = 0.0
+    host: float = 0.0
+    back_gather: float | None = None
+    back_host: float = 0.0
+    ddp: bool = False
+    hierarchical: bool = False
+    whole: float | None = None
+
+
+def _dp_collectives(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> _DpCollectives:
+    """The parts of :func:`dp_time` that depend on neither the micro-batch's compute nor gradient accumulation."""
+    n = layout.dp * layout.sp
     net = hw.network
     dpn = net.devices_per_node
     spans = layout.spans_nodes("dp", dpn) or (layout.sp > 1 and layout.spans_nodes("sp", dpn))
@@ -410,43 +486,32 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     scalars = (3 if layout.zero_stage >= 2 else 2) * collective_time(hw, "all-reduce", n, 8, spans, per_node)
     p = stage_params(model, layout)
     grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
-    m, z = layout.gradient_accumulation_steps, layout.zero_stage
-    overlap = fw.dp_comm_overlap and hw.device.comm_overlap
+    z = layout.zero_stage
     units, per_unit = fsdp_unit_shape(model, layout, fw)
     back = max(units - 1, 0)  # stage 3 gathers again before backward: every unit but the last
     back_weights = back * per_unit * weights * model.layer_params() / layout.tp / p
     units += 1  # and the root: one collective each
-
-    def exposed(comm: float, window: float) -> float:
-        return max(0.0, comm - window) if overlap else comm
 
     def collective(kind: str, nbytes: float, count: int) -> float:
         return count * collective_time(hw, kind, n, nbytes / count, spans, per_node)
 
     if layout.local_sgd_steps:
         average = collective_time(hw, "all-reduce", n, p * prec.weight_bytes, spans, per_node)
-        return scalars + average / layout.local_sgd_steps  # the loss mean and the stop check
+        return _DpCollectives(scalars, whole=scalars + average / layout.local_sgd_steps)  # + the loss mean and the stop check
     if z == 0 or (z == 1 and fw.zero1_ddp_only):  # DDP; its per-bucket cost beyond the wire (CPU) is never hidden
         buckets = fw.grad_buckets(grads)
         # zero_stage 1 as torch's ZeroRedundancyOptimizer: after the step each rank broadcasts the fp32
         # parameters it updated, the traffic of one all-gather, with nothing to hide behind
         host = hw.device.ddp_bucket_overhead_s * buckets + (collective("all-gather", p * 4, 1) if z == 1 else 0.0)
         if layout.hierarchical_allreduce and spans:
-            return scalars + host + exposed(buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node),
-                                            mb.backward)
-        return scalars + exposed(collective("all-reduce", grads, buckets), mb.backward) + host
+            return _DpCollectives(scalars, buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node),
+                                  host=host, ddp=True, hierarchical=True)
+        return _DpCollectives(scalars, collective("all-reduce", grads, buckets), host=host, ddp=True)
     count = 1 if z == 1 else units
     host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden
-    reduce = exposed(collective("reduce-scatter", grads, count), mb.backward) + host
-    if fw.grad_sync_every_microstep:
-        reduce *= m
-    gather = collective("all-gather", weights, count)
-    if z == 1:
-        return scalars + reduce + exposed(gather, mb.forward)
-    per_micro = exposed(gather, mb.forward) + host
-    if z == 3 and back:
-        per_micro += exposed(collective("all-gather", back_weights, back), mb.backward) + hw.device.fsdp_unit_overhead_s * back
-    return scalars + reduce + m * per_micro
+    return _DpCollectives(scalars, collective("reduce-scatter", grads, count), collective("all-gather", weights, count),
+                          host, collective("all-gather", back_weights, back) if z == 3 and back else None,
+                          hw.device.fsdp_unit_overhead_s * back)
 
 
 def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_node: int) -> float:
@@ -509,15 +574,27 @@ def async_step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precis
                     optimizer=worker.optimizer / layout.ps_servers)
 
 
-def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> StepTime:
-    """Seconds per optimizer step, by cause (see the module docstring for the model of each part)."""
+def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
+              memo: dict | None = None) -> StepTime:
+    """Seconds per optimizer step, by cause (see the module docstring for the model of each part).
+
+    ``memo``: a dict shared by the calls for one model, hardware, precision and framework (a search's), in which
+    the parts that depend on a few layout fields are kept, keyed by those fields and by the results of the
+    memory helpers they use (:func:`stage_layers`, :func:`stage_params`, :func:`fsdp_unit_shape`): the same
+    numbers, a few times faster over a search's layouts."""
     if layout.ps_servers:
         return async_step_time(model, layout, hw, prec, fw)
-    mb = _micro_batch(model, layout, hw, prec, fw)
+    mb = _micro_batch(model, layout, hw, prec, fw, memo)
     m = layout.gradient_accumulation_steps
-    tp_step = stage_layers(model, layout) * sum(
-        c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, layout.spans_nodes(c.axis, hw.network.devices_per_node))
-        for c in layer_step_collectives(model, layout, prec))
+    tp_step = memoized(memo, ("tp step", stage_layers(model, layout), layout.tp, layout.tp_sequence_parallel),
+                       _step_collectives_time, model, layout, hw, prec)
     return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
                     pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
-                    dp_comm=dp_time(model, layout, hw, prec, fw, mb), optimizer=optimizer_time(model, layout, hw, prec))
+                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec))
+
+
+def _step_collectives_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+    """Seconds of the busiest stage's :func:`layer_step_collectives` per step."""
+    return stage_layers(model, layout) * sum(
+        c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, layout.spans_nodes(c.axis, hw.network.devices_per_node))
+        for c in layer_step_collectives(model, layout, prec))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from meshtrain.batch import steps_per_epoch, tokens_per_step
 from meshtrain.config import ConfigError
-from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
+from meshtrain.planner.cost import StepTime, hardware_flops, memoized, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import MemoryBreakdown, Precision, memory_breakdown
@@ -79,10 +79,12 @@ class Estimate:
 
 
 def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
-             job: Job | None = None, memory: MemoryBreakdown | None = None, checked: bool = False) -> Estimate:
+             job: Job | None = None, memory: MemoryBreakdown | None = None, checked: bool = False,
+             memo: dict | None = None) -> Estimate:
     """Predict ``layout``. MFU = model FLOPs per second / (world_size * peak FLOP/s of the compute dtype).
     ``memory``: its :func:`memory_breakdown` when the caller has it; ``checked``: the caller generated the
-    layout by the rules (:mod:`meshtrain.planner.search`), so they are not checked again.
+    layout by the rules (:mod:`meshtrain.planner.search`), so they are not checked again; ``memo``: a dict
+    shared by the calls for one model, hardware, precision and framework (:func:`meshtrain.planner.cost.step_time`).
 
     Raises:
         ConfigError: the layout breaks a divisibility rule or needs a feature the framework lacks
@@ -94,15 +96,22 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
         if errors:
             raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
     mem = memory if memory is not None else memory_breakdown(model, layout, hw, precision, framework)
-    t = step_time(model, layout, hw, precision, framework)
+    t = step_time(model, layout, hw, precision, framework, memo)
     seconds = t.total
     samples = layout.global_batch_size
     world = layout.world_size
-    mflops = model_flops(model, samples)
-    steps = job.steps(model.seq_len) if job else None
+    tokens, mflops, hflops, steps = memoized(memo, ("step work", samples, layout.recompute, job), _step_work, model,
+                                             samples, layout.recompute, framework.selective, job)
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
-                    tokens_per_s=tokens_per_step(samples, model.seq_len) / seconds,
+                    tokens_per_s=tokens / seconds,
                     mfu=mflops / seconds / (world * hw.device.peak(precision.compute_dtype)),
-                    hardware_tflops_per_device=hardware_flops(model, samples, layout.recompute, framework.selective) / seconds / world / 1e12,
+                    hardware_tflops_per_device=hflops / seconds / world / 1e12,
                     model_tflops_per_device=mflops / seconds / world / 1e12,
                     total_steps=steps, total_time_s=steps * seconds if steps else None)
+
+
+def _step_work(model: ModelSpec, samples: int, recompute: str, selective: str,
+               job: Job | None) -> tuple[int, float, float, int | None]:
+    """(tokens, model FLOPs, hardware FLOPs) of a step of ``samples`` sequences and the job's optimizer steps."""
+    return (tokens_per_step(samples, model.seq_len), model_flops(model, samples),
+            hardware_flops(model, samples, recompute, selective), job.steps(model.seq_len) if job else None)

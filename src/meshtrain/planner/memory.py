@@ -29,6 +29,7 @@ no s x s scores; nor does the trainer's ring attention, which recomputes them in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
@@ -239,17 +240,30 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
     Logits per micro-batch: ``b*s/sp`` tokens x ``V/t`` (vocab-parallel under tp). ``composite_norms``: as
     :func:`layer_activation_bytes` (a CPU).
     """
-    n = stage_layers(model, layout)
     per_layer = layer_activation_bytes(model, layout, precision, framework, composite_norms=composite_norms)
+    return _activations(_activation_parts(model, layout, precision, framework, composite_norms), per_layer)
+
+
+def _activation_parts(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
+                      composite_norms: bool) -> tuple[float, ...]:
+    """What :func:`activation_bytes` needs besides the stored bytes per layer, which alone depend on the recompute
+    mode: (layers, one layer's backward, logits per micro-batch, the loss rank's micro-batches, the loss's bytes
+    per logit, the first rank's micro-batches or 0 when the loss is on it)."""
+    n = stage_layers(model, layout)
     working = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
     logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
     m, v = layout.gradient_accumulation_steps, layout.virtual_stages
     held = loss_rank_in_flight(layout.pp_schedule, layout.pp, m, v)
     loss = framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes
+    first = 0.0 if layout.pp == 1 or layout.pp_schedule == "zbv" else in_flight_microbatches(layout)
+    return n, working, logits, held, loss, first
+
+
+def _activations(parts: tuple[float, ...], per_layer: float) -> float:
+    """:func:`activation_bytes` from :func:`_activation_parts` and the stored bytes per layer."""
+    n, working, logits, held, loss, first = parts
     loss_rank = n * held * per_layer + logits * 4 * (held - 1) + max(working, logits * loss)
-    if layout.pp == 1 or layout.pp_schedule == "zbv":
-        return loss_rank
-    return max(n * in_flight_microbatches(layout) * per_layer + working, loss_rank)
+    return loss_rank if not first else max(n * first * per_layer + working, loss_rank)
 
 
 def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
@@ -270,8 +284,20 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
+    return memory_by_recompute(model, layout, hw, precision, framework)(layout.recompute)
+
+
+def memory_by_recompute(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
+                        framework: Framework) -> Callable[[str], MemoryBreakdown]:
+    """``mode -> memory_breakdown(model, layout with recompute = mode, ...)``: the model states, buffers, the layer
+    being back-propagated and the loss are the same in every mode and computed once (the search tries up to
+    three modes per candidate). The function's ``total(mode)`` is the breakdown's ``total`` alone."""
     if layout.ps_servers:
-        return _parameter_server_memory(model, layout, hw, precision, framework)
+        def server(mode: str) -> MemoryBreakdown:
+            return _parameter_server_memory(model, replace(layout, recompute=mode), hw, precision, framework)
+
+        server.total = lambda mode: server(mode).total
+        return server
     p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
     weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
@@ -289,17 +315,28 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
         root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
         held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
         live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
-        # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce)
-        # unsharded gradients have the gathered weights' dtype; the reduce-scatter's input is in the gradients'
+        # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
+        # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
         gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
     if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
         gathered += p * precision.grad_bytes
     cpu = hw.device.name.startswith("cpu")  # torch's RMSNorm is composite there (layer_activation_bytes)
-    step_peak = gathered + p * precision.weight_cast_bytes + activation_bytes(model, layout, precision, framework, cpu)
+    parts = _activation_parts(model, layout, precision, framework, cpu)
+    fixed = gathered + p * precision.weight_cast_bytes
     optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
-    acts = max(step_peak, optimizer_peak)
-    return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer, activations=acts - gathered,
-                           buffers=gathered, overhead=hw.device.framework_overhead_bytes)
+    overhead = hw.device.framework_overhead_bytes
+
+    def peak(mode: str) -> float:  # activations + buffers
+        per_layer = layer_activation_bytes(model, layout, precision, framework, mode, cpu)
+        return max(fixed + _activations(parts, per_layer), optimizer_peak)
+
+    def for_mode(mode: str) -> MemoryBreakdown:
+        return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer,
+                               activations=peak(mode) - gathered, buffers=gathered, overhead=overhead)
+
+    # MemoryBreakdown.total's sum, term by term in its order (so that it is the same float)
+    for_mode.total = lambda mode: weights + grads + optimizer + (peak(mode) - gathered) + gathered + overhead
+    return for_mode
 
 
 def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, replace
-from functools import cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -76,23 +76,37 @@ class ModelSpec:
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model activation = {self.activation!r} is not valid: use one of {', '.join(ACTIVATIONS)}")
 
-    @property
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        """The sizes' hash (equal specs have equal sizes; ints hash alike in every process, so a pickled copy keeps a
+        true one), computed once: the planner's caches hash a spec ~10^5 times per search."""
+        return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads))
+
+    # Derived sizes are cached_property (kept in the instance's __dict__, beside the fields; a frozen spec never
+    # changes them): the planner's search asks each ~10^5 times.
+    @cached_property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
+    @cached_property
     def kv_dim(self) -> int:
         """Width of K (and of V): kv_heads * head_dim."""
         return self.kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def mlp_matrices(self) -> int:
         """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
         return 3 if self.activation == "swiglu" else 2
 
-    @cache  # noqa: B019  (specs are few, frozen and hashable; the search asks this 10^5 times)
     def layer_params(self) -> int:
         """Parameters of one transformer block (weights, biases, norm scales)."""
+        return self._layer_params
+
+    @cached_property
+    def _layer_params(self) -> int:
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
         n = h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f
         n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
@@ -102,6 +116,10 @@ class ModelSpec:
 
     def param_tensors(self) -> int:
         """Number of parameter tensors (fused qkv counted as one), which sets per-tensor optimizer work."""
+        return self._param_tensors
+
+    @cached_property
+    def _param_tensors(self) -> int:
         per_layer = 2 + self.mlp_matrices + 2  # qkv, out-proj, MLP matrices, two norm scales
         if self.biases:
             per_layer += 2 + self.mlp_matrices + 2
