@@ -54,7 +54,7 @@ def test_the_search_memo_changes_no_number(name, gpu):
     """A search shares one memo of the cost model's parts between its layouts (``cost.step_time``): every
     estimate is the one computed alone, bit for bit, in every framework (each part's key holds every layout field
     it reads); local SGD too, which the search never generates. Its memory, shared between a layout's recompute
-    modes (``memory.memory_by_recompute``), is each layout's ``memory_breakdown``, and the mode kept is the first
+    modes (``memory.RecomputeMemory``), is each layout's ``memory_breakdown``, and the mode kept is the first
     of the framework's modes that fits."""
     from dataclasses import replace
 

@@ -445,8 +445,6 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
         return max(0.0, comm - window) if overlap else comm
 
     if c.ddp:
-        if c.hierarchical:
-            return c.scalars + c.host + exposed(c.reduce, mb.backward)
         return c.scalars + exposed(c.reduce, mb.backward) + c.host
     reduce = exposed(c.reduce, mb.backward) + c.host
     if fw.grad_sync_every_microstep:
@@ -472,7 +470,6 @@ class _DpCollectives:
     back_gather: float | None = None
     back_host: float = 0.0
     ddp: bool = False
-    hierarchical: bool = False
     whole: float | None = None
 
 
@@ -505,7 +502,7 @@ def _dp_collectives(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precis
         host = hw.device.ddp_bucket_overhead_s * buckets + (collective("all-gather", p * 4, 1) if z == 1 else 0.0)
         if layout.hierarchical_allreduce and spans:
             return _DpCollectives(scalars, buckets * hierarchical_allreduce_time(hw, grads / buckets, n, per_node),
-                                  host=host, ddp=True, hierarchical=True)
+                                  host=host, ddp=True)
         return _DpCollectives(scalars, collective("all-reduce", grads, buckets), host=host, ddp=True)
     count = 1 if z == 1 else units
     host = hw.device.fsdp_unit_overhead_s * count if z >= 2 else 0.0  # per unit collective, never hidden

@@ -29,7 +29,6 @@ no s x s scores; nor does the trainer's ring attention, which recomputes them in
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
@@ -192,8 +191,9 @@ def torchtitan_gemm_outputs(model: ModelSpec, tp: int) -> tuple[float, ...]:
     """Output widths (elements per token on one tp rank) of :func:`torchtitan_gemms`: column-parallel outputs are
     split over tp; the row-parallel wo and w2 (the GEMMs whose output width is h after a sharded K) write whole
     rows of partial sums before their reduction."""
-    row_parallel = {3, len(torchtitan_gemms(model)) - 1}
-    return tuple(n if i in row_parallel else n / tp for i, (_, n) in enumerate(torchtitan_gemms(model)))
+    gemms = torchtitan_gemms(model)
+    row_parallel = {3, len(gemms) - 1}
+    return tuple(n if i in row_parallel else n / tp for i, (_, n) in enumerate(gemms))
 
 
 def alternate_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
@@ -284,59 +284,67 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     peak (activations, gathered weights) and the optimizer-step peak (PyTorch's foreach AdamW: one fp32
     temporary per parameter), on top of the model states and the runtime's fixed overhead.
     """
-    return memory_by_recompute(model, layout, hw, precision, framework)(layout.recompute)
+    return RecomputeMemory(model, layout, hw, precision, framework)(layout.recompute)
 
 
-def memory_by_recompute(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
-                        framework: Framework) -> Callable[[str], MemoryBreakdown]:
-    """``mode -> memory_breakdown(model, layout with recompute = mode, ...)``: the model states, buffers, the layer
-    being back-propagated and the loss are the same in every mode and computed once (the search tries up to
-    three modes per candidate). The function's ``total(mode)`` is the breakdown's ``total`` alone."""
-    if layout.ps_servers:
-        def server(mode: str) -> MemoryBreakdown:
-            return _parameter_server_memory(model, replace(layout, recompute=mode), hw, precision, framework)
+class RecomputeMemory:
+    """``memory(mode)`` = ``memory_breakdown(model, layout with recompute = mode, ...)`` and ``memory.total(mode)`` its
+    total alone. The model states, buffers, the layer being back-propagated and the loss are the same in every mode
+    and computed once (the search tries up to three modes per candidate); a mode adds its stored bytes per layer."""
 
-        server.total = lambda mode: server(mode).total
-        return server
-    p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
-    weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
-    # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
-    # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
-    pipelined = layout.pp > 1
-    grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
-                                                  or framework.grad_sync_every_microstep)
-    grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
-    optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
-    block = model.layer_params() / layout.tp
-    gathered = 0.0
-    if z >= 2:
-        units, per_unit = fsdp_unit_shape(model, layout, framework)
-        unit = per_unit * block
-        root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
-        held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
-        live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
-        # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
-        # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
-        gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
-    if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
-        gathered += p * precision.grad_bytes
-    cpu = hw.device.name.startswith("cpu")  # torch's RMSNorm is composite there (layer_activation_bytes)
-    parts = _activation_parts(model, layout, precision, framework, cpu)
-    fixed = gathered + p * precision.weight_cast_bytes
-    optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
-    overhead = hw.device.framework_overhead_bytes
+    def __init__(self, model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
+                 framework: Framework) -> None:
+        self.model, self.layout, self.hw, self.precision, self.framework = model, layout, hw, precision, framework
+        if layout.ps_servers:
+            return
+        p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
+        self.weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
+        # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
+        # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
+        pipelined = layout.pp > 1
+        grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
+                                                      or framework.grad_sync_every_microstep)
+        self.grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
+        self.optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
+        block = model.layer_params() / layout.tp
+        gathered = 0.0
+        if z >= 2:
+            units, per_unit = fsdp_unit_shape(model, layout, framework)
+            unit = per_unit * block
+            root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
+            held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
+            live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
+            # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
+            # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
+            gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
+        if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
+            gathered += p * precision.grad_bytes
+        self.gathered = gathered
+        self.cpu = hw.device.name.startswith("cpu")  # torch's RMSNorm is composite there (layer_activation_bytes)
+        self.parts = _activation_parts(model, layout, precision, framework, self.cpu)
+        self.fixed = gathered + p * precision.weight_cast_bytes
+        self.optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
+        self.overhead = hw.device.framework_overhead_bytes
 
-    def peak(mode: str) -> float:  # activations + buffers
-        per_layer = layer_activation_bytes(model, layout, precision, framework, mode, cpu)
-        return max(fixed + _activations(parts, per_layer), optimizer_peak)
+    def _peak(self, mode: str) -> float:
+        """Activations + buffers in ``mode``: the forward/backward peak or the optimizer step's, the larger."""
+        per_layer = layer_activation_bytes(self.model, self.layout, self.precision, self.framework, mode, self.cpu)
+        return max(self.fixed + _activations(self.parts, per_layer), self.optimizer_peak)
 
-    def for_mode(mode: str) -> MemoryBreakdown:
-        return MemoryBreakdown(weights=weights, gradients=grads, optimizer=optimizer,
-                               activations=peak(mode) - gathered, buffers=gathered, overhead=overhead)
+    def __call__(self, mode: str) -> MemoryBreakdown:
+        if self.layout.ps_servers:
+            return _parameter_server_memory(self.model, replace(self.layout, recompute=mode), self.hw, self.precision,
+                                            self.framework)
+        return MemoryBreakdown(weights=self.weights, gradients=self.grads, optimizer=self.optimizer,
+                               activations=self._peak(mode) - self.gathered, buffers=self.gathered,
+                               overhead=self.overhead)
 
-    # MemoryBreakdown.total's sum, term by term in its order (so that it is the same float)
-    for_mode.total = lambda mode: weights + grads + optimizer + (peak(mode) - gathered) + gathered + overhead
-    return for_mode
+    def total(self, mode: str) -> float:
+        """``self(mode).total`` without building the breakdown: its sum, term by term in its order (the same float)."""
+        if self.layout.ps_servers:
+            return self(mode).total
+        return (self.weights + self.grads + self.optimizer + (self._peak(mode) - self.gathered) + self.gathered
+                + self.overhead)
 
 
 def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,

@@ -252,12 +252,11 @@ def print_validation(result: dict) -> None:
         out.print(sources)
         if _memory_line(result):
             out.print(_memory_line(result))
-    if _fits_line(result):
-        out.print(_fits_line(result))
-    if "leave_one_source_out" in result:
-        loso = result["leave_one_source_out"]
         if loso["not_held_out"]:
             out.print(f"no other source on their device, so not held out: {', '.join(loso['not_held_out'])}")
+    fits = _fits_line(result)
+    if fits:
+        out.print(fits)
 
 
 def validation_markdown(result: dict) -> str:
@@ -278,8 +277,9 @@ def validation_markdown(result: dict) -> str:
         memory = _memory_line(result)
         if memory:
             lines += ["", "P" + memory[1:].replace("|error|", "\\|error\\|") + "."]
-        if _fits_line(result):
-            lines += ["", "F" + _fits_line(result)[1:] + "."]
         if loso["not_held_out"]:
             lines += ["", f"Not held out (no other source on their device): {', '.join(loso['not_held_out'])}."]
+    fits = _fits_line(result)
+    if fits:
+        lines += ["", "F" + fits[1:] + "."]
     return "\n".join(lines)

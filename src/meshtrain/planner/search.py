@@ -26,7 +26,7 @@ from meshtrain.rules.pipeline_schedules import runs_with_data_parallel, schedule
 from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
-from meshtrain.planner.memory import Precision, memory_by_recompute, stage_params
+from meshtrain.planner.memory import Precision, RecomputeMemory, stage_params
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -171,7 +171,7 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
 
     fits, unfit = [], []  # (layout, its memory breakdown)
     for base, modes in candidate_layouts(model, job, framework, fixed, hw.network.devices_per_node, states_fit):
-        memory_of = memory_by_recompute(model, base, hw, precision, framework)
+        memory_of = RecomputeMemory(model, base, hw, precision, framework)
         # modes run cheapest first and need less memory each: when the last does not fit, none does
         fitting = memory_of.total(modes[-1]) <= budget
         chosen = next((rc for rc in modes if memory_of.total(rc) <= budget), None) if fitting else None
