@@ -136,7 +136,7 @@ def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float
     return steps * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepTime:
     """Seconds per optimizer step on the busiest stage, by cause; ``total`` is the step time."""
 
@@ -157,7 +157,7 @@ class StepTime:
         return asdict(self) | {"total": self.total}
 
 
-@dataclass(frozen=True)
+@dataclass
 class _MicroBatch:
     forward: float
     backward: float  # includes recomputation

@@ -48,27 +48,52 @@ class Job:
         return max(1, math.ceil(round(epochs * per_epoch, 9)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Estimate:
-    """The prediction for one layout on one device type (per-device figures are for the busiest stage)."""
+    """The prediction for one layout on one device type (per-device figures are for the busiest stage). The rates
+    (tokens/s, MFU, TFLOP/s) and the total time are derived from the step's work and time when read."""
 
     model: ModelSpec
     layout: Layout
     memory: MemoryBreakdown
     time: StepTime
     fits: bool
-    tokens_per_s: float
-    mfu: float
-    hardware_tflops_per_device: float
-    model_tflops_per_device: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    """The model's FLOPs of a step, forward and backward (:func:`meshtrain.planner.cost.model_flops`)."""
+    hardware_flops_per_step: float
+    """The FLOPs the devices run in a step, recomputation included (:func:`meshtrain.planner.cost.hardware_flops`)."""
+    peak_flops: float
+    """One device's peak FLOP/s in the compute dtype (MFU's denominator)."""
     total_steps: int | None
-    total_time_s: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second / (world_size * peak FLOP/s of the compute dtype)."""
+        return self.model_flops_per_step / self.time.total / (self.layout.world_size * self.peak_flops)
+
+    @property
+    def hardware_tflops_per_device(self) -> float:
+        return self.hardware_flops_per_step / self.time.total / self.layout.world_size / 1e12
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        return self.model_flops_per_step / self.time.total / self.layout.world_size / 1e12
+
+    @property
+    def total_time_s(self) -> float | None:
+        """Seconds of the whole job (``total_steps`` x the step time), None without a data size."""
+        return self.total_steps * self.time.total if self.total_steps else None
 
     def to_dict(self) -> dict:
         """The JSON record of ``meshtrain plan --json``."""
         b = self.layout
         return {**b.to_dict(), "world_size": b.world_size, "global_batch_size": b.global_batch_size,
-                "tokens_per_step": tokens_per_step(b.global_batch_size, self.model.seq_len),
+                "tokens_per_step": self.tokens_per_step,
                 "memory_per_device_bytes": int(self.memory.total), "fits": self.fits,
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "model_tflops_per_device": self.model_tflops_per_device,
@@ -97,17 +122,12 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
             raise ConfigError(f"layout {layout.label()} is invalid: " + "; ".join(errors))
     mem = memory if memory is not None else memory_breakdown(model, layout, hw, precision, framework)
     t = step_time(model, layout, hw, precision, framework, memo)
-    seconds = t.total
     samples = layout.global_batch_size
-    world = layout.world_size
     tokens, mflops, hflops, steps = memoized(memo, ("step work", samples, layout.recompute, job), _step_work, model,
                                              samples, layout.recompute, framework.selective, job)
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
-                    tokens_per_s=tokens / seconds,
-                    mfu=mflops / seconds / (world * hw.device.peak(precision.compute_dtype)),
-                    hardware_tflops_per_device=hflops / seconds / world / 1e12,
-                    model_tflops_per_device=mflops / seconds / world / 1e12,
-                    total_steps=steps, total_time_s=steps * seconds if steps else None)
+                    tokens_per_step=tokens, model_flops_per_step=mflops, hardware_flops_per_step=hflops,
+                    peak_flops=hw.device.peak(precision.compute_dtype), total_steps=steps)
 
 
 def _step_work(model: ModelSpec, samples: int, recompute: str, selective: str,

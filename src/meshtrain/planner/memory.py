@@ -61,7 +61,7 @@ PRECISIONS = {p.name: p for p in (
 )}
 
 
-@dataclass(frozen=True)
+@dataclass
 class MemoryBreakdown:
     """Bytes per device on the busiest pipeline stage; ``total`` is the predicted peak."""
 
@@ -287,64 +287,141 @@ def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: 
     return RecomputeMemory(model, layout, hw, precision, framework)(layout.recompute)
 
 
+class ActivationMemory:
+    """``activations(mode)`` = :func:`activation_bytes` of ``layout`` with recompute = ``mode``. What the modes share
+    (the layer being back-propagated, the logits, the micro-batches in flight) is computed once, and each mode's
+    bytes once. The activations do not depend on ``zero_stage`` nor on the gradient all-reduce, so one instance
+    serves every layout that differs from ``layout`` only there (the search's candidate groups)."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
+                 composite_norms: bool) -> None:
+        self.model, self.layout, self.precision, self.framework = model, layout, precision, framework
+        self.composite_norms = composite_norms
+        self.parts = _activation_parts(model, layout, precision, framework, composite_norms)
+        self.by_mode: dict[str, float] = {}
+
+    def __call__(self, mode: str) -> float:
+        try:
+            return self.by_mode[mode]
+        except KeyError:
+            per_layer = self.parts[1] if mode == "none" else layer_activation_bytes(  # parts[1]: a whole layer's
+                self.model, self.layout, self.precision, self.framework, mode, self.composite_norms)
+            value = self.by_mode[mode] = _activations(self.parts, per_layer)
+            return value
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """The bytes of a layout that no recompute mode changes (:func:`memory_breakdown` has the mechanisms): weights,
+    gradients and optimizer states, the buffers (gathered weights, unsharded gradients, DDP's buckets), ``fixed``
+    (buffers + autocast's weight copies, held through forward and backward), the optimizer step's temporary
+    ``optimizer_peak`` and the runtime's ``overhead``."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    gathered: float
+    fixed: float
+    optimizer_peak: float
+    overhead: float
+
+
+def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
+                 memo: dict | None = None) -> StateMemory:
+    """:class:`StateMemory` of ``layout``. ``memo``: a dict shared by the calls for one model, hardware, precision and
+    framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, zero_stage and whether
+    gradient_accumulation_steps is 1 (``tests/test_planner_search.py`` checks a search's memory against no memo)."""
+    if memo is None:
+        return _state_memory(model, layout, hw, precision, framework)
+    key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.zero_stage,
+           layout.gradient_accumulation_steps == 1)
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = _state_memory(model, layout, hw, precision, framework)
+        return value
+
+
+def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
+                  framework: Framework) -> StateMemory:
+    p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
+    weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
+    # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
+    # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
+    pipelined = layout.pp > 1
+    grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
+                                                  or framework.grad_sync_every_microstep)
+    grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
+    optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
+    block = model.layer_params() / layout.tp
+    gathered = 0.0
+    if z >= 2:
+        units, per_unit = fsdp_unit_shape(model, layout, framework)
+        unit = per_unit * block
+        root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
+        held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
+        live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
+        # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
+        # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
+        gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
+    if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
+        gathered += p * precision.grad_bytes
+    return StateMemory(weights=weights, grads=grads, optimizer=optimizer, gathered=gathered,
+                       fixed=gathered + p * precision.weight_cast_bytes,
+                       optimizer_peak=p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0,
+                       overhead=hw.device.framework_overhead_bytes)
+
+
 class RecomputeMemory:
     """``memory(mode)`` = ``memory_breakdown(model, layout with recompute = mode, ...)`` and ``memory.total(mode)`` its
     total alone. The model states, buffers, the layer being back-propagated and the loss are the same in every mode
-    and computed once (the search tries up to three modes per candidate); a mode adds its stored bytes per layer."""
+    and computed once (the search tries up to three modes per candidate); a mode adds its stored bytes per layer.
+    ``activations``: an :class:`ActivationMemory` of a layout that differs from ``layout`` at most in ``zero_stage``
+    and ``hierarchical_allreduce`` (shared by a search's candidate group; by default, ``layout``'s own); ``memo``:
+    as :func:`state_memory`'s."""
 
     def __init__(self, model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
-                 framework: Framework) -> None:
+                 framework: Framework, activations: ActivationMemory | None = None, memo: dict | None = None) -> None:
         self.model, self.layout, self.hw, self.precision, self.framework = model, layout, hw, precision, framework
         if layout.ps_servers:
             return
-        p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
-        self.weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
-        # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
-        # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
-        pipelined = layout.pp > 1
-        grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
-                                                      or framework.grad_sync_every_microstep)
-        self.grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
-        self.optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
-        block = model.layer_params() / layout.tp
-        gathered = 0.0
-        if z >= 2:
-            units, per_unit = fsdp_unit_shape(model, layout, framework)
-            unit = per_unit * block
-            root = p - units * unit  # the root unit: embedding, head and the blocks left out of the units
-            held = p if z == 2 or pipelined else root + min(units, 2) * unit  # unsharded weights
-            live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
-            # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
-            # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
-            gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
-        if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
-            gathered += p * precision.grad_bytes
-        self.gathered = gathered
-        self.cpu = hw.device.name.startswith("cpu")  # torch's RMSNorm is composite there (layer_activation_bytes)
-        self.parts = _activation_parts(model, layout, precision, framework, self.cpu)
-        self.fixed = gathered + p * precision.weight_cast_bytes
-        self.optimizer_peak = p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0
-        self.overhead = hw.device.framework_overhead_bytes
-
-    def _peak(self, mode: str) -> float:
-        """Activations + buffers in ``mode``: the forward/backward peak or the optimizer step's, the larger."""
-        per_layer = layer_activation_bytes(self.model, self.layout, self.precision, self.framework, mode, self.cpu)
-        return max(self.fixed + _activations(self.parts, per_layer), self.optimizer_peak)
+        self.states = state_memory(model, layout, hw, precision, framework, memo)
+        self.activations = activations or ActivationMemory(model, layout, precision, framework, composite_norms(hw))
 
     def __call__(self, mode: str) -> MemoryBreakdown:
         if self.layout.ps_servers:
             return _parameter_server_memory(self.model, replace(self.layout, recompute=mode), self.hw, self.precision,
                                             self.framework)
-        return MemoryBreakdown(weights=self.weights, gradients=self.grads, optimizer=self.optimizer,
-                               activations=self._peak(mode) - self.gathered, buffers=self.gathered,
-                               overhead=self.overhead)
+        s = self.states
+        # activations + buffers: the forward/backward peak or the optimizer step's, the larger
+        peak = max(s.fixed + self.activations(mode), s.optimizer_peak)
+        return MemoryBreakdown(weights=s.weights, gradients=s.grads, optimizer=s.optimizer,
+                               activations=peak - s.gathered, buffers=s.gathered, overhead=s.overhead)
 
     def total(self, mode: str) -> float:
         """``self(mode).total`` without building the breakdown: its sum, term by term in its order (the same float)."""
         if self.layout.ps_servers:
             return self(mode).total
-        return (self.weights + self.grads + self.optimizer + (self._peak(mode) - self.gathered) + self.gathered
-                + self.overhead)
+        s = self.states
+        peak = max(s.fixed + self.activations(mode), s.optimizer_peak)
+        return s.weights + s.grads + s.optimizer + (peak - s.gathered) + s.gathered + s.overhead
+
+    def cheapest_fitting(self, modes: list[str], budget: float) -> str | None:
+        """The first of ``modes`` whose total is at most ``budget`` bytes, or None. ``modes`` run cheapest first and
+        each needs less memory than the one before (:data:`meshtrain.planner.layout.RECOMPUTE`), so the last is
+        tried first: when it does not fit, none does."""
+        if self.total(modes[-1]) > budget:
+            return None
+        for mode in modes[:-1]:
+            if self.total(mode) <= budget:
+                return mode
+        return modes[-1]
+
+
+def composite_norms(hw: Hardware) -> bool:
+    """Whether torch's RMSNorm runs as composite operators on ``hw`` and keeps its normalised input
+    (:func:`layer_activation_bytes`): on a CPU, where ``aten._fused_rms_norm`` has no kernel."""
+    return hw.device.name.startswith("cpu")
 
 
 def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,

@@ -26,7 +26,7 @@ from meshtrain.rules.pipeline_schedules import runs_with_data_parallel, schedule
 from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
-from meshtrain.planner.memory import Precision, RecomputeMemory, stage_params
+from meshtrain.planner.memory import ActivationMemory, Precision, RecomputeMemory, composite_norms, stage_params
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -66,6 +66,17 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
     nodes come both with a flat and a hierarchical gradient all-reduce. ``states_fit(tp, pp, dp*sp, zero_stage)``
     False skips every layout of those degrees and zero stage (their model states alone do not fit).
     """
+    for layouts, modes in candidate_groups(model, job, framework, fixed, devices_per_node, states_fit):
+        for layout in layouts:
+            yield layout, modes
+
+
+def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: dict[str, Any] | None = None,
+                     devices_per_node: int | None = None,
+                     states_fit: Callable[[int, int, int, int], bool] | None = None) -> Iterator[tuple[list[Layout], list[str]]]:
+    """:func:`candidate_layouts` in groups ``(layouts, recompute modes)`` whose layouts differ only in
+    ``zero_stage`` and ``hierarchical_allreduce``: the fields that change neither the activations nor the
+    micro-batch's compute, so the search computes those once per group."""
     fixed = fixed or {}
     world, gbs = job.num_devices, job.global_batch_size
     degrees = divisors(world)
@@ -83,6 +94,13 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
         if not fitting_zeros:
             continue
         for sp_mode, seqp in _model_splits(model, framework, fixed, dp, tp, pp, sp):
+            degrees_only = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
+            # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
+            # DDP rule (runs_with_data_parallel, below)
+            variants = [(zero, hier) for zero in fitting_zeros
+                        if not (framework.zero1_ddp_only and zero_stage_error(zero, tp, pp))
+                        for hier in _hierarchical(framework, _with(degrees_only, zero_stage=zero), devices_per_node,
+                                                  fixed)]
             for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
                 ga = gbs // (dp * mbs)
                 if (gbs // dp) % mbs or fixed.get("gradient_accumulation_steps", ga) != ga:
@@ -96,15 +114,12 @@ def candidate_layouts(model: ModelSpec, job: Job, framework: Framework, fixed: d
                     runnable = recompute_modes(framework, modes, pp, sched)
                     if not runnable:
                         continue
-                    first = Layout(dp, tp, pp, sp, 0, mbs, ga, runnable[0], sched, v, seqp, sp_mode)
-                    for zero in fitting_zeros:
-                        if framework.zero1_ddp_only and zero_stage_error(zero, tp, pp):
-                            continue
-                        if not runs_with_data_parallel(sched, dp * sp, zero):
-                            continue
-                        layout = first if zero == first.zero_stage else _with(first, zero_stage=zero)
-                        for hier in _hierarchical(framework, layout, devices_per_node, fixed):
-                            yield (_with(layout, hierarchical_allreduce=True) if hier else layout), runnable
+                    group = [_with(degrees_only, zero_stage=zero, micro_batch_size=mbs, gradient_accumulation_steps=ga,
+                                   recompute=runnable[0], pp_schedule=sched, virtual_stages=v,
+                                   hierarchical_allreduce=hier)
+                             for zero, hier in variants if runs_with_data_parallel(sched, dp * sp, zero)]
+                    if group:
+                        yield group, runnable
 
 
 def _hierarchical(framework: Framework, layout: Layout, devices_per_node: int | None,
@@ -170,16 +185,17 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
         return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision) <= budget
 
     fits, unfit = [], []  # (layout, its memory breakdown)
-    for base, modes in candidate_layouts(model, job, framework, fixed, hw.network.devices_per_node, states_fit):
-        memory_of = RecomputeMemory(model, base, hw, precision, framework)
-        # modes run cheapest first and need less memory each: when the last does not fit, none does
-        fitting = memory_of.total(modes[-1]) <= budget
-        chosen = next((rc for rc in modes if memory_of.total(rc) <= budget), None) if fitting else None
-        if chosen is not None:
-            fits.append((base if chosen == base.recompute else _with(base, recompute=chosen), memory_of(chosen)))
-        elif keep_unfit:
-            unfit.append((base if modes[-1] == base.recompute else _with(base, recompute=modes[-1]), memory_of(modes[-1])))
-    memo: dict = {}  # the cost model's parts that many layouts share (cost.step_time)
+    norms, memo = composite_norms(hw), {}  # memo: the model states that many layouts share, then the cost model's parts
+    for group, modes in candidate_groups(model, job, framework, fixed, hw.network.devices_per_node, states_fit):
+        activations = ActivationMemory(model, group[0], precision, framework, norms)  # the same for the whole group
+        for base in group:
+            memory_of = RecomputeMemory(model, base, hw, precision, framework, activations, memo)
+            chosen = memory_of.cheapest_fitting(modes, budget)
+            if chosen is not None:
+                fits.append((base if chosen == base.recompute else _with(base, recompute=chosen), memory_of(chosen)))
+            elif keep_unfit:
+                unfit.append((base if modes[-1] == base.recompute else _with(base, recompute=modes[-1]),
+                              memory_of(modes[-1])))
     out = [estimate(model, layout, hw, precision, framework, job, memory, checked=True, memo=memo)
            for layout, memory in fits + unfit]
     out.sort(key=lambda e: (not e.fits, e.time.total))
