@@ -88,8 +88,10 @@ def main() -> None:
          "enumeration, memory check and ranking alone, in-process (``search.search``, as the command calls it). CPU "
          "seconds (user + system) are what the machine spends whatever else runs on it; the wall time grows when "
          "other processes share the 2 cores.",
-         "layouts that fit: every valid layout that fits, each with the cheapest recompute mode that fits; degrees "
-         "whose model states alone do not fit are never generated."], {"jobs": data})
+         "layouts that fit: every valid layout that fits, each with the cheapest recompute mode that fits, but the "
+         "dominated ones the search skips (``search``'s docstring: ZeRO-3 where ZeRO-2 fits in the same mode, tp "
+         "without sequence parallelism where it is possible); degrees whose model states alone do not fit are never "
+         "generated."], {"jobs": data})
     print(path.read_text())
 
 

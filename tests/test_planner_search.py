@@ -76,6 +76,32 @@ def test_the_search_memo_changes_no_number(name, gpu):
             assert step_time(m, local, hw, prec, fw, memo) == step_time(m, local, hw, prec, fw)
 
 
+@pytest.mark.parametrize("name, gpu, world, gbs", [("llama3-8b", "H100", 16, 32), ("gpt2-xl", "A100-40GB", 16, 64),
+                                                    ("llama3-70b", "H100", 64, 128)])
+def test_zero3_is_skipped_only_where_zero2_is_as_fast_in_the_same_mode(name, gpu, world, gbs):
+    """The search tries ZeRO-3 only in a recompute mode faster than the one ZeRO-2 fits in (search's docstring):
+    every ZeRO-3 layout it leaves out, found by pinning ``zero_stage = 3`` (a pinned stage is always tried), has a
+    ZeRO-2 twin in the ranking, in the same mode, that fits and is at least as fast; the ZeRO-3 layouts it keeps
+    carry the same numbers as pinned. Every framework with both stages."""
+    from dataclasses import replace
+
+    m, hw, prec = preset(name), get_hardware(gpu), PRECISIONS["bf16"]
+    job = Job(num_devices=world, global_batch_size=gbs)
+    skipped = 0
+    for fw in FRAMEWORKS.values():
+        if not {2, 3} <= set(fw.zero_stages):
+            continue
+        ranked = {e.layout: e for e in search(m, hw, prec, fw, job)}
+        for e in search(m, hw, prec, fw, job, fixed={"zero_stage": 3}):
+            if e.layout in ranked:
+                assert ranked[e.layout] == e
+                continue
+            twin = ranked[replace(e.layout, zero_stage=2)]  # KeyError: skipped without a ZeRO-2 twin
+            assert twin.fits and twin.time.total <= e.time.total
+            skipped += 1
+    assert skipped  # the cases skip something
+
+
 def test_search_returns_only_valid_fitting_layouts_fastest_first():
     m, hw, fw = preset("llama3-70b"), get_hardware("H100"), FRAMEWORKS["meshtrain"]
     job = Job(num_devices=256, global_batch_size=512)

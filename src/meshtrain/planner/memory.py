@@ -407,15 +407,13 @@ class RecomputeMemory:
         return s.weights + s.grads + s.optimizer + (peak - s.gathered) + s.gathered + s.overhead
 
     def cheapest_fitting(self, modes: list[str], budget: float) -> str | None:
-        """The first of ``modes`` whose total is at most ``budget`` bytes, or None. ``modes`` run cheapest first and
-        each needs less memory than the one before (:data:`meshtrain.planner.layout.RECOMPUTE`), so the last is
-        tried first: when it does not fit, none does."""
-        if self.total(modes[-1]) > budget:
-            return None
-        for mode in modes[:-1]:
+        """The first of ``modes`` whose total is at most ``budget`` bytes, or None. (Their memory is not monotone:
+        per-operator "selective" keeps whole row-parallel outputs and the collectives' buffers, more than "none"
+        keeps at large tp or under ring attention.)"""
+        for mode in modes:
             if self.total(mode) <= budget:
                 return mode
-        return modes[-1]
+        return None
 
 
 def composite_norms(hw: Hardware) -> bool:

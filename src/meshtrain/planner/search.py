@@ -6,9 +6,13 @@ pp_schedule, virtual_stages, tp_sequence_parallel, sp_mode) with ``dp*tp*pp*sp =
 divisibility rule (:func:`meshtrain.planner.layout.divisibility_errors`) or need a feature the framework
 lacks (:func:`meshtrain.planner.layout.framework_errors`) are never generated; those
 that do not fit in memory are dropped (or kept, flagged, with ``keep_unfit``). Layouts that are
-dominated by construction are skipped: for a given rest of the layout a recompute mode is tried only
-if the cheaper ones do not fit, and tp without sequence parallelism only where sequence parallelism
-is not possible, since both only ever add time (Korthikanti et al. 2022, Sec. 5).
+dominated by construction are skipped, since they only ever add time: for a given rest of the layout
+
+- a recompute mode is tried only if the cheaper ones do not fit (Korthikanti et al. 2022, Sec. 5);
+- tp without sequence parallelism only where sequence parallelism is not possible (ibid.);
+- ZeRO-3 only in a recompute mode cheaper than the one ZeRO-2 fits in: it needs less memory than ZeRO-2 but
+  gathers the weights again before backward, the rest of its step being ZeRO-2's
+  (:func:`meshtrain.planner.cost.dp_time`). A pinned ``zero_stage = 3`` is always tried.
 """
 
 from __future__ import annotations
@@ -188,9 +192,14 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
     norms, memo = composite_norms(hw), {}  # memo: the model states that many layouts share, then the cost model's parts
     for group, modes in candidate_groups(model, job, framework, fixed, hw.network.devices_per_node, states_fit):
         activations = ActivationMemory(model, group[0], precision, framework, norms)  # the same for the whole group
-        for base in group:
+        tried = modes
+        for base in group:  # zero stages in increasing order
             memory_of = RecomputeMemory(model, base, hw, precision, framework, activations, memo)
-            chosen = memory_of.cheapest_fitting(modes, budget)
+            chosen = memory_of.cheapest_fitting(tried, budget) if tried else None
+            if base.zero_stage == 2 and chosen is not None:  # ZeRO-3 (next): only in the modes faster than this one
+                tried = modes[:modes.index(chosen)]
+            elif base.zero_stage == 3 and chosen is None and tried is not modes:
+                continue  # it fits only where ZeRO-2 fits, which is faster there
             if chosen is not None:
                 fits.append((base if chosen == base.recompute else _with(base, recompute=chosen), memory_of(chosen)))
             elif keep_unfit:
