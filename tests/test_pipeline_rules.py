@@ -65,15 +65,19 @@ def test_schedule_rules(schedule, pp, v, m, needle):
     assert (error is None) if needle is None else (needle in error)
 
 
-def test_zero_bubble_schedules_refuse_ddp_and_run_with_fsdp2():
+def test_zero_bubble_schedules_refuse_ddp_and_zero3_and_run_with_fsdp2_zero2():
     for schedule in ("zero-bubble", "zbv"):
         for zero_stage in (0, 1):
             assert "cannot run under DDP" in schedule_error(schedule, 2, 2, 4, 8, batch_degree=2, zero_stage=zero_stage)
-        for zero_stage in (2, 3):
-            assert schedule_error(schedule, 2, 2, 4, 8, batch_degree=2, zero_stage=zero_stage) is None
+        assert schedule_error(schedule, 2, 2, 4, 8, batch_degree=2, zero_stage=2) is None
+        for batch_degree in (1, 2):  # FSDP2 wraps a single rank too
+            assert "cannot run with zero_stage = 3" in schedule_error(schedule, 2, 2, 4, 8, batch_degree, 3)
         assert schedule_error(schedule, 2, 2, 4, 8, batch_degree=1, zero_stage=0) is None
+    for schedule in ("1f1b", "interleaved-1f1b", "gpipe"):
+        assert schedule_error(schedule, 2, 2 if schedule == "interleaved-1f1b" else 1, 4, 8, 2, 3) is None
     assert schedule_error("1f1b", 2, 1, 4, 8, batch_degree=2) is None
     assert {s for s, r in RULES.items() if not r.ddp} == {"zero-bubble", "zbv"}
+    assert {s for s, r in RULES.items() if not r.fsdp_zero3} == {"zero-bubble", "zbv"}
 
 
 def test_bubble_and_in_flight_formulas():

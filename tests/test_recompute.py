@@ -16,8 +16,9 @@ family, 4 ranks, compile) is ``@pytest.mark.slow``. What runs where:
   and selective;
 - slow: FSDP2 (zero 3, a unit per block) with full, zbv with full, every other schedule with both modes, DDP, FSDP2
   zero 2, tp, Ulysses and ring in both modes, pp x tp,
-  pp x sp, pp x FSDP2, dp x tp (4 ranks), the Llama's tp, Ulysses, 1F1B, zero-bubble and FSDP2 x tp; and compile on for
-  each strategy family (DDP, FSDP2, tp, Ulysses, ring, 1F1B, zbv with full recomputation, tp with selective).
+  pp x sp, pp x FSDP2 (interleaved, zbv and zero-bubble), dp x tp (4 ranks), the Llama's tp, Ulysses, 1F1B,
+  zero-bubble and FSDP2 x tp; and compile on for each strategy family (DDP, FSDP2, tp, Ulysses, ring, 1F1B, zbv with
+  full recomputation, zbv x FSDP2 with full recomputation on 4 ranks, tp with selective).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from layout_worker import layout_launcher, reference_run
       "train.compile": "on"}, None),  # compile and recomputation under pp x tp: accepted
     ({"train.recompute": "full", "parallel.pp": "2", "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2",
       "batch.gradient_accumulation_steps": "2", "parallel.sp": "2", "parallel.sp_mode": "ring",
-      "parallel.zero_stage": "3", "train.compile": "on"}, None),  # zbv x ring sp x FSDP2
+      "parallel.zero_stage": "2", "train.compile": "on"}, None),  # zbv x ring sp x FSDP2
+    ({"train.recompute": "full", "parallel.pp": "2", "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2",
+      "batch.gradient_accumulation_steps": "2", "parallel.zero_stage": "3"},
+     "pp_schedule = 'zbv' cannot run with zero_stage = 3"),
 ])
 def test_config_takes_recompute_and_compile_where_the_trainer_runs_them(overrides, error):
     """One line naming the key and what is valid (the support table's rules), or no error."""
@@ -138,6 +142,11 @@ GPT_LAYOUTS: dict[str, tuple[int, dict[str, str], bool]] = {  # name: (world siz
     "pp2-sp2-ring-1f1b-selective": (4, {**_pp("1f1b"), **RING, **SEL}, True),
     "pp2-dp2-fsdp2-interleaved-selective": (4, {**_pp("interleaved-1f1b"), **DP2, **SEL, "parallel.zero_stage": "3",
                                                 "parallel.fsdp_unit_mb": "0"}, True),
+    # the zero-bubble schedules under FSDP2 zero 2, a unit per block (the planner ranks them), with full recomputation:
+    # their weight pass is a second backward through each block, which recomputes it again (zero 3 is refused there)
+    "pp2-dp2-fsdp2-zbv-full": (4, {**_pp("zbv"), **DP2, **FULL, "parallel.zero_stage": "2",
+                                   "parallel.fsdp_unit_mb": "0"}, True),
+    "pp2-dp2-fsdp2-zero-bubble-full": (4, {**_pp("zero-bubble"), **DP2, **FULL, "parallel.zero_stage": "2"}, True),
     "dp2-tp2-full": (4, {**TP2, **DP2, **FULL}, True),
 }
 LLAMA_LAYOUTS: dict[str, tuple[int, dict[str, str], bool]] = {
@@ -233,6 +242,8 @@ COMPILE_LAYOUTS = {  # one per strategy family, 2 ranks each, all in one launch
     "pp2-1f1b-compiled": (2, {**_pp("1f1b"), **ON}),
     "pp2-zbv-compiled-full": (2, {**_pp("zbv"), **ON, **FULL}),
     "tp2-compiled-selective": (2, {**TP2, **ON, **SEL}),
+    "pp2-dp2-fsdp2-zbv-compiled-full": (4, {**_pp("zbv"), **DP2, **ON, **FULL, "parallel.zero_stage": "2",
+                                            "parallel.fsdp_unit_mb": "0"}),
 }
 
 
@@ -247,4 +258,4 @@ def test_compiled_layout_matches_single_process(gpt_reference, compiled_launched
     """``train.compile = "on"`` under each strategy family (DDP, FSDP2, tp, sp, pp, and with recomputation):
     inductor's fused elementwise loops round in another order, a few ulps per operator, so the contract's
     bounds hold as they do for the eager layout (tests/test_speed_defaults.py)."""
-    check_layout(compiled_launched(2)[name], gpt_reference, GPT)
+    check_layout(compiled_launched(COMPILE_LAYOUTS[name][0])[name], gpt_reference, GPT)

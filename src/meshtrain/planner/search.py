@@ -51,7 +51,8 @@ def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...], bat
     per_stage = -(-model.layers // pp)
     for sched in allowed:
         for v in [1] + [v for v in divisors(per_stage) if v > 1]:
-            if schedule_error(sched, pp, v, ga, model.layers, batch_degree, zero_stage=3) is None:  # DDP: below
+            # zero_stage 2 runs every schedule; each stage's own rule is checked per candidate (runs_with_data_parallel)
+            if schedule_error(sched, pp, v, ga, model.layers, batch_degree, zero_stage=2) is None:
                 yield sched, v
 
 
@@ -100,7 +101,7 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         for sp_mode, seqp in _model_splits(model, framework, fixed, dp, tp, pp, sp):
             degrees_only = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
-            # DDP rule (runs_with_data_parallel, below)
+            # rules on DDP and ZeRO-3 (runs_with_data_parallel, below)
             variants = [(zero, hier) for zero in fitting_zeros
                         if not (framework.zero1_ddp_only and zero_stage_error(zero, tp, pp))
                         for hier in _hierarchical(framework, _with(degrees_only, zero_stage=zero), devices_per_node,

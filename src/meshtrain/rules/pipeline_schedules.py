@@ -29,6 +29,12 @@ class ScheduleRule:
     selective_recompute: bool = True
     """Whether ``train.recompute = "selective"`` runs under it: a zero-bubble weight pass is a second backward
     through each block, which torch 2.13's selective activation checkpointing does not allow."""
+    fsdp_zero3: bool = True
+    """Whether it runs under zero_stage 3, whose FSDP2 units reshard after each forward. Torch 2.13's zero-bubble
+    weight pass (``stage_backward_weight``) writes a block's weight gradients after FSDP2's post-backward of that
+    block has run, and its next reshard drops them (measured: every parameter of the last chunk's first block has
+    no gradient after the step, at dp 1 and 2, with and without recomputation). zero_stage 2 keeps the units
+    unsharded through the step and runs it (torchtitan keeps them unsharded whenever pp > 1)."""
 
 
 RULES: dict[str, ScheduleRule] = {
@@ -36,15 +42,18 @@ RULES: dict[str, ScheduleRule] = {
     "gpipe": ScheduleRule("1", "any"),
     "1f1b": ScheduleRule("1", ">=p"),
     "interleaved-1f1b": ScheduleRule(">=2", "multiple of p"),
-    "zero-bubble": ScheduleRule(">=1", "multiple of p", ddp=False, selective_recompute=False),
-    "zbv": ScheduleRule("2", ">=p", placement="v", ddp=False, selective_recompute=False),
+    "zero-bubble": ScheduleRule(">=1", "multiple of p", ddp=False, selective_recompute=False, fsdp_zero3=False),
+    "zbv": ScheduleRule("2", ">=p", placement="v", ddp=False, selective_recompute=False, fsdp_zero3=False),
 }
 
 
 def runs_with_data_parallel(schedule: str, batch_degree: int, zero_stage: int) -> bool:
     """Whether ``schedule`` runs under the data parallelism of ``zero_stage`` over ``batch_degree`` = dp*sp
-    ranks: any schedule without one (``batch_degree`` 1) or under FSDP2 (zero_stage 2, 3); under DDP
-    (zero_stage 0, 1) the schedules whose rule says ``ddp``."""
+    ranks: any schedule without one (``batch_degree`` 1) or under FSDP2's zero_stage 2; under DDP (zero_stage 0, 1)
+    the schedules whose rule says ``ddp``; under zero_stage 3 those whose rule says ``fsdp_zero3``, at any
+    ``batch_degree`` (FSDP2 wraps a single rank too)."""
+    if zero_stage == 3:
+        return RULES[schedule].fsdp_zero3
     return batch_degree == 1 or zero_stage >= 2 or RULES[schedule].ddp
 
 
@@ -66,6 +75,10 @@ def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: in
     if rule.microbatches == "multiple of p" and m % pp:
         return (f"batch.gradient_accumulation_steps = {m} is not a multiple of pp = {pp}: pp_schedule = {schedule!r} "
                 f"runs micro-batches in rounds of pp; use a multiple of {pp}")
+    if zero_stage == 3 and not rule.fsdp_zero3:
+        return (f"pp_schedule = {schedule!r} cannot run with zero_stage = 3: FSDP2 reshards each unit after forward, "
+                f"and torch 2.13's weight-gradient pass then loses a block's gradients; use zero_stage = 2, or "
+                f"pp_schedule = '1f1b' / 'interleaved-1f1b'")
     if not runs_with_data_parallel(schedule, batch_degree, zero_stage):
         return (f"pp_schedule = {schedule!r} cannot run under DDP (zero_stage = {zero_stage}) with dp*sp = "
                 f"{batch_degree} > 1: DDP does not follow its split backward; use zero_stage 2 or 3 (FSDP2), "
