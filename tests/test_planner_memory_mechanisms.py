@@ -40,15 +40,24 @@ PER_TOKEN_EXTRA = 64
 and gathered values, the per-token max / log-sum-exp / loss (at most 8 such tensors of <= 8 bytes)."""
 
 
-def allocated_peak(fn: Callable[[], object]) -> int:
+PROFILER_TRIES = 5
+
+
+def profiled_peak(fn: Callable[[], object]) -> int | None:
     """Peak bytes of CPU tensors alive while ``fn`` runs, counting only those it allocates (torch's profiler
-    memory timeline: CREATE adds a tensor's bytes, DESTROY removes them)."""
+    memory timeline: CREATE adds a tensor's bytes, DESTROY removes them); None when torch 2.13's memory profiler
+    fails its own consistency check of the trace (``DataFlowGraph.validate``: "duplicate outputs: aten::gather",
+    seen in a few percent of ``loss_parallel`` runs on 2 gloo ranks), which leaves no timeline to read."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
+    try:
+        timeline = prof._memory_profile().timeline
+    except AssertionError:  # the profiler's check of its own trace, not a measurement
+        return None
     alive = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
+    for _, action, _, size in timeline:
         name = str(action)
         if name.endswith("CREATE"):
             alive += size
@@ -56,6 +65,16 @@ def allocated_peak(fn: Callable[[], object]) -> int:
             alive -= size
         peak = max(peak, alive)
     return peak
+
+
+def allocated_peak(fn: Callable[[], object]) -> int:
+    """:func:`profiled_peak`, ``fn`` run and profiled again when the profiler fails its trace check, up to
+    :data:`PROFILER_TRIES` times (for one process only: ranks that run collectives must run ``fn`` equally often)."""
+    for _ in range(PROFILER_TRIES):
+        peak = profiled_peak(fn)
+        if peak is not None:
+            return peak
+    raise AssertionError(f"torch's memory profiler failed its trace check {PROFILER_TRIES} times in a row")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -74,6 +93,9 @@ def test_loss_bytes_per_logit(dtype):
     want = MESHTRAIN.loss_backward_bytes
     assert want <= per_logit <= want + PER_TOKEN_EXTRA / VOCAB
     assert FRAMEWORKS["torchtitan"].loss_backward_bytes == want
+
+
+LOSS_PARALLEL_RUNS = 8
 
 
 def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
@@ -96,7 +118,8 @@ def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
                 F.cross_entropy(leaf.float(), targets).backward()
 
         step()  # the first call sets up DTensor's sharding caches, which would count as allocations
-        torch.save([allocated_peak(step) for _ in range(3)], Path(out) / f"rank{rank}.pt")
+        # every rank runs step() equally often (its collectives pair up); a trace the profiler rejects gives None
+        torch.save([profiled_peak(step) for _ in range(LOSS_PARALLEL_RUNS)], Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -104,14 +127,17 @@ def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
 
 def test_loss_parallel_bytes_per_logit(tmp_path):
     """Under tp = 2, torch's ``loss_parallel`` on vocab-sharded logits holds ``loss_parallel_bytes`` per logit of
-    the rank's slice at its peak, besides the logits themselves (2 gloo ranks, 3 measurements each). A measurement
+    the rank's slice at its peak, besides the logits themselves (2 gloo ranks, :data:`LOSS_PARALLEL_RUNS` runs each,
+    at least 3 of them measured: :func:`profiled_peak`). A measurement
     may hold one fp32 copy of the slice more (4 bytes per logit): a temporary of the all-reduce that gloo has not
     released yet when the next one is allocated, which depends on the two ranks' timing."""
     mp.spawn(_loss_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     local, want = TOKENS * VOCAB / 2, MESHTRAIN.loss_parallel_bytes
     extra = PER_TOKEN_EXTRA / (VOCAB / 2)
     for rank in range(2):
-        per_logit = [peak / local - 2 for peak in torch.load(tmp_path / f"rank{rank}.pt")]  # bf16 logits
+        peaks = [peak for peak in torch.load(tmp_path / f"rank{rank}.pt") if peak is not None]
+        assert len(peaks) >= 3, f"rank {rank}: the profiler rejected {LOSS_PARALLEL_RUNS - len(peaks)} traces"
+        per_logit = [peak / local - 2 for peak in peaks]  # bf16 logits
         assert want <= min(per_logit) <= want + extra
         assert max(per_logit) <= want + 4 + extra
 

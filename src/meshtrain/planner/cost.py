@@ -237,7 +237,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     ops = (_layer_host_s(dev, layout) * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
     forward = dense + attn + core + elementwise + head + ops
     gemms_again = recomputed_gemm_fraction(model, fw.selective) * dense  # torchtitan's every second GEMM
-    selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.selective.startswith("op-level")
+    selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.per_operator_selective
                  else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)

@@ -256,6 +256,13 @@ class Framework:
     logits, their exp) and its backward from ``exp(log-softmax)``: 16, measured as ``loss_backward_bytes``.
     Megatron's vocab-parallel cross-entropy is the same at every tp: 6."""
 
+    @property
+    def per_operator_selective(self) -> bool:
+        """Whether ``recompute = "selective"`` is per-operator checkpointing ("op-level", "op-level-alternate":
+        activations kept by a policy over the operators, no attention-core recomputation; not run by the
+        zero-bubble schedules, :func:`selective_runs`)."""
+        return self.selective.startswith("op-level")
+
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
         first = min(self.grad_first_bucket_bytes, nbytes)
@@ -407,13 +414,13 @@ def selective_runs(framework: Framework, layout: Layout) -> bool:
     """False where ``layout`` asks for "selective" recomputation under a pipeline schedule whose split backward
     the framework's selective mode does not take (op-level under zero-bubble and zbv:
     :attr:`meshtrain.rules.pipeline_schedules.ScheduleRule.selective_recompute`), else True."""
-    return not (layout.recompute == "selective" and framework.selective.startswith("op-level") and layout.pp > 1
+    return not (layout.recompute == "selective" and framework.per_operator_selective and layout.pp > 1
                 and layout.pp_schedule in RULES and not RULES[layout.pp_schedule].selective_recompute)
 
 
 def recompute_modes(framework: Framework, modes: list[str], pp: int, pp_schedule: str) -> list[str]:
     """``modes`` without those :func:`selective_runs` refuses at ``pp`` and ``pp_schedule`` (the search's list)."""
-    if pp == 1 or not framework.selective.startswith("op-level") or RULES[pp_schedule].selective_recompute:
+    if pp == 1 or not framework.per_operator_selective or RULES[pp_schedule].selective_recompute:
         return modes
     return [m for m in modes if m != "selective"]
 
