@@ -30,14 +30,13 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import Precision, fsdp_unit_shape, stage_layers, stage_params, torchtitan_gemms
+from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, stage_layers, stage_params,
+                                     torchtitan_gemms)
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -264,19 +263,6 @@ def _layer_host_s(dev, layout: Layout) -> float:
     if layout.sp > 1:
         extra += dev.ring_layer_host_s if layout.sp_mode == "ring" else dev.ulysses_layer_host_s
     return dev.layer_host_s + extra
-
-
-def memoized(memo: dict | None, key: tuple, compute: Callable[..., Any], *args: Any) -> Any:
-    """``compute(*args)``, kept in ``memo`` under ``key`` (no memo: computed every time). See :func:`step_time`: a
-    key holds every layout field the part reads and the results of the memory helpers it calls, so that it stays
-    right when those helpers change (``tests/test_planner_search.py`` checks a search's numbers against no memo)."""
-    if memo is None:
-        return compute(*args)
-    try:
-        return memo[key]
-    except KeyError:
-        value = memo[key] = compute(*args)
-        return value
 
 
 def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,

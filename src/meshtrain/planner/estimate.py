@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from meshtrain.batch import steps_per_epoch, tokens_per_step
 from meshtrain.config import ConfigError
-from meshtrain.planner.cost import StepTime, hardware_flops, memoized, model_flops, step_time
+from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
-from meshtrain.planner.memory import MemoryBreakdown, Precision, memory_breakdown
+from meshtrain.planner.memory import MemoryBreakdown, Precision, memoized, memory_breakdown
 from meshtrain.planner.model_specs import ModelSpec
 
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline_schedules import loss_rank_in_flight, microbatches_in_flight
@@ -310,6 +312,20 @@ class ActivationMemory:
             return value
 
 
+def memoized(memo: dict | None, key: tuple, compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)``, kept in ``memo`` under ``key`` (no memo: computed every time): a search's memo of the parts
+    that many layouts share (:func:`state_memory`, :func:`meshtrain.planner.cost.step_time`). A key holds every layout
+    field the part reads and the results of the helpers it calls, so that it stays right when those helpers change
+    (``tests/test_planner_search.py`` checks a search's numbers against no memo)."""
+    if memo is None:
+        return compute(*args)
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = compute(*args)
+        return value
+
+
 @dataclass(frozen=True)
 class StateMemory:
     """The bytes of a layout that no recompute mode changes (:func:`memory_breakdown` has the mechanisms): weights,
@@ -331,15 +347,9 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
     """:class:`StateMemory` of ``layout``. ``memo``: a dict shared by the calls for one model, hardware, precision and
     framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, zero_stage and whether
     gradient_accumulation_steps is 1 (``tests/test_planner_search.py`` checks a search's memory against no memo)."""
-    if memo is None:
-        return _state_memory(model, layout, hw, precision, framework)
     key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.zero_stage,
            layout.gradient_accumulation_steps == 1)
-    try:
-        return memo[key]
-    except KeyError:
-        value = memo[key] = _state_memory(model, layout, hw, precision, framework)
-        return value
+    return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)
 
 
 def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
