@@ -4,13 +4,36 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import hermetic
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Before anything reads HOME: every test, and every process a test starts (they inherit os.environ), sees a
+# fresh, empty home and XDG folders, so no test reads the machine's calibrated hardware profile
+# (~/.cache/meshtrain) or writes into the user's real cache. The real folders are remembered for the check
+# below. (tests/hermetic.py)
+REAL_FOLDERS = hermetic.watched_folders(os.environ)
+FAKE_HOME = Path(tempfile.mkdtemp(prefix="meshtrain-test-home-"))
+os.environ.update(hermetic.isolated_environment(FAKE_HOME))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_outside_the_test_folders():
+    """Fails the session (an error at the last test's teardown) when any test wrote into the real home's
+    meshtrain cache or config folders, or left a new file in the checkout."""
+    before = hermetic.snapshot(REAL_FOLDERS, ROOT)
+    yield
+    changed = hermetic.changes(before, hermetic.snapshot(REAL_FOLDERS, ROOT))
+    shutil.rmtree(FAKE_HOME, ignore_errors=True)
+    assert not changed, f"tests wrote outside their temporary folders: {changed[:10]}"
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 
 # A model small enough that a 2-rank, 10-step run costs ~1 s of compute on 2 cores.

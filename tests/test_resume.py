@@ -36,7 +36,9 @@ def test_resume_same_layout_is_exact(uninterrupted, tmp_path):
     assert_close_params(final_params(tmp_path), full_params, atol=0)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 3], ids=["ddp", "zero1", "fsdp2"])
+# ddp and zero1 (~8 s each) in `make test-slow`: the resharding cases below resume ZeRO-1 and DDP checkpoints
+@pytest.mark.parametrize("zero_stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                        3], ids=["ddp", "zero1", "fsdp2"])
 def test_resume_on_two_ranks_from_one_rank_checkpoint(uninterrupted, tmp_path, zero_stage):
     full_dir, full_losses, full_params = uninterrupted
     records = train_cli(tmp_path, 2, **{"batch.micro_batch_size": "4", "parallel.zero_stage": str(zero_stage),

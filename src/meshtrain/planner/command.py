@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                  "config, else required)")
     g.add_argument("--hardware", type=Path, help="TOML with extra [[device]] tables and a [network] table")
     g.add_argument("--profile", type=Path, help="calibrated profile to read/write (default "
-                                                "~/.cache/meshtrain/hardware_profile.toml)")
+                                                "$XDG_CACHE_HOME/meshtrain/hardware_profile.toml, "
+                                                "~/.cache/... without XDG_CACHE_HOME)")
     g.add_argument("--devices-per-node", type=positive_int, help="override the node size of the device's network")
     g.add_argument("--nics-per-node", type=positive_int,
                    help="NICs a node's devices share (default: one per device; 1 for a typical CPU/Ethernet cluster)")

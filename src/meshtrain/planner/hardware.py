@@ -18,6 +18,7 @@ Users add devices in TOML (``[[device]]`` and ``[network]`` tables, see :func:`l
 from __future__ import annotations
 
 import difflib
+import os
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,8 +27,10 @@ from typing import Any
 from meshtrain.config import ConfigError, read_toml
 
 GiB = 2**30
-DEFAULT_PROFILE = Path("~/.cache/meshtrain/hardware_profile.toml")
-"""Where ``plan --calibrate`` saves this machine's profile and where ``--gpu cpu`` looks for it."""
+DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "meshtrain" / "hardware_profile.toml"
+"""Where ``plan --calibrate`` saves this machine's profile and where ``--gpu cpu`` looks for it:
+``$XDG_CACHE_HOME/meshtrain/hardware_profile.toml``, ``~/.cache/meshtrain/hardware_profile.toml`` when
+``XDG_CACHE_HOME`` is unset or empty (the XDG Base Directory Specification's user cache folder)."""
 
 
 @dataclass(frozen=True)
