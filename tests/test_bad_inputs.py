@@ -20,6 +20,7 @@ import pytest
 
 from bad_inputs_doc import DOC, check, doc_writer, parse  # noqa: F401 (doc_writer: a fixture)
 from conftest import CONFIG, ROOT, TINY, run_cli, train_here
+from meshtrain.models.registry import FAMILIES
 
 C = str(CONFIG)
 TRAIN = ["train", C, "--nproc", "1"]
@@ -33,7 +34,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     # train: config values
     ("zero-layers", [*TRAIN, "--model.n_layer", "0"], "model.n_layer = 0 must be >= 1"),
     ("heads-not-dividing", [*TRAIN, "--model.n_embd", "130"], "model.n_embd = 130 must be divisible by model.n_head = 4"),
-    ("unknown-model-type", [*TRAIN, "--model.type", "rnn"], "model.type = 'rnn' is not supported: use one of gpt, llama, lstm, gru"),
+    ("unknown-model-type", [*TRAIN, "--model.type", "rnn"], "model.type = 'rnn' is not supported: use one of " + ", ".join(FAMILIES)),
     ("dropout-one", [*TRAIN, "--model.dropout", "1.0"], "model.dropout = 1.0 must be in [0, 1)"),
     ("dropout-nan", [*TRAIN, "--model.dropout", "nan"], "model.dropout = nan must be a finite number"),
     ("key-typo", [*TRAIN, "--model.n_layers", "4"], "unknown config key 'model.n_layers': did you mean 'n_layer'?"),
@@ -86,7 +87,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("negative-staleness", ["train", C, "--nproc", "2", "--parallel.sync_mode", "async", "--parallel.max_staleness", "-1"],
      "parallel.max_staleness = -1 must be >= 0"),
     ("lstm-with-tp", ["train", C, "--nproc", "2", "--model.type", "lstm", "--tp", "2"], "parallel.tp = 2 is not supported for model.type = 'lstm'"),
-    ("tbptt-on-gpt", [*TRAIN, "--model.tbptt_steps", "8"], "model.tbptt_steps = 8 applies to recurrent models only"),
+    ("tbptt-on-gpt", [*TRAIN, "--model.tbptt_steps", "8"], "model.tbptt_steps = 8 applies to model.type = 'lstm' or 'gru' only"),
     ("hierarchical-with-fsdp", [*TRAIN, "--parallel.hierarchical_allreduce", "true", "--parallel.zero_stage", "3"],
      "parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce"),
     ("unknown-option", [*TRAIN, "--foo", "1"], "unknown option --foo"),

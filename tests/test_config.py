@@ -157,7 +157,7 @@ BAD_VALUES = [
     ("optim.lr_scaling", '"cubic"', "optim.lr_scaling = 'cubic' is not valid: use one of none, linear, sqrt"),
     ("optim.lr_scaling", '"linear"', "optim.lr_scaling = 'linear' needs optim.reference_batch_size >= 1"),
     ("optim.reference_batch_size", "-4", "optim.reference_batch_size = -4 must be >= 0"),
-    ("model.tbptt_steps", "16", "model.tbptt_steps = 16 applies to recurrent models only"),
+    ("model.tbptt_steps", "16", "model.tbptt_steps = 16 applies to model.type = 'lstm' or 'gru' only"),
     ("model.activation", '"relu"', "model.activation = 'relu' is not valid: use one of gelu, gelu_tanh"),
     ("model.norm_eps", "1.5", "model.norm_eps = 1.5 must be in (0, 1)"),
 ]

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from conftest import ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses
 from layout_worker import launch_layouts, reference_run
-from meshtrain import hf_format as hf
+from meshtrain.models import hf_io as hf
 from meshtrain.cli.export import export_hf
 from meshtrain.cli.main import main as cli_main
 from meshtrain.models.hf import load_hf_model, write_hf_folder
@@ -299,7 +299,7 @@ def damage(kind: str, folder: Path) -> None:
             f.unlink()
 
 
-DAMAGES = {"no-config": "config.json' does not exist", "architecture": "supported are LlamaForCausalLM, GPT2LMHeadModel",
+DAMAGES = {"no-config": "config.json' does not exist", "architecture": "which meshtrain does not build: supported are GPT2LMHeadModel, LlamaForCausalLM",
            "missing-shard": "does not exist: copy every shard", "truncated-shard": "is truncated",
            "wrong-shape": "needs (64, 32)", "no-weights": "has neither model.safetensors nor"}
 

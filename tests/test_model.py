@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshtrain.config import ModelConfig
-from meshtrain.models.gpt import GPT
+from meshtrain.models.gpt.model import GPT
 
 V = 11
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=0.0)
@@ -108,10 +108,10 @@ def test_bias_model_has_zero_biases_and_the_same_weights():
 def test_gelu_tanh_is_gpt2s_gelu_new():
     """``activation = "gelu_tanh"``: ``0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h**3)))`` (Hendrycks & Gimpel 2016)
     on the MLP's hidden activation h, and the MLP's output is ``proj`` of it; the exact GELU fails the bound."""
-    from meshtrain.config import GPT_ACTIVATIONS
-    from meshtrain.models.gpt import GELU_APPROXIMATIONS
+    from meshtrain.models.gpt.model import GELU_APPROXIMATIONS
+    from meshtrain.models.gpt.spec import ACTIVATIONS
 
-    assert tuple(GELU_APPROXIMATIONS) == GPT_ACTIVATIONS  # every valid model.activation builds
+    assert tuple(GELU_APPROXIMATIONS) == ACTIVATIONS  # every valid model.activation builds
     eps = torch.finfo(torch.float32).eps
     mlp = build(cfg=GPT2_CFG).blocks["0"].mlp
     x = 25 * torch.randn(4, 8, GPT2_CFG.n_embd, generator=torch.Generator().manual_seed(0))  # h ~ N(0, 2^2)

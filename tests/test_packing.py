@@ -13,7 +13,7 @@ from layout_worker import layout_launcher, load_result, run_in_process
 from meshtrain.config import Config, ConfigError, ModelConfig, load_config, validate
 from meshtrain.data.packing import document_ids, document_positions, pack_documents
 from meshtrain.models import build_model
-from meshtrain.models.gpt import document_causal_mask
+from meshtrain.models.attention import document_causal_mask
 from packing_worker import newline_documents
 
 

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from meshtrain.rules.pipeline_split import chunk_ranks, item_costs, split_layers
+from meshtrain.config import ModelConfig
+from meshtrain.rules.pipeline_split import chunk_ranks, model_item_costs, split_layers
 from meshtrain.rules.pipeline_schedules import RULES, bubble_fraction, microbatches_in_flight, schedule_error
 
 
@@ -37,7 +38,8 @@ def test_split_is_contiguous_and_minimises_the_costliest_chunk(n_layer, n_chunks
 
 def test_a_heavy_head_takes_layers_off_the_last_stage():
     """GPT-2 small's vocabulary on 4 stages of 12 layers: the head costs ~2 blocks, so the last stage holds fewer."""
-    costs = item_costs(n_layer=12, n_embd=768, block_size=1024, vocab_size=50257, tokens=8 * 1024)
+    gpt2_small = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    costs = model_item_costs(gpt2_small, 50257, tokens=8 * 1024)
     chunks = split_layers(12, 4, costs)
     assert len(chunks[-1].layers) < len(chunks[1].layers)
 

@@ -38,7 +38,7 @@ def test_tp_region_stream_is_separate_from_the_default_stream():
 def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
     from meshtrain.config import ModelConfig, ParallelConfig
     from meshtrain.mesh import ParallelDims
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models.gpt.model import GPT
     from meshtrain.parallel import parallelize_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

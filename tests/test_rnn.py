@@ -15,6 +15,7 @@ import torch
 
 from conftest import CONFIG, TINY, check_layout, run_cli, override_args
 from layout_worker import layout_launcher, reference_run
+from meshtrain.models.registry import FAMILIES
 
 MODELS = {
     "lstm": {**TINY, "model.type": "lstm", "model.n_layer": "4", "train.steps": "6",
@@ -95,9 +96,9 @@ def test_stateful_generation_matches_the_whole_sequence(kind):
 @pytest.mark.parametrize("overrides, message", [
     ({"model.type": "lstm", "parallel.tp": "2"}, "parallel.tp = 2 is not supported for model.type = 'lstm'"),
     ({"model.type": "gru", "parallel.sp": "2"}, "parallel.sp = 2 is not supported for model.type = 'gru'"),
-    ({"model.tbptt_steps": "8"}, "model.tbptt_steps = 8 applies to recurrent models only"),
+    ({"model.tbptt_steps": "8"}, "model.tbptt_steps = 8 applies to model.type = 'lstm' or 'gru' only"),
     ({"model.type": "lstm", "model.tbptt_steps": "-1"}, "model.tbptt_steps = -1 must be >= 0"),
-    ({"model.type": "rnn"}, "model.type = 'rnn' is not supported: use one of gpt, llama, lstm, gru"),
+    ({"model.type": "rnn"}, "model.type = 'rnn' is not supported: use one of " + ", ".join(FAMILIES)),
 ])
 def test_bad_rnn_configs_are_rejected_before_launch(tmp_path, overrides, message):
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"),

@@ -38,7 +38,7 @@ def test_bf16_attention_on_the_cpu_runs_the_fp32_kernel_under_autocast():
     autocast would cast the fp32 copies back to bf16 and run the bf16 kernel (different rounding)."""
     import torch.nn.functional as F
 
-    from meshtrain.models.gpt import causal_attention
+    from meshtrain.models.attention import causal_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8).bfloat16().requires_grad_() for _ in range(3))

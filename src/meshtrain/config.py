@@ -3,10 +3,9 @@
 Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp --pp --sp --steps
 --seed --out``)::
 
-    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, tbptt_steps, norm_eps;
-                 gpt: bias, activation; llama: n_kv_head, ffn_hidden, multiple_of, ffn_dim_multiplier,
-                 rope_theta, rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
-                 rope_original_max_positions, tie_embeddings; init_from (a Hugging Face model folder)
+    [model]      type, n_layer, n_head, n_embd, block_size, dropout, vocab_size, norm_eps, init_from (a Hugging
+                 Face model folder), and each family's own keys (models/<family>/spec.py: gpt bias, activation;
+                 llama n_kv_head, head_dim, ffn_hidden, rope_*, tie_embeddings, ...; lstm/gru tbptt_steps)
     [data]       path, val_fraction, tokenizer, packing
     [parallel]   dp, tp, pp, sp, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
                  local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
@@ -32,20 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtrain.errors import ConfigError
+from meshtrain.errors import require as _require
+from meshtrain.models.registry import ModelConfig, check_model, family
 from meshtrain.paths import path_problem
 from meshtrain.rules.support import SUPPORTED, compile_error, recompute_error
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "load_config", "validate", "resolve_world"]
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
 DTYPES = ("auto", "float32", "bfloat16")
 COMPILES = ("auto", "on", "off")
 RECOMPUTES = SUPPORTED.recompute
-MODEL_TYPES = ("gpt", "llama", "lstm", "gru")
-TRANSFORMER_TYPES = ("gpt", "llama")
-RECURRENT_TYPES = ("lstm", "gru")
-GPT_ACTIVATIONS = ("gelu", "gelu_tanh")
-"""The GPT's MLP activation (``model.activation``): exact (erf) GELU, or its tanh approximation (GPT-2's
-``gelu_new``, Hendrycks & Gimpel 2016, arXiv:1606.08415, Sec. 2)."""
 SYNC_MODES = ("sync", "async", "local-sgd")
 STALE_POLICIES = ("drop", "wait")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -59,10 +57,6 @@ MAX_MODEL_SIZE = {"n_layer": 2**20, "n_head": 2**20, "n_embd": 2**24, "block_siz
 int32-indexed tables (a plan of 2**63 layers overflowed; 2**40 would fill the memory)."""
 MAX_MODEL_SIZE_WHY = {"n_layer": "blocks are built and planned one by one", "n_head": "far past any model",
                       "n_embd": "far past any model", "block_size": "an int32 position"}
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration; the message is one actionable line."""
 
 
 PACKINGS = ("concat", "document")
@@ -114,75 +108,6 @@ def _is_base64(token: bytes) -> bool:
         return bool(token) and bool(base64.b64decode(token, validate=True))
     except (binascii.Error, ValueError):
         return False
-
-
-@dataclass
-class ModelConfig:
-    type: str = "gpt"
-    """Model family: "gpt" (GPT-2-style decoder), "llama" (RMSNorm, RoPE, SwiGLU, grouped-query attention,
-    :mod:`meshtrain.models.llama`), "lstm" or "gru" (recurrent, :mod:`meshtrain.models.rnn`)."""
-    n_layer: int = 4
-    """Number of blocks: transformer blocks, or recurrent layers."""
-    n_head: int = 4
-    """Attention (query) heads per block; must divide ``n_embd`` (gpt, llama; ignored by lstm/gru)."""
-    n_embd: int = 128
-    """Hidden size (embedding width)."""
-    block_size: int = 64
-    """Context length in tokens (the ``seq_len`` of the batch arithmetic)."""
-    dropout: float = 0.0
-    """Dropout probability in [0, 1)."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 means "take it from the tokenizer of the corpus" (``data.tokenizer``: char as it is,
-    any other kind padded up to a multiple of 128 * tp, :func:`meshtrain.data.tokenizers.model_vocab_size`)."""
-    tbptt_steps: int = 0
-    """lstm/gru: backpropagate through at most this many time steps (truncated BPTT); 0 = the whole block_size."""
-    n_kv_head: int = 0
-    """llama: key/value heads (grouped-query attention, Ainslie et al. 2023); 0 = ``n_head``; divides ``n_head``."""
-    ffn_hidden: int = 0
-    """llama: SwiGLU hidden size F; 0 = Llama's rule from ``n_embd``, ``multiple_of`` and ``ffn_dim_multiplier``."""
-    multiple_of: int = 256
-    """llama: the rule's F = 2/3 * 4 * n_embd (times ``ffn_dim_multiplier``) is rounded up to a multiple of this."""
-    ffn_dim_multiplier: float = 0.0
-    """llama: multiplies the rule's F before rounding (Llama 3 70B: 1.3); 0 = none."""
-    rope_theta: float = 10000.0
-    """llama: RoPE base (Llama 2: 10000, Llama 3: 500000)."""
-    rope_scaling_factor: float = 0.0
-    """llama: Llama 3.1's RoPE frequency scaling factor (8 for Llama 3.1); 0 = no scaling."""
-    rope_low_freq_factor: float = 1.0
-    """llama, with ``rope_scaling_factor``: wavelengths above ``rope_original_max_positions / this`` are scaled."""
-    rope_high_freq_factor: float = 4.0
-    """llama, with ``rope_scaling_factor``: wavelengths below ``rope_original_max_positions / this`` are kept."""
-    rope_original_max_positions: int = 8192
-    """llama, with ``rope_scaling_factor``: the context length the model was pretrained at."""
-    norm_eps: float = 1e-5
-    """gpt: LayerNorm epsilon (1e-5, GPT-2's and ``nn.LayerNorm``'s default); llama: RMSNorm epsilon."""
-    tie_embeddings: bool = False
-    """llama: share the token embedding with the output head (small Llamas, e.g. Llama 3.2 1B); the GPT always ties."""
-    bias: bool = False
-    """gpt: biases in every Linear but the head (q, k, v, attn.proj, mlp.fc, mlp.proj) and in every LayerNorm,
-    as GPT-2 has them (Hugging Face ``GPT2LMHeadModel``); false = none (nanoGPT's bias=False)."""
-    activation: str = "gelu"
-    """gpt: MLP activation, one of :data:`GPT_ACTIVATIONS`: "gelu" (exact, erf) or "gelu_tanh" (GPT-2's ``gelu_new``)."""
-    init_from: str = ""
-    """A local Hugging Face model folder (``config.json`` + safetensors) of ``LlamaForCausalLM`` or
-    ``GPT2LMHeadModel`` to start from: its ``config.json`` sets the model keys (:func:`apply_init_from`; a key
-    given here that contradicts it is an error) and its weights replace the seed's, under any layout."""
-
-    def ffn_hidden_size(self) -> int:
-        """llama's SwiGLU width F: ``ffn_hidden``, or Llama's rule from ``n_embd``: ``2/3 * 4C`` (SwiGLU's three
-        matrices hold as many parameters as a 4C GELU MLP's two, Shazeer 2020, arXiv:2002.05202, Sec. 2),
-        times ``ffn_dim_multiplier`` when set, rounded up to a multiple of ``multiple_of`` (Llama's
-        reference ``FeedForward``; Llama 3 8B: C = 4096 -> 14336 with multiplier 1.3 and multiple_of 1024)."""
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        hidden = int(2 * 4 * self.n_embd / 3)
-        if self.ffn_dim_multiplier:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-    def kv_heads(self) -> int:
-        """Key/value heads: ``n_kv_head``, or ``n_head`` when 0 (and always for the GPT)."""
-        return (self.n_kv_head or self.n_head) if self.type == "llama" else self.n_head
 
 
 @dataclass
@@ -510,10 +435,14 @@ def check_saved_config(saved: dict[str, Any]) -> ModelConfig:
 
 
 def apply_init_from(m: ModelConfig, given: set[str]) -> None:
-    """Set the model keys from ``model.init_from``'s ``config.json`` (:func:`meshtrain.hf_format.model_keys`);
-    nothing when it is empty. ``given`` holds the dotted keys the user set: one of them with another value
-    than the checkpoint's is a contradiction, not an override (the weights could not load). ``block_size``
-    (the training context) is the run's, at most the checkpoint's positions; a default above them is lowered.
+    """Set the model keys from ``model.init_from``'s ``config.json`` (its family's reader,
+    :func:`meshtrain.models.registry.hf_model_keys`); nothing when it is empty. ``given`` holds the dotted keys the
+    user set: one of them with another value than the checkpoint's is a contradiction, not an override (the
+    weights could not load) -- but a key at its "derive" value (0) is no contradiction when it derives to the
+    file's value (``ffn_hidden = 0`` by Llama's rule, :attr:`meshtrain.models.family.Family.derived`), and
+    ``vocab_size = 0`` ("from the tokenizer") takes the checkpoint's (the pre-launch check then proves the
+    tokenizer fits it). ``block_size`` (the training context) is the run's, at most the checkpoint's positions; a
+    default above them is lowered.
 
     Raises:
         ConfigError: no such folder, no or a broken ``config.json``, an architecture meshtrain does not build,
@@ -521,7 +450,8 @@ def apply_init_from(m: ModelConfig, given: set[str]) -> None:
     """
     if not m.init_from:
         return
-    from meshtrain import hf_format as hf
+    from meshtrain.models import hf_io as hf
+    from meshtrain.models.registry import hf_model_keys
 
     folder = Path(m.init_from).expanduser()
     _require(folder.is_dir(), f"model.init_from = '{m.init_from}' is not a folder: give a local Hugging Face model "
@@ -529,19 +459,28 @@ def apply_init_from(m: ModelConfig, given: set[str]) -> None:
     where = folder / hf.CONFIG_FILE
     try:
         data = hf.read_json(where, "model.init_from's")
-        keys = hf.model_keys(data, where)
+        keys = hf_model_keys(data, where)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
+    mine = {key: getattr(m, key) for key in keys if f"model.{key}" in given}
     for key, value in keys.items():
-        if f"model.{key}" in given and getattr(m, key) != value:
-            raise ConfigError(f"model.{key} = {getattr(m, key)!r} contradicts '{where}', which gives {value!r}: "
-                              f"remove model.{key} or set it to {value!r}")
         setattr(m, key, value)
+    derived = family(m.type).derived
+    for key, value in mine.items():
+        derives = value == 0 and (key == "vocab_size" or (key in derived and derived[key](_with(m, key, 0)) == keys[key]))
+        if value != keys[key] and not derives:
+            raise ConfigError(f"model.{key} = {value!r} contradicts '{where}', which gives {keys[key]!r}: "
+                              f"remove model.{key} or set it to {keys[key]!r}")
     limit = hf.max_positions(data)
     if limit is not None and "model.block_size" not in given:
         m.block_size = min(m.block_size, limit)
     _require(limit is None or m.block_size <= limit, f"model.block_size = {m.block_size} exceeds the "
                                                      f"{limit} positions of '{where}': use <= {limit}")
+
+
+def _with(m: ModelConfig, key: str, value: Any) -> ModelConfig:
+    """A copy of ``m`` with ``key`` set to ``value``."""
+    return dataclasses.replace(m, **{key: value})
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -573,11 +512,6 @@ def require_regular_file(path: Path, what: str) -> None:
         raise ConfigError(f"{what} '{path}' {problem}")
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def validate(cfg: Config) -> Config:
     """Check every value and cross-field rule that needs no process group; return ``cfg``.
 
@@ -585,20 +519,14 @@ def validate(cfg: Config) -> Config:
         ConfigError: the first violated rule, naming the key, the value and what is valid.
     """
     m, d, p, b, o, t, c = cfg.model, cfg.data, cfg.parallel, cfg.batch, cfg.optim, cfg.train, cfg.checkpoint
-    _require(m.type in MODEL_TYPES, f"model.type = {m.type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
+    fam = family(m.type)
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
         _require(getattr(m, key) <= MAX_MODEL_SIZE[key], f"model.{key} = {getattr(m, key)} must be at most "
                                                          f"{MAX_MODEL_SIZE[key]:,} ({MAX_MODEL_SIZE_WHY[key]})")
-    _require(m.type in RECURRENT_TYPES or m.n_embd % m.n_head == 0,
-             f"model.n_embd = {m.n_embd} must be divisible by model.n_head = {m.n_head}")
-    _require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
-    if m.type in TRANSFORMER_TYPES:
+    if fam.attention:
         _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
-    _validate_llama(m)
-    _validate_gpt_keys(m)
-    _require(m.tbptt_steps == 0 or m.type in RECURRENT_TYPES,
-             f"model.tbptt_steps = {m.tbptt_steps} applies to recurrent models only: use 0 with model.type = {m.type!r}")
+    check_model(m)
     _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
     _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
     _require(m.vocab_size <= MAX_MODEL_SIZE["vocab_size"], f"model.vocab_size = {m.vocab_size} must be at most "
@@ -620,7 +548,7 @@ def validate(cfg: Config) -> Config:
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
     _validate_support(cfg)
-    _validate_recurrent(cfg)
+    fam.check_layout(m, p)
     _validate_packing(cfg)
     _validate_sync_mode(cfg)
     _validate_shapes(cfg)
@@ -647,7 +575,7 @@ def validate(cfg: Config) -> Config:
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
     _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
-    why = compile_error(m.type, p.pp, p.tp, p.sp, p.sync_mode, p.pp_schedule) if t.compile == "on" else ""
+    why = compile_error(m.type, p.sync_mode) if t.compile == "on" else ""
     _require(not why, f"train.compile = \"on\" cannot run here: {why}; use \"auto\" or \"off\"")
     _require(t.recompute in RECOMPUTES,
              f"train.recompute = {t.recompute!r} is not valid: use one of {', '.join(RECOMPUTES)}")
@@ -684,43 +612,6 @@ def _validate_observability(cfg: Config) -> None:
                                                     "parallel.sync_mode = 'async' has not: use [] (off)")
     _require(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
              "train.tensorboard = true needs the tensorboard package: pip install 'meshtrain[tb]', or use false")
-
-
-def _validate_llama(m: ModelConfig) -> None:
-    """The llama keys: grouped-query heads, the MLP width rule, RoPE and its scaling (the norm's epsilon,
-    shared with the GPT, is checked in :func:`validate`). Their ranges are checked for every model type (a
-    GPT ignores them, and a value no model takes is a mistake all the same), the shape rules for a llama."""
-    kv = m.n_kv_head or m.n_head
-    _require(m.n_kv_head >= 0, f"model.n_kv_head = {m.n_kv_head} must be >= 0 (0 = n_head)")
-    if m.type == "llama":
-        _require(m.n_head % kv == 0, f"model.n_kv_head = {m.n_kv_head} must divide model.n_head = {m.n_head} "
-                                     f"(each kv head serves n_head / n_kv_head query heads)")
-        _require((m.n_embd // m.n_head) % 2 == 0, f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head "
-                                                  f"size) must be even: RoPE rotates pairs of features")
-    _require(m.ffn_hidden >= 0, f"model.ffn_hidden = {m.ffn_hidden} must be >= 0 (0 = Llama's rule)")
-    _require(m.multiple_of >= 1, f"model.multiple_of = {m.multiple_of} must be >= 1")
-    _require(m.ffn_dim_multiplier >= 0 and math.isfinite(m.ffn_dim_multiplier),
-             f"model.ffn_dim_multiplier = {m.ffn_dim_multiplier} must be a finite number >= 0 (0 = none)")
-    _require(m.rope_theta > 1 and math.isfinite(m.rope_theta), f"model.rope_theta = {m.rope_theta} must be a finite "
-                                                               f"number > 1 (Llama 2: 10000, Llama 3: 500000)")
-    _require(m.rope_scaling_factor >= 0 and math.isfinite(m.rope_scaling_factor),
-             f"model.rope_scaling_factor = {m.rope_scaling_factor} must be a finite number >= 0 (0 = no scaling)")
-    _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-             f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and model.rope_high_freq_factor = "
-             f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
-    _require(m.rope_original_max_positions >= 1,
-             f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
-
-
-def _validate_gpt_keys(m: ModelConfig) -> None:
-    """The GPT-only keys (``bias``, ``activation``): a valid activation for the GPT, defaults for the others."""
-    if m.type == "gpt":
-        _require(m.activation in GPT_ACTIVATIONS,
-                 f"model.activation = {m.activation!r} is not valid: use one of {', '.join(GPT_ACTIVATIONS)}")
-        return
-    _require(not m.bias, f"model.bias = true applies to model.type = 'gpt' only: use false with model.type = {m.type!r}")
-    _require(m.activation == "gelu", f"model.activation = {m.activation!r} applies to model.type = 'gpt' only: "
-                                     f"use 'gelu' (the default) with model.type = {m.type!r}")
 
 
 def _validate_support(cfg: Config) -> None:
@@ -793,8 +684,9 @@ def _validate_packing(cfg: Config) -> None:
         return
     _require(d.tokenizer != "char", "data.packing = 'document' needs an end-of-document (EOS) token and "
                                     "data.tokenizer = 'char' has none: use a tokenizer file with one or 'concat'")
-    _require(m.type in TRANSFORMER_TYPES, f"data.packing = 'document' masks attention, which model.type = "
-                                          f"{m.type!r} has none: use a gpt or llama, or data.packing = 'concat'")
+    _require(family(m.type).attention, f"data.packing = 'document' masks attention, which model.type = "
+                                       f"{m.type!r} has none: use an attention model (gpt, llama, ...), or "
+                                       f"data.packing = 'concat'")
     _require(p.sp == 1 or p.sp_mode == "ulysses", f"data.packing = 'document' is not supported with parallel.sp_mode "
                                                   f"= {p.sp_mode!r} (ring attention takes no document mask): use "
                                                   f"sp_mode = 'ulysses' or data.packing = 'concat'")
@@ -802,37 +694,10 @@ def _validate_packing(cfg: Config) -> None:
                                      "(the parameter server's workers run windows whole): use 'sync' or 'local-sgd'")
 
 
-def _validate_recurrent(cfg: Config) -> None:
-    """What a recurrent model (lstm, gru) cannot run: tensor and sequence parallelism."""
-    m, p = cfg.model, cfg.parallel
-    if m.type not in RECURRENT_TYPES:
-        return
-    _require(p.tp == 1, f"parallel.tp = {p.tp} is not supported for model.type = {m.type!r}: recurrent layers "
-                        f"have no tensor-parallel plan; use tp = 1 (and dp or pp)")
-    _require(p.sp == 1, f"parallel.sp = {p.sp} is not supported for model.type = {m.type!r}: a recurrence runs "
-                        f"its sequence in order on one rank; use sp = 1 (and model.tbptt_steps for long sequences)")
-
-
 def _validate_shapes(cfg: Config) -> None:
-    """Divisibility that tensor and sequence parallelism need (Megatron: heads split across tp;
-    Ulysses: heads split across tp*sp; the sequence split across sp, 2*sp chunks for ring attention,
-    and further across tp with tp_sequence_parallel)."""
+    """The sequence split across sp, 2*sp chunks for ring attention, and further across tp with
+    tp_sequence_parallel (what the heads need is the family's, :attr:`meshtrain.models.family.Family.check_layout`)."""
     m, p = cfg.model, cfg.parallel
-    _require(m.n_head % p.tp == 0,
-             f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: tensor parallelism splits "
-             f"whole heads across tp ranks; use a tp that divides {m.n_head}")
-    if p.sp > 1 and p.sp_mode == "ulysses":
-        _require(m.n_head % (p.tp * p.sp) == 0,
-                 f"model.n_head = {m.n_head} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                 f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
-    kv = m.n_kv_head or m.n_head
-    if m.type == "llama" and kv != m.n_head:
-        _require(kv % p.tp == 0,
-                 f"model.n_kv_head = {kv} is not divisible by parallel.tp = {p.tp}: tensor parallelism gives each tp "
-                 f"rank whole kv heads (grouped-query attention); use a tp that divides {kv}")
-        _require(p.sp == 1 or p.sp_mode != "ulysses" or kv % (p.tp * p.sp) == 0,
-                 f"model.n_kv_head = {kv} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                 f"n_kv_head/(tp*sp) whole kv heads; use sp_mode = 'ring' or fewer ranks")
     chunks = p.sp * (2 if p.sp > 1 and p.sp_mode == "ring" else 1) * (p.tp if p.tp_sequence_parallel else 1)
     if chunks > 1:
         what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", p.sp > 1 and p.sp_mode == "ring"),

@@ -7,7 +7,6 @@ Every failed check raises :class:`meshtrain.config.ConfigError` with one actiona
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from meshtrain.batch import global_batch_size
@@ -90,14 +89,14 @@ def foreign_entries(out: Path) -> list[str]:
 def check_init_from(cfg: Config, corpus_vocab: int) -> None:
     """``model.init_from``'s weights can start this run (one that does not resume): every tensor of the model
     in whole files with the shapes its ``config.json`` gives (headers only,
-    :func:`meshtrain.hf_format.check_weights`), and a vocabulary that holds the corpus's tokens.
+    :func:`meshtrain.models.registry.check_hf_weights`), and a vocabulary that holds the corpus's tokens.
     Raises ConfigError with one actionable line."""
-    from meshtrain import hf_format as hf
+    from meshtrain.models import hf_io as hf
+    from meshtrain.models.registry import check_hf_weights
 
     m = cfg.model
     try:
-        hf.check_weights(Path(m.init_from).expanduser(), dataclasses.asdict(m), m.vocab_size, m.ffn_hidden_size(),
-                         m.kv_heads())
+        check_hf_weights(Path(m.init_from).expanduser(), m)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     if m.vocab_size < corpus_vocab and cfg.data.tokenizer != "char":
@@ -126,14 +125,13 @@ def check_same_start(cfg: Config, meta: dict, found: Path) -> None:
 
 def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
     """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
-    width, heads, and the GPT's positions and biases) and the tokenizer (the characters of the corpus, or the
+    width, and the family's other :attr:`meshtrain.models.family.Family.resume_keys`) and the tokenizer (the characters of the corpus, or the
     same tokenizer file contents, :func:`meshtrain.data.tokenizers.same_tokenizer`). Raises ConfigError
     naming the override that makes it loadable."""
     from meshtrain.data.tokenizers import same_tokenizer
 
     saved = {"bias": False, **meta["config"]["model"]}  # checkpoints from before model.bias have no biases
-    keys = ("type", "n_layer", "n_embd") + (("n_head", "block_size", "bias") if cfg.model.type == "gpt" else ())
-    for key in keys:
+    for key in cfg.model.family().resume_keys:
         if saved.get(key) != getattr(cfg.model, key):
             raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {saved.get(key)!r}, this config "
                               f"has {getattr(cfg.model, key)!r}: resume it with --model.{key} {saved.get(key)}")

@@ -113,7 +113,7 @@ def _load(checkpoint: str | Path):
         ConfigError: nothing loadable there, a Hugging Face folder without ``tokenizer.json``, or a run's
             tokenizer file that is gone or changed since (:func:`meshtrain.data.tokenizers.tokenizer_from_dict`).
     """
-    from meshtrain import hf_format as hf
+    from meshtrain.models import hf_io as hf
     from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
     from meshtrain.config import ConfigError
     from meshtrain.data.tokenizers import HFTokenizer, tokenizer_from_dict

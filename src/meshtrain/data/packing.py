@@ -8,7 +8,7 @@ earlier tokens of the same document, a block-diagonal causal mask (Krell et al. 
 Packing without Cross-contamination", arXiv:2107.02027, Sec. 3; Llama 3, Dubey et al. 2024,
 arXiv:2407.21783, Sec. 3.2: "an attention mask that prevents self-attention between different documents
 within the same sequence"). The mask itself is built by the model
-(:func:`meshtrain.models.gpt.document_causal_mask`); this module computes, from the token ids alone, what it
+(:func:`meshtrain.models.attention.document_causal_mask`); this module computes, from the token ids alone, what it
 is built from.
 
 A document ends *after* each EOS token: the EOS is the last token of its document (its target, the next

@@ -128,7 +128,7 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     from meshtrain.planner.search import search
     from meshtrain.runtime.device import compute_dtype
 
-    if cfg.model.type not in ("gpt", "llama"):
+    if cfg.model.family().planner is None:
         raise ConfigError(f"--layout auto plans transformers: model.type = {cfg.model.type!r} has no planner model; "
                           f"give the layout in the config")
     if cfg.parallel.sync_mode != "sync":

@@ -88,7 +88,7 @@ def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
     refused, and the prediction has a measured error (:func:`memory_margin`): over by more than that
     margin, the run is refused (ConfigError with the numbers); over by less, one warning line says by how
     much and the run goes on. Models the planner does not cover (lstm, gru) are not checked."""
-    if cfg.model.type not in ("gpt", "llama"):
+    if cfg.model.family().planner is None:
         return
     from meshtrain.planner.actual import predict_for_run
     from meshtrain.planner.model_specs import corpus_vocab_size

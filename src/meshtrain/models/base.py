@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.config import ModelConfig
+from meshtrain.models.registry import ModelConfig, family
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -42,7 +42,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 class LayeredLM(nn.Module):
-    """Base of :class:`meshtrain.models.gpt.GPT` and :class:`meshtrain.models.rnn.RNNLM`.
+    """Base of every family's model (:class:`meshtrain.models.gpt.model.GPT`, ``llama``, ``rnn``, ...).
 
     :meth:`__init__` builds ``tok_emb`` (``nn.Embedding``), ``drop``, ``blocks`` (``nn.ModuleDict``) and
     ``lm_head`` (``nn.Linear``) around the subclass's blocks and extra modules; subclasses name their
@@ -163,6 +163,39 @@ class LayeredLM(nn.Module):
                 setattr(chunk, name, getattr(self, name) if keep else None)
         chunk.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
         return chunk
+
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """The tensor-parallel plan of this model or pipeline chunk: :func:`meshtrain.models.tp_plan.tp_plan` with
+        its family's module names (``spec.py``), entries for modules this chunk lacks dropped.
+
+        Raises:
+            ValueError: a family without a tensor-parallel plan (config validation refuses tp > 1 for it first).
+        """
+        from meshtrain.models.tp_plan import tp_plan
+
+        names = family(self.cfg.type).tp
+        if names is None:
+            raise ValueError(f"model.type = {self.cfg.type!r} does not support tensor parallelism: use parallel.tp = 1")
+        plan = tp_plan(self.blocks.keys(), sequence_parallel, self.tok_emb is not None, names)
+        return {name: style for name, style in plan.items() if self.get_submodule_or_none(name) is not None}
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
+
+        The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
+        by :func:`sample_token` (``temperature`` >= 0, 0 greedy; optional ``top_k``, ``generator`` on the device
+        of ``idx``). ``on_token`` gets each new token (B, 1) as it is drawn.
+        """
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.block_size:]  # (B, <= block_size)
+            nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
+            if on_token is not None:
+                on_token(nxt)
+        return idx
 
     def get_submodule_or_none(self, name: str) -> nn.Module | None:
         try:

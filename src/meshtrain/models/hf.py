@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` checkpoints in and out: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` weights.
+"""Hugging Face ``transformers`` checkpoints in and out, for every family with a Hugging Face format
+(``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...; :class:`meshtrain.models.family.HFFormat`).
 
 In (``model.init_from``, :func:`load_hf_weights`): each rank fills the parameters it holds -- its pipeline
 stages' layers, its tensor-parallel and FSDP2 shards -- by reading exactly those slices of the safetensors
@@ -10,8 +11,8 @@ the fp32 parameters as they are copied. Nothing is ever downloaded: the folder i
 Out (:func:`write_hf_folder`, ``meshtrain export --format hf``): ``config.json``, the weights under
 ``transformers``' names in fp32 -- ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json`` past ``max_shard_bytes`` -- and the tokenizer: a character one as a
-``tokenizer.json`` of the ``tokenizers`` library, a Hugging Face one copied. The names, shapes and GPT-2's transposes are
-:mod:`meshtrain.hf_format`'s.
+``tokenizer.json`` of the ``tokenizers`` library, a Hugging Face one copied. The names, shapes and transposes are
+the family's (``models/<family>/spec.py``); the files are :mod:`meshtrain.models.hf_io`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import asdict
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain import hf_format as hf
 from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
+from meshtrain.models import hf_io as hf
+from meshtrain.models.registry import check_hf_weights, families_with
 
-def model_dict(cfg: ModelConfig) -> dict[str, Any]:
-    from dataclasses import asdict
 
-    return asdict(cfg)
+def _format(cfg: ModelConfig) -> Any:
+    """The family's :class:`meshtrain.models.family.HFFormat`. Raises ConfigError: a family without one."""
+    fmt = cfg.family().hf
+    if fmt is None:
+        exporters = " and ".join(families_with(lambda f: f.hf is not None))
+        raise ConfigError(f"model.type = {cfg.type!r} has no Hugging Face architecture: export it with --format "
+                          f"safetensors ({exporters} export as Hugging Face models)")
+    return fmt
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
@@ -49,7 +57,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     limit = hf.max_positions(hf.read_json(where, "config"))
     cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
     try:
-        check_saved_config({"model": model_dict(cfg)})
+        check_saved_config({"model": asdict(cfg)})
     except ConfigError as e:
         raise ConfigError(f"'{where}' describes a model meshtrain cannot build: {e}") from None
     return cfg
@@ -83,7 +91,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
 
     Raises:
         ConfigError: a weights file that is missing or truncated, or a parameter of ``model`` the checkpoint
-            does not hold (:func:`meshtrain.hf_format.check_weights` finds these before launch).
+            does not hold (:func:`meshtrain.models.registry.check_hf_weights` finds these before launch).
     """
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -93,7 +101,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
         files = hf.weight_map(folder)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
-    sources = hf.sources(model_dict(cfg), hf.gpt2_prefix(files))
+    sources = _format(cfg).sources(cfg, files.keys())
     read = 0
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -113,15 +121,17 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
 
 
 def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A whole meshtrain model's ``state`` (its ``state_dict()``, one process) under ``transformers``' names:
-    GPT-2's q, k and v fused back into ``c_attn`` and its linear weights transposed to ``Conv1D``'s (in, out);
-    a GPT without biases gets zero biases (the same function); a tied head is left out (saved once, as the
-    embedding). Every tensor contiguous, ready for safetensors.
+    """A whole meshtrain model's ``state`` (its ``state_dict()``, one process) under ``transformers``' names (the
+    family's :class:`meshtrain.models.family.Source` of each parameter): blocks of rows joined into one tensor
+    (GPT-2's q, k and v back into ``c_attn``), transposed where the source is (GPT-2's ``Conv1D``); tensors
+    ``transformers`` expects that the model lacks as zeros (a GPT without biases, the same function); a tied head
+    left out (saved once, as the embedding). Every tensor contiguous, ready for safetensors.
 
     Raises:
         KeyError: ``state`` lacks a parameter of the model ``cfg`` describes.
     """
-    sources = hf.sources(model_dict(cfg))
+    fmt = _format(cfg)
+    sources = fmt.sources(cfg, ())
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     transposed: dict[str, bool] = {}
     tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
@@ -134,12 +144,8 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     for name, blocks in parts.items():
         whole = torch.cat([t for _, t in sorted(blocks, key=lambda b: b[0])])
         out[name] = (whole.t() if transposed[name] else whole).contiguous()
-    if cfg.type == "gpt" and not cfg.bias:
-        weights = dict(out)
-        for name, t in weights.items():
-            if name.endswith(".weight") and not name.endswith(("wte.weight", "wpe.weight")):
-                width = t.shape[-1] if t.dim() == 2 else t.shape[0]  # Conv1D (in, out): out features last
-                out[name.removesuffix(".weight") + ".bias"] = torch.zeros(width, dtype=t.dtype)
+    for name, shape in fmt.zeros(cfg).items():
+        out[name] = torch.zeros(shape, dtype=torch.float32)
     return out
 
 
@@ -183,7 +189,7 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
     if out.exists():
         raise ConfigError(f"'{out}' already exists: exports never overwrite; choose another --out")
     try:
-        config = hf.hf_config(model_dict(cfg), vocab_size, cfg.ffn_hidden_size(), cfg.kv_heads())
+        config = _format(cfg).write(cfg, vocab_size)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     tensors = hf_state_dict(state, cfg)
@@ -235,14 +241,13 @@ def load_hf_model(folder: str | Path) -> tuple[nn.Module, ModelConfig]:
     """(the whole model, its ModelConfig) of a Hugging Face folder, in one process on the CPU.
 
     Raises:
-        ConfigError: what :func:`hf_model_config` and :func:`meshtrain.hf_format.check_weights` refuse.
+        ConfigError: what :func:`hf_model_config` and :func:`meshtrain.models.registry.check_hf_weights` refuse.
     """
     from meshtrain.models import build_model
 
     cfg = hf_model_config(folder)
     try:
-        hf.check_weights(Path(folder).expanduser(), model_dict(cfg), cfg.vocab_size, cfg.ffn_hidden_size(),
-                         cfg.kv_heads())
+        check_hf_weights(Path(folder).expanduser(), cfg)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     model = build_model(cfg, cfg.vocab_size)

@@ -1,4 +1,5 @@
-"""The decoders' tensor-parallel plan (GPT and Llama): which submodule is column-, row- or sequence-parallel.
+"""The decoders' tensor-parallel plan: which submodule is column-, row- or sequence-parallel, by the module names a
+family's ``spec.py`` gives (:class:`meshtrain.models.family.TPNames`).
 
 Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3, Fig. 3): in each block the q, k,
 v projections and the MLP up-projection are column-parallel (each tp rank computes ``C/tp`` of their
@@ -24,30 +25,25 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
-
-GPT_COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.fc")
-GPT_ROWWISE = ("attn.proj", "mlp.proj")
-LLAMA_COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
-"""Llama: SwiGLU's gate and up projections are column-parallel (each rank holds F/tp hidden units of both,
-so ``silu(gate) * up`` needs no communication), the down projection row-parallel; k and v give each rank
-``n_kv_head/tp`` whole kv heads."""
-LLAMA_ROWWISE = ("attn.proj", "mlp.down")
+from meshtrain.models.family import TPNames
 
 
-def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = True, colwise: Iterable[str] = GPT_COLWISE,
-            rowwise: Iterable[str] = GPT_ROWWISE, extra_inputs: int = 0) -> dict[str, ParallelStyle]:
-    """``parallelize_module`` plan for :class:`meshtrain.models.gpt.GPT` (or, with ``LLAMA_*`` names,
-    :class:`meshtrain.models.llama.Llama`) on the "tp" mesh axis.
+def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool, names: TPNames) -> dict[str, ParallelStyle]:
+    """``parallelize_module`` plan of a decoder whose blocks' modules are named by ``names`` (its family's), on the
+    "tp" mesh axis.
 
     Activation layouts at block boundaries: (B, T, C) replicated across tp, or (B, T/tp, C) with
     ``sequence_parallel``. ``layers`` are the keys of ``blocks`` this model (or pipeline stage) holds;
     ``embedding``: whether it holds the embedding (a later pipeline stage receives the residual stream
     already in its sequence-parallel layout, so its first block needs no input split);
     entries for modules a stage lacks are dropped by the caller. The head's output stays a ``DTensor`` (B, T, V) sharded on V, for
-    :func:`torch.distributed.tensor.parallel.loss_parallel`. ``extra_inputs``: plain tensors a block and its
+    :func:`torch.distributed.tensor.parallel.loss_parallel`. ``names.extra_inputs``: plain tensors a block and its
     attention take after the residual stream (Llama's RoPE ``cos, sin``), passed through unchanged.
+    ``names.head_norms`` (Qwen3's q and k norms) act on (B, T, heads/tp, hd), this rank's heads: their weight is
+    replicated and its gradient, a partial sum over each rank's heads, is all-reduced (``SequenceParallel`` over
+    the head dim).
     """
-    extra = (None,) * extra_inputs
+    extra = (None,) * names.extra_inputs
     layers = list(layers)
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {
@@ -71,6 +67,7 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool = Tr
             # instead of one collective per matrix.
             plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(seq, *more), desired_input_layouts=(Replicate(), *more),
                                                      use_local_output=False)
-        plan.update({f"{b}.{name}": ColwiseParallel() for name in colwise})
-        plan.update({f"{b}.{name}": RowwiseParallel(output_layouts=seq) for name in rowwise})
+        plan.update({f"{b}.{name}": ColwiseParallel() for name in names.colwise})
+        plan.update({f"{b}.{name}": RowwiseParallel(output_layouts=seq) for name in names.rowwise})
+        plan.update({f"{b}.{name}": SequenceParallel(sequence_dim=2, use_local_output=True) for name in names.head_norms})
     return plan

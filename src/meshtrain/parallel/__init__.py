@@ -68,8 +68,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     p, b = cfg.parallel, cfg.batch
     eos = _packing_eos(cfg, eos_id)
     device_type = next(model.parameters()).device.type
-    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode,
-                                                                   p.pp_schedule), device_type)
+    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
+                               device_type)
     blockwise = {"recompute": cfg.train.recompute, "compiled": compiled}
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
@@ -114,7 +114,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     ``dims``' mesh; return the module to train.
 
     ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
-    ``inner_attention`` submodules (:class:`meshtrain.models.gpt.GPT` does). ``recompute``: ``train.recompute``
+    ``inner_attention`` submodules (:class:`meshtrain.models.gpt.model.GPT` does). ``recompute``: ``train.recompute``
     ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`).
     With pp > 1 use :func:`parallelize_pipeline`.
 

@@ -117,7 +117,7 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
 
     - ``matmul_table``: FLOP/s of a Linear ``(1024 x k) -> (1024 x 4k)`` forward + backward (6*M*K*N FLOPs);
     - ``attention_table``: FLOP/s of the trainer's causal attention
-      (:func:`meshtrain.models.gpt.causal_attention`: the fp32 kernel for bf16 on the CPU) forward +
+      (:func:`meshtrain.models.attention.causal_attention`: the fp32 kernel for bf16 on the CPU) forward +
       backward, batch 8 x 4 heads x head size 32, by sequence length T (6*T^2*d FLOPs per head: causal half);
     - ``bandwidth``: bytes/s of LayerNorm + residual add on (1024 x 256) and GELU on (1024 x 1024),
       forward + backward, counted as the cost model counts element-wise work: 3 x the forward bytes;
@@ -128,7 +128,7 @@ def measure_compute(min_time: float = 0.05, gemm_sizes: tuple[int, ...] = GEMM_S
     import torch
     import torch.nn.functional as F
 
-    from meshtrain.models.gpt import causal_attention
+    from meshtrain.models.attention import causal_attention
 
     sync = sync or (lambda: None)
     agree = agree or bool
@@ -186,7 +186,7 @@ def _tiny_model(n_layer: int, width: int = 8):
     torch.manual_seed(0)
     try:
         from meshtrain.config import ModelConfig
-        from meshtrain.models.gpt import GPT
+        from meshtrain.models.gpt.model import GPT
         return GPT(ModelConfig(n_layer=n_layer, n_head=1, n_embd=width, block_size=8), 65)
     except ImportError:
         blocks = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
@@ -409,7 +409,7 @@ def _parallel_host(world: int, comm: dict) -> dict:
 
     from meshtrain.config import Config, ModelConfig, ParallelConfig
     from meshtrain.mesh import Axis, ParallelDims
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models.gpt.model import GPT
     from meshtrain.parallel import local_batch, parallelize_model
     from meshtrain.parallel.reduce import backward_context, cross_entropy
     from meshtrain.parallel.rng import seed_step
@@ -470,7 +470,7 @@ def _pipeline_host(world: int, comm: dict) -> dict:
 
     from meshtrain.config import ModelConfig, ParallelConfig
     from meshtrain.mesh import ParallelDims
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models.gpt.model import GPT
     from meshtrain.parallel import parallelize_pipeline
     from meshtrain.planner.cost import ring_time
 
@@ -505,7 +505,7 @@ def _split_backward_factor() -> float:
     import torch
 
     from meshtrain.config import ModelConfig
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models.gpt.model import GPT
 
     torch.manual_seed(0)
     block = GPT(ModelConfig(n_layer=1, n_head=4, n_embd=128, block_size=64), 65).blocks["0"]
@@ -529,7 +529,7 @@ def _split_backward_factor() -> float:
 
 TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
                    "meshtrain.fileio", "meshtrain.preflight", "meshtrain.mesh", "meshtrain.metrics", "meshtrain.models",
-                   "meshtrain.models.gpt", "meshtrain.optim", "meshtrain.parallel", "meshtrain.parallel.data_parallel",
+                   "meshtrain.models.gpt.model", "meshtrain.optim", "meshtrain.parallel", "meshtrain.parallel.data_parallel",
                    "meshtrain.parallel.reduce", "meshtrain.parallel.pipeline", "meshtrain.parallel.rng",
                    "meshtrain.runtime.device", "meshtrain.runtime.distributed", "meshtrain.runtime.faults",
                    "torch.optim.lr_scheduler")

@@ -42,21 +42,21 @@ from meshtrain.planner.model_specs import ModelSpec
 
 def dense_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``."""
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    return 2.0 * (h * (h + 2 * kv) + h * h + model.mlp_matrices * h * f)
+    h, kv, f, q = model.hidden, model.kv_dim, model.ffn_hidden, model.q_dim
+    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f)
 
 
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
     """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
-    return 4.0 * model.seq_len * model.hidden * (0.5 if causal else 1.0)
+    return 4.0 * model.seq_len * model.q_dim * (0.5 if causal else 1.0)
 
 
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
     """(K, N) of one layer's weight GEMMs on one tp rank: QKV ``h -> (q + 2kv)/t``, out-projection
     ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
     (column- then row-parallel, Shoeybi et al. 2019, Sec. 3)."""
-    h, kv, f, t = model.hidden, model.kv_dim, model.ffn_hidden, tp
-    return ((h, (h + 2 * kv) / t), (h / t, h), (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
+    h, kv, f, t, q = model.hidden, model.kv_dim, model.ffn_hidden, tp, model.q_dim
+    return ((h, (q + 2 * kv) / t), (q / t, h), (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
 
 
 def gemm_traffic_bytes(rows: float, shapes: tuple[tuple[float, float], ...], element_bytes: int) -> float:

@@ -290,8 +290,8 @@ def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
     (``parallel.fsdp_unit_mb``), and fused element-wise kernels where its blocks are compiled
     (:func:`meshtrain.rules.support.blocks_compiled`), eager ones (``eager_elementwise``) where not."""
     p = cfg.parallel
-    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.pp, p.tp, p.sp, p.sync_mode,
-                                                                   p.pp_schedule), device_type)
+    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
+                               device_type)
     return replace(MESHTRAIN, fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
                    eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise)
 

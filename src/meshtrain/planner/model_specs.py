@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import Config, ConfigError, read_toml
+from meshtrain.models.registry import families_with
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -54,6 +55,12 @@ class ModelSpec:
     dropout: bool = False
     """Whether dropout layers run (their masks cost activation memory: Korthikanti et al. 2022, Sec. 4.1)."""
     final_norm: bool = True
+    head_dim: int = 0
+    """Features per attention head; 0 means ``hidden / heads`` (Qwen3 decouples it: q is ``heads * head_dim`` wide)."""
+    qkv_bias: bool = False
+    """Biases on q, k and v only (Qwen2), without ``biases`` elsewhere."""
+    qk_norm: bool = False
+    """An RMSNorm of ``head_dim`` scales on each of q and k (Qwen3)."""
 
     @property
     def norm(self) -> str:
@@ -66,11 +73,13 @@ class ModelSpec:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
-        for key in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_hidden", "kv_heads"):
+        if self.head_dim == 0 and self.heads >= 1:
+            if self.hidden % self.heads:
+                raise ConfigError(f"model hidden = {self.hidden} must be divisible by heads = {self.heads}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        for key in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_hidden", "kv_heads", "head_dim"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model {key} = {getattr(self, key)} must be >= 1")
-        if self.hidden % self.heads:
-            raise ConfigError(f"model hidden = {self.hidden} must be divisible by heads = {self.heads}")
         if self.heads % self.kv_heads:
             raise ConfigError(f"model heads = {self.heads} must be divisible by kv_heads = {self.kv_heads}")
         if self.activation not in ACTIVATIONS:
@@ -83,13 +92,15 @@ class ModelSpec:
     def _hash(self) -> int:
         """The sizes' hash (equal specs have equal sizes; ints hash alike in every process, so a pickled copy keeps a
         true one), computed once: the planner's caches hash a spec ~10^5 times per search."""
-        return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads))
+        return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads,
+                     self.head_dim))
 
     # Derived sizes are cached_property (kept in the instance's __dict__, beside the fields; a frozen spec never
     # changes them): the planner's search asks each ~10^5 times.
     @cached_property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention's output): heads * head_dim (= hidden unless head_dim is decoupled)."""
+        return self.heads * self.head_dim
 
     @cached_property
     def kv_dim(self) -> int:
@@ -107,12 +118,14 @@ class ModelSpec:
 
     @cached_property
     def _layer_params(self) -> int:
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
-        n = h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f
+        h, f, kv, q = self.hidden, self.ffn_hidden, self.kv_dim, self.q_dim
+        n = h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f
         n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
         if self.biases:
-            n += (h + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
-        return n
+            n += (q + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
+        elif self.qkv_bias:
+            n += q + 2 * kv
+        return n + (2 * self.head_dim if self.qk_norm else 0)
 
     def param_tensors(self) -> int:
         """Number of parameter tensors (fused qkv counted as one), which sets per-tensor optimizer work."""
@@ -120,9 +133,11 @@ class ModelSpec:
 
     @cached_property
     def _param_tensors(self) -> int:
-        per_layer = 2 + self.mlp_matrices + 2  # qkv, out-proj, MLP matrices, two norm scales
+        per_layer = 2 + self.mlp_matrices + 2 + 2 * self.qk_norm  # qkv, out-proj, MLP matrices, norm scales
         if self.biases:
             per_layer += 2 + self.mlp_matrices + 2
+        elif self.qkv_bias:
+            per_layer += 1
         ends = 1 + int(self.learned_positions) + int(not self.tied_embeddings)
         ends += (2 if self.biases else 1) if self.final_norm else 0
         return self.layers * per_layer + ends
@@ -235,31 +250,21 @@ def corpus_vocab_size(cfg: Config) -> int:
 
 
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
-    """The spec of the trainer's model for a training config: the GPT (``meshtrain.models.gpt``) or the
-    Llama (``meshtrain.models.llama``).
-
-    GPT: ``[model]`` n_layer, n_head, n_embd, block_size, vocab_size; GELU MLP of width 4C (exact or tanh
-    GELU alike: two matrices), tied head, learned positions; with ``bias`` biases in every Linear but the
-    head and LayerNorm shifts (GPT-2), else LayerNorm scales only. Llama: SwiGLU of ``ModelConfig.ffn_hidden_size``,
-    ``n_kv_head`` kv heads, RoPE (no position parameters), RMSNorm scales, the head tied only with
-    ``tie_embeddings``. ``vocab_size`` overrides the config; with neither, the vocabulary is the trainer's
-    (:func:`corpus_vocab_size`: the corpus's distinct characters, or the padded tokenizer size).
+    """The spec of the trainer's model for a training config: its family's planner numbers
+    (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``). ``vocab_size`` overrides the
+    config; with neither, the vocabulary is the trainer's (:func:`corpus_vocab_size`: the corpus's distinct
+    characters, or the padded tokenizer size).
 
     Raises:
-        ConfigError: a recurrent model (``model.type`` "lstm" or "gru"), which the planner does not model.
+        ConfigError: a family the planner does not model (the recurrent ones).
     """
     m = cfg.model
-    if m.type not in ("gpt", "llama"):
+    numbers = m.family().planner
+    if numbers is None:
+        modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
-                          f"model.type = 'gpt' or 'llama'); train it without a plan")
-    vocab = vocab_size or m.vocab_size or corpus_vocab_size(cfg)
-    if m.type == "llama":
-        return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
-                         seq_len=m.block_size, ffn_hidden=m.ffn_hidden_size(), kv_heads=m.kv_heads(),
-                         activation="swiglu", tied_embeddings=m.tie_embeddings, learned_positions=False,
-                         dropout=m.dropout > 0)
-    return ModelSpec("config", layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=vocab,
-                     seq_len=m.block_size, biases=m.bias, dropout=m.dropout > 0)
+                          f"model.type = {modelled}); train it without a plan")
+    return ModelSpec("config", **numbers(m, vocab_size or m.vocab_size or corpus_vocab_size(cfg)))
 
 
 def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshtrain.models.registry import families_with, family
 from meshtrain.rules.pipeline_schedules import RULES
 
 
@@ -59,28 +60,34 @@ def uses_parameter_server(sync_mode: str) -> bool:
     return sync_mode == "async"
 
 
-def compile_error(model_type: str, pp: int, tp: int, sp: int, sync_mode: str, pp_schedule: str = "1f1b") -> str:
+def compile_error(model_type: str, sync_mode: str) -> str:
     """Why ``train.compile`` cannot compile this layout's blocks ("" when it can): ``torch.compile`` per block,
-    after tp/sp and before DDP/FSDP2 wrap it (torchtitan's order), under every layout of a GPT or Llama but a
-    parameter-server run (:mod:`meshtrain.parallel.recompute`)."""
-    if model_type not in ("gpt", "llama"):
-        return f"model.type = {model_type!r} has no transformer blocks to compile (a GPT or Llama has)"
+    after tp/sp and before DDP/FSDP2 wrap it (torchtitan's order), under every layout of a family with attention
+    blocks (:attr:`meshtrain.models.family.Family.attention`) but a parameter-server run
+    (:mod:`meshtrain.parallel.recompute`)."""
+    if not family(model_type).attention:
+        return f"model.type = {model_type!r} has no transformer blocks to compile ({_attention_families()} have)"
     if uses_parameter_server(sync_mode):
         return "sync_mode = 'async' workers run their own loop, uncompiled"
     return ""
 
 
-def compile_eligible(model_type: str, pp: int, tp: int, sp: int, sync_mode: str, pp_schedule: str = "1f1b") -> bool:
+def compile_eligible(model_type: str, sync_mode: str) -> bool:
     """Whether ``train.compile`` may compile this layout's blocks (:func:`compile_error` is empty)."""
-    return not compile_error(model_type, pp, tp, sp, sync_mode, pp_schedule)
+    return not compile_error(model_type, sync_mode)
+
+
+def _attention_families() -> str:
+    return " and ".join(families_with(lambda f: f.attention))
 
 
 def recompute_error(recompute: str, model_type: str, pp: int, pp_schedule: str, sync_mode: str) -> str:
     """Why ``train.recompute`` cannot run this layout ("" when it can; "none" always can)."""
     if recompute == "none":
         return ""
-    if model_type not in ("gpt", "llama"):
-        return f"train.recompute = {recompute!r} recomputes transformer blocks: model.type = {model_type!r} has none; use 'none'"
+    if not family(model_type).attention:
+        return (f"train.recompute = {recompute!r} recomputes transformer blocks: model.type = {model_type!r} has none "
+                f"({_attention_families()} have); use 'none'")
     if uses_parameter_server(sync_mode):
         return f"train.recompute = {recompute!r} does not run with sync_mode = 'async' (its workers' own loop); use 'none'"
     rule = RULES.get(pp_schedule)

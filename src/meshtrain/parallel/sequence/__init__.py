@@ -4,7 +4,7 @@ The model calls ``inner_attention(q, k, v)`` with q, k, v of shape (B, nh, T/sp,
 heads and tokens) and gets (B, nh, T/sp, hs): causal attention with scale 1/sqrt(hs) over the
 *global* sequence. The single-rank default is ``F.scaled_dot_product_attention(is_causal=True)``;
 the modules here replace it. With document packing the model also passes ``mask=``, the (B, 1, T, T)
-document mask of the whole sequence (:func:`meshtrain.models.gpt.document_causal_mask`): Ulysses applies
+document mask of the whole sequence (:func:`meshtrain.models.attention.document_causal_mask`): Ulysses applies
 it after its all-to-all, ring attention refuses it.
 
 - :class:`UlyssesAttention` (``ulysses.py``): DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from meshtrain.models.gpt import repeat_kv
+from meshtrain.models.attention import repeat_kv
 from meshtrain.parallel.sequence.comm import ring_pass
 from meshtrain.parallel.sequence.shard import zigzag_chunks
 

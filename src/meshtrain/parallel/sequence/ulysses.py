@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from meshtrain.models.gpt import causal_attention
+from meshtrain.models.attention import causal_attention
 from meshtrain.parallel.sequence.comm import head_to_seq, seq_to_head
 
 
@@ -21,7 +21,7 @@ class UlyssesAttention(nn.Module):
     differ from a single-process run's, so parity holds with dropout 0 only.
 
     With document packing, ``mask`` is the (B, 1, T, T) document mask of the *whole* sequence
-    (:func:`meshtrain.models.gpt.document_causal_mask` of every rank's tokens): after the all-to-all this
+    (:func:`meshtrain.models.attention.document_causal_mask` of every rank's tokens): after the all-to-all this
     rank attends over all T tokens of its heads, and the mask is the same for every head.
 
     Raises (in forward, from :func:`seq_to_head`, before any communication):

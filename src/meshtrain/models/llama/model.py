@@ -9,14 +9,18 @@ of each head (Hugging Face ``transformers``' convention), so Hugging Face checkp
 permuting q and k.
 
 Shape legend: B batch, T sequence length (this rank's tokens under sp), C = n_embd, nh = n_head,
-nkv = n_kv_head, hd = C // nh head size, F = ffn hidden size, V vocabulary size.
+nkv = n_kv_head, hd = head size (``model.head_dim``, by default C // nh), F = ffn hidden size, V vocabulary size.
 
 Parameter count (no biases; ``tie_embeddings`` drops the head's V*C)::
 
     N = V*C (+ V*C untied) + n_layer*(C*nh*hd + 2*C*nkv*hd + nh*hd*C + 3*C*F + 2*C) + C
 
 Module names follow the GPT's (``blocks.3.attn.q``, ``blocks.3.mlp.gate``), so the pipeline split, the
-tensor-parallel plan (:mod:`meshtrain.models.tp_plan`) and checkpoints work the same way.
+tensor-parallel plan (``spec.py``, :mod:`meshtrain.models.tp_plan`) and checkpoints work the same way.
+
+Two class attributes make the Llama's close relatives (their folders subclass it): ``QKV_BIAS``, biases on
+the q, k and v projections (Qwen2), and ``QK_NORM``, an RMSNorm over each head's features of q and k before
+RoPE (Qwen3, Yang et al. 2025, arXiv:2505.09388, Sec. 2).
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.config import ModelConfig
+from meshtrain.models.attention import SDPAttention, document_causal_mask, init_decoder_weights
 from meshtrain.models.base import LayeredLM
-from meshtrain.models.gpt import GPT, SDPAttention, document_causal_mask, init_decoder_weights
+from meshtrain.models.registry import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -38,7 +42,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     With ``rope_scaling_factor`` > 0, Llama 3.1's scaling: wavelengths longer than ``original / low`` (of
     ``rope_original_max_positions``) are divided by the factor, shorter than ``original / high`` are kept,
     and those between interpolate smoothly between the two."""
-    hd = cfg.n_embd // cfg.n_head
+    hd = cfg.head_size()
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))  # (hd/2,) fp32, as Hugging Face computes it
     factor = cfg.rope_scaling_factor
     if factor:
@@ -59,30 +63,38 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class LlamaAttention(nn.Module):
     """Causal self-attention with grouped-query heads: ``nh`` query heads share ``nkv`` key/value heads
-    (``nh / nkv`` queries per group), RoPE on q and k.
+    (``nh / nkv`` queries per group), RoPE on q and k; with ``bias`` q, k and v have biases (Qwen2), with
+    ``qk_norm`` each head of q and k is RMS-normalised before RoPE (``q_norm``, ``k_norm``: weights (hd,), Qwen3).
 
     q, k and v are separate column-parallel projections under tp (every rank gets whole query and kv
     heads, ``nkv % tp == 0``); ``inner_attention`` receives k and v with their own head count, so that
     sequence parallelism moves the smaller kv tensors (Ulysses needs ``nkv % (tp*sp) == 0``).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.head_size = cfg.n_embd // cfg.n_head
-        kv = cfg.kv_heads() * self.head_size
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.k = nn.Linear(cfg.n_embd, kv, bias=False)
-        self.v = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.head_size = cfg.head_size()
+        width, kv = cfg.n_head * self.head_size, cfg.kv_heads() * self.head_size
+        self.q = nn.Linear(cfg.n_embd, width, bias=bias)
+        self.k = nn.Linear(cfg.n_embd, kv, bias=bias)
+        self.v = nn.Linear(cfg.n_embd, kv, bias=bias)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_size, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_size, eps=cfg.norm_eps)
+        self.qk_norm = qk_norm
         self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.proj = nn.Linear(width, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (B, T, C), ``cos, sin`` (T, hd) or (B, 1, T, hd) -> (B, T, C); ``mask``: None (causal) or the
-        document mask (:func:`meshtrain.models.gpt.document_causal_mask`)."""
+        document mask (:func:`meshtrain.models.attention.document_causal_mask`)."""
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
+        q = self.q(x).view(B, T, -1, self.head_size)  # (B, T, nh, hd)
+        k = self.k(x).view(B, T, -1, self.head_size)  # (B, T, nkv, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
         y = self.inner_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, mask=mask)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -106,10 +118,10 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, RMSNorm before each."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = LlamaAttention(cfg)
+        self.attn = LlamaAttention(cfg, bias, qk_norm)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
@@ -134,14 +146,16 @@ class Llama(LayeredLM):
 
     HEAD_MODULES = ("norm", "lm_head")
     SHARED_ATTRS = LayeredLM.SHARED_ATTRS + ("inv_freq",)
+    QKV_BIAS = False
+    """Biases on the q, k and v projections (Qwen2's)."""
+    QK_NORM = False
+    """RMSNorm over each head's features of q and k before RoPE (Qwen3's)."""
 
     norm: nn.RMSNorm | None
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
-        if cfg.n_embd % cfg.n_head != 0:
-            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
         self.inv_freq = rope_frequencies(cfg)  # a plain tensor: not a parameter, not in checkpoints
-        super().__init__(cfg, vocab_size, lambda i: LlamaBlock(cfg),
+        super().__init__(cfg, vocab_size, lambda i: LlamaBlock(cfg, self.QKV_BIAS, self.QK_NORM),
                          head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
 
     def ties_embeddings(self) -> bool:
@@ -155,14 +169,6 @@ class Llama(LayeredLM):
         ``1/sqrt(2*n_layer)`` as in GPT-2 (Radford et al. 2019, Sec. 2.3), RMSNorm weights 1; an untied
         head gets its own draw."""
         init_decoder_weights(self, nn.RMSNorm, ("attn.proj", "mlp.down"))
-
-    def tp_plan(self, sequence_parallel: bool) -> dict:
-        """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan` with Llama's names)."""
-        from meshtrain.models.tp_plan import LLAMA_COLWISE, LLAMA_ROWWISE, tp_plan
-
-        plan = tp_plan(self.blocks.keys(), sequence_parallel, self.tok_emb is not None, LLAMA_COLWISE, LLAMA_ROWWISE,
-                       extra_inputs=2)  # cos, sin
-        return {name: style for name, style in plan.items() if self.get_submodule_or_none(name) is not None}
 
     def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:
         """Modules whose dropout acts on tp-split activations: the attention weights (heads are split)."""
@@ -185,7 +191,7 @@ class Llama(LayeredLM):
         sequence-parallel rank passes its shard's, ring attention's zigzag chunks included); every block
         rotates q and k by them. With document packing they are per sample, (B, T), restarting at each
         document, and ``doc_ids`` (B, T') mask attention to each document, as in
-        :meth:`meshtrain.models.gpt.GPT.forward`. A pipeline stage without ``tok_emb`` takes hidden states
+        :meth:`meshtrain.models.gpt.model.GPT.forward`. A pipeline stage without ``tok_emb`` takes hidden states
         (B, T, C) and its positions as well; one without ``lm_head`` returns hidden states (B, T, C).
 
         Raises:
@@ -201,5 +207,3 @@ class Llama(LayeredLM):
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)
-
-    generate = GPT.generate  # the same windowed sampling: context cropped to block_size, one token at a time

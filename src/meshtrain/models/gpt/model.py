@@ -21,109 +21,20 @@ The embedding, the blocks, the final norm and the head are separate submodules s
 can drop ``tok_emb``/``pos_emb`` (it then receives hidden states) or ``norm``/``lm_head`` (it then
 returns hidden states). Blocks live in a ``ModuleDict`` keyed by layer index, so parameter names
 (``blocks.3.attn.q.weight``) are the same whichever stage holds the layer, and a TP plan
-(:mod:`meshtrain.models.tp_plan`) names them directly.
+(``spec.py``, :mod:`meshtrain.models.tp_plan`) names them directly.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from meshtrain.config import ModelConfig
-from meshtrain.models.base import LayeredLM, sample_token
+from meshtrain.models.attention import SDPAttention, document_causal_mask, init_decoder_weights
+from meshtrain.models.base import LayeredLM
+from meshtrain.models.registry import ModelConfig
 
-INIT_STD = 0.02
-"""Standard deviation of the normal init of every Linear and Embedding weight (GPT-2)."""
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
-"""``model.activation`` (:data:`meshtrain.config.GPT_ACTIVATIONS`) -> ``nn.GELU(approximate=...)``."""
-
-
-def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention (Ainslie et al. 2023, Sec. 2.2): ``kv`` (B, nkv, T, hs) repeated to q's
-    (B, nh, T, hs) heads, each kv head serving ``nh / nkv`` consecutive query heads; as is when equal."""
-    groups = q.size(1) // kv.size(1)
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal ``F.scaled_dot_product_attention`` of ``q`` (B, nh, T, hs) and ``k, v`` (B, nkv, T, hs; nkv
-    divides nh, :func:`repeat_kv`) -> (B, nh, T, hs), in the inputs' dtype.
-
-    ``mask``: None for the causal mask over the whole sequence (``is_causal``); or a (B, 1, T, T) bool mask,
-    True where a query may attend to a key (:func:`document_causal_mask`), the same for every head.
-
-    bf16 inputs on the CPU (what bf16 autocast hands over from the q/k/v projections) run the kernel
-    in fp32 and cast the result back: torch's CPU flash-attention kernel is slower in bf16 than in fp32
-    (its backward took 13.3 ms of a 39.5 ms bf16 step of the main job's model against 3.2 ms in fp32,
-    AVX512-BF16 EPYC, docs/benchmarks.md), while the matmuls around it gain from bf16. On CUDA the bf16
-    kernel is the fast one and runs as it is."""
-    k, v = repeat_kv(q, k), repeat_kv(q, v)  # (B, nh, T, hs)
-    masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        with torch.autocast("cpu", enabled=False):  # CPU autocast would cast the fp32 copies back to bf16
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, **masking)
-        return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **masking)
-
-
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask of packed documents (``data.packing = "document"``, Krell et al. 2021,
-    arXiv:2107.02027, Sec. 3): ``doc_ids`` (B, T) int64, the document index of every token of the whole
-    sequence (:func:`meshtrain.data.packing.document_ids`) -> (B, 1, T, T) bool, True where query i may attend
-    to key j: ``j <= i`` and both in the same document. It broadcasts over heads, so every tensor-parallel
-    or Ulysses head shard uses the same mask. Every row keeps its diagonal: no softmax row is empty."""
-    T = doc_ids.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-    return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal  # (B, 1, T, T)
-
-
-@torch.no_grad()
-def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tuple[str, ...]) -> None:
-    """Fill a decoder's parameters from ``model.init_seed`` (GPT-2's scheme, Radford et al. 2019, Sec. 2.3):
-    normal(0, 0.02) for Linear and Embedding weights in module order, the modules named ``*residual`` (the
-    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)``, ``norm`` weights 1,
-    every Linear and ``norm`` bias 0 (GPT-2's, Hugging Face ``GPT2PreTrainedModel._init_weights``; biases draw
-    nothing, so a model without them gets the same weights). Draws come from a private CPU generator and are
-    copied, so CPU, GPU and meta -> ``to_empty`` builds agree bit for bit. Re-ties the head first
-    (``to_empty`` may have untied it); nothing else while on meta."""
-    tied = model.tie_weights()
-    if any(p.is_meta for p in model.parameters()):
-        return  # nothing to fill yet: call again after ``to_empty``
-    gen = torch.Generator(device="cpu").manual_seed(model.init_seed)
-    resid_std = INIT_STD / math.sqrt(2 * model.cfg.n_layer)
-    for name, module in model.named_modules():
-        if isinstance(module, norm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is model.lm_head)):
-            std = resid_std if name.endswith(residual) else INIT_STD
-            w = module.weight
-            w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
-        if isinstance(module, (norm, nn.Linear)) and getattr(module, "bias", None) is not None:
-            module.bias.zero_()
-
-
-class SDPAttention(nn.Module):
-    """Causal scaled dot-product attention on whole sequences: the default ``inner_attention``.
-
-    ``q, k, v`` (B, nh, T, hs) -> (B, nh, T, hs), ``softmax(q k^T / sqrt(hs)) v`` with a causal mask
-    (Vaswani et al. 2017, Eq. 1), dropout on the attention weights while training. Sequence
-    parallelism swaps this module for one that sees only a shard of the sequence
-    (:mod:`meshtrain.parallel.sequence`); nothing else in the block changes.
-    """
-
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: None (causal), or the (B, 1, T, T) document mask (:func:`document_causal_mask`)."""
-        return causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)
+"""``model.activation`` (:data:`meshtrain.models.gpt.spec.ACTIVATIONS`) -> ``nn.GELU(approximate=...)``."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -237,14 +148,6 @@ class GPT(LayeredLM):
         """
         init_decoder_weights(self, nn.LayerNorm, ("attn.proj", "mlp.proj"))
 
-    def tp_plan(self, sequence_parallel: bool) -> dict:
-        """The tensor-parallel plan of this model (:func:`meshtrain.models.tp_plan.tp_plan`)."""
-        from meshtrain.models.tp_plan import tp_plan
-
-        return {name: style for name, style in tp_plan(self.blocks.keys(), sequence_parallel,
-                                                                self.tok_emb is not None).items()
-                if self.get_submodule_or_none(name) is not None}
-
     def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:
         """Modules whose dropout acts on activations split across tp: attention weights (heads are
         split), and with ``sequence_parallel`` the residual-stream dropouts (the sequence is split)."""
@@ -282,21 +185,3 @@ class GPT(LayeredLM):
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
-
-        The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
-        by :func:`meshtrain.models.base.sample_token` (``temperature`` >= 0, 0 greedy; optional ``top_k``,
-        ``generator`` on the device of ``idx``). ``on_token`` gets each new token (B, 1) as it is drawn.
-        """
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.block_size:]  # (B, <= block_size)
-            nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
-            if on_token is not None:
-                on_token(nxt)
-        return idx

@@ -33,8 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from meshtrain.config import ModelConfig
 from meshtrain.models.base import LayeredLM, sample_token
+from meshtrain.models.registry import ModelConfig
 
 CELLS: dict[str, type[nn.RNNBase]] = {"lstm": nn.LSTM, "gru": nn.GRU}
 INIT_STD = 0.02
@@ -135,10 +135,6 @@ class RNNLM(LayeredLM):
                     if isinstance(module, nn.LSTM) and name.startswith("bias_ih"):
                         C = module.hidden_size
                         p[C:2 * C] = FORGET_BIAS  # (4C,) = [input, forget, cell, output] gates
-
-    def tp_plan(self, sequence_parallel: bool) -> dict:
-        """Recurrent layers have no tensor-parallel plan (config validation rejects tp > 1)."""
-        raise ValueError(f"model.type = {self.cfg.type!r} does not support tensor parallelism: use parallel.tp = 1")
 
     def tp_split_dropout_modules(self, sequence_parallel: bool) -> list[nn.Module]:
         return []

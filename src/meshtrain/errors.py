@@ -1,0 +1,13 @@
+"""The user-mistake error every torch-free check raises (config, model families, pre-launch checks)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one actionable line."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)

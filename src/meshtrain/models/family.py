@@ -1,0 +1,158 @@
+"""What a model family provides: the contract between one folder ``models/<family>/`` and the rest of meshtrain.
+
+A family is a folder with a torch-free ``spec.py`` that fills in a :class:`Family`, and a ``model.py`` that
+builds the torch module; :mod:`meshtrain.models.registry` lists the families, one line each, and is the only
+place that reads ``model.type``. Config checks, the planner, the pre-launch checks, the pipeline split, the
+tensor-parallel plan and Hugging Face import/export ask the registry for the family and call what it provides
+here, so adding a family touches its folder and the registry line only (learned from torchtitan's
+``TrainSpec``/model registry; meshtrain keeps one generic ``parallelize`` that reads the family's plan).
+
+What ``model.py``'s class must provide is :class:`meshtrain.models.base.LayeredLM`'s contract: ``blocks`` in an
+``nn.ModuleDict`` keyed by layer index, the embedding and head module names, ``tp_plan`` and
+``tp_split_dropout_modules``, ``forward(idx, positions=None, doc_ids=None)`` -> logits (B, T, V), ``generate``.
+
+Auxiliary loss: a family with ``aux_loss = True`` (a mixture of experts' router) has a model whose
+``aux_loss()`` returns the scalar its last forward accumulated; the trainer adds it to the cross-entropy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import require
+
+OPTIMIZER_FLOPS_PER_PARAM = 16
+"""FLOPs per parameter per step outside the matmuls, for a family's ``layer_costs``: AdamW's update (~12
+elementwise operations on m, v and the weight, PyTorch's ``_single_tensor_adamw``) plus accumulating and zeroing
+the gradient."""
+BLOCK_KINDS = ("attention", "recurrent")
+"""What a family's blocks are: "attention" blocks can be tensor- and sequence-parallel, compiled, recomputed
+and document-masked; "recurrent" ones run their sequence in order on one rank (dp and pp only)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a meshtrain parameter lives in a Hugging Face checkpoint: rows ``row0 .. row0 + rows`` (dim 0) of
+    tensor ``name``, transposed first when ``transpose`` (GPT-2's ``Conv1D`` stores (in, out))."""
+
+    name: str
+    transpose: bool = False
+    row0: int = 0
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """A family's Hugging Face ``transformers`` format: its ``config.json`` and its tensors' names and shapes.
+
+    ``present`` is the set of tensor names a checkpoint folder holds (empty when writing one): a family whose
+    names vary between files (GPT-2's optional ``transformer.`` prefix) reads it."""
+
+    architectures: tuple[str, ...]
+    """``config.json``'s ``architectures`` this family builds; the first is the one an export writes."""
+    model_type: str
+    """``config.json``'s ``model_type``, which names the family when ``architectures`` is absent."""
+    read: Callable[[dict[str, Any], Path], dict[str, Any]]
+    """``(config.json, its path)`` -> the ``[model]`` keys it sets. Raises ``HFFormatError`` (an option the model
+    does not build, a missing or ill-typed key)."""
+    write: Callable[[Any, int], dict[str, Any]]
+    """``(ModelConfig, vocab_size)`` -> ``config.json`` for ``transformers`` (fp32 weights)."""
+    sources: Callable[[Any, Collection[str]], dict[str, Source]]
+    """``(ModelConfig, present)`` -> {meshtrain parameter name: :class:`Source`}; a tied head reads the embedding."""
+    shapes: Callable[[Any, int, Collection[str]], dict[str, tuple[int, ...]]]
+    """``(ModelConfig, vocab_size, present)`` -> {tensor name: shape} every weight has in a checkpoint (a tied
+    head not listed: ``transformers`` saves it once, as the embedding)."""
+    zeros: Callable[[Any], dict[str, tuple[int, ...]]] = lambda m: {}
+    """``ModelConfig`` -> {tensor name: shape} of tensors ``transformers`` expects that this model lacks: an export
+    writes them as zeros (a GPT without biases is GPT-2 with zero biases)."""
+
+
+@dataclass(frozen=True)
+class TPNames:
+    """A decoder's tensor-parallel plan by module name inside ``blocks.{i}`` (Megatron-LM's layout, Shoeybi et
+    al. 2019, arXiv:1909.08053, Sec. 3): column-parallel projections, row-parallel ones, and head-sharded
+    norms (a norm over each head's features, whose weight every tp rank holds whole)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    head_norms: tuple[str, ...] = ()
+    extra_inputs: int = 0
+    """Plain tensors a block and its attention take after the residual stream (RoPE's ``cos, sin``: 2)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (one ``model.type``): its keys, checks, shapes, costs and formats, without torch."""
+
+    name: str
+    """``model.type``."""
+    summary: str
+    """One line for docs and errors, e.g. "Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention)"."""
+    model: str
+    """``"module:Class"`` of the torch module (imported only when a model is built)."""
+    keys: type | None
+    """Dataclass of this family's own ``[model]`` keys (defaults and a docstring under each); families that share
+    keys share the class. :data:`meshtrain.models.registry.ModelConfig` holds every family's keys."""
+    blocks: str
+    """One of :data:`BLOCK_KINDS`."""
+    check: Callable[[Any], None]
+    """``ModelConfig`` -> None: the family's own rules (ranges, shapes). Raises ``ConfigError``."""
+    check_layout: Callable[[Any, Any], None]
+    """``(ModelConfig, ParallelConfig)`` -> None: what tensor and sequence parallelism need of its shapes (whole
+    heads and kv heads per rank). Raises ``ConfigError``."""
+    layer_costs: Callable[[Any, int, int], tuple[float, float, float]]
+    """``(ModelConfig, vocab_size, tokens)`` -> (embedding, one block, head) FLOPs per step for ``tokens`` tokens
+    per pipeline rank (:mod:`meshtrain.parallel.pipeline.split`, which cuts the stages)."""
+    resume_keys: tuple[str, ...]
+    """``[model]`` keys a checkpoint must share with the config to resume (the shapes it loads into)."""
+    kv_heads: Callable[[Any], int] = lambda m: m.n_head
+    """Key/value heads of the attention (grouped-query attention: fewer than ``n_head``)."""
+    head_dim: Callable[[Any], int] = lambda m: m.n_embd // m.n_head
+    """Features per attention head."""
+    ffn_hidden: Callable[[Any], int] = lambda m: 4 * m.n_embd
+    """Width of the MLP's hidden layer."""
+    planner: Callable[[Any, int], dict[str, Any]] | None = None
+    """``(ModelConfig, vocab_size)`` -> the keyword arguments of the planner's ``ModelSpec`` (layers, hidden,
+    heads, ffn width, kv heads, activation, tying, positions, biases); None: the planner does not model it."""
+    hf: HFFormat | None = None
+    """Hugging Face import and export; None: the family has no ``transformers`` architecture."""
+    tp: TPNames | None = None
+    """Tensor-parallel plan names; None: no tensor parallelism."""
+    derived: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    """Keys whose 0 means "derive it" -> how (from the other keys): a Hugging Face folder's explicit value is then
+    accepted when it equals the derived one (``model.init_from`` with the config an export was trained with)."""
+    aux_loss: bool = False
+    """Whether the model adds an auxiliary loss (its ``aux_loss()``) to the cross-entropy."""
+
+    @property
+    def attention(self) -> bool:
+        """Whether its blocks are attention blocks (tp, sp, compile, recompute and document masks apply)."""
+        return self.blocks == "attention"
+
+
+def check_attention_layout(m: Any, p: Any, kv_heads: int | None = None) -> None:
+    """What tensor and sequence parallelism need of an attention model ``m`` under ``p`` (a ParallelConfig):
+    whole query heads per tp rank (Megatron), whole heads per tp*sp rank under Ulysses, and the same for the
+    ``kv_heads`` key/value heads of grouped-query attention when they are fewer.
+
+    Raises:
+        ConfigError: the first rule broken, naming the key, the value and what would be valid.
+    """
+    require(m.n_head % p.tp == 0,
+            f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: tensor parallelism splits "
+            f"whole heads across tp ranks; use a tp that divides {m.n_head}")
+    ulysses = p.sp > 1 and p.sp_mode == "ulysses"
+    if ulysses:
+        require(m.n_head % (p.tp * p.sp) == 0,
+                f"model.n_head = {m.n_head} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
+                f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
+    kv = kv_heads or m.n_head
+    if kv != m.n_head:
+        require(kv % p.tp == 0,
+                f"model.n_kv_head = {kv} is not divisible by parallel.tp = {p.tp}: tensor parallelism gives each tp "
+                f"rank whole kv heads (grouped-query attention); use a tp that divides {kv}")
+        require(not ulysses or kv % (p.tp * p.sp) == 0,
+                f"model.n_kv_head = {kv} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
+                f"n_kv_head/(tp*sp) whole kv heads; use sp_mode = 'ring' or fewer ranks")

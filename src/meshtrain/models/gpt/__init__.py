@@ -1,0 +1,1 @@
+"""The gpt family: ``spec.py`` (torch-free) and ``model.py``."""

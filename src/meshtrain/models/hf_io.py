@@ -1,0 +1,159 @@
+"""Hugging Face's on-disk format of a causal language model, without torch: the files of a model folder and the
+headers of their safetensors files. Each family's names, shapes and ``config.json`` keys are its own
+(``models/<family>/spec.py``, :class:`meshtrain.models.family.HFFormat`); the registry picks the family a
+``config.json`` describes (:func:`meshtrain.models.registry.hf_model_keys`).
+
+A Hugging Face model folder holds ``config.json`` and either ``model.safetensors`` or shards
+``model-0000i-of-0000n.safetensors`` listed by ``model.safetensors.index.json`` (``{"weight_map": {tensor:
+file}}``). A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (``{name: {"dtype",
+"shape", "data_offsets": [begin, end]}}``, offsets counted from byte 8 + N), then the raw tensors; so a
+missing or truncated shard and a tensor of the wrong shape are found from the headers alone, before any
+process starts (:func:`check_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from collections.abc import Callable, Collection
+from typing import Any
+
+from meshtrain.paths import path_problem
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+"""safetensors dtypes a weight may be stored in (bytes per element); each loads into fp32 parameters."""
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face folder meshtrain cannot read; one line naming the file, the value and what is valid."""
+
+
+# --- config.json -> [model] keys ----------------------------------------------------------------------------
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object at ``path``. Raises HFFormatError (missing, unreadable or not an object)."""
+    problem = path_problem(path)
+    if problem:
+        raise HFFormatError(f"{what} '{path}' {problem}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{what} '{path}' is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HFFormatError(f"{what} '{path}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def number(hf: dict[str, Any], key: str, where: Path, typ: type | tuple[type, ...], default: Any = None) -> Any:
+    """``hf[key]`` (or ``default``), a positive number of type ``typ`` (a size, an epsilon, a RoPE base or
+    factor). Raises HFFormatError: missing, not a number, or not > 0."""
+    value = hf.get(key, default)
+    if not isinstance(value, typ) or isinstance(value, bool):
+        raise HFFormatError(f"'{where}': {key} = {value!r} is missing or not a number")
+    if not 0 < value < float("inf"):
+        raise HFFormatError(f"'{where}': {key} = {value!r} must be a finite number > 0")
+    return value
+
+
+def refuse(hf: dict[str, Any], key: str, allowed: Any, where: Path, why: str) -> None:
+    """Raise HFFormatError when ``config.json`` (``hf``) sets ``key`` to a value not in ``allowed`` (an option the
+    family does not build), naming ``why``."""
+    if key in hf and hf[key] not in allowed:
+        raise HFFormatError(f"'{where}': {key} = {hf[key]!r} is not supported ({why}): meshtrain builds "
+                            f"{' or '.join(map(repr, allowed))}")
+
+
+def max_positions(hf: dict[str, Any]) -> int | None:
+    """The longest context ``config.json`` declares (``max_position_embeddings`` / ``n_positions``), if any."""
+    value = hf.get("max_position_embeddings", hf.get("n_positions"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- safetensors files --------------------------------------------------------------------------------------
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """``{tensor name: {"dtype", "shape", "data_offsets"}}`` of a safetensors file (``__metadata__`` left out).
+
+    Raises:
+        HFFormatError: missing file, a header that is not safetensors JSON, or a file shorter than its
+            header says (truncated).
+    """
+    problem = path_problem(path)
+    if problem:
+        raise HFFormatError(f"weights file '{path}' {problem}")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+        raise HFFormatError(f"weights file '{path}' is not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise HFFormatError(f"weights file '{path}' is not a safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    end = 8 + n + max((int(t.get("data_offsets", [0, 0])[1]) for t in header.values() if isinstance(t, dict)),
+                      default=0)
+    if size < end:
+        raise HFFormatError(f"weights file '{path}' is truncated: {size} bytes, its header needs {end}; "
+                            f"download or copy it again")
+    return header
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: file name in ``folder``}: from ``model.safetensors.index.json`` when there is one, else
+    every tensor of ``model.safetensors``.
+
+    Raises:
+        HFFormatError: neither file, an index without a ``weight_map`` object, or a file it names missing.
+    """
+    index = folder / INDEX_FILE
+    if os.path.lexists(index):
+        data = read_json(index, "index")
+        mapping = data.get("weight_map")
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise HFFormatError(f"index '{index}' has no weight_map object of tensor name -> file name")
+        for file in sorted(set(mapping.values())):
+            problem = "is not a file name" if os.sep in file else path_problem(folder / file)
+            if problem:
+                raise HFFormatError(f"shard '{folder / file}' named by '{index}' {problem}: copy every shard "
+                                    f"into '{folder}'")
+        return mapping
+    single = folder / SINGLE_FILE
+    if not os.path.lexists(single):
+        raise HFFormatError(f"'{folder}' has neither {SINGLE_FILE} nor {INDEX_FILE}: give a Hugging Face model "
+                            f"folder with safetensors weights")
+    return {name: SINGLE_FILE for name in safetensors_header(single)}
+
+
+def check_weights(folder: Path, shapes: Callable[[Collection[str]], dict[str, tuple[int, ...]]]) -> None:
+    """Every tensor the model needs is in ``folder``'s safetensors files, with its shape, in a float dtype, in a
+    file that is whole. Reads only headers. ``shapes`` maps the tensor names the folder holds to {name: shape}
+    of every tensor the model needs (a family's :attr:`meshtrain.models.family.HFFormat.shapes`).
+
+    Raises:
+        HFFormatError: the first missing file, truncated shard, missing tensor, wrong shape or dtype.
+    """
+    mapping = weight_map(folder)
+    headers = {file: safetensors_header(folder / file) for file in sorted(set(mapping.values()))}
+    for name, shape in shapes(mapping.keys()).items():
+        file = mapping.get(name)
+        entry = headers[file].get(name) if file else None
+        if not isinstance(entry, dict):
+            index = folder / INDEX_FILE
+            where = f"'{folder / file}'" if file else f"the weight_map of '{index}'" if index.exists() else f"'{folder}'"
+            raise HFFormatError(f"tensor {name} is missing from {where}: the checkpoint does not match its "
+                                f"config.json")
+        if tuple(entry.get("shape", ())) != shape:
+            raise HFFormatError(f"tensor {name} in '{folder / file}' has shape {tuple(entry.get('shape', ()))}, "
+                                f"config.json needs {shape}")
+        if entry.get("dtype") not in FLOAT_DTYPES:
+            raise HFFormatError(f"tensor {name} in '{folder / file}' is stored as {entry.get('dtype')}: weights "
+                                f"must be one of {', '.join(FLOAT_DTYPES)}")

@@ -1,0 +1,1 @@
+"""The llama family: ``spec.py`` (torch-free) and ``model.py``."""

@@ -1,0 +1,1 @@
+"""The rnn family: ``spec.py`` (torch-free) and ``model.py``."""
