@@ -20,11 +20,15 @@ from meshtrain.models.family import Family
 from meshtrain.models.gpt import spec as gpt
 from meshtrain.models.hf_io import HFFormatError, check_weights
 from meshtrain.models.llama import spec as llama
+from meshtrain.models.qwen2 import spec as qwen2
+from meshtrain.models.qwen3 import spec as qwen3
 from meshtrain.models.rnn import spec as rnn
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     gpt.FAMILY,
     llama.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
     rnn.LSTM,
     rnn.GRU,
 )}

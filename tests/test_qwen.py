@@ -1,0 +1,192 @@
+"""Qwen2 / Qwen2.5 and Qwen3 (dense), and the Llama with a decoupled ``head_dim``, checked against ``transformers``.
+
+Each family is one folder (``models/qwen2``, ``models/qwen3``) and one registry line. ``transformers`` builds tiny
+random ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` models offline (their biases and q/k norm
+weights made non-trivial: the init sets them to 0 and 1, which would hide one loaded into the wrong place):
+
+- imported logits equal ``transformers``' (tolerance :func:`test_hf.logits_tolerance`);
+- import -> export is bit-identical and loads in ``transformers`` with no missing key; a meshtrain-built model's
+  export computes ``transformers``' logits;
+- ``model.init_from`` into tp (with Megatron-SP), Ulysses, ring, FSDP2 and tp x pp: every step's loss and the step-1
+  gradients equal one process's, and the first loss equals ``transformers``' on the same batch;
+- greedy ``generate --temperature 0`` of a run trained at tp=2 x pp=2 equals ``transformers``' greedy decoding of
+  its export;
+- the planner's parameter count equals the built model's ``numel()`` for every family the planner models.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import assert_close_grads, assert_close_losses
+from layout_worker import launch_layouts, reference_run
+from meshtrain.models import hf_io as hf
+from meshtrain.models.hf import load_hf_model, write_hf_folder
+from test_hf import FINETUNE, PIPE, V, assert_logits_equal, first_batch_loss, model_overrides, reference
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, bos_token_id=None,
+             eos_token_id=None)
+ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+
+
+def saved(folder: Path, architecture: str, **overrides) -> Path:
+    """A random tiny ``architecture`` (Qwen2ForCausalLM, ...) saved into ``folder``, its 1-D parameters (biases,
+    norm weights) perturbed."""
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(
+        **{**SHAPE, "rope_parameters": ROPE, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+CASES = {
+    "qwen2-tied": lambda d: saved(d, "Qwen2ForCausalLM", tie_word_embeddings=True),
+    "qwen2-untied": lambda d: saved(d, "Qwen2ForCausalLM", tie_word_embeddings=False),
+    "qwen3-head-dim-16": lambda d: saved(d, "Qwen3ForCausalLM", head_dim=16),
+    "qwen3-head-dim-8": lambda d: saved(d, "Qwen3ForCausalLM", head_dim=8, tie_word_embeddings=True),
+    "llama-head-dim-16": lambda d: saved(d, "LlamaForCausalLM", head_dim=16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_imported_logits_equal_transformers(case, tmp_path):
+    folder = CASES[case](tmp_path / "hf")
+    ours, cfg = load_hf_model(folder)
+    assert cfg.type == case.split("-")[0]
+    assert_logits_equal(ours, reference(folder), cfg.n_layer, cfg.ffn_hidden_size(), T=cfg.block_size)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_export_round_trip_is_bit_identical(case, tmp_path):
+    """Import -> export writes every tensor back bit for bit under the same names, and ``transformers`` loads it
+    with no missing, unexpected or mismatched key."""
+    folder = CASES[case](tmp_path / "hf")
+    ours, cfg = load_hf_model(folder)
+    out = tmp_path / "out"
+    write_hf_folder(out, ours.state_dict(), cfg, cfg.vocab_size, None, max_shard_bytes=2**30)
+    with safe_open(str(folder / hf.SINGLE_FILE), framework="pt") as f:
+        original = {name: f.get_tensor(name) for name in f.keys()}
+    with safe_open(str(out / hf.SINGLE_FILE), framework="pt") as f:
+        exported = {name: f.get_tensor(name) for name in f.keys()}
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        assert torch.equal(exported[name], t.float()), name
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+@pytest.mark.parametrize("model", [{"type": "qwen2", "n_kv_head": 2}, {"type": "qwen2", "tie_embeddings": True},
+                                   {"type": "qwen3", "head_dim": 16}, {"type": "llama", "head_dim": 4}])
+def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
+    """A meshtrain model (its biases and norms at their init) exported loads in ``transformers`` with no missing
+    key and the same logits."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, multiple_of=16, **model)
+    torch.manual_seed(0)
+    ours = build_model(cfg, V)
+    out = tmp_path / "out"
+    write_hf_folder(out, ours.state_dict(), cfg, V, None, max_shard_bytes=2**30)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(theirs).__name__ == cfg.family().hf.architectures[0]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert_logits_equal(ours, theirs.eval(), cfg.n_layer, cfg.ffn_hidden_size(), T=cfg.block_size)
+
+
+@pytest.mark.parametrize("model", [{"type": "gpt"}, {"type": "gpt", "bias": True}, {"type": "llama", "n_kv_head": 2},
+                                   {"type": "llama", "head_dim": 16, "tie_embeddings": True},
+                                   {"type": "qwen2", "n_kv_head": 1}, {"type": "qwen3", "head_dim": 16, "n_kv_head": 2}])
+def test_planner_parameter_count_equals_the_built_model(model):
+    """The planner's N (:class:`meshtrain.planner.model_specs.ModelSpec`, from the family's planner numbers) is the
+    built model's parameter count, a tied head counted once."""
+    from meshtrain.config import Config, ModelConfig
+    from meshtrain.models import build_model
+    from meshtrain.planner.model_specs import from_config
+
+    cfg = Config(model=ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, multiple_of=16, **model))
+    torch.manual_seed(0)
+    assert from_config(cfg, vocab_size=V).num_params() == build_model(cfg.model, V).num_params()
+
+
+# --- training from imported weights, every layout ------------------------------------------------------------
+
+LAYOUTS = {
+    "qwen2-tp2": (2, "qwen2", {"parallel.tp": "2"}),
+    "qwen2-ring-sp2": (2, "qwen2", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "qwen3-tp2-seqpar": (2, "qwen3", {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "qwen3-ulysses-sp2": (2, "qwen3", {"parallel.sp": "2"}),
+    "qwen3-fsdp2-dp2": (2, "qwen3", {"parallel.zero_stage": "3", "batch.micro_batch_size": "2"}),
+    "qwen2-pp2": (2, "qwen2", PIPE),
+    "qwen3-tp2-pp2": (4, "qwen3", {"parallel.tp": "2", **PIPE, "checkpoint.interval": "0"}),
+    "qwen2-dp2-tp2": (4, "qwen2", {"parallel.tp": "2", "batch.micro_batch_size": "2"}),
+}
+"""Each layout's global batch is the one-process reference's 4 samples; the model keys come from the folder."""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(folders by family, {layout: (losses, step-1 grads, final params)}, {family: one-process result}, root)."""
+    root = tmp_path_factory.mktemp("qwen_layouts")
+    folders = {"qwen2": CASES["qwen2-tied"](root / "qwen2"), "qwen3": CASES["qwen3-head-dim-16"](root / "qwen3")}
+    one = {name: reference_run(root / f"one-{name}", model_overrides(folder), config=FINETUNE)
+           for name, folder in folders.items()}
+    results = {}
+    for world in (2, 4):
+        (root / f"w{world}").mkdir()
+        layouts = {n: {**model_overrides(folders[f]), **o} for n, (w, f, o) in LAYOUTS.items() if w == world}
+        results |= launch_layouts(world, root / f"w{world}", layouts, config=FINETUNE)
+    return folders, results, one, root
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_training_from_imported_weights_equals_one_process(trained, name):
+    """Every layout loaded the slices it holds (q/k/v biases column-parallel, q/k norms whole on every tp rank with
+    their gradients summed over the heads): every step's loss and the step-1 gradients equal one process's."""
+    _, results, one, _ = trained
+    family = LAYOUTS[name][1]
+    assert_close_losses(results[name][0], one[family][0])
+    assert_close_grads(results[name][1], one[family][1])
+
+
+def test_first_step_loss_equals_transformers(trained):
+    folders, _, one, _ = trained
+    for name, folder in folders.items():
+        want, tol = first_batch_loss(folder)
+        assert abs(one[name][0][1] - want) <= tol, f"{name}: {one[name][0][1]} vs transformers' {want} (tol {tol:.2e})"
+
+
+def test_tp2_pp2_run_exported_generates_as_transformers(trained, tmp_path):
+    """A Qwen3 trained at tp=2 x pp=2 and exported: ``transformers``' greedy continuation of a prompt is meshtrain's
+    ``generate --temperature 0`` on the run, token for token."""
+    from meshtrain import checkpoint as ckpt
+    from meshtrain.cli.export import export_hf
+    from meshtrain.cli.generate import sample
+    from meshtrain.data.corpus import CharTokenizer
+
+    _, _, _, root = trained
+    run = root / "w4" / "qwen3-tp2-pp2"
+    export_hf(run, tmp_path / "export")
+    prompt, n = "ROMEO:\n", 12
+    ours = sample(run, prompt, n, temperature=0.0)
+    tokenizer = CharTokenizer.from_dict(ckpt.read_meta(ckpt.resolve_checkpoint(run))["tokenizer"])
+    theirs = reference(tmp_path / "export")
+    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = theirs.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(out[0].tolist()) == ours
