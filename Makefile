@@ -23,9 +23,13 @@ demo: venv
 	$(VENV)/bin/meshtrain train configs/shakespeare_char.toml --nproc 2 --out $(DEMO_OUT)
 	$(VENV)/bin/meshtrain generate --checkpoint $(DEMO_OUT) --prompt "ROMEO:" --max-new-tokens 300
 
+# Two pytest workers (pytest-xdist), each test file on one of them (--dist loadfile: a file's module fixtures,
+# such as one torchrun launch of all its layouts, run once): a 2-core machine otherwise idles a core through the
+# many single-process tests. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: venv
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow

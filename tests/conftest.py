@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_FOLDERS = hermetic.watched_folders(os.environ)
 FAKE_HOME = Path(tempfile.mkdtemp(prefix="meshtrain-test-home-"))
 os.environ.update(hermetic.isolated_environment(FAKE_HOME))
+atexit.register(shutil.rmtree, FAKE_HOME, True)  # every pytest process (an xdist worker, its controller) has one
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,7 +34,6 @@ def nothing_written_outside_the_test_folders():
     before = hermetic.snapshot(REAL_FOLDERS, ROOT)
     yield
     changed = hermetic.changes(before, hermetic.snapshot(REAL_FOLDERS, ROOT))
-    shutil.rmtree(FAKE_HOME, ignore_errors=True)
     assert not changed, f"tests wrote outside their temporary folders: {changed[:10]}"
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 

@@ -269,7 +269,9 @@ def test_tp2_pp2_run_exported_generates_as_transformers(trained, tmp_path):
     ids = torch.tensor([tokenizer.encode(prompt)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = theirs.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        # an explicit mask: without one transformers masks every prompt token equal to pad_token_id (id 0 is "\n")
+        out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
     assert out.shape == (1, ids.size(1) + n)
     assert tokenizer.decode(out[0].tolist()) == ours
     assert sample(tmp_path / "export", prompt, n, temperature=0.0) == ours  # generate reads the export as well
