@@ -25,11 +25,13 @@ demo: venv
 
 # Two pytest workers (pytest-xdist), each test file on one of them (--dist loadfile: a file's module fixtures,
 # such as one torchrun launch of all its layouts, run once): a 2-core machine otherwise idles a core through the
-# many single-process tests. TEST_WORKERS=0 runs them in this process.
+# many single-process tests. TEST_WORKERS=0 runs them in this process. The tests marked serial measure time
+# (calibration, convergence that depends on the ranks' timing) and run alone afterwards.
 TEST_WORKERS ?= 2
 test: venv
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slow and not serial"
+	$(PY) -m pytest -q -m "serial and not slow"
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow

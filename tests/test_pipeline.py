@@ -46,11 +46,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "pp2-dp2-tp2": (8, {"parallel.pp": "2", "parallel.tp": "2", "batch.micro_batch_size": "1"}),
 }
 REFERENCE = {"batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"}
-SLOW = {"pp4-naive", "pp4-gpipe", "pp4-zero-bubble", "pp2-dp2-ddp-gpipe", "pp2-dp2-fsdp2-zbv", "pp2-tp2",
+SLOW = {"pp4-naive", "pp4-gpipe", "pp4-zero-bubble", "pp4-interleaved-1f1b", "pp2-dp2-ddp", "pp2-dp2-ddp-gpipe", "pp2-dp2-fsdp2-zbv", "pp2-tp2",
         "pp2-tp2-zbv", "pp2-tp2-seqpar-zero-bubble", "pp2-sp2-ulysses", "pp2-dp2-tp2"}
 """Layouts in `make test-slow` (a 4-rank launch of all of them took 92 s here, 143 s on an AVX2-only 2-core
-machine): each schedule still runs at pp = 2 in `make test`, and at pp = 4 1F1B, interleaved 1F1B and ZB-V;
-dp, FSDP2, tp with Megatron-SP and ring sp each still meet the pipeline there."""
+machine): each schedule still runs at pp = 2 in `make test`, and at pp = 4 1F1B and ZB-V; dp (FSDP2), tp with
+Megatron-SP and ring sp each still meet the pipeline there."""
 
 
 @pytest.fixture(scope="module")

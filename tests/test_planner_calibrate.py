@@ -12,6 +12,8 @@ from meshtrain.config import load_config
 from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
 from meshtrain.planner.hardware import get_hardware, load_hardware_file
 
+pytestmark = pytest.mark.serial  # calibration measures this machine: alone, not beside another pytest worker
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 
