@@ -92,3 +92,11 @@ def test_bubble_and_in_flight_formulas():
     assert microbatches_in_flight("gpipe", 4, 8) == 8 and microbatches_in_flight("1f1b", 4, 8) == 4
     assert microbatches_in_flight("naive", 4, 8) == 1
     assert microbatches_in_flight("interleaved-1f1b", 4, 8, 2) == pytest.approx(4 + 3 / 2)
+
+
+def test_every_schedule_of_the_vocabulary_has_its_rules():
+    """``meshtrain.axes.PP_SCHEDULES`` (what config, CLI and planner accept) and the schedules' rules name the same set."""
+    from meshtrain.axes import PP_SCHEDULES
+    from meshtrain.rules.pipeline_schedules import RULES
+
+    assert set(RULES) == set(PP_SCHEDULES) and len(PP_SCHEDULES) == len(set(PP_SCHEDULES))

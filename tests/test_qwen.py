@@ -135,9 +135,9 @@ LAYOUTS = {
     "qwen2-dp2-tp2": (4, "qwen2", {"parallel.tp": "2", "batch.micro_batch_size": "2"}),
 }
 """Each layout's global batch is the one-process reference's 4 samples; the model keys come from the folder."""
-SLOW = {"qwen2-tp2", "qwen3-ulysses-sp2", "qwen3-fsdp2-dp2", "qwen2-pp2", "qwen2-dp2-tp2"}
+SLOW = {"qwen2-tp2", "qwen3-ulysses-sp2", "qwen3-fsdp2-dp2", "qwen2-pp2", "qwen2-dp2-tp2", "qwen3-tp2-pp2"}
 """In `make test-slow` (`make test` stays under 15 minutes on 2 cores): `make test` keeps Qwen3's q/k norms under tp
-with Megatron-SP and under tp x pp, and Qwen2's biases under ring sp; the Llama's tests run every layout too."""
+with Megatron-SP and Qwen2's biases under ring sp, in one 2-rank launch; the Llama's tests run every layout too."""
 
 
 @pytest.fixture(scope="module")
@@ -193,16 +193,27 @@ def test_first_step_loss_equals_transformers(trained):
         assert abs(one[name][0][1] - want) <= tol, f"{name}: {one[name][0][1]} vs transformers' {want} (tol {tol:.2e})"
 
 
-def test_tp2_pp2_run_exported_generates_as_transformers(trained, tmp_path):
-    """A Qwen3 trained at tp=2 x pp=2 and exported: ``transformers``' greedy continuation of a prompt is meshtrain's
-    ``generate --temperature 0`` on the run, token for token."""
+def test_tp2_run_exported_generates_as_transformers(trained, tmp_path):
+    """A Qwen3 trained at tp=2 with Megatron-SP and exported: ``transformers``' greedy continuation of a prompt is
+    meshtrain's ``generate --temperature 0`` on the run, token for token (the run at tp=2 x pp=2: `make test-slow`,
+    :func:`test_tp2_pp2_run_exported_generates_as_transformers`)."""
+    generates_as_transformers(trained[3] / "w2" / "qwen3-tp2-seqpar", tmp_path)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_run_exported_generates_as_transformers(trained_slow, trained, tmp_path):
+    """The same for the Qwen3 trained at tp=2 x pp=2."""
+    generates_as_transformers(trained[3] / "slow" / "w4" / "qwen3-tp2-pp2", tmp_path)
+
+
+def generates_as_transformers(run: Path, tmp_path: Path) -> None:
+    """Export ``run`` to Hugging Face; ``transformers``' greedy continuation of a prompt is meshtrain's ``generate
+    --temperature 0`` on the run and on the export, token for token."""
     from meshtrain import checkpoint as ckpt
     from meshtrain.cli.export import export_hf
     from meshtrain.cli.generate import sample
     from meshtrain.data.corpus import CharTokenizer
 
-    _, _, _, root = trained
-    run = root / "w4" / "qwen3-tp2-pp2"
     export_hf(run, tmp_path / "export")
     prompt, n = "ROMEO:\n", 12
     ours = sample(run, prompt, n, temperature=0.0)

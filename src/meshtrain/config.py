@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtrain.axes import STALE_POLICIES, SYNC_MODES
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import ModelConfig, check_model, family
@@ -41,11 +42,9 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "load_config", "validate", "r
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 
-DTYPES = ("auto", "float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 COMPILES = ("auto", "on", "off")
 RECOMPUTES = SUPPORTED.recompute
-SYNC_MODES = ("sync", "async", "local-sgd")
-STALE_POLICIES = ("drop", "wait")
 LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch.scaled_lr`)."""
 MAX_SEED = 2**32 - 1
@@ -573,7 +572,7 @@ def validate(cfg: Config) -> Config:
     _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
     _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
     _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
-    _require(t.dtype in DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(DTYPES)}")
+    _require(t.dtype in COMPUTE_DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(COMPUTE_DTYPES)}")
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
     why = compile_error(m.type, p.sync_mode) if t.compile == "on" else ""
     _require(not why, f"train.compile = \"on\" cannot run here: {why}; use \"auto\" or \"off\"")

@@ -8,25 +8,16 @@ coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshtrain.axes import AXES, Axis
 from meshtrain.config import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 
-class Axis(StrEnum):
-    """Mesh axis names, outer to inner."""
-
-    PP = "pp"
-    DP = "dp"
-    SP = "sp"
-    TP = "tp"
-
-
-AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+__all__ = ["AXES", "Axis", "BATCH_MESH", "ParallelDims"]
 BATCH_MESH = "dp_sp"
 """Derived mesh of dp and sp flattened: the gradient all-reduce / reduce-scatter and the loss mean span it."""
 

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.prepared import (DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
-                                     read_meta)
+from meshtrain.data.prepared import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
+                                     read_prepared_meta)
 from meshtrain.data.sources import DOC_SPLITS, InputFile, expand_inputs, fingerprint, iter_documents
 from meshtrain.fileio import check_writable_dir
 
@@ -137,7 +137,7 @@ def _existing(out: Path, recipe: dict[str, Any]) -> dict[str, Any]:
     from meshtrain.data.tokenizers import same_tokenizer
 
     try:
-        meta = read_meta(out)
+        meta = read_prepared_meta(out)
         PreparedData.open(out)
     except ConfigError:
         raise ConfigError(f"--out = '{out}' exists and is not a complete prepared dataset: choose another --out "
@@ -181,7 +181,7 @@ def _write(tmp: Path, tok, sources: list[InputFile], recipe: dict[str, Any], wor
     """Tokenize into ``tmp``: shards and indices, then meta.json. Returns the meta."""
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     opts = recipe["options"]
-    writers = {split: ShardWriter(tmp, split, DTYPES[dtype], opts["shard_tokens"]) for split in SPLITS}
+    writers = {split: ShardWriter(tmp, split, TOKEN_DTYPES[dtype], opts["shard_tokens"]) for split in SPLITS}
     tasks = _tasks(sources, opts["text_field"], opts["doc_split"])
     total_bytes = sum(s.size for s in sources)
     docs = tokens = 0
@@ -287,7 +287,7 @@ def encode_documents(tok, texts: list[str], dtype: str) -> tuple[np.ndarray, np.
     if len(ids) and (ids.min() < 0 or ids.max() >= tok.vocab_size):
         raise ConfigError(f"--tokenizer gave id {int(ids.max())}, outside its {tok.vocab_size} ids: the tokenizer "
                           f"file is inconsistent")
-    return ids.astype(DTYPES[dtype]), lengths
+    return ids.astype(TOKEN_DTYPES[dtype]), lengths
 
 
 def _route(writers: dict[str, ShardWriter], ids: np.ndarray, lengths: np.ndarray, first: int, f: float) -> None:

@@ -31,7 +31,7 @@ FORMAT = "meshtrain-prepared"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Shard dtypes by name: explicit little-endian, whatever the machine."""
 
 
@@ -165,7 +165,7 @@ class PreparedData:
 
     def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
         self.folder, self.meta = folder, meta
-        self.dtype = DTYPES[meta["dtype"]]
+        self.dtype = TOKEN_DTYPES[meta["dtype"]]
         self._views: dict[str, TokenView] = {}
 
     @classmethod
@@ -177,7 +177,7 @@ class PreparedData:
             ConfigError: one line naming the folder and what is wrong.
         """
         folder = Path(folder).expanduser()
-        meta = read_meta(folder)
+        meta = read_prepared_meta(folder)
         data = cls(folder, meta)
         for split in SPLITS:
             info = meta["splits"][split]
@@ -216,7 +216,7 @@ class PreparedData:
         return np.load(self.folder / docs_name(_split(split)), mmap_mode="r")
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
+def read_prepared_meta(folder: Path) -> dict[str, Any]:
     """meta.json of a prepared folder.
 
     Raises:
@@ -271,7 +271,7 @@ def _shards_ok(shards: Any) -> bool:
 
 _META_SCHEMA = [
     ("vocab_size", "an integer >= 1", lambda v: _count(v) and v >= 1),
-    ("dtype", f"one of {', '.join(DTYPES)}", lambda v: isinstance(v, str) and v in DTYPES),
+    ("dtype", f"one of {', '.join(TOKEN_DTYPES)}", lambda v: isinstance(v, str) and v in TOKEN_DTYPES),
     ("tokenizer", "an object", lambda v: isinstance(v, dict)),
     ("tokenizer.kind", f"one of {', '.join(TOKENIZER_KINDS[1:])}", lambda v: v in TOKENIZER_KINDS[1:]),
     *((f"tokenizer.{key}", "a string", lambda v: isinstance(v, str)) for key in ("path", "sha256")),

@@ -35,8 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""``train.recompute`` values."""
+from meshtrain.axes import RECOMPUTE_MODES
 
 
 def _saved_ops() -> frozenset:

@@ -19,13 +19,8 @@ from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.pipeline_schedules import RULES, schedule_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
-RECOMPUTE = ("none", "selective", "full")
-PP_SCHEDULES = tuple(RULES)
-"""Every pipeline schedule the planner models: the trainer's (:mod:`meshtrain.rules.pipeline_schedules`)."""
-ZERO_STAGES = (0, 1, 2, 3)
-SP_MODES = ("ulysses", "ring")
-"""Sequence parallelism: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023) or ring attention
-passing K/V around the sp ranks (Liu et al. 2023), as in ``parallel.sp_mode`` of the trainer."""
+from meshtrain.axes import PP_SCHEDULES, SP_MODES, ZERO_STAGES
+from meshtrain.axes import RECOMPUTE_MODES as RECOMPUTE
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshtrain.axes import PP_SCHEDULES, RECOMPUTE_MODES, SP_MODES, ZERO_STAGES
 from meshtrain.models.registry import families_with, family
 from meshtrain.rules.pipeline_schedules import RULES
 
@@ -38,8 +39,8 @@ class Support:
     """zero_stage 1 only at tp = pp = 1 (:func:`zero_stage_error`)."""
 
 
-SUPPORTED = Support(zero_stages=(0, 1, 2, 3), tp=True, tp_sequence_parallel=True, sp_modes=("ulysses", "ring"),
-                    pp_schedules=("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv"), recompute=("none", "selective", "full"),
+SUPPORTED = Support(zero_stages=ZERO_STAGES, tp=True, tp_sequence_parallel=True, sp_modes=SP_MODES,
+                    pp_schedules=PP_SCHEDULES, recompute=RECOMPUTE_MODES,
                     attention_dropout_sp_modes=("ulysses",))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-SP_MODES = ("ulysses", "ring")
+from meshtrain.axes import SP_MODES
 
 
 def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp: int, mode: str) -> torch.Tensor:
