@@ -421,3 +421,20 @@ def test_export_copies_a_hugging_face_tokenizer(tmp_path):
     assert (out / hf.TOKENIZER_FILE).read_bytes() == source.read_bytes()
     assert transformers.AutoTokenizer.from_pretrained(out).encode("hello") == tokenizer.encode("hello")
     assert sample(out, "hello", 3, temperature=0.0).startswith("hello")
+
+
+def test_an_export_reimports_with_the_config_it_was_trained_with(tmp_path):
+    """configs/llama_tiny.toml says ``ffn_hidden = 0`` and ``vocab_size = 0`` ("derive"): an export of its model
+    writes the derived values (352 by Llama's rule, the corpus's 65 characters), which the same config accepts with
+    ``model.init_from``; a derive key whose rule gives another value than the folder's is still a contradiction."""
+    from meshtrain.config import ConfigError, load_config
+    from meshtrain.models import build_model
+
+    tiny = ROOT / "configs" / "llama_tiny.toml"
+    cfg = load_config(tiny)
+    torch.manual_seed(0)
+    write_hf_folder(tmp_path / "hf", build_model(cfg.model, 65).state_dict(), cfg.model, 65, None, 2**30)
+    again = load_config(tiny, {"model.init_from": str(tmp_path / "hf")})
+    assert again.model.ffn_hidden_size() == cfg.model.ffn_hidden_size() == 352 and again.model.vocab_size == 65
+    with pytest.raises(ConfigError, match="model.ffn_hidden = 0 contradicts .* which gives 352"):
+        load_config(tiny, {"model.init_from": str(tmp_path / "hf"), "model.multiple_of": "256"})  # the rule: 512
