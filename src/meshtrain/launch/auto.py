@@ -101,7 +101,7 @@ def pinned(overrides: dict[str, str]) -> dict:
     Raises:
         ConfigError: a pinned value that is not of the field's type.
     """
-    from meshtrain.planner.command import parse_fix
+    from meshtrain.planner.layout import parse_fix
 
     return parse_fix(",".join(f"{PINNABLE[k]}={v}" for k, v in overrides.items() if k in PINNABLE))
 

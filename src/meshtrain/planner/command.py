@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.config import ConfigError
-from meshtrain.planner.layout import FRAMEWORKS
+from meshtrain.planner.layout import FRAMEWORKS, parse_fix
 
 EPILOG = """examples:
   meshtrain plan --model llama3-70b --gpu H100-SXM-80GB --num-gpus 512 --global-batch-size 1024 --seq-len 8192
@@ -168,32 +168,6 @@ def _raise_for_unavailable(framework, fixed: dict, model) -> None:
     errors = framework_errors(framework, pinned, model)
     if errors:
         raise ConfigError(f"--fix asks for what {framework.name} cannot run: {'; '.join(errors)}")
-
-
-def parse_fix(text: str) -> dict:
-    """``"tp=8,recompute=full"`` -> ``{"tp": 8, "recompute": "full"}`` (ints where the Layout field is int).
-
-    Raises:
-        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage/sp_mode
-            not valid.
-    """
-    from meshtrain.planner.layout import PP_SCHEDULES, RECOMPUTE, SP_MODES, ZERO_STAGES, Layout
-    kinds = dict(Layout.__annotations__)
-    out: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key not in kinds:
-            raise ConfigError(f"--fix item '{item}' is not key=value with a key among {', '.join(kinds)}")
-        try:
-            out[key] = int(value) if kinds[key] == "int" else (value.lower() in ("1", "true", "yes")
-                                                                 if kinds[key] == "bool" else value)
-        except ValueError:
-            raise ConfigError(f"--fix {key} = {value!r} is not a valid {kinds[key]}") from None
-    for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES),
-                       ("sp_mode", SP_MODES)):
-        if key in out and out[key] not in valid:
-            raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
-    return out
 
 
 MAX_DEVICES = 2**24

@@ -455,3 +455,29 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
                               f"micro_batch_size*dp = {unit}")
         values["gradient_accumulation_steps"] = global_batch_size // unit
     return Layout(**values)
+
+
+def parse_fix(text: str) -> dict:
+    """``"tp=8,recompute=full"`` -> ``{"tp": 8, "recompute": "full"}`` (ints where the Layout field is int): the
+    layout fields ``meshtrain plan --fix`` and ``meshtrain train --layout auto`` (its pinned keys) hold fixed.
+
+    Raises:
+        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage/sp_mode
+            not valid.
+    """
+    kinds = dict(Layout.__annotations__)
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in kinds:
+            raise ConfigError(f"--fix item '{item}' is not key=value with a key among {', '.join(kinds)}")
+        try:
+            out[key] = int(value) if kinds[key] == "int" else (value.lower() in ("1", "true", "yes")
+                                                                 if kinds[key] == "bool" else value)
+        except ValueError:
+            raise ConfigError(f"--fix {key} = {value!r} is not a valid {kinds[key]}") from None
+    for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES),
+                       ("sp_mode", SP_MODES)):
+        if key in out and out[key] not in valid:
+            raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
+    return out
