@@ -34,7 +34,7 @@ from typing import Any
 from meshtrain.axes import STALE_POLICIES, SYNC_MODES
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
-from meshtrain.models.registry import ModelConfig, check_model, family
+from meshtrain.models.registry import ModelConfig, attention_families, check_model, family
 from meshtrain.paths import path_problem
 from meshtrain.rules.support import SUPPORTED, compile_error, recompute_error
 
@@ -684,7 +684,7 @@ def _validate_packing(cfg: Config) -> None:
     _require(d.tokenizer != "char", "data.packing = 'document' needs an end-of-document (EOS) token and "
                                     "data.tokenizer = 'char' has none: use a tokenizer file with one or 'concat'")
     _require(family(m.type).attention, f"data.packing = 'document' masks attention, which model.type = "
-                                       f"{m.type!r} has none: use an attention model (gpt, llama, ...), or "
+                                       f"{m.type!r} has none: use an attention model ({attention_families()}), or "
                                        f"data.packing = 'concat'")
     _require(p.sp == 1 or p.sp_mode == "ulysses", f"data.packing = 'document' is not supported with parallel.sp_mode "
                                                   f"= {p.sp_mode!r} (ring attention takes no document mask): use "

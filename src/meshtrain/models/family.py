@@ -11,8 +11,10 @@ What ``model.py``'s class must provide is :class:`meshtrain.models.base.LayeredL
 ``nn.ModuleDict`` keyed by layer index, the embedding and head module names, ``tp_plan`` and
 ``tp_split_dropout_modules``, ``forward(idx, positions=None, doc_ids=None)`` -> logits (B, T, V), ``generate``.
 
-Auxiliary loss: a family with ``aux_loss = True`` (a mixture of experts' router) has a model whose
-``aux_loss()`` returns the scalar its last forward accumulated; the trainer adds it to the cross-entropy.
+Auxiliary loss: a family with ``aux_loss = True`` (a mixture of experts' router) will have a model whose
+``aux_loss()`` returns the scalar its last forward accumulated, for the trainer to add to the cross-entropy. No
+family sets it yet and the trainer does not read it: the mixture-of-experts issue wires it (its scope, micro-batch
+or global batch, and the pipeline's last stage).
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class Family:
     """Keys whose 0 means "derive it" -> how (from the other keys): a Hugging Face folder's explicit value is then
     accepted when it equals the derived one (``model.init_from`` with the config an export was trained with)."""
     aux_loss: bool = False
-    """Whether the model adds an auxiliary loss (its ``aux_loss()``) to the cross-entropy."""
+    """Whether the model has an auxiliary loss (its ``aux_loss()``) to add to the cross-entropy; not read by the
+    trainer yet (see the module docstring)."""
 
     @property
     def attention(self) -> bool:

@@ -31,17 +31,15 @@ from torch import nn
 
 from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
 from meshtrain.models import hf_io as hf
-from meshtrain.models.registry import check_hf_weights, families_with
+from meshtrain.models.registry import check_hf_weights, hf_format
 
 
 def _format(cfg: ModelConfig) -> Any:
     """The family's :class:`meshtrain.models.family.HFFormat`. Raises ConfigError: a family without one."""
-    fmt = cfg.family().hf
-    if fmt is None:
-        exporters = " and ".join(families_with(lambda f: f.hf is not None))
-        raise ConfigError(f"model.type = {cfg.type!r} has no Hugging Face architecture: export it with --format "
-                          f"safetensors ({exporters} export as Hugging Face models)")
-    return fmt
+    try:
+        return hf_format(cfg.type)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:

@@ -146,6 +146,25 @@ def families_with(predicate: Any) -> list[str]:
     return [name for name, f in FAMILIES.items() if predicate(f)]
 
 
+def attention_families() -> str:
+    """"gpt and llama and ...": the families with attention blocks, for messages about what only they run."""
+    return " and ".join(families_with(lambda f: f.attention))
+
+
+def hf_format(model_type: str) -> Any:
+    """The :class:`meshtrain.models.family.HFFormat` of ``model.type``.
+
+    Raises:
+        HFFormatError: a family without a Hugging Face architecture (the message names the families with one).
+    """
+    fmt = family(model_type).hf
+    if fmt is None:
+        exporters = " and ".join(families_with(lambda f: f.hf is not None))
+        raise HFFormatError(f"model.type = {model_type!r} has no Hugging Face architecture: export it with --format "
+                            f"safetensors ({exporters} export as Hugging Face models)")
+    return fmt
+
+
 def build_model(cfg: Any, vocab_size: int) -> Any:
     """The torch module of ``cfg``'s family (:attr:`Family.model`), built on the CPU over ``vocab_size`` ids."""
     module, _, name = family(cfg.type).model.partition(":")
@@ -193,7 +212,5 @@ def check_hf_weights(folder: Path, m: Any) -> None:
         HFFormatError: the first missing file or tensor, a truncated shard, a wrong shape or dtype, or a family
             without a Hugging Face format.
     """
-    fmt = family(m.type).hf
-    if fmt is None:
-        raise HFFormatError(f"model.type = {m.type!r} has no Hugging Face architecture")
+    fmt = hf_format(m.type)
     check_weights(folder, lambda present: fmt.shapes(m, m.vocab_size, present))

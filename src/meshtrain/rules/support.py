@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshtrain.axes import PP_SCHEDULES, RECOMPUTE_MODES, SP_MODES, ZERO_STAGES
-from meshtrain.models.registry import families_with, family
+from meshtrain.models.registry import attention_families, family
 from meshtrain.rules.pipeline_schedules import RULES
 
 
@@ -67,7 +67,7 @@ def compile_error(model_type: str, sync_mode: str) -> str:
     blocks (:attr:`meshtrain.models.family.Family.attention`) but a parameter-server run
     (:mod:`meshtrain.parallel.recompute`)."""
     if not family(model_type).attention:
-        return f"model.type = {model_type!r} has no transformer blocks to compile ({_attention_families()} have)"
+        return f"model.type = {model_type!r} has no transformer blocks to compile ({attention_families()} have)"
     if uses_parameter_server(sync_mode):
         return "sync_mode = 'async' workers run their own loop, uncompiled"
     return ""
@@ -78,17 +78,13 @@ def compile_eligible(model_type: str, sync_mode: str) -> bool:
     return not compile_error(model_type, sync_mode)
 
 
-def _attention_families() -> str:
-    return " and ".join(families_with(lambda f: f.attention))
-
-
 def recompute_error(recompute: str, model_type: str, pp: int, pp_schedule: str, sync_mode: str) -> str:
     """Why ``train.recompute`` cannot run this layout ("" when it can; "none" always can)."""
     if recompute == "none":
         return ""
     if not family(model_type).attention:
         return (f"train.recompute = {recompute!r} recomputes transformer blocks: model.type = {model_type!r} has none "
-                f"({_attention_families()} have); use 'none'")
+                f"({attention_families()} have); use 'none'")
     if uses_parameter_server(sync_mode):
         return f"train.recompute = {recompute!r} does not run with sync_mode = 'async' (its workers' own loop); use 'none'"
     rule = RULES.get(pp_schedule)
