@@ -10,6 +10,7 @@ import pytest
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.launch import checks
+from meshtrain.resolved import ResolvedRun
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
 GiB = 2**30
@@ -56,7 +57,7 @@ def fake_node(monkeypatch):
 
 def test_a_run_within_the_error_warns_and_runs(fake_node, capsys):
     fake_node(5.5 * GiB)  # 2 ranks x 5.5 = 11 GiB on 10: 10% over, inside the 18% margin
-    checks.check_memory(load_config(CONFIG), nproc=2, nnodes=1)
+    checks.check_memory(ResolvedRun.resolve(load_config(CONFIG), 2), nproc=2)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning" in err
     assert "over by 1.00 GiB (10%)" in err and "(18%)" in err and "may still fit" in err
@@ -65,7 +66,7 @@ def test_a_run_within_the_error_warns_and_runs(fake_node, capsys):
 def test_a_run_beyond_the_error_is_refused_with_the_overshoot(fake_node):
     fake_node(7 * GiB)  # 14 GiB on 10: 40% over
     with pytest.raises(ConfigError) as info:
-        checks.check_memory(load_config(CONFIG), nproc=2, nnodes=1)
+        checks.check_memory(ResolvedRun.resolve(load_config(CONFIG), 2), nproc=2)
     message = str(info.value)
     assert "\n" not in message and "over by 4.00 GiB (40%)" in message
     assert "largest measured memory error (18%)" in message and "--train.check_memory false" in message
@@ -73,5 +74,5 @@ def test_a_run_beyond_the_error_is_refused_with_the_overshoot(fake_node):
 
 def test_a_run_that_fits_is_silent(fake_node, capsys):
     fake_node(4 * GiB)
-    checks.check_memory(load_config(CONFIG), nproc=2, nnodes=1)
+    checks.check_memory(ResolvedRun.resolve(load_config(CONFIG), 2), nproc=2)
     assert capsys.readouterr().err == ""

@@ -16,7 +16,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtrain.models", "meshtrain.data",
        "meshtrain.runtime", "meshtrain.optim", "meshtrain.metrics", "meshtrain.mesh", "meshtrain.preflight",
-       "meshtrain.profiling", "meshtrain.runlock", "meshtrain.checkpoint_schema", "meshtrain.checkpoint_async")
+       "meshtrain.profiling", "meshtrain.runlock", "meshtrain.checkpoint_schema", "meshtrain.checkpoint_async",
+       "meshtrain.resolved")
 """The modules a rank runs: none may import the launcher, the CLI or the planner."""
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
 SHARED_PARALLEL = ("reduce", "rng", "model")
@@ -147,7 +148,8 @@ def test_a_cycle_is_found():
 
 @pytest.mark.parametrize("module", ["meshtrain.preflight", "meshtrain.train", "meshtrain.config",
                                     "meshtrain.rules.support", "meshtrain.cli.main", "meshtrain.runlock",
-                                    "meshtrain.checkpoint_schema", "meshtrain.models.registry", "meshtrain.axes"])
+                                    "meshtrain.checkpoint_schema", "meshtrain.models.registry", "meshtrain.axes",
+                                    "meshtrain.resolved"])
 def test_imported_before_torch_without_torch(module):
     """The launcher's checks and a rank's entry (``python -m meshtrain.train``, whose stop handler must be in
     place before torch takes seconds to import) load no torch."""

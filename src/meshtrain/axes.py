@@ -1,27 +1,155 @@
-"""The parallel axes and the option vocabularies, one list each, torch-free: every module that names an axis, an
-sp mode, a pipeline schedule, a recompute mode, a zero stage or a sync mode imports it from here (config
-validation, the mesh, the strategies, the planner, the CLI).
+"""The parallel axes and the option vocabularies, one table and one list each, torch-free.
 
-Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")``: tp innermost so its ranks are neighbours (inside
-one node), pp outermost so stages cross nodes; ``world_size = pp * dp * sp * tp``.
+:data:`AXIS_TABLE` is the only place an axis is spelled: the degree fields of the config's ``[parallel]``
+section (:class:`meshtrain.config.ParallelConfig`), of the planner's :class:`~meshtrain.planner.layout.Layout`
+and of the run's :class:`~meshtrain.mesh.ParallelDims` are made from it (:func:`degrees_dataclass`), and so are
+the short flags (``--dp``), the ">= 1" checks, the world-size product, the mesh's dims and strides, and the
+axes a checkpoint records. Adding an axis is one row here plus what the axis does (its strategy module, its
+planner costs); an axis whose ranks are borrowed from others rather than multiplying the world (experts over
+``dp x sp``, Megatron's "parallel folding") is a row with ``in_world=False``.
+
+Mesh order is outer to inner ``("pp", "dp", "sp", "tp")``: tp innermost so its ranks are neighbours (inside
+one node), pp outermost so stages cross nodes; ``world_size = pp * dp * sp * tp``. Every other module that
+names an sp mode, a pipeline schedule, a recompute mode, a zero stage or a sync mode imports its list from
+here (config validation, the mesh, the strategies, the planner, the CLI).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class Axis(StrEnum):
-    """Mesh axis names, outer to inner."""
+    """Mesh axis names."""
 
-    PP = "pp"
     DP = "dp"
-    SP = "sp"
     TP = "tp"
+    PP = "pp"
+    SP = "sp"
 
 
-AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+@dataclass(frozen=True)
+class AxisSpec:
+    """One row of :data:`AXIS_TABLE`.
+
+    - ``axis``: the name (config key ``parallel.<axis>``, flag ``--<axis>``, mesh dim, Layout field);
+    - ``nesting``: place in the mesh, 0 outermost (strides grow outwards);
+    - ``doc``: what the degree splits (the config key's documentation);
+    - ``fills``: -1 means "the ranks left over" (dp only), the config's default;
+    - ``holds_batch``: its ranks hold different tokens of the global batch, so gradients and the loss are
+      averaged over it (the flattened batch mesh, :data:`BATCH_MESH`);
+    - ``in_world``: its degree multiplies ``world_size`` (False: ranks borrowed from other axes).
+    """
+
+    axis: Axis
+    nesting: int
+    doc: str
+    fills: bool = False
+    holds_batch: bool = False
+    in_world: bool = True
+
+
+AXIS_TABLE: tuple[AxisSpec, ...] = (
+    AxisSpec(Axis.DP, 1, "Data-parallel degree: replicas that each take their own samples of the global batch; -1 "
+                         "fills the ranks left over: world_size / (pp * sp * tp).", fills=True, holds_batch=True),
+    AxisSpec(Axis.TP, 3, "Tensor-parallel degree: each block's matrices split across tp ranks (Megatron); the "
+                         "family says what it must divide (heads, kv heads, the MLP width)."),
+    AxisSpec(Axis.PP, 0, "Pipeline-parallel degree: consecutive layers split across pp ranks (parallel.pp_schedule)."),
+    AxisSpec(Axis.SP, 2, "Sequence-parallel degree (the seeds' sp_size): each sample's sequence split across sp "
+                         "ranks (parallel.sp_mode).", holds_batch=True),
+)
+"""The parallel axes in the order users write them (``dp tp pp sp``): one row each."""
+
+SPECS: dict[str, AxisSpec] = {str(s.axis): s for s in AXIS_TABLE}
+AXES: tuple[Axis, ...] = tuple(s.axis for s in sorted(AXIS_TABLE, key=lambda s: s.nesting) if s.in_world)
 """The mesh's axes, outer to inner."""
+BATCH_AXES: tuple[Axis, ...] = tuple(a for a in AXES if SPECS[a].holds_batch)
+"""Axes whose ranks hold different tokens of the batch, outer to inner (``dp``, ``sp``)."""
+BATCH_MESH = "_".join(BATCH_AXES)
+"""Name of the flattened mesh of :data:`BATCH_AXES` (``"dp_sp"``): the gradient reduction and the loss mean span it."""
+REPLICA_AXES: tuple[Axis, ...] = tuple(a for a in AXES if not SPECS[a].fills)
+"""The axes inside one data-parallel replica (``pp``, ``sp``, ``tp``): their product is a replica's ranks."""
+SHORT_FLAGS: dict[str, str] = {str(s.axis): f"parallel.{s.axis}" for s in AXIS_TABLE}
+"""``--dp`` -> ``parallel.dp``, one per axis."""
+
+
+def degrees_dataclass(name: str, doc: str, *, defaults: str = "config", frozen: bool = False) -> type:
+    """A dataclass with one ``int`` field per axis, in :data:`AXIS_TABLE` order, to inherit from.
+
+    ``defaults``: "config" (-1 for a filling axis, else 1: the ``[parallel]`` section's), "one" (every degree
+    1: the planner's Layout), or "none" (every degree required: the run's resolved dims). Each field's
+    ``metadata["doc"]`` is its row's ``doc``.
+    """
+    def default(s: AxisSpec) -> dict[str, Any]:
+        if defaults == "none":
+            return {}
+        return {"default": -1 if defaults == "config" and s.fills else 1}
+
+    specs = [(str(s.axis), int, dataclasses.field(metadata={"doc": s.doc}, **default(s))) for s in AXIS_TABLE]
+    return dataclasses.make_dataclass(name, specs, frozen=frozen, namespace={"__doc__": doc, "__module__": __name__})
+
+
+def degree(degrees: Any, axis: Axis | str) -> int:
+    """The degree of ``axis`` in ``degrees``: a mapping or an object with one attribute per axis."""
+    return degrees[str(axis)] if isinstance(degrees, Mapping) else getattr(degrees, str(axis))
+
+
+def world_size(degrees: Any) -> int:
+    """``pp * dp * sp * tp``: the product of the degrees of the axes that multiply the world."""
+    return math.prod(degree(degrees, a) for a in AXES)
+
+
+def replica_size(degrees: Any) -> int:
+    """Ranks of one data-parallel replica, ``pp * sp * tp`` (:data:`REPLICA_AXES`)."""
+    return math.prod(degree(degrees, a) for a in REPLICA_AXES)
+
+
+def batch_degree(degrees: Any) -> int:
+    """``dp * sp``: ranks that hold different tokens of the global batch (:data:`BATCH_AXES`)."""
+    return math.prod(degree(degrees, a) for a in BATCH_AXES)
+
+
+def stride(degrees: Any, axis: Axis | str) -> int:
+    """Rank distance between neighbours along ``axis``: the product of the degrees of the axes inside it
+    (mesh order outer to inner, :data:`AXES`)."""
+    inner = AXES[AXES.index(Axis(str(axis))) + 1:]
+    return math.prod(degree(degrees, a) for a in inner)
+
+
+def product_text(axes: tuple[Axis, ...], degrees: Any = None) -> str:
+    """``"pp*sp*tp"``, or with ``degrees`` ``"pp*sp*tp = 2*1*2"``."""
+    names = "*".join(map(str, axes))
+    return names if degrees is None else f"{names} = {'*'.join(str(degree(degrees, a)) for a in axes)}"
+
+
+def degree_errors(degrees: Any, prefix: str = "") -> list[str]:
+    """``"<prefix>tp = 0 must be >= 1"`` for each degree below 1 (-1 allowed where the axis fills)."""
+    out = []
+    for s in AXIS_TABLE:
+        value = degree(degrees, s.axis)
+        if s.fills and value == -1:
+            continue
+        if value < 1:
+            fill = ", or -1 to fill the remaining ranks" if s.fills else ""
+            out.append(f"{prefix}{s.axis} = {value} must be >= 1{fill}")
+    return out
+
+
+def describe(degrees: Any) -> str:
+    """``"dp=2 tp=1 pp=1 sp=1"`` (table order)."""
+    return " ".join(f"{s.axis}={degree(degrees, s.axis)}" for s in AXIS_TABLE)
+
+
+def as_dict(degrees: Any) -> dict[str, int]:
+    """``{"dp": 2, "tp": 1, "pp": 1, "sp": 1}`` (table order)."""
+    return {str(s.axis): degree(degrees, s.axis) for s in AXIS_TABLE}
+
+
 SP_MODES = ("ulysses", "ring")
 """``parallel.sp_mode``: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023, arXiv:2309.14509) or ring
 attention passing K/V around the sp ranks (Liu et al. 2023, arXiv:2310.01889)."""

@@ -2,7 +2,7 @@
 
 The general form (docs/architecture.md, "Terms")::
 
-    dp                = world_size / (tp * pp * sp)
+    dp                = world_size / (pp * sp * tp)
     global_batch_size = micro_batch_size * gradient_accumulation_steps * dp      [samples / step]
     tokens_per_step   = global_batch_size * seq_len                             [tokens / step]
     steps_per_epoch   = ceil(num_samples / global_batch_size)                   [optimizer steps]
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from meshtrain.axes import REPLICA_AXES, product_text, replica_size
 from meshtrain.config import LR_SCALINGS, ConfigError
 
 
@@ -53,18 +54,25 @@ class BatchPlan:
         return asdict(self)
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -> int:
-    """dp = world_size / (tp * pp * sp).
+def data_parallel_size(world_size: int, **degrees: int) -> int:
+    """dp = world_size / (pp * sp * tp): the ranks of one replica are the product of the degrees of
+    :data:`meshtrain.axes.REPLICA_AXES` (``degrees`` by name, e.g. ``tp=2``; an axis not given is 1).
 
     Raises:
-        ConfigError: a degree < 1, or world_size not divisible by tp*pp*sp.
+        ConfigError: a degree < 1, or world_size not divisible by pp*sp*tp.
+        TypeError: a keyword that names no replica axis.
     """
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("sp", sp)):
+    names = [str(a) for a in REPLICA_AXES]
+    unknown = sorted(set(degrees) - set(names))
+    if unknown:
+        raise TypeError(f"data_parallel_size() got degrees of no replica axis: {', '.join(unknown)} (valid: {names})")
+    full = {name: degrees.get(name, 1) for name in names}
+    for name, value in {"world_size": world_size, **full}.items():
         if value < 1:
             raise ConfigError(f"{name} = {value} must be >= 1")
-    inner = tp * pp * sp
+    inner = replica_size(full)
     if world_size % inner:
-        raise ConfigError(f"world_size = {world_size} is not divisible by tp*pp*sp = {tp}*{pp}*{sp} = {inner}: "
+        raise ConfigError(f"world_size = {world_size} is not divisible by {product_text(REPLICA_AXES, full)} = {inner}: "
                           f"use a world size that is a multiple of {inner}")
     return world_size // inner
 
@@ -140,7 +148,7 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     Raises:
         ConfigError: non-divisible world size, non-positive sizes, or epochs and total_steps both given.
     """
-    dp = data_parallel_size(world_size, tp, pp, sp)
+    dp = data_parallel_size(world_size, tp=tp, pp=pp, sp=sp)
     gbs = global_batch_size(micro_batch_size, gradient_accumulation_steps, dp)
     if seq_len is not None and seq_len < 1:
         raise ConfigError(f"seq_len = {seq_len} must be >= 1")

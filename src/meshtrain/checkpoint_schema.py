@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from meshtrain.axes import AXIS_TABLE
 from meshtrain.config import ConfigError, check_saved_config
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -56,10 +57,7 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
     "sampler": _table("with an integer 'samples_seen' >= 0",
                       lambda v: isinstance(v.get("samples_seen"), int) and v["samples_seen"] >= 0),
     "world_size": _int_at_least(1),
-    "dp": _int_at_least(1),
-    "tp": _int_at_least(1),
-    "sp": _int_at_least(1),
-    "pp": _int_at_least(1),
+    **{str(s.axis): _int_at_least(1) for s in AXIS_TABLE},  # the layout it was saved at, one degree per axis
     "global_batch_size": _int_at_least(1),
     "files": _table("mapping each file name (.metadata among them) to its 'bytes' and 'sha256'", _manifest_ok),
 }

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.axes import STALE_POLICIES, SYNC_MODES
+from meshtrain import axes
+from meshtrain.axes import REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors, degrees_dataclass
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import ModelConfig, attention_families, check_model, family
@@ -132,16 +133,14 @@ class DataConfig:
         return Path(self.path).expanduser() if self.path else BUNDLED_CORPUS
 
 
+ParallelDegrees = degrees_dataclass("ParallelDegrees", "The degree of each axis of :data:`meshtrain.axes.AXIS_TABLE`.")
+
+
 @dataclass
-class ParallelConfig:
-    dp: int = -1
-    """Data-parallel degree; -1 fills the ranks left over: world_size / (pp * sp * tp)."""
-    tp: int = 1
-    """Tensor-parallel degree: each block's matrices split across tp ranks (Megatron); must divide n_head."""
-    pp: int = 1
-    """Pipeline-parallel degree: consecutive layers split across pp ranks (``pp_schedule``)."""
-    sp: int = 1
-    """Sequence-parallel degree (the seeds' ``sp_size``): each sample's sequence split across sp ranks."""
+class ParallelConfig(ParallelDegrees):
+    """The ``[parallel]`` section: one degree per axis (``dp``, ``tp``, ``pp``, ``sp``: their meaning is
+    :data:`meshtrain.axes.AXIS_TABLE`'s), then how the axes run."""
+
     zero_stage: int = 0
     """0 = DDP (replicated); 2 = FSDP2 without resharding after forward; 3 = FSDP2 ``fully_shard``."""
     fsdp_unit_mb: float = 25.0
@@ -292,10 +291,7 @@ class Config:
 
 
 SHORT_FLAGS = {
-    "dp": "parallel.dp",
-    "tp": "parallel.tp",
-    "pp": "parallel.pp",
-    "sp": "parallel.sp",
+    **axes.SHORT_FLAGS,
     "steps": "train.steps",
     "seed": "train.seed",
     "out": "train.out_dir",
@@ -540,9 +536,8 @@ def validate(cfg: Config) -> Config:
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     tokenizer_kind(d.tokenizer)
 
-    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp = {p.dp} must be >= 1, or -1 to fill the remaining ranks")
-    for key in ("tp", "pp", "sp"):
-        _require(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
+    if errors := degree_errors(p, "parallel."):
+        raise ConfigError(errors[0])
     _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
@@ -666,7 +661,7 @@ def _validate_sync_mode(cfg: Config) -> None:
                  f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
     if p.sync_mode == "sync":
         return
-    for key, value in (("tp", p.tp), ("pp", p.pp), ("sp", p.sp)):
+    for key, value in ((str(a), axes.degree(p, a)) for a in REPLICA_AXES):
         _require(value == 1, f"parallel.{key} = {value} cannot be combined with parallel.sync_mode = "
                              f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
     _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
@@ -717,7 +712,7 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
     p = cfg.parallel
     if p.sync_mode == "async":
         return _resolve_async_world(p, nproc)
-    inner = p.pp * p.sp * p.tp
+    inner, names = axes.replica_size(p), axes.product_text(REPLICA_AXES)
     if nproc is None:
         dp = 1 if p.dp == -1 else p.dp
         if p.sync_mode == "local-sgd":
@@ -725,10 +720,10 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
         return dp * inner, dp
     _require(nproc >= 1, f"--nproc = {nproc} must be >= 1")
     _require(nproc % inner == 0,
-             f"--nproc = {nproc} is not divisible by pp*sp*tp = {inner}: use a multiple of {inner}")
+             f"--nproc = {nproc} is not divisible by {names} = {inner}: use a multiple of {inner}")
     dp = nproc // inner
     _require(p.dp in (-1, dp),
-             f"parallel.dp = {p.dp} does not match --nproc = {nproc} (pp*sp*tp = {inner} gives dp = {dp}): "
+             f"parallel.dp = {p.dp} does not match --nproc = {nproc} ({names} = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
     if p.pp > 1:
         from meshtrain.rules.pipeline_schedules import schedule_error

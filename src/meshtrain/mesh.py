@@ -12,28 +12,25 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshtrain.axes import AXES, Axis
+from meshtrain import axes
+from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, Axis
 from meshtrain.config import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 
 __all__ = ["AXES", "Axis", "BATCH_MESH", "ParallelDims"]
-BATCH_MESH = "dp_sp"
-"""Derived mesh of dp and sp flattened: the gradient all-reduce / reduce-scatter and the loss mean span it."""
+RunDegrees = axes.degrees_dataclass("RunDegrees", "One resolved degree per axis (no -1).", defaults="none")
 
 
 @dataclass
-class ParallelDims:
-    """Parallel degrees of a run, checked when built; ``build_mesh`` makes the ``DeviceMesh``.
+class ParallelDims(RunDegrees):
+    """Parallel degrees of a run (one field per axis of :data:`meshtrain.axes.AXIS_TABLE`), checked when
+    built; ``build_mesh`` makes the ``DeviceMesh``.
 
     Raises:
         ConfigError: a degree < 1 or ``pp*dp*sp*tp != world_size``.
     """
 
-    pp: int
-    dp: int
-    sp: int
-    tp: int
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
     batch_mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -42,10 +39,9 @@ class ParallelDims:
         for axis in AXES:
             if self.degree(axis) < 1:
                 raise ConfigError(f"parallel.{axis} = {self.degree(axis)} must be >= 1")
-        product = self.pp * self.dp * self.sp * self.tp
+        product = axes.world_size(self)
         if product != self.world_size:
-            raise ConfigError(f"pp*dp*sp*tp = {self.pp}*{self.dp}*{self.sp}*{self.tp} = {product} "
-                              f"must equal world_size = {self.world_size}")
+            raise ConfigError(f"{axes.product_text(AXES, self)} = {product} must equal world_size = {self.world_size}")
 
     def degree(self, axis: Axis | str) -> int:
         return getattr(self, str(axis))
@@ -66,7 +62,7 @@ class ParallelDims:
     def batch_degree(self) -> int:
         """Ranks that hold different tokens of the global batch, ``dp * sp``: the gradient and the
         loss are averaged over them (the ``"dp_sp"`` mesh)."""
-        return self.dp * self.sp
+        return axes.batch_degree(self)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank (row-major over AXES)."""
@@ -82,7 +78,7 @@ class ParallelDims:
         if self.mesh is None:
             self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
                                          mesh_dim_names=tuple(str(a) for a in AXES))
-            self.batch_mesh = self.mesh[(str(Axis.DP), str(Axis.SP))]._flatten(BATCH_MESH)
+            self.batch_mesh = self.mesh[tuple(map(str, BATCH_AXES))]._flatten(BATCH_MESH)
             # DeviceMesh creates its groups with torch's default timeout (30 min for gloo), not the
             # default group's; give them the run's (torchtitan sets its mesh groups' timeouts the same way).
             for group in {*(self.mesh.get_group(str(a)) for a in AXES), self.batch_mesh.get_group()}:
@@ -105,8 +101,9 @@ class ParallelDims:
     def batch_groups(self) -> list[list[int]]:
         """Global ranks of every ``"dp_sp"`` group of the mesh (one per pp and tp coordinate): the ranks
         that average a gradient together. Needs ``build_mesh``."""
-        ranks = self.mesh.mesh.permute(0, 3, 1, 2)  # (pp, tp, dp, sp)
-        return ranks.reshape(-1, self.dp * self.sp).tolist()
+        batch = [AXES.index(a) for a in BATCH_AXES]
+        ranks = self.mesh.mesh.permute(*[i for i in range(len(AXES)) if i not in batch], *batch)  # (pp, tp, dp, sp)
+        return ranks.reshape(-1, self.batch_degree).tolist()
 
     def rank_of(self, axis: Axis | str) -> int:
         """This process's coordinate on ``axis`` (0 without a process group)."""

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshtrain.batch import global_batch_size
-from meshtrain.config import Config, ConfigError, resolve_world
-from meshtrain.rules.support import uses_parameter_server
+from meshtrain.config import Config, ConfigError
+from meshtrain.resolved import ResolvedRun
 
 
-def preflight(cfg: Config, nproc_total: int) -> None:
-    """Checks that need no process group. Raises ConfigError with one actionable line."""
-    resolve_world(cfg, nproc_total)  # before importing torch: layout mistakes are reported at once
+def preflight(run: ResolvedRun) -> None:
+    """Checks of a resolved run (its layout already fits its ranks) that need no process group. Raises
+    ConfigError with one actionable line."""
+    cfg = run.config
     from meshtrain import checkpoint as ckpt
     from meshtrain.data.corpus import load_corpus
     from meshtrain.fileio import check_writable_dir
@@ -39,7 +39,7 @@ def preflight(cfg: Config, nproc_total: int) -> None:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
         check_same_start(cfg, meta, found)
-        check_global_batch(cfg, meta, nproc_total, found)
+        check_global_batch(run, meta, found)
         check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
         check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
@@ -166,14 +166,12 @@ def check_same_data(cfg: Config, meta: dict, corpus_sha256: str, found: Path) ->
                               f"which would change the data order: resume it with {flag} {was}")
 
 
-def check_global_batch(cfg: Config, meta: dict, nproc_total: int, found: Path) -> None:
+def check_global_batch(run: ResolvedRun, meta: dict, found: Path) -> None:
     """Refuse to resume at another global batch than the checkpoint's (it changes the loss and what a step
     means) unless ``checkpoint.allow_batch_change``; name the flag that keeps it. Raises ConfigError."""
     saved = meta.get("global_batch_size")
-    b = cfg.batch
-    dp = resolve_world(cfg, nproc_total)[1]
-    per_rank = 1 if uses_parameter_server(cfg.parallel.sync_mode) else dp  # one worker's batch per update
-    now = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, per_rank)
+    cfg, b, dp, now = run.config, run.config.batch, run.dp, run.global_batch_size
+    per_rank = now // (b.micro_batch_size * b.gradient_accumulation_steps)  # dp; 1 for the parameter server
     if saved is None or saved == now or cfg.checkpoint.allow_batch_change:
         return
     fixes = []

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from meshtrain.argtypes import positive_float
+from meshtrain.axes import REPLICA_AXES, SPECS
 from meshtrain.config import LR_SCALINGS
 
 
@@ -17,9 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, required=True,
                    help="samples per dp replica per micro-step (Open-Sora-Plan's train_sp_batch_size when sp > 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (default 1)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--sp", type=int, default=1)
+    for axis in REPLICA_AXES:
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1): {SPECS[axis].doc}")
     p.add_argument("--seq-len", type=int, help="tokens per sample, for tokens_per_step")
     p.add_argument("--num-samples", type=int, help="samples in one epoch of the dataset")
     p.add_argument("--epochs", type=positive_float, help="epochs to train (needs --num-samples; default 1)")
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshtrain.batch import open_sora_log, plan_batch
 
-    plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, tp=args.tp, pp=args.pp, sp=args.sp,
+    plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, **{str(a): getattr(args, a) for a in REPLICA_AXES},
                       seq_len=args.seq_len, num_samples=args.num_samples, epochs=args.epochs,
                       total_steps=args.steps, time_per_step_s=args.time_per_step, lr=args.lr,
                       lr_scaling=args.lr_scaling, reference_batch_size=args.reference_batch_size)

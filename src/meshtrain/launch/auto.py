@@ -17,11 +17,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
+from meshtrain.axes import SHORT_FLAGS
 from meshtrain.batch import global_batch_size
 from meshtrain.config import Config, ConfigError, resolve_world
 from meshtrain.planner.estimate import Estimate
 
-PINNABLE = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.sp": "sp",
+PINNABLE = {**{key: axis for axis, key in SHORT_FLAGS.items()},
             "parallel.zero_stage": "zero_stage", "batch.micro_batch_size": "micro_batch_size",
             "batch.gradient_accumulation_steps": "gradient_accumulation_steps", "train.recompute": "recompute",
             "parallel.pp_schedule": "pp_schedule", "parallel.virtual_stages": "virtual_stages",

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.config import Config, ConfigError
+from meshtrain.resolved import ResolvedRun
 
 
 def warn_slow_bf16(cfg: Config) -> None:
@@ -82,19 +83,20 @@ def memory_verdict(needed: float, available: float, margin: float) -> str:
     return "uncertain" if needed <= available * (1 + margin) else "over"
 
 
-def check_memory(cfg: Config, nproc: int, nnodes: int) -> None:
+def check_memory(run: ResolvedRun, nproc: int) -> None:
     """Check the planner's predicted peak per rank (:func:`meshtrain.planner.actual.predict_for_run`), times
     the ranks sharing this node's CPU memory, against what is available. A layout that fits must never be
     refused, and the prediction has a measured error (:func:`memory_margin`): over by more than that
     margin, the run is refused (ConfigError with the numbers); over by less, one warning line says by how
     much and the run goes on. Models the planner does not cover (lstm, gru) are not checked."""
+    cfg = run.config
     if cfg.model.family().planner is None:
         return
     from meshtrain.planner.actual import predict_for_run
     from meshtrain.planner.model_specs import corpus_vocab_size
 
     what, available = available_memory()
-    world = resolve_world(cfg, nproc * nnodes)[0]
+    cfg, world = run.config, run.world_size
     vocab = cfg.model.vocab_size or corpus_vocab_size(cfg)
     predicted = predict_for_run(cfg, world, vocab, "cuda" if what == "GPU" else "cpu", threads=1)
     peak = predicted["peak_memory_bytes"]

@@ -27,14 +27,17 @@ import tempfile
 from pathlib import Path
 
 from meshtrain.argtypes import nonnegative_int
-from meshtrain.config import Config, ConfigError, load_config, parse_overrides, resolve_world
+from meshtrain.axes import SHORT_FLAGS as AXIS_FLAGS
+from meshtrain.config import Config, ConfigError, load_config, parse_overrides, set_key, validate
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
 from meshtrain.launch.report import describe_run_folder, report_plan_vs_actual
 from meshtrain import runlock
 from meshtrain.preflight import preflight
+from meshtrain.resolved import FILE_NAME, ResolvedRun
 
-SHORT = ("dp", "tp", "pp", "sp", "steps", "seed")
+SHORT = {**AXIS_FLAGS, "steps": "train.steps", "seed": "train.seed"}
+"""The short flags of ``meshtrain train`` (one per axis, ``--steps``, ``--seed``) and the keys they set."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="Equivalent without meshtrain's checks: torchrun --nproc-per-node N -m meshtrain.train CONFIG [overrides]")
     p.add_argument("config", help="TOML config, e.g. configs/shakespeare_char.toml")
     p.add_argument("--nproc", type=int, help="ranks on this node (default: pp*dp*sp*tp of the config)")
-    for name in SHORT:
-        p.add_argument(f"--{name}", type=str, help=f"short for --{'parallel' if len(name) == 2 else 'train'}.{name}")
+    for name, key in SHORT.items():
+        p.add_argument(f"--{name}", type=str, help=f"short for --{key}")
     p.add_argument("--layout", choices=("config", "auto"), default="config",
                    help="config: the config's layout (default); auto: the planner picks dp/tp/pp/sp, zero stage, "
                         "micro-batch size, gradient accumulation, recompute and pipeline schedule for these ranks, "
@@ -82,17 +85,18 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
 def _command_line_overrides(args: argparse.Namespace, extra: list[str]) -> dict[str, str]:
     """The ``section.key`` overrides of the command line (``--tp 2`` as ``parallel.tp``), not the config file's."""
     overrides = parse_overrides(extra)
-    for name in SHORT:
+    for name, key in SHORT.items():
         if getattr(args, name) is not None:
-            overrides[f"{'parallel' if len(name) == 2 else 'train'}.{name}"] = getattr(args, name)
+            overrides[key] = getattr(args, name)
     return overrides
 
 
-def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg: Config, nproc: int,
-                  local_store: str | None) -> list[str]:
-    """torchrun's arguments. ``local_store`` (a file path; needed without ``--rdzv-endpoint``, one machine):
-    the agents' rendezvous goes through that file instead of a TCP server, so nothing of the launcher
-    listens on the network (:func:`meshtrain.runtime.distributed.init_distributed` binds the ranks' store to 127.0.0.1)."""
+def torchrun_argv(args: argparse.Namespace, nproc: int, local_store: str | None, resolved: Path) -> list[str]:
+    """torchrun's arguments: ``nproc`` ranks of ``python -m meshtrain.train --resolved RESOLVED`` (the run this
+    launcher resolved, :mod:`meshtrain.resolved`). ``local_store`` (a file path; needed without
+    ``--rdzv-endpoint``, one machine): the agents' rendezvous goes through that file instead of a TCP server, so
+    nothing of the launcher listens on the network (:func:`meshtrain.runtime.distributed.init_distributed` binds
+    the ranks' store to 127.0.0.1)."""
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint and args.node_rank is not None:  # the user numbered the nodes: static rendezvous
         host, port = args.rdzv_endpoint.rsplit(":", 1)
@@ -102,14 +106,7 @@ def torchrun_argv(cfg_path: str, extra: list[str], args: argparse.Namespace, cfg
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
     else:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={local_store}", "--rdzv-conf=store_type=file"]
-    argv += ["-m", "meshtrain.train", cfg_path, *extra, "--train.out_dir", cfg.train.out_dir,
-             "--parallel.dp", str(resolve_world(cfg, nproc * _nnodes_max(args.nnodes))[1])]
-    for name in ("steps", "seed", "tp", "pp", "sp"):
-        if getattr(args, name) is not None:
-            argv += [f"--{name}", getattr(args, name)]
-    if cfg.checkpoint.resume:
-        argv += ["--checkpoint.resume", cfg.checkpoint.resume]
-    return argv
+    return argv + ["-m", "meshtrain.train", "--resolved", str(resolved)]
 
 
 def _nnodes_max(nnodes: str) -> int:
@@ -120,11 +117,12 @@ def _nnodes_max(nnodes: str) -> int:
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
-    extra = list(extra or [])
-    cfg = build_config(args, extra)
+    """``meshtrain train``: resolve the run once (config, command line, ``--layout auto``), check it, start its
+    ranks. Returns the exit code."""
+    cfg = build_config(args, list(extra or []))
     nnodes = _nnodes_max(args.nnodes)
     if args.nproc is None:
-        world, _ = resolve_world(cfg, None)
+        world = ResolvedRun.resolve(cfg, None).world_size
         if world % nnodes:
             raise ConfigError(f"world size {world} is not divisible by --nnodes {nnodes}: give --nproc")
         nproc = world // nnodes
@@ -135,9 +133,12 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if args.layout == "auto":
         from meshtrain.launch import auto
 
-        chosen = auto.apply(cfg, _command_line_overrides(args, extra), nproc * nnodes, nproc, rank_threads(nproc))
-        extra += [arg for key, value in chosen.items() for arg in (f"--{key}", value)]
-        cfg = build_config(args, extra)
+        chosen = auto.apply(cfg, _command_line_overrides(args, list(extra or [])), nproc * nnodes, nproc,
+                            rank_threads(nproc))
+        for key, value in chosen.items():
+            set_key(cfg, key, value)
+        validate(cfg)
+    resolved = ResolvedRun.resolve(cfg, nproc * nnodes, args.layout)
     check_rendezvous(args, nnodes)
     # one run per folder: the lock is this process's until it exits (the kernel drops it if it is killed);
     # with several nodes only node 0's launcher holds it (a shared file system would refuse the others)
@@ -145,18 +146,20 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if lock:
         os.environ[runlock.HELD_ENV] = str(os.getpid())  # its ranks do not take it again
     try:
-        return _launch(args, extra, cfg, nproc, nnodes)
+        return _launch(args, resolved, nproc, nnodes)
     finally:
         os.environ.pop(runlock.HELD_ENV, None)
         if lock:
             lock.release()
 
 
-def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int, nnodes: int) -> int:
-    """The pre-launch checks, then the ranks under torchrun's engine, then the plan-vs-actual report."""
-    preflight(cfg, nproc * nnodes)
+def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes: int) -> int:
+    """The pre-launch checks, then the resolved run written to this launcher's temporary folder and its ranks
+    under torchrun's engine, then the plan-vs-actual report."""
+    cfg = resolved.config
+    preflight(resolved)
     if cfg.train.check_memory:
-        check_memory(cfg, nproc, nnodes)
+        check_memory(resolved, nproc)
     warn_slow_bf16(cfg)
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
@@ -170,9 +173,9 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
     from meshtrain.runtime.faults import LAUNCHER_PID_ENV
     from meshtrain.runtime.distributed import LOOPBACK_ENV
 
-    rdzv_dir = None if args.rdzv_endpoint else tempfile.mkdtemp(prefix="meshtrain-rdzv-")
-    local_store = str(Path(rdzv_dir) / "store") if rdzv_dir else None
-    torch_args = get_args_parser().parse_args(torchrun_argv(args.config, extra, args, cfg, nproc, local_store))
+    run_dir = Path(tempfile.mkdtemp(prefix="meshtrain-run-"))  # this launcher's: the resolved run, the local store
+    local_store = None if args.rdzv_endpoint else str(run_dir / "store")
+    torch_args = get_args_parser().parse_args(torchrun_argv(args, nproc, local_store, resolved.write(run_dir / FILE_NAME)))
     threads = rank_threads(nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks inherit it (torchrun would set 1)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
@@ -203,8 +206,7 @@ def _launch(args: argparse.Namespace, extra: list[str], cfg: Config, nproc: int,
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)
         os.environ.pop(LOOPBACK_ENV, None)
-        if rdzv_dir:
-            shutil.rmtree(rdzv_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         for name in _FORWARDING_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
     if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from meshtrain.argtypes import positive_float, positive_int
+from meshtrain.axes import SHORT_FLAGS
 from meshtrain.config import ConfigError
 from meshtrain.planner.layout import FRAMEWORKS, parse_fix
 
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "per step. Formulas and their sources: docs/planner.md.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch; any of its "
-                                             "keys can follow as --section.key VALUE (or --dp/--tp/--pp/--sp N), "
+                                             f"keys can follow as --section.key VALUE (or {'/'.join(f'--{a}' for a in SHORT_FLAGS)} N), "
                                              "as for meshtrain train")
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t) or a TOML "
@@ -187,9 +188,10 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config, load_model
 
-    cfg = None
+    cfg = run = None
     if args.config:
-        from meshtrain.config import load_config, resolve_world
+        from meshtrain.config import load_config
+        from meshtrain.resolved import ResolvedRun
         cfg = load_config(args.config, getattr(args, "overrides", None))
     if args.model:
         model = load_model(args.model, args.seq_len)
@@ -209,8 +211,8 @@ def build_context(args: argparse.Namespace):
         import os
         from meshtrain.planner.actual import hardware_for_run
         from meshtrain.planner.hardware import DEFAULT_PROFILE
-        ranks = resolve_world(cfg, args.num_gpus)[0]
-        hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if ranks == 1 else 1)
+        run = ResolvedRun.resolve(cfg, args.num_gpus)
+        hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if run.world_size == 1 else 1)
     else:
         hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node, args.nics_per_node)
     dtype = args.dtype or (_config_precision(cfg.train.dtype, gpu) if cfg is not None else framework.mixed_precision)
@@ -218,9 +220,9 @@ def build_context(args: argparse.Namespace):
     gbs = args.global_batch_size
     config_layout = None
     if cfg is not None:
-        world_cfg, dp = resolve_world(cfg, args.num_gpus)
-        world = world_cfg
-        gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps, dp)
+        run = run or ResolvedRun.resolve(cfg, args.num_gpus)
+        world = run.world_size
+        gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps, run.dp)
         config_layout = Layout.from_config(cfg, world)
     if args.global_batch_tokens:
         if args.global_batch_tokens % model.seq_len:

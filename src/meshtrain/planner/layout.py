@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from meshtrain import batch
+from meshtrain import axes, batch
 from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.pipeline_schedules import RULES, schedule_error
@@ -23,14 +23,16 @@ from meshtrain.axes import PP_SCHEDULES, SP_MODES, ZERO_STAGES
 from meshtrain.axes import RECOMPUTE_MODES as RECOMPUTE
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One way to run a job. Degrees and sizes are counts; see docs/architecture.md for the terms."""
+LayoutDegrees = axes.degrees_dataclass("LayoutDegrees", "One degree per axis, 1 by default.", defaults="one",
+                                       frozen=True)
 
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
+
+@dataclass(frozen=True)
+class Layout(LayoutDegrees):
+    """One way to run a job: one degree per axis (:data:`meshtrain.axes.AXIS_TABLE`, first, in its order: ``dp,
+    tp, pp, sp``), then the batch split and how the axes run. Degrees and sizes are counts; see
+    docs/architecture.md for the terms."""
+
     zero_stage: int = 0
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
@@ -107,7 +109,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp + self.ps_servers
+        return axes.world_size(self) + self.ps_servers
 
     @property
     def global_batch_size(self) -> int:
@@ -123,7 +125,7 @@ class Layout:
     def inner_degree(self, axis: str) -> int:
         """Product of the degrees of the axes inside ``axis`` (outer to inner: pp, dp, sp, tp): the rank
         stride of a group along it."""
-        return {"tp": 1, "sp": self.tp, "dp": self.tp * self.sp, "pp": self.tp * self.sp * self.dp}[axis]
+        return axes.stride(self, axis)
 
     def ranks_per_node(self, axis: str, devices_per_node: int) -> int:
         """Ranks of one group along ``axis`` that share a node: ``min(degree, devices_per_node // inner)``,
@@ -329,8 +331,8 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
     2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """
-    L, e = layout, []
-    for key in ("dp", "tp", "pp", "sp", "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
+    L, e = layout, axes.degree_errors(layout)
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
         if getattr(L, key) < 1:
             e.append(f"{key} = {getattr(L, key)} must be >= 1")
     if e:
@@ -420,6 +422,12 @@ def recompute_modes(framework: Framework, modes: list[str], pp: int, pp_schedule
     return [m for m in modes if m != "selective"]
 
 
+def field_kinds() -> dict[str, str]:
+    """``{"dp": "int", ..., "recompute": "str", "tp_sequence_parallel": "bool"}``: each :class:`Layout` field's
+    type by name (the degree fields come from :mod:`meshtrain.axes` as types, the rest as annotation text)."""
+    return {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(Layout)}
+
+
 def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
     """``"tp=8,pp=4,zero_stage=1,micro_batch_size=2,recompute=full"`` -> :class:`Layout`.
 
@@ -430,7 +438,7 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
     Raises:
         ConfigError: unknown key (with the valid ones), bad value, or sizes that do not divide.
     """
-    kinds = {f: t for f, t in Layout.__annotations__.items()}
+    kinds = field_kinds()
     values: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         key, eq, value = item.partition("=")
@@ -443,11 +451,12 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
                            else int(value) if kind == "int" else value)
         except ValueError:
             raise ConfigError(f"--explain {key} = {value!r} is not a valid {kind}") from None
-    tp, pp, sp = values.get("tp", 1), values.get("pp", 1), values.get("sp", 1)
-    dp = batch.data_parallel_size(world_size, tp, pp, sp)
+    replica = {str(a): values.get(str(a), 1) for a in axes.REPLICA_AXES}
+    dp = batch.data_parallel_size(world_size, **replica)
     values.setdefault("dp", dp)
     if values["dp"] != dp:
-        raise ConfigError(f"dp*tp*pp*sp = {values['dp'] * tp * pp * sp} != num_gpus = {world_size}")
+        raise ConfigError(f"{axes.product_text(axes.AXES)} = {values['dp'] * axes.replica_size(replica)} != "
+                          f"num_gpus = {world_size}")
     if "gradient_accumulation_steps" not in values:
         unit = batch.global_batch_size(values.get("micro_batch_size", 1), 1, dp)  # samples per micro-step
         if global_batch_size % unit:
@@ -465,7 +474,7 @@ def parse_fix(text: str) -> dict:
         ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage/sp_mode
             not valid.
     """
-    kinds = dict(Layout.__annotations__)
+    kinds = field_kinds()
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, value = item.partition("=")

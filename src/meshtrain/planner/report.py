@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 
+from meshtrain.axes import SHORT_FLAGS, degree
 from meshtrain.batch import tokens_per_step
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
@@ -66,21 +67,31 @@ def number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
+def _axis_cell(b: Layout, axis: str) -> str:
+    """One axis's column: its degree, with what runs it beside (dp: hierarchical all-reduce, local SGD every H
+    steps, parameter servers; tp: Megatron sequence parallelism; sp: its mode)."""
+    cell = str(degree(b, axis))
+    if axis == "dp":
+        cell += f"{' hier' if b.hierarchical_allreduce else ''}{f' H{b.local_sgd_steps}' if b.local_sgd_steps else ''}"
+        cell += f" +{b.ps_servers}ps" if b.ps_servers else ""
+    elif axis == "tp" and b.tp_sequence_parallel:
+        cell += "+sp"
+    elif axis == "sp" and b.sp > 1:
+        cell += f" {b.sp_mode}"
+    return cell
+
+
 def _row(rank: str, e: Estimate) -> list[str]:
     b = e.layout
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
-    sp = f"{b.sp} {b.sp_mode}" if b.sp > 1 else "1"
-    dp = f"{b.dp}{' hier' if b.hierarchical_allreduce else ''}{f' H{b.local_sgd_steps}' if b.local_sgd_steps else ''}"
-    dp += f" +{b.ps_servers}ps" if b.ps_servers else ""
-    return [rank, dp, f"{b.tp}{'+sp' if b.tp_sequence_parallel else ''}", str(b.pp), sp,
-            str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
+    return [rank, *(_axis_cell(b, axis) for axis in SHORT_FLAGS), str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
             f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
             duration(e.total_time_s)]
 
 
 def _table(mfu: str) -> Table:
     t = Table()
-    for name in ("#", "dp", "tp", "pp", "sp", "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
+    for name in ("#", *SHORT_FLAGS, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
                  "s/step", "tokens/s", mfu, "total"):
         t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule") else "left")
     return t

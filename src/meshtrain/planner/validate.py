@@ -37,6 +37,7 @@ from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
+from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.model_specs import from_table
 from meshtrain.planner.search import search
@@ -44,7 +45,7 @@ from meshtrain.planner.search import search
 SOURCE_FRAMEWORKS = (("torchtitan", "torchtitan"), ("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
                      ("korthikanti", "megatron-2022"), ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
 """(keyword of a run's source, framework), first match wins: "torchtitan ... (FSDP)" is torchtitan."""
-FIXABLE = ("dp", "tp", "pp", "sp", "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
+FIXABLE = (*SHORT_FLAGS, "zero_stage", "micro_batch_size", "gradient_accumulation_steps", "recompute",
            "pp_schedule", "virtual_stages", "tp_sequence_parallel", "sp_mode")
 PREDICTABLE = ("tflops_per_gpu", "percent_of_peak", "mfu_percent", "tokens_per_s_per_gpu", "iteration_time_s",
                "peak_memory_gib")

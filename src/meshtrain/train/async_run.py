@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import checkpoint as ckpt
-from meshtrain.batch import global_batch_size, tokens_per_step
+from meshtrain.batch import tokens_per_step
 from meshtrain.config import Config, ConfigError
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
@@ -41,6 +41,7 @@ from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer, lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
+from meshtrain.resolved import ResolvedRun
 from meshtrain.runtime.distributed import collective_timeout, init_distributed
 from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 
@@ -48,10 +49,12 @@ from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 class AsyncRun:
     """One rank of a parameter-server run; :meth:`run` trains and returns rank 0's summary."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, run: ResolvedRun | Config) -> None:
+        timeout = (run.config if isinstance(run, ResolvedRun) else run).train.collective_timeout_s
+        self.rank, world = init_distributed("gloo", timeout)
+        self.resolved = run.for_world(world) if isinstance(run, ResolvedRun) else ResolvedRun.resolve(run, world)
+        self.cfg = cfg = self.resolved.config
         p, b, t = cfg.parallel, cfg.batch, cfg.train
-        self.rank, world = init_distributed("gloo", cfg.train.collective_timeout_s)
         self.servers = list(range(p.ps_servers))
         self.workers = list(range(p.ps_servers, world))
         self.setup = set_up(cfg, torch.device("cpu"))
@@ -64,7 +67,7 @@ class AsyncRun:
         self.shards = {s: [params[i] for i in owners[s]] for s in self.servers}
         self.server_group = dist.new_group(self.servers, timeout=collective_timeout())  # every rank takes part in creating it
         self.out_dir = Path(t.out_dir)
-        self.batch = global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1)  # one gradient
+        self.batch = self.resolved.global_batch_size  # one worker's: one gradient
         self.resume = ckpt.resume_checkpoint(cfg)
         if not self.resume and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # every rank holds the whole model
@@ -200,7 +203,7 @@ class AsyncRun:
         return self._finish(everyone)
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": dist.get_world_size(), "dp": len(self.workers), "tp": 1, "sp": 1, "pp": 1}
+        return {"world_size": dist.get_world_size(), **self.resolved.degrees}
 
     def _finish(self, everyone: list[dict]) -> dict[str, Any]:
         server0, workers = everyone[0], everyone[len(self.servers):]

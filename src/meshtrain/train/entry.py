@@ -1,6 +1,8 @@
-"""The entry point of a rank: ``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` (under torchrun).
+"""The entry point of a rank: ``python -m meshtrain.train --resolved PATH`` (started by ``meshtrain train``) or
+``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` (under torchrun directly).
 
-:func:`main` loads the config, runs the pre-launch checks where no launcher ran them, picks the run (the
+:func:`main` reads the resolved run the launcher wrote (:mod:`meshtrain.resolved`), or loads and resolves the
+config for this world, runs the pre-launch checks where no launcher ran them, picks the run (the
 synchronous loop, or the parameter server where the parallel layer says so) and turns its ending into one
 line and an exit code.
 """
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.checkpoint import elastic_restart, resume_hint
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
+from meshtrain.resolved import ResolvedRun
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock
 from meshtrain.preflight import preflight
@@ -27,8 +30,8 @@ from meshtrain.train.async_run import AsyncRun
 from meshtrain.train.loop import Trainer, TrainingDiverged
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run ``cfg`` on this process's rank (joins torchrun's group, or a 1-rank group without torchrun).
+def train(run: ResolvedRun | Config) -> dict[str, Any]:
+    """Run ``run`` (a bare Config is resolved for the process group's world) on this process's rank (joins torchrun's group, or a 1-rank group without torchrun).
 
     On success, and on a stop all ranks agreed on (:class:`meshtrain.runtime.faults.Stopped`), every rank
     meets at a barrier before the process group is destroyed, so that no rank tears down gloo's worker
@@ -41,7 +44,8 @@ def train(cfg: Config) -> dict[str, Any]:
     """
     finished, trainer = False, None
     try:
-        trainer = AsyncRun(cfg) if uses_parameter_server(cfg.parallel.sync_mode) else Trainer(cfg)
+        cfg = run.config if isinstance(run, ResolvedRun) else run
+        trainer = AsyncRun(run) if uses_parameter_server(cfg.parallel.sync_mode) else Trainer(run)
         summary = trainer.run()
         finished = True
         return summary
@@ -59,15 +63,33 @@ def train(cfg: Config) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+USAGE = "usage: python -m meshtrain.train (--resolved PATH | CONFIG [--section.key VALUE ...])"
+
+
+def read_run(argv: list[str]) -> ResolvedRun:
+    """The run of a rank's command line: ``--resolved PATH`` (the launcher's file), or ``CONFIG [overrides]``
+    resolved for ``WORLD_SIZE`` ranks.
+
+    Raises:
+        ConfigError: a file or key that is not valid, or ranks that do not suit the config.
+    """
+    if argv[0] == "--resolved":
+        if len(argv) != 2:
+            raise ConfigError(f"--resolved takes one path and nothing after it: {USAGE}")
+        return ResolvedRun.read(argv[1])
+    cfg = load_config(argv[0], parse_overrides(argv[1:]))
+    return ResolvedRun.resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m meshtrain.train CONFIG [--section.key VALUE ...]`` on every rank (under torchrun).
+    """``python -m meshtrain.train (--resolved PATH | CONFIG [--section.key VALUE ...])`` on every rank (under torchrun).
 
     Exit codes: 0 done; 1 a collective failed because of another rank (one line; the failed rank prints
     its own error); 2 a bad config; 3 training diverged; 128 + N stopped by signal N after saving.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-"):
-        print("usage: python -m meshtrain.train CONFIG [--section.key VALUE ...]", file=sys.stderr)
+    if not argv or (argv[0].startswith("-") and argv[0] != "--resolved"):
+        print(USAGE, file=sys.stderr)
         return 2
     if "LOCAL_RANK" in os.environ and not STOP.installed:  # a rank started by torchrun: stop with the
         die_with_parent()  # launcher, never train on as an orphan (done on import when run as __main__)
@@ -75,32 +97,34 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     lock = None
     try:
-        cfg = load_config(argv[0], parse_overrides(argv[1:]))
+        run = read_run(argv)
+        cfg = run.config
         if rank == 0 and runlock.HELD_ENV not in os.environ:  # no launcher holds the output folder: rank 0 does
             lock = runlock.hold(cfg.train.out_dir)
         if not elastic_restart() and LAUNCHER_PID_ENV not in os.environ:  # the checks of `meshtrain train`
             # (which ran them once, before starting the ranks) for ranks started by torchrun itself; every rank
             # runs them before joining the group, so none can see another rank's new files
-            preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+            preflight(run)
     except ConfigError as e:
         if lock:
             lock.release()
         print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 2
     try:
-        return _run(cfg, rank)
+        return _run(run, rank)
     finally:
         if lock:
             lock.release()
 
 
-def _run(cfg: Config, rank: int) -> int:
-    """Train ``cfg`` on this rank: its ending as an exit code and at most one line (see :func:`main`)."""
+def _run(run: ResolvedRun, rank: int) -> int:
+    """Train ``run`` on this rank: its ending as an exit code and at most one line (see :func:`main`)."""
+    cfg = run.config
     STOP.install(immediate=uses_parameter_server(cfg.parallel.sync_mode))  # no step boundary the async ranks share
     try:
         if STOP.signum:  # while starting: every rank got it (torchrun signals each), none joins the group
             raise Stopped(STOP.signum, 0, cfg.train.steps, None)
-        train(cfg)
+        train(run)
     except TrainingDiverged as e:
         if rank == 0:  # every rank stops at the same step; one says why
             print(f"meshtrain train: error: {e}", file=sys.stderr)

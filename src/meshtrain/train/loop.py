@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain import axes
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint_async import Checkpoints
-from meshtrain.batch import global_batch_size, tokens_per_step
-from meshtrain.config import Config, resolve_world
+from meshtrain.batch import tokens_per_step
+from meshtrain.config import Config
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
@@ -39,6 +40,7 @@ from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean
 from meshtrain.parallel.rng import seed_step
 from meshtrain.profiling import StepProfiler
+from meshtrain.resolved import ResolvedRun
 from meshtrain.runtime.device import device_and_backend
 from meshtrain.runtime.distributed import init_distributed
 from meshtrain.runtime.faults import STOP, Stopped, enter_phase
@@ -51,14 +53,20 @@ class TrainingDiverged(RuntimeError):
 
 
 class Trainer:
-    """Builds the mesh, model, optimizer and data for ``cfg`` on this rank and runs the loop."""
+    """Builds the mesh, model, optimizer and data of a resolved run on this rank and runs the loop.
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    ``run``: the launcher's :class:`~meshtrain.resolved.ResolvedRun`, or a :class:`~meshtrain.config.Config`
+    (ranks started without the launcher, tests), resolved here for the process group's world.
+    """
+
+    def __init__(self, run: ResolvedRun | Config) -> None:
         self.device, backend = device_and_backend()
-        self.rank, world = init_distributed(backend, cfg.train.collective_timeout_s)
-        _, dp = resolve_world(cfg, world)
-        self.dims = ParallelDims(pp=cfg.parallel.pp, dp=dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, world_size=world)
+        timeout = (run.config if isinstance(run, ResolvedRun) else run).train.collective_timeout_s
+        self.rank, world = init_distributed(backend, timeout)
+        self.resolved = run.for_world(world) if isinstance(run, ResolvedRun) else ResolvedRun.resolve(run, world)
+        self.cfg = cfg = self.resolved.config
+        dp = self.resolved.dp
+        self.dims = ParallelDims(**self.resolved.degrees, world_size=world)
         self.dims.build_mesh(self.device.type)
         self.world_ranks = list(range(world))
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
@@ -70,7 +78,7 @@ class Trainer:
         b = cfg.batch
         zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
         self.optimizer, self.scheduler = build_optimizer(
-            self.model.parameters(), cfg, global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, dp),
+            self.model.parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
         dp_rank = self.dims.rank_of(Axis.DP)
         corpus = self.setup.corpus
@@ -98,10 +106,10 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.rank == 0:
-            saved = " ".join(f"{axis}={meta.get(axis, 1)}" for axis in ("dp", "tp", "pp", "sp"))
+            saved = axes.describe({str(s.axis): meta.get(str(s.axis), 1) for s in axes.AXIS_TABLE})
             print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
-                  f"{meta.get('global_batch_size')}; now dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} "
-                  f"sp={self.dims.sp}, global batch {self.sampler.global_batch_size})", file=sys.stderr, flush=True)
+                  f"{meta.get('global_batch_size')}; now {axes.describe(self.dims)}, global batch "
+                  f"{self.sampler.global_batch_size})", file=sys.stderr, flush=True)
         return int(meta["step"])
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -118,8 +126,7 @@ class Trainer:
         return self.parallel.clip_gradients(self.cfg.optim.grad_clip)
 
     def _layout(self) -> dict[str, int]:
-        d = self.dims
-        return {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "sp": d.sp, "pp": d.pp}
+        return {"world_size": self.dims.world_size, **axes.as_dict(self.dims)}
 
     def save(self, step: int, wait: bool = False) -> Path | None:
         """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point); return
