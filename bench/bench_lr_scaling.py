@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, meshtrain_command, write_results  # noqa: E402
 
-from meshtrain.batch import scaled_lr  # noqa: E402
+from meshtrain.batch_math import scaled_lr  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
 MBS, REFERENCE, LR = 12, 12, 1e-3

@@ -155,7 +155,7 @@ def test_a_damaged_resolved_run_is_one_line(tmp_path, how):
 def test_the_launcher_starts_its_ranks_on_the_resolved_run_alone(tmp_path):
     """The ranks' command line names the resolved run and nothing else: no TOML, no override to re-derive."""
     from meshtrain.cli.main import build_parser
-    from meshtrain.launch.command import torchrun_argv
+    from meshtrain.cli.train import torchrun_argv
 
     args = build_parser().parse_args(["train", str(CONFIG), "--tp", "2"])
     argv = torchrun_argv(args, 2, str(tmp_path / "store"), tmp_path / "resolved.json")

@@ -1,4 +1,4 @@
-"""Batch arithmetic (meshtrain.batch) against the formulas and seed examples of docs/architecture.md."""
+"""Batch arithmetic (meshtrain.batch_math) against the formulas and seed examples of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from meshtrain.batch import data_parallel_size, open_sora_log, plan_batch, scaled_lr, steps_per_epoch
+from meshtrain.batch_math import data_parallel_size, open_sora_log, plan_batch, scaled_lr, steps_per_epoch
 from meshtrain.config import ConfigError
 
 degree = st.integers(1, 8)

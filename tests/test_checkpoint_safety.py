@@ -176,7 +176,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert "resumed from step 1 of" in proc.stderr
 
 
-# meta.json's schema (meshtrain.checkpoint_schema): each required key missing, of a wrong type, out of range
+# meta.json's schema (meshtrain.checkpoint.schema): each required key missing, of a wrong type, out of range
 WRONG_TYPE = {"config": [], "tokenizer": "char", "corpus_sha256": 5, "sampler": [], "files": []}
 OUT_OF_RANGE = {"step": 0, "config": {}, "tokenizer": {}, "corpus_sha256": "xyz", "vocab_size": 0,
                 "sampler": {"samples_seen": -1}, "world_size": 0, "dp": 0, "tp": -1, "sp": 0, "pp": 0,
@@ -184,7 +184,7 @@ OUT_OF_RANGE = {"step": 0, "config": {}, "tokenizer": {}, "corpus_sha256": "xyz"
 
 
 def _meta_cases():
-    from meshtrain.checkpoint_schema import META_SCHEMA
+    from meshtrain.checkpoint.schema import META_SCHEMA
 
     cases = []
     for key in META_SCHEMA:

@@ -44,7 +44,7 @@ def test_shakespeare_char_spells_out_every_key_of_every_section():
 
 
 def test_shakespeare_char_dp_fills_two_ranks_to_global_batch_24():
-    from meshtrain.batch import plan_batch
+    from meshtrain.batch_math import plan_batch
 
     cfg = load_config(SHAKESPEARE)
     world, dp = resolve_world(cfg, 2)

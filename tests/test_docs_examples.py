@@ -39,7 +39,7 @@ def _fenced(path: Path) -> str:
 
 def examples() -> list[tuple[str, str]]:
     """(where, command) of every example, docs first, then the plan command's epilog."""
-    from meshtrain.planner.command import EPILOG
+    from meshtrain.cli.plan import EPILOG
 
     found = [(p.relative_to(ROOT).as_posix(), c) for p in DOCS for c in _commands(_fenced(p))]
     found += [("meshtrain plan --help", c) for c in _commands(EPILOG)]

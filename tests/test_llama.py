@@ -93,7 +93,7 @@ def test_planner_counts_the_built_parameters(overrides):
     model's ``numel()`` and its shapes, and the pipeline split charges the optimizer for the same parameters
     (its costs at 0 tokens are ``OPTIMIZER_FLOPS_PER_PARAM`` times the embedding's, a block's and the head's)."""
     from meshtrain.planner.model_specs import from_config
-    from meshtrain.rules.pipeline_split import OPTIMIZER_FLOPS_PER_PARAM, model_item_costs
+    from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, model_item_costs
 
     cfg = load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "64", **overrides})
     model = build_model(cfg.model, 65)
@@ -146,10 +146,10 @@ def test_planner_flops_are_the_built_models_matmuls(overrides):
     SwiGLU as Megatron-LM's ``num_floating_point_operations``; the formula of every preset) are, per
     token, 2 FLOPs per weight of each matmul the built model runs (a block's Linear layers, the head) plus
     ``4*s*h`` of attention scores per layer, times 3 for forward + backward; and the pipeline split the
-    trainer cuts by (:mod:`meshtrain.rules.pipeline_split`) charges a block and the head the same FLOPs."""
+    trainer cuts by (:mod:`meshtrain.parallel.pipeline.balance`) charges a block and the head the same FLOPs."""
     from meshtrain.planner.cost import attention_flops_per_token, dense_flops_per_token, model_flops
     from meshtrain.planner.model_specs import from_config
-    from meshtrain.rules.pipeline_split import model_item_costs
+    from meshtrain.parallel.pipeline.balance import model_item_costs
 
     cfg = load_config(None, {"model.type": "llama", "model.n_head": "4", "model.n_embd": "64", **overrides})
     with torch.device("meta"):

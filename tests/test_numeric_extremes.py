@@ -27,7 +27,7 @@ EXTREMES = ["0", "-1", "1e-324", "5e-324", "1e400", "-1e400", "nan", "inf", "-in
 
 def numeric_keys() -> list[str]:
     """Every int or float key of the config, as ``section.key``."""
-    from meshtrain.config import _field_types, _sections
+    from meshtrain.config.load import _field_types, _sections
 
     return [f"{section}.{key}" for section, cls in _sections().items()
             for key, typ in _field_types(cls).items() if typ in (int, float) or typing.get_args(typ) == (int,)]

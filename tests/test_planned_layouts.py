@@ -27,7 +27,7 @@ def ranked_layouts(world: int, overrides: dict[str, str]) -> list:
     """The layouts ``meshtrain plan CONFIG --num-gpus world OVERRIDES`` ranks (every one that fits, fastest
     first; the table shows the top ``--top`` of these), through the command's own context and search."""
     from meshtrain.cli.main import build_parser
-    from meshtrain.planner.command import _config_overrides, build_context
+    from meshtrain.cli.plan import _config_overrides, build_context
     from meshtrain.planner.search import search
 
     args, extra = build_parser().parse_known_args(["plan", str(CONFIG), "--num-gpus", str(world),

@@ -213,7 +213,7 @@ def test_plan_vs_actual_of_a_tp_and_sp_run(profile, tmp_path, capsys):
 
 
 def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys):
-    from meshtrain.launch.report import report_plan_vs_actual
+    from meshtrain.launch.outcome import report_plan_vs_actual
 
     cfg = load_config(CONFIG, {"train.out_dir": str(tmp_path)})
     report_plan_vs_actual(cfg, threads=1)  # no summary.json (rank 0 on another node): nothing
@@ -236,7 +236,7 @@ def test_launcher_reads_the_summary_and_skips_runs_without_one(tmp_path, capsys)
 def test_rank_threads_share_out_the_cores():
     import os
 
-    from meshtrain.launch.command import rank_threads
+    from meshtrain.cli.train import rank_threads
 
     saved = os.environ.pop("OMP_NUM_THREADS", None)
     try:
@@ -284,7 +284,7 @@ def test_pipeline_action_host_time_is_charged_per_action(schedule, v, actions):
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
-    from meshtrain.rules.pipeline_schedules import bubble_fraction
+    from meshtrain.parallel.pipeline.rules import bubble_fraction
 
     hw = get_hardware("cpu")
     model = from_config(load_config(CONFIG), 65)

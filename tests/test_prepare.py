@@ -1,4 +1,4 @@
-"""``meshtrain prepare`` and the reader of its output (:mod:`meshtrain.data.prepare`, :mod:`meshtrain.data.prepared`).
+"""``meshtrain prepare`` and the reader of its output (:mod:`meshtrain.data.preprocess`, :mod:`meshtrain.data.shards`).
 
 The reference for every token is the ``tokenizers`` library's own encoding of each document plus EOS, and the
 split rule written out here in plain Python. A tiny byte-level BPE (vocabulary 400, ``<|endoftext|>`` special)
@@ -24,8 +24,8 @@ import pytest
 from conftest import ROOT, run_cli
 from meshtrain.cli.main import main
 from meshtrain.config import ConfigError
-from meshtrain.data import prepare as prep
-from meshtrain.data.prepared import PreparedData
+from meshtrain.data import preprocess as prep
+from meshtrain.data.shards import PreparedData
 
 SHAKESPEARE = ROOT / "src" / "meshtrain" / "assets" / "tinyshakespeare.txt"
 VAL = 0.05
@@ -148,7 +148,7 @@ def test_an_error_midway_leaves_nothing(tmp_path, tok_path, docs, monkeypatch):
 
 KILL_MIDWAY = """
 import os, signal, sys
-from meshtrain.data import prepare as prep
+from meshtrain.data import preprocess as prep
 prep.TASK_CHARS = 1500
 write, calls = prep.ShardWriter.write, []
 def killing(self, ids, lengths):

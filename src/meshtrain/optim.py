@@ -15,7 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from meshtrain.batch import scaled_lr
+from meshtrain.batch_math import scaled_lr
 from meshtrain.config import Config, OptimConfig
 
 
@@ -44,7 +44,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
     """``cfg`` with ``lr`` and ``min_lr`` scaled to ``global_batch_size`` by ``cfg.lr_scaling``
-    (:func:`meshtrain.batch.scaled_lr`); the warmup and the cosine shape are unchanged."""
+    (:func:`meshtrain.batch_math.scaled_lr`); the warmup and the cosine shape are unchanged."""
     factor = scaled_lr(1.0, global_batch_size, cfg.reference_batch_size, cfg.lr_scaling)
     return dataclasses.replace(cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain import axes
-from meshtrain.batch import global_batch_size
+from meshtrain.batch_math import global_batch_size
 from meshtrain.config import Config, ConfigError, resolve_world, set_key, validate
 
 FORMAT = "meshtrain-resolved-run"
@@ -84,7 +84,7 @@ class ResolvedRun:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, ``micro_batch_size * gradient_accumulation_steps * dp``
-        (:func:`meshtrain.batch.global_batch_size`; an async run's step is one worker's batch)."""
+        (:func:`meshtrain.batch_math.global_batch_size`; an async run's step is one worker's batch)."""
         b = self.config.batch
         return global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps,
                                  1 if self.config.parallel.sync_mode == "async" else self.dp)

@@ -1,4 +1,4 @@
-"""``meshtrain batch``: the batch arithmetic of a layout (:mod:`meshtrain.batch`) as a table or JSON."""
+"""``meshtrain batch``: the batch arithmetic of a layout (:mod:`meshtrain.batch_math`) as a table or JSON."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 import json
 
 from meshtrain.argtypes import positive_float
-from meshtrain.axes import REPLICA_AXES, SPECS
+from meshtrain.axes import REPLICA_AXES, SPECS, degree, product_text, replica_size
 from meshtrain.config import LR_SCALINGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="batch arithmetic of a layout: global batch, tokens, steps, time",
-                       description="Global batch = micro_batch_size * grad_accum * world_size / (tp*pp*sp). "
+                       description="Global batch = micro_batch_size * grad_accum * world_size / (pp*sp*tp). "
                                    "Only the dp factor multiplies the batch.")
     p.add_argument("--world-size", type=int, required=True, help="ranks = nnodes * nproc_per_node")
     p.add_argument("--micro-batch-size", type=int, required=True,
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtrain.batch import open_sora_log, plan_batch
+    from meshtrain.batch_math import open_sora_log, plan_batch
 
     plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, **{str(a): getattr(args, a) for a in REPLICA_AXES},
                       seq_len=args.seq_len, num_samples=args.num_samples, epochs=args.epochs,
@@ -67,8 +67,9 @@ def _print_batch_table(plan, osl) -> None:
     t.add_column("how")
     rows = [
         ("world_size", plan.world_size, "ranks = nnodes * nproc_per_node"),
-        ("tp * pp * sp", plan.tp * plan.pp * plan.sp, f"{plan.tp} * {plan.pp} * {plan.sp}: ranks sharing each sample"),
-        ("dp", plan.dp, "world_size / (tp*pp*sp): the only factor that multiplies the batch"),
+        (" * ".join(REPLICA_AXES), replica_size(plan),
+         f"{' * '.join(str(degree(plan, a)) for a in REPLICA_AXES)}: ranks sharing each sample"),
+        ("dp", plan.dp, f"world_size / ({product_text(REPLICA_AXES)}): the only factor that multiplies the batch"),
         ("micro_batch_size", plan.micro_batch_size, "per dp replica, per micro-step"),
         ("gradient_accumulation_steps", plan.gradient_accumulation_steps, "micro-steps per optimizer step"),
         ("global_batch_size", plan.global_batch_size, "micro_batch_size * GA * dp  [samples/step]"),

@@ -18,14 +18,12 @@ DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from meshtrain.launch import command as launch
-    from meshtrain.cli import batch, export, generate, prepare, tokenizer
-    from meshtrain.planner import command as plan_command
+    from meshtrain.cli import batch, export, generate, plan, prepare, tokenizer, train
 
     parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export,tokenizer,prepare}")
-    launch.add_parser(sub)
-    plan_command.add_parser(sub)
+    train.add_parser(sub)
+    plan.add_parser(sub)
     batch.add_parser(sub)
     generate.add_parser(sub)
     export.add_parser(sub)

@@ -1,6 +1,6 @@
 """``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR``: token shards to train on.
 
-The work is :func:`meshtrain.data.prepare.prepare`; this module parses the options and shows a rich progress
+The work is :func:`meshtrain.data.preprocess.prepare`; this module parses the options and shows a rich progress
 bar on stderr (documents, tokens, input MB/s, ETA from the input bytes read). docs/data.md, "Preparing a
 dataset", describes the output folder.
 """
@@ -11,7 +11,7 @@ import argparse
 import time
 
 from meshtrain.argtypes import int_in, positive_float, positive_int
-from meshtrain.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, default_workers, prepare
+from meshtrain.data.preprocess import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, default_workers, prepare
 from meshtrain.data.sources import DOC_SPLITS
 
 REFRESH_PER_S = 4

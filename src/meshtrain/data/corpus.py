@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.config import ConfigError
-from meshtrain.data.prepared import TokenView
+from meshtrain.data.shards import TokenView
 from meshtrain.data.sampler import Tokens
 from meshtrain.data.tokenizers import TOKENIZER_KIND, CharTokenizer, Tokenizer, load_tokenizer
 
@@ -39,7 +39,7 @@ class Corpus:
 
 class PreparedTokens:
     """One split of a prepared dataset as a :class:`meshtrain.data.sampler.TokenSource`: ``gather`` reads the
-    ``n * length`` tokens it returns (:meth:`meshtrain.data.prepared.TokenView.windows`, ``os.pread``), never
+    ``n * length`` tokens it returns (:meth:`meshtrain.data.shards.TokenView.windows`, ``os.pread``), never
     the whole split."""
 
     def __init__(self, view: TokenView) -> None:
@@ -62,7 +62,7 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
             that changed since, ``data.tokenizer`` naming another tokenizer than the one it was prepared
             with, or a split shorter than one window.
     """
-    from meshtrain.data.prepared import META_FILE, PreparedData
+    from meshtrain.data.shards import META_FILE, PreparedData
     from meshtrain.data.tokenizers import same_tokenizer, tokenizer_from_dict
 
     data = PreparedData.open(folder)

@@ -38,7 +38,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 @runtime_checkable
 class TokenSource(Protocol):
     """Token ids too large to hold in memory (a prepared dataset's memory-mapped shards,
-    :mod:`meshtrain.data.prepared`): their count and windows read on demand. A sampler over a TokenSource
+    :mod:`meshtrain.data.shards`): their count and windows read on demand. A sampler over a TokenSource
     reads ``n * (block_size + 1)`` tokens per call, never the whole corpus."""
 
     def __len__(self) -> int:

@@ -1,1 +1,1 @@
-"""``meshtrain train``: checks, then torchrun's engine starts the ranks (:mod:`meshtrain.launch.command`)."""
+"""``meshtrain train``: checks, then torchrun's engine starts the ranks (:mod:`meshtrain.cli.train`)."""

@@ -6,7 +6,8 @@ entry, or this CPU's calibrated profile with the node's available memory shared 
 config's global batch. It chooses dp, tp, pp, sp, zero stage, micro-batch size, gradient accumulation,
 recompute mode, pipeline schedule and virtual stages; layout keys given on the command line (``--tp 2``,
 ``--parallel.zero_stage 3``, ``--train.recompute full``) are pinned, not searched. The choice becomes
-config overrides (:meth:`meshtrain.planner.layout.Layout.to_overrides`), so the ranks, the memory check and
+config overrides (:meth:`meshtrain.planner.layout.Layout.to_overrides`) set on the launcher's config, which is
+resolved once and handed to the ranks (:mod:`meshtrain.resolved`), so the ranks, the memory check and
 ``plan_vs_actual.json`` see exactly the layout the planner ranked. Every layout the search may return is one
 the trainer runs (the planner and config validation read the same rules, :mod:`meshtrain.rules`;
 ``tests/test_planned_layouts.py`` trains them).
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from meshtrain.axes import SHORT_FLAGS
-from meshtrain.batch import global_batch_size
+from meshtrain.batch_math import global_batch_size
 from meshtrain.config import Config, ConfigError, resolve_world
 from meshtrain.planner.estimate import Estimate
 

@@ -55,8 +55,7 @@ def published_memory_error(path: Path | None = None) -> float:
     (``peak_memory_gib`` in ``planner/data/published_runs.toml``, e.g. torchtitan's docs/performance.md
     tables); 0 when none does."""
     from meshtrain.config import read_toml
-    from meshtrain.planner.command import PUBLISHED_RUNS
-    from meshtrain.planner.validate import predict_run
+    from meshtrain.planner.validate import PUBLISHED_RUNS, predict_run
 
     errors = [0.0]
     for run in read_toml(path or PUBLISHED_RUNS, "validation file").get("run", []):
@@ -118,10 +117,10 @@ def check_memory(run: ResolvedRun, nproc: int) -> None:
 
 
 def print_pipeline_split(cfg: Config) -> None:
-    """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.rules.pipeline_split`)."""
-    from meshtrain.rules.pipeline_split import chunk_ranks, describe_split, model_item_costs, split_layers
+    """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.parallel.pipeline.balance`)."""
+    from meshtrain.parallel.pipeline.balance import chunk_ranks, describe_split, model_item_costs, split_layers
     from meshtrain.planner.model_specs import corpus_vocab_size
-    from meshtrain.rules.pipeline_schedules import RULES
+    from meshtrain.parallel.pipeline.rules import RULES
 
     m, p, b = cfg.model, cfg.parallel, cfg.batch
     vocab = m.vocab_size or corpus_vocab_size(cfg)

@@ -1,218 +1,25 @@
-"""How the parallel strategies compose: the one function the trainer calls, :func:`parallelize`.
+"""The parallel strategies, one module or folder each (``tensor``, ``sequence/``, ``pipeline/``, ``data_parallel``,
+``hierarchical``, ``local_sgd``, ``async_ps``, ``recompute``), what they share (``reduce``, ``rng``, ``model``),
+and how they compose: :func:`parallelize` (:mod:`meshtrain.parallel.compose`), the one function the trainer calls.
 
-Each strategy is ``apply_<x>(model, mesh, ...) -> model`` in its own module; they are applied in one fixed
-order (docs/architecture.md, "Layers"):
-
-1. pp split -- :func:`meshtrain.parallel.pipeline.split_model`: this rank's chunks of consecutive
-   layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;
-2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
-3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
-4. dp -- :func:`meshtrain.parallel.data_parallel.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
-   it wraps (and, for FSDP2, shards further) the parameters tp produced; optionally with DDP's
-   all-reduce made hierarchical (:mod:`meshtrain.parallel.hierarchical`). Local SGD and the parameter
-   server replace this all-reduce altogether (:mod:`meshtrain.parallel.local_sgd`,
-   :mod:`meshtrain.parallel.async_ps`).
-
-Dropout streams are set up after tp and sp (:mod:`meshtrain.parallel.rng`), since sp replaces the
-attention modules whose dropout runs on the per-tp-rank stream. No strategy module imports another.
-
-:func:`parallelize` also decides everything else about how a step runs -- compiled blocks (before DDP/
-FSDP2 wrap them, as torchtitan orders it), the pipeline schedule, local SGD's parameter averaging -- and
-returns a :class:`ParallelModel` (:mod:`meshtrain.parallel.model`) whose methods the trainer calls, so the
-training loop holds no ``if strategy`` branch. (Composition lives in this ``__init__``: it is the one module
-of the package that may import every strategy.) The parameter server is a loop of its own
-(:func:`meshtrain.parallel.async_ps.uses_parameter_server`).
+Importing this package imports no torch, so that the torch-free rules of a strategy (the pipeline's schedule
+rules and cost-balanced split, :mod:`meshtrain.parallel.pipeline.rules` and :mod:`.pipeline.balance`) can be
+read by config validation and the planner; :func:`parallelize` and the other names of :mod:`.compose` load on
+first use.
 """
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-from torch import nn
-
-from collections.abc import Callable
-
-from meshtrain.batch import global_batch_size, tokens_per_step
-from meshtrain.config import Config, ConfigError, ParallelConfig
-from meshtrain.data.packing import pack_documents
-from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
-from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
-from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
-from meshtrain.parallel.local_sgd import LocalSGD
-from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
-from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
-from meshtrain.parallel.recompute import apply_recompute, compile_blocks
-from meshtrain.parallel.rng import TPRegionRNG
-from meshtrain.parallel.reduce import cross_entropy, local_value
-from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
-from meshtrain.parallel.tensor import apply_tp
-from meshtrain.rules.support import blocks_compiled, compile_eligible
+import importlib
+from typing import Any
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
-                autocast: contextlib.AbstractContextManager, eos_id: int | None = None) -> ParallelModel:
-    """Everything ``cfg`` asks of ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, built from the
-    seed on this rank's device) on ``dims``' built mesh; return what the trainer runs steps with.
-
-    With pp > 1 the model is cut into this rank's pipeline chunks (:func:`parallelize_pipeline`), else it
-    gets compiled blocks where ``train.compile`` resolves to on (:func:`meshtrain.rules.support.blocks_compiled`),
-    then tp -> sp -> dp (:func:`parallelize_model`), and local SGD's averaging where ``sync_mode`` asks
-    for it. ``autocast``: the context every forward runs in (bf16 autocast, or none). ``eos_id``: the
-    tokenizer's end-of-document id, which ``data.packing = "document"`` splits each window at
-    (:mod:`meshtrain.data.packing`); unused with "concat".
-
-    Raises:
-        ConfigError: ``data.packing = "document"`` and ``eos_id`` is None (a tokenizer without EOS).
-    """
-    p, b = cfg.parallel, cfg.batch
-    eos = _packing_eos(cfg, eos_id)
-    device_type = next(model.parameters()).device.type
-    compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
-                               device_type)
-    blockwise = {"recompute": cfg.train.recompute, "compiled": compiled}
-    if dims.pp_enabled:
-        tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
-                                 cfg.model.block_size)  # one replica's, for balancing the chunks' costs
-        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
-                                        document_masking=eos is not None, **blockwise)
-        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast, compiled=compiled)
-    model = parallelize_model(model, dims, p, **blockwise)
-    local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
-                 if p.sync_mode == "local-sgd" else None)
-    return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
-                           local_sgd=local_sgd)
-
-
-def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:
-    """The EOS id windows are split into documents at: ``eos_id`` with ``data.packing = "document"``, else None.
-
-    Raises:
-        ConfigError: "document" with no ``eos_id``: a tokenizer file without an EOS token (config validation
-            refuses the char tokenizer before launch; a file's special tokens are known once it is read).
-    """
-    if cfg.data.packing != "document":
-        return None
-    if eos_id is None:
-        raise ConfigError(f"data.packing = 'document' needs an end-of-document token, and data.tokenizer = "
-                          f"'{cfg.data.tokenizer}' has none: use a tokenizer with an EOS token or data.packing = 'concat'")
-    return eos_id
-
-
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
-    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` as a plain
-    tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward
-    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view:
-    the zero-bubble schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
-    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True)).clone()
-
-
-def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",
-                      compiled: bool = False) -> nn.Module:
-    """Apply tp -> sp -> per-block recomputation and compile -> dp to ``model`` (built on this rank's device) on
-    ``dims``' mesh; return the module to train.
-
-    ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
-    ``inner_attention`` submodules (:class:`meshtrain.models.gpt.model.GPT` does). ``recompute``: ``train.recompute``
-    ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`).
-    With pp > 1 use :func:`parallelize_pipeline`.
-
-    Raises:
-        ValueError: ``dims.pp > 1``, or an unknown ``recompute``.
-    """
-    if dims.pp > 1:
-        raise ValueError(f"pp = {dims.pp}: use parallelize_pipeline")
-    model = _shard(model, dims, cfg)
-    _attach_tp_rng(model, dims, cfg)
-    _blockwise(model, model, recompute, compiled)
-    model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb)
-    _maybe_hierarchical(dims, cfg, [model])
-    return model
-
-
-def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, n_microbatches: int,
-                         tokens_per_step: int, loss_fn: Callable, document_masking: bool = False,
-                         recompute: str = "none", compiled: bool = False) -> Pipeline:
-    """Split ``model`` into pipeline chunks for this rank, apply tp -> sp -> per-block recomputation and
-    compile -> dp to each; return the :class:`Pipeline` that trains them (``.model`` holds this rank's
-    parameters, unwrapped).
-
-    ``n_microbatches``: micro-batches per step; ``tokens_per_step``: for balancing the chunks' costs;
-    ``loss_fn``: ``(logits (B, T, V), targets (B, T)) -> mean loss`` on the last stage;
-    ``document_masking``: steps carry per-sample positions and document ids (``data.packing = "document"``);
-    ``recompute``, ``compiled``: as in :func:`parallelize_model`.
-    """
-    pp_mesh = dims.get_mesh(Axis.PP)
-    chunks, mine, parts = split_model(model, dims.pp, pp_mesh.get_local_rank(), cfg.virtual_stages,
-                                      cfg.pp_schedule, tokens_per_step)
-    parts = [_shard(part, dims, cfg) for part in parts]
-    _attach_tp_rng(model, dims, cfg)
-    for part in parts:
-        _blockwise(part, model, recompute, compiled, split_backward=cfg.pp_schedule in ("zero-bubble", "zbv"))
-    parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb) for part in parts]
-    _maybe_hierarchical(dims, cfg, parts)
-    return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
-                    embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
-                    next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,
-                    hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1, document_masking=document_masking)
-
-
-def _blockwise(part: nn.Module, model: nn.Module, recompute: str, compiled: bool, split_backward: bool = False) -> None:
-    """Recomputation, then compile, on each block of ``part`` (``model``, or one of its pipeline chunks, whose
-    tp dropout stream ``model.tp_rng`` the recomputation rewinds), after tp/sp and before dp: torchtitan's order.
-    ``split_backward``: a zero-bubble schedule runs them (:func:`meshtrain.parallel.recompute.compile_blocks`)."""
-    apply_recompute(part.blocks, recompute, getattr(model, "tp_rng", None))
-    if compiled:
-        compile_blocks(part.blocks, split_backward)
-
-
-def _maybe_hierarchical(dims: ParallelDims, cfg: ParallelConfig, models: list[nn.Module]) -> None:
-    """With ``hierarchical_allreduce``, DDP's all-reduce becomes reduce / all-reduce between nodes /
-    broadcast (:mod:`meshtrain.parallel.hierarchical`); nothing to do with one replica."""
-    if cfg.hierarchical_allreduce and dims.batch_degree > 1:
-        apply_hierarchical_allreduce(models, dims.batch_groups())
-
-
-def _shard(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """tp, then sp, on ``model`` (a whole model or one pipeline chunk)."""
-    if dims.tp_enabled:
-        model = apply_tp(model, dims.get_mesh(Axis.TP), cfg.tp_sequence_parallel)
-    if dims.sp_enabled:
-        model = apply_sp(model, dims.get_mesh(Axis.SP), cfg.sp_mode)
-    return model
-
-
-def _attach_tp_rng(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> None:
-    """Run the dropouts on tp-split activations on a per-rank stream (:mod:`meshtrain.parallel.rng`)."""
-    if dims.tp_enabled:
-        model.tp_rng = TPRegionRNG(next(model.parameters()).device)
-        for module in model.tp_split_dropout_modules(cfg.tp_sequence_parallel):
-            model.tp_rng.attach(module)
-
-
-def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: int, sp_mode: str,
-                eos_id: int | None = None) -> LocalBatch:
-    """This rank's tokens of a micro-batch: ``x, y`` (B, T) -> (B, T/sp) each, their global positions
-    (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention), and None.
-
-    With ``eos_id`` (``data.packing = "document"``) the documents are found in the whole windows first
-    (:func:`meshtrain.data.packing.pack_documents`): positions become per sample, (B, T/sp), restarting at
-    each document and cut like the tokens, and the fourth item is the document ids (B, T) of the whole
-    window, which every rank keeps: Ulysses attends over all T tokens of its heads, and tp ranks share them."""
-    T = x.size(1)
-    doc_ids = positions = None
-    if eos_id is not None:
-        doc_ids, positions = pack_documents(x, eos_id)  # (B, T) each
-    if not dims.sp_enabled:
-        return x, y, (torch.arange(T, device=x.device) if positions is None else positions), doc_ids
-    shard = [shard_sequence(t, 1, sp_rank, dims.sp, sp_mode) for t in (x, y)]  # (B, T/sp) each
-    positions = (sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device) if positions is None
-                 else shard_sequence(positions, 1, sp_rank, dims.sp, sp_mode))  # (T/sp,) or (B, T/sp)
-    return shard[0], shard[1], positions, doc_ids
-
-
-def _sharder(dims: ParallelDims, sp_mode: str, eos_id: int | None = None) -> Callable:
-    """``(x, y) -> (x, y, positions, doc_ids)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
-    sp_rank = dims.rank_of(Axis.SP)
-    return lambda x, y: local_batch(x, y, dims, sp_rank, sp_mode, eos_id)
+def __getattr__(name: str) -> Any:
+    """A name of :mod:`meshtrain.parallel.compose` (PEP 562), imported on first use."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    compose = importlib.import_module(f"{__name__}.compose")
+    try:
+        return getattr(compose, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

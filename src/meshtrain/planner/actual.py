@@ -4,7 +4,7 @@ comparison with what the run measured (``OUT/plan_vs_actual.json``).
 The trainer does not import the planner (docs/architecture.md, "Layers"): rank 0 writes ``OUT/summary.json``
 (median seconds per optimizer step, peak memory of the busiest rank: peak RSS on CPU, the CUDA
 allocator's peak on GPU, world size, vocabulary, device). The launcher (``meshtrain train``,
-:func:`meshtrain.launch.command.run`) then calls :func:`report_run`, which predicts the same layout with
+:func:`meshtrain.cli.train.run`) then calls :func:`report_run`, which predicts the same layout with
 :func:`predict_for_run` (the config's layout, :meth:`meshtrain.planner.layout.Layout.from_config`: dp, tp,
 sp with its ``sp_mode``, ``tp_sequence_parallel``, ZeRO stage, batch split), writes the comparison with :func:`write_plan_vs_actual` and prints one line. On CPU the
 prediction uses the profile of ``meshtrain plan --calibrate`` (default

@@ -527,9 +527,9 @@ def _split_backward_factor() -> float:
     return max(1.0, two / one) if one > 0 else 1.0
 
 
-TRAINER_MODULES = ("meshtrain.checkpoint", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
+TRAINER_MODULES = ("meshtrain.checkpoint.store", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
                    "meshtrain.fileio", "meshtrain.preflight", "meshtrain.mesh", "meshtrain.metrics", "meshtrain.models",
-                   "meshtrain.models.gpt.model", "meshtrain.optim", "meshtrain.parallel", "meshtrain.parallel.data_parallel",
+                   "meshtrain.models.gpt.model", "meshtrain.optim", "meshtrain.parallel.compose", "meshtrain.parallel.data_parallel",
                    "meshtrain.parallel.reduce", "meshtrain.parallel.pipeline", "meshtrain.parallel.rng",
                    "meshtrain.runtime.device", "meshtrain.runtime.distributed", "meshtrain.runtime.faults",
                    "torch.optim.lr_scheduler")

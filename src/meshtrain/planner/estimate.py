@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.batch import steps_per_epoch, tokens_per_step
+from meshtrain.batch_math import steps_per_epoch, tokens_per_step
 from meshtrain.config import ConfigError
 from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
@@ -31,7 +31,7 @@ class Job:
 
         ``ceil(token_budget / tokens_per_step)`` (``tokens_per_step = global_batch_size * seq_len``), or
         ``ceil(epochs * ceil(num_samples / global_batch_size))`` (the training-time example of docs/architecture.md;
-        both via :mod:`meshtrain.batch`).
+        both via :mod:`meshtrain.batch_math`).
         """
         if self.total_steps is not None:
             return self.total_steps

@@ -2,7 +2,7 @@
 the divisibility rules a layout must meet.
 
 Terms as in docs/architecture.md: ``world_size = dp * tp * pp * sp``, ``global_batch_size = micro_batch_size *
-gradient_accumulation_steps * dp`` (:mod:`meshtrain.batch` holds both formulas). Mesh axes are ordered
+gradient_accumulation_steps * dp`` (:mod:`meshtrain.batch_math` holds both formulas). Mesh axes are ordered
 outer to inner ``(pp, dp, sp, tp)``, so a group of axis X holds ranks ``stride(X)`` apart, and spans
 nodes when its extent exceeds a node.
 """
@@ -13,10 +13,10 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from meshtrain import axes, batch
+from meshtrain import axes, batch_math
 from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
-from meshtrain.rules.pipeline_schedules import RULES, schedule_error
+from meshtrain.parallel.pipeline.rules import RULES, schedule_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
 from meshtrain.axes import PP_SCHEDULES, SP_MODES, ZERO_STAGES
@@ -113,9 +113,9 @@ class Layout(LayoutDegrees):
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step (:func:`meshtrain.batch.global_batch_size`; per parameter-server
+        """Samples per optimizer step (:func:`meshtrain.batch_math.global_batch_size`; per parameter-server
         update: one worker's batch, so dp counts 1)."""
-        return batch.global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps,
+        return batch_math.global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps,
                                        1 if self.ps_servers else self.dp)
 
     def spans_nodes(self, axis: str, devices_per_node: int) -> bool:
@@ -141,13 +141,22 @@ class Layout(LayoutDegrees):
         sched = ""
         if self.pp > 1:
             sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        seqp = "+sp" if self.tp_sequence_parallel else ""
-        ring = "ring" if self.sp > 1 and self.sp_mode == "ring" else ""
-        dp = f"{self.dp}{'hier' if self.hierarchical_allreduce else ''}"
-        dp += f"H{self.local_sgd_steps}" if self.local_sgd_steps else ""
-        dp += f"+{self.ps_servers}ps" if self.ps_servers else ""
-        return (f"dp{dp} tp{self.tp}{seqp} pp{self.pp} sp{self.sp}{ring} z{self.zero_stage} "
-                f"mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} {self.recompute}{sched}")
+        degrees = " ".join(f"{a}{self._axis_label(str(a))}" for a in axes.SHORT_FLAGS)
+        return (f"{degrees} z{self.zero_stage} mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} "
+                f"{self.recompute}{sched}")
+
+    def _axis_label(self, axis: str) -> str:
+        """An axis's degree in :meth:`label`, with what runs it: dp's hierarchical all-reduce (``hier``), local SGD
+        (``H4``) and servers (``+1ps``), tp's Megatron-SP (``+sp``), sp's ring attention (``ring``)."""
+        text = str(axes.degree(self, axis))
+        if axis == "dp":
+            text += ("hier" if self.hierarchical_allreduce else "") + (f"H{self.local_sgd_steps}" if self.local_sgd_steps else "")
+            text += f"+{self.ps_servers}ps" if self.ps_servers else ""
+        elif axis == "tp" and self.tp_sequence_parallel:
+            text += "+sp"
+        elif axis == "sp" and self.sp > 1 and self.sp_mode == "ring":
+            text += "ring"
+        return text
 
 
 @dataclass(frozen=True)
@@ -327,7 +336,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
     needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2), and each pipeline schedule
-    its own rules (:func:`meshtrain.rules.pipeline_schedules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
+    its own rules (:func:`meshtrain.parallel.pipeline.rules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
     2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """
@@ -410,7 +419,7 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
 def selective_runs(framework: Framework, layout: Layout) -> bool:
     """False where ``layout`` asks for "selective" recomputation under a pipeline schedule whose split backward
     the framework's selective mode does not take (op-level under zero-bubble and zbv:
-    :attr:`meshtrain.rules.pipeline_schedules.ScheduleRule.selective_recompute`), else True."""
+    :attr:`meshtrain.parallel.pipeline.rules.ScheduleRule.selective_recompute`), else True."""
     return not (layout.recompute == "selective" and framework.per_operator_selective and layout.pp > 1
                 and layout.pp_schedule in RULES and not RULES[layout.pp_schedule].selective_recompute)
 
@@ -431,9 +440,9 @@ def field_kinds() -> dict[str, str]:
 def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
     """``"tp=8,pp=4,zero_stage=1,micro_batch_size=2,recompute=full"`` -> :class:`Layout`.
 
-    Unnamed degrees default to 1 (dp to world_size / (tp*pp*sp), :func:`meshtrain.batch.data_parallel_size`),
+    Unnamed degrees default to 1 (dp to world_size / (tp*pp*sp), :func:`meshtrain.batch_math.data_parallel_size`),
     micro_batch_size to 1, and gradient_accumulation_steps to global_batch_size / (micro_batch_size * dp),
-    the inverse of :func:`meshtrain.batch.global_batch_size`.
+    the inverse of :func:`meshtrain.batch_math.global_batch_size`.
 
     Raises:
         ConfigError: unknown key (with the valid ones), bad value, or sizes that do not divide.
@@ -452,13 +461,13 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
         except ValueError:
             raise ConfigError(f"--explain {key} = {value!r} is not a valid {kind}") from None
     replica = {str(a): values.get(str(a), 1) for a in axes.REPLICA_AXES}
-    dp = batch.data_parallel_size(world_size, **replica)
+    dp = batch_math.data_parallel_size(world_size, **replica)
     values.setdefault("dp", dp)
     if values["dp"] != dp:
         raise ConfigError(f"{axes.product_text(axes.AXES)} = {values['dp'] * axes.replica_size(replica)} != "
                           f"num_gpus = {world_size}")
     if "gradient_accumulation_steps" not in values:
-        unit = batch.global_batch_size(values.get("micro_batch_size", 1), 1, dp)  # samples per micro-step
+        unit = batch_math.global_batch_size(values.get("micro_batch_size", 1), 1, dp)  # samples per micro-step
         if global_batch_size % unit:
             raise ConfigError(f"global_batch_size = {global_batch_size} is not a multiple of "
                               f"micro_batch_size*dp = {unit}")

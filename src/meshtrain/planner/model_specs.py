@@ -237,7 +237,7 @@ def corpus_vocab_size(cfg: Config) -> int:
 
     path = cfg.data.resolved_path()
     if path.is_dir():  # a prepared dataset: its meta.json names the tokenizer
-        from meshtrain.data.prepared import read_prepared_meta
+        from meshtrain.data.shards import read_prepared_meta
 
         meta = read_prepared_meta(path)
         return model_vocab_size(meta["tokenizer"]["kind"], int(meta["vocab_size"]), 0, cfg.parallel.tp)

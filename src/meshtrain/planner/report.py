@@ -11,7 +11,7 @@ from rich.table import Table
 
 
 from meshtrain.axes import SHORT_FLAGS, degree
-from meshtrain.batch import tokens_per_step
+from meshtrain.batch_math import tokens_per_step
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors

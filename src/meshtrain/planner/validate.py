@@ -42,6 +42,8 @@ from meshtrain.planner.memory import PRECISIONS
 from meshtrain.planner.model_specs import from_table
 from meshtrain.planner.search import search
 
+PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
+"""Measured runs from papers and framework tables, with their sources, shipped inside the package."""
 SOURCE_FRAMEWORKS = (("torchtitan", "torchtitan"), ("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
                      ("korthikanti", "megatron-2022"), ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
 """(keyword of a run's source, framework), first match wins: "torchtitan ... (FSDP)" is torchtitan."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshtrain.axes import PP_SCHEDULES, RECOMPUTE_MODES, SP_MODES, ZERO_STAGES
 from meshtrain.models.registry import attention_families, family
-from meshtrain.rules.pipeline_schedules import RULES
+from meshtrain.parallel.pipeline.rules import RULES
 
 
 @dataclass(frozen=True)

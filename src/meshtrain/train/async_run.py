@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import checkpoint as ckpt
-from meshtrain.batch import tokens_per_step
+from meshtrain.batch_math import tokens_per_step
 from meshtrain.config import Config, ConfigError
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary

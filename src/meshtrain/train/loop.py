@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from meshtrain import axes
 from meshtrain import checkpoint as ckpt
-from meshtrain.checkpoint_async import Checkpoints
-from meshtrain.batch import tokens_per_step
+from meshtrain.checkpoint.writer import Checkpoints
+from meshtrain.batch_math import tokens_per_step
 from meshtrain.config import Config
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims

@@ -1,6 +1,6 @@
 """Pipeline parallelism (``pp``): consecutive layers on consecutive ranks, micro-batches streamed through.
 
-The model is cut into ``pp * virtual_stages`` chunks balanced by cost (:mod:`meshtrain.rules.pipeline_split`);
+The model is cut into ``pp * virtual_stages`` chunks balanced by cost (:mod:`meshtrain.parallel.pipeline.balance`);
 each rank keeps its chunks (the embedding on the first, the final norm, head and loss on the last)
 and runs a schedule from ``torch.distributed.pipelining`` over them. Pipeline micro-batches are the
 step's ``gradient_accumulation_steps`` micro-batches, so a step's gradient is the same mean as
@@ -11,7 +11,8 @@ Embedding and head: when they sit in different chunks the head gets its own copy
 hold them -- Megatron-LM's embedding group -- so both copies stay equal to the single tied weight of
 one process. The gradient norm counts that weight once.
 
-Modules: ``split.py`` (:func:`split_model`: this rank's chunks; :func:`embedding_group`),
+Modules: ``rules.py`` (each schedule's rules, torch-free: what config validation and the planner check),
+``balance.py`` (the cut into chunks balanced by cost, torch-free: the launcher prints it), ``split.py`` (:func:`split_model`: this rank's chunks; :func:`embedding_group`),
 ``schedule.py`` (:data:`SCHEDULES`, with their bubbles, and :class:`Pipeline`, which runs this rank's
 stages), ``naive.py`` (the naive schedule), ``trace.py`` (what each rank did when: Chrome trace,
 timeline, measured bubble).
@@ -19,7 +20,16 @@ timeline, measured bubble).
 
 from __future__ import annotations
 
-from meshtrain.parallel.pipeline.schedule import SCHEDULES, Pipeline
-from meshtrain.parallel.pipeline.split import embedding_group, split_model
+import importlib
+from typing import Any
 
 __all__ = ["SCHEDULES", "Pipeline", "embedding_group", "split_model"]
+_HOMES = {"SCHEDULES": "schedule", "Pipeline": "schedule", "embedding_group": "split", "split_model": "split"}
+
+
+def __getattr__(name: str) -> Any:
+    """:data:`__all__`'s names, imported on first use: the package stays torch-free, so that its rules
+    (``rules.py``, ``balance.py``) can be read before torch loads (PEP 562)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

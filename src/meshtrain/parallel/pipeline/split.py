@@ -1,8 +1,8 @@
 """Cutting the model into pipeline chunks, and the group that keeps a split tied weight equal.
 
 :func:`split_model` cuts a whole model into ``pp * virtual_stages`` chunks balanced by cost
-(:mod:`meshtrain.rules.pipeline_split`), placed on the pipeline ranks as the schedule wants
-(:mod:`meshtrain.rules.pipeline_schedules`), and keeps this rank's. :func:`embedding_group` is the
+(:mod:`meshtrain.parallel.pipeline.balance`), placed on the pipeline ranks as the schedule wants
+(:mod:`meshtrain.parallel.pipeline.rules`), and keeps this rank's. :func:`embedding_group` is the
 process group over which the embedding and the head's copy of it sum their gradients.
 """
 
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.rules.pipeline_schedules import RULES
-from meshtrain.rules.pipeline_split import Chunk, chunk_ranks, model_item_costs, split_layers
+from meshtrain.parallel.pipeline.rules import RULES
+from meshtrain.parallel.pipeline.balance import Chunk, chunk_ranks, model_item_costs, split_layers
 from meshtrain.runtime.distributed import collective_timeout
 
 

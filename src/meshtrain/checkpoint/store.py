@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from meshtrain.checkpoint_schema import check_meta
+from meshtrain.checkpoint.schema import check_meta
 from meshtrain.config import Config, ConfigError
 from meshtrain.paths import path_problem
 from meshtrain.fileio import write_json_atomic
@@ -208,7 +208,7 @@ def verify_files(ckpt: Path) -> None:
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
-    """``meta.json`` of a step folder, checked against :data:`meshtrain.checkpoint_schema.META_SCHEMA`.
+    """``meta.json`` of a step folder, checked against :data:`meshtrain.checkpoint.schema.META_SCHEMA`.
 
     Raises:
         ConfigError: unreadable, not JSON, or a key missing, of the wrong type or out of range (one line
@@ -231,7 +231,7 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
     """Collectively save model + optimizer state and ``meta``; commit atomically; keep the newest ``keep``.
 
     Every rank of ``group`` (default: all) must call this, global rank 0 among them. Returns the
-    committed step folder. (:class:`meshtrain.checkpoint_async.Checkpoints` writes the same folders in the
+    committed step folder. (:class:`meshtrain.checkpoint.writer.Checkpoints` writes the same folders in the
     background.)
 
     Raises:

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
 
-from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import store as ckpt
 
 
 @dataclass

@@ -16,6 +16,7 @@ from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.config import ConfigError
 from meshtrain.planner.layout import FRAMEWORKS, parse_fix
+from meshtrain.planner.validate import PUBLISHED_RUNS
 
 EPILOG = """examples:
   meshtrain plan --model llama3-70b --gpu H100-SXM-80GB --num-gpus 512 --global-batch-size 1024 --seq-len 8192
@@ -77,10 +78,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "planner/data/published_runs.toml)")
     o.add_argument("--calibrate", action="store_true", help="measure this machine and save a cpu profile")
     p.set_defaults(func=run, accepts_overrides=True)
-
-
-PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
-"""Measured runs from papers and framework tables, with their sources, shipped inside the package."""
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
@@ -183,7 +180,7 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.report import Context
     from meshtrain.planner.estimate import Job
     from meshtrain.planner.hardware import get_hardware
-    from meshtrain.batch import global_batch_size
+    from meshtrain.batch_math import global_batch_size
     from meshtrain.planner.layout import FRAMEWORKS, Layout, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config, load_model

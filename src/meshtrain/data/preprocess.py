@@ -12,7 +12,7 @@ The split. Document ``i`` (counted from 0 over all non-empty documents, in input
 evenly through the corpus (with f = 0.005: documents 199, 399, ...), decided while streaming. Both splits
 must end up non-empty.
 
-The output (:mod:`meshtrain.data.prepared` reads it). Each split's tokens are one stream cut into shards of
+The output (:mod:`meshtrain.data.shards` reads it). Each split's tokens are one stream cut into shards of
 ``--shard-tokens`` tokens (the last one shorter; documents run across shard boundaries). Everything is written
 into ``OUT.tmp`` next to ``OUT``, ``meta.json`` last, each file flushed to disk, then the folder is renamed to
 ``OUT``: a killed prepare leaves no ``OUT``, only ``OUT.tmp``, which the next prepare removes (it holds a lock
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.prepared import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
+from meshtrain.data.shards import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
                                      read_prepared_meta)
 from meshtrain.data.sources import DOC_SPLITS, InputFile, expand_inputs, fingerprint, iter_documents
 from meshtrain.fileio import check_writable_dir

@@ -31,7 +31,7 @@ from meshtrain.axes import SHORT_FLAGS as AXIS_FLAGS
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides, set_key, validate
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
-from meshtrain.launch.report import describe_run_folder, report_plan_vs_actual
+from meshtrain.launch.outcome import describe_run_folder, report_plan_vs_actual
 from meshtrain import runlock
 from meshtrain.preflight import preflight
 from meshtrain.resolved import FILE_NAME, ResolvedRun

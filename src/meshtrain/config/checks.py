@@ -1,0 +1,341 @@
+"""The generic checks of a config (:func:`validate`: every value and cross-field rule that needs no process group;
+a family checks its own keys, :func:`meshtrain.models.registry.check_model`) and the layout against the ranks
+(:func:`resolve_world`). Torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtrain import axes
+from meshtrain.axes import REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors
+from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS, PACKINGS, RECOMPUTES,
+                                       Config, ParallelConfig)
+from meshtrain.errors import ConfigError
+from meshtrain.errors import require as _require
+from meshtrain.models.registry import attention_families, check_model, family
+from meshtrain.paths import path_problem
+from meshtrain.rules.support import compile_error, recompute_error
+
+MAX_SEED = 2**32 - 1
+"""Largest ``train.seed``: per-step seeds ``(seed * 1_000_003 + step) * 1_009 + rank`` stay below torch's 2**64."""
+MAX_TIMEOUT_S = 1e9
+"""Largest ``train.collective_timeout_s``: torch keeps the timeout in C++ milliseconds (1e308 s overflowed a rank)."""
+MAX_MODEL_SIZE = {"n_layer": 2**20, "n_head": 2**20, "n_embd": 2**24, "block_size": 2**31 - 1, "vocab_size": 2**31 - 1}
+"""Upper bounds of the model's sizes, each far past any model: the planner and the model hold per-layer lists and
+int32-indexed tables (a plan of 2**63 layers overflowed; 2**40 would fill the memory)."""
+MAX_MODEL_SIZE_WHY = {"n_layer": "blocks are built and planned one by one", "n_head": "far past any model",
+                      "n_embd": "far past any model", "block_size": "an int32 position"}
+
+
+def tokenizer_kind(spec: str) -> str:
+    """The kind of tokenizer ``data.tokenizer = spec`` names, from the path alone (no library loaded):
+    "char"; "hf" for a ``*.json`` file or a folder holding ``tokenizer.json``; "tiktoken" for a ``*.tiktoken``
+    file, or a ``*.model`` whose first line is a tiktoken rank line (``<base64> <rank>``, as Meta's Llama 3
+    ``original/tokenizer.model``); "sentencepiece" for any other ``*.model``.
+
+    Raises:
+        ConfigError: a path that does not exist, a folder without ``tokenizer.json``, or another suffix.
+    """
+    if spec == "char":
+        return "char"
+    valid = ("valid are 'char', a Hugging Face tokenizer.json or model folder, a *.tiktoken file or a "
+             "sentencepiece *.model")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / HF_TOKENIZER_FILE).is_file():
+            return "hf"
+        raise ConfigError(f"data.tokenizer = '{spec}' is a folder without {HF_TOKENIZER_FILE}: {valid}")
+    problem = path_problem(path)
+    if problem:
+        raise ConfigError(f"data.tokenizer = '{spec}' {problem}: {valid}")
+    if path.suffix == ".json":
+        return "hf"
+    if path.suffix == ".tiktoken":
+        return "tiktoken"
+    if path.suffix == ".model":
+        with open(path, "rb") as f:
+            head = f.read(256).split(b"\n", 1)[0].split(b" ")  # a protobuf (sentencepiece) has no such line
+        tiktoken_line = len(head) == 2 and head[1].strip().isdigit() and _is_base64(head[0])
+        return "tiktoken" if tiktoken_line else "sentencepiece"
+    raise ConfigError(f"data.tokenizer = '{spec}' has suffix {path.suffix!r}, which names no tokenizer kind: {valid}")
+
+
+def _is_base64(token: bytes) -> bool:
+    """Whether ``token`` is non-empty standard base64 (tiktoken's token column)."""
+    import base64
+    import binascii
+
+    try:
+        return bool(token) and bool(base64.b64decode(token, validate=True))
+    except (binascii.Error, ValueError):
+        return False
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and cross-field rule that needs no process group; return ``cfg``. Sections are checked
+    in order (model, data, layout, optim, train, checkpoint), so the first violated rule is the one reported.
+
+    Raises:
+        ConfigError: the first violated rule, naming the key, the value and what is valid.
+    """
+    _validate_model(cfg)
+    _validate_data(cfg)
+    _validate_layout(cfg)
+    _validate_optim(cfg)
+    _validate_train(cfg)
+    c = cfg.checkpoint
+    _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
+    _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    _require(not c.async_save or cfg.parallel.sync_mode != "async",
+             "checkpoint.async_save = true needs a synchronous parallel.sync_mode: the parameter server (sync_mode "
+             "= 'async') saves from inside its gradient handling, with no step the ranks share; use false")
+    return cfg
+
+
+def _validate_model(cfg: Config) -> None:
+    """The generic ``[model]`` keys' ranges, then the family's own checks (:func:`check_model`)."""
+    m = cfg.model
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        _require(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
+        _require(getattr(m, key) <= MAX_MODEL_SIZE[key], f"model.{key} = {getattr(m, key)} must be at most "
+                                                         f"{MAX_MODEL_SIZE[key]:,} ({MAX_MODEL_SIZE_WHY[key]})")
+    if family(m.type).attention:
+        _require(0 < m.norm_eps < 1, f"model.norm_eps = {m.norm_eps} must be in (0, 1)")
+    check_model(m)
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
+    _require(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = from the tokenizer)")
+    _require(m.vocab_size <= MAX_MODEL_SIZE["vocab_size"], f"model.vocab_size = {m.vocab_size} must be at most "
+                                                           f"{MAX_MODEL_SIZE['vocab_size']:,} (an int32 token id)")
+
+
+def _validate_data(cfg: Config) -> None:
+    """``data.path`` is readable, ``val_fraction`` in (0, 1), ``data.tokenizer`` names a kind."""
+    d = cfg.data
+    path = d.resolved_path()
+    problem = None if path.is_dir() else path_problem(path)
+    _require(problem != "does not exist", f"data.path = {d.path!r} does not exist: give a UTF-8 text file, a "
+                                          f"folder meshtrain prepare wrote, or leave it empty")
+    _require(problem is None, f"data.path = {d.path!r} {problem}: give a UTF-8 text file or a folder meshtrain "
+                              f"prepare wrote")
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+    tokenizer_kind(d.tokenizer)
+
+
+def _validate_layout(cfg: Config) -> None:
+    """The degrees (:func:`meshtrain.axes.degree_errors`), the batch split, what the trainer runs, what the
+    family's heads allow, packing, the sync mode and the sequence split."""
+    p, b = cfg.parallel, cfg.batch
+    if errors := degree_errors(p, "parallel."):
+        raise ConfigError(errors[0])
+    _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
+    _require(b.gradient_accumulation_steps >= 1,
+             f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
+    _validate_support(cfg)
+    family(cfg.model.type).check_layout(cfg.model, p)
+    _validate_packing(cfg)
+    _validate_sync_mode(cfg)
+    _validate_shapes(cfg)
+
+
+def _validate_optim(cfg: Config) -> None:
+    """AdamW's and the schedule's values, and the learning-rate scaling rule."""
+    o = cfg.optim
+    _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
+    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must be >= 0")
+    _require(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must be >= 0")
+    _require(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
+    for key in ("beta1", "beta2"):
+        _require(0 <= getattr(o, key) < 1, f"optim.{key} = {getattr(o, key)} must be in [0, 1)")
+    _require(o.lr_scaling in LR_SCALINGS,
+             f"optim.lr_scaling = {o.lr_scaling!r} is not valid: use one of {', '.join(LR_SCALINGS)}")
+    _require(o.reference_batch_size >= 0, f"optim.reference_batch_size = {o.reference_batch_size} must be >= 0")
+    _require(o.lr_scaling == "none" or o.reference_batch_size >= 1,
+             f"optim.lr_scaling = {o.lr_scaling!r} needs optim.reference_batch_size >= 1: the global batch "
+             f"optim.lr was tuned at")
+
+
+def _validate_train(cfg: Config) -> None:
+    """``[train]``: steps, seed, intervals, dtype, compile and recompute (with what they cannot run with),
+    timeouts, and the observability keys."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _require(t.steps >= 1, f"train.steps = {t.steps} must be >= 1")
+    _require(0 <= t.seed <= MAX_SEED, f"train.seed = {t.seed} must be in [0, {MAX_SEED}] (2**32 - 1: numpy's "
+                                      f"and torch's generators are seeded from it per step and rank)")
+    _require(t.eval_interval >= 0, f"train.eval_interval = {t.eval_interval} must be >= 0 (0 = only at the end)")
+    _require(t.eval_steps >= 1, f"train.eval_steps = {t.eval_steps} must be >= 1")
+    _require(t.log_interval >= 1, f"train.log_interval = {t.log_interval} must be >= 1")
+    _require(t.dtype in COMPUTE_DTYPES, f"train.dtype = {t.dtype!r} is not valid: use one of {', '.join(COMPUTE_DTYPES)}")
+    _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
+    why = compile_error(m.type, p.sync_mode) if t.compile == "on" else ""
+    _require(not why, f"train.compile = \"on\" cannot run here: {why}; use \"auto\" or \"off\"")
+    _require(t.recompute in RECOMPUTES,
+             f"train.recompute = {t.recompute!r} is not valid: use one of {', '.join(RECOMPUTES)}")
+    why = recompute_error(t.recompute, m.type, p.pp, p.pp_schedule, p.sync_mode)
+    _require(not why, why)
+    _require(bool(t.out_dir), "train.out_dir is empty: give a folder for the run's outputs")
+    _require(t.collective_timeout_s > 0, f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0 (seconds)")
+    _require(t.collective_timeout_s <= MAX_TIMEOUT_S, f"train.collective_timeout_s = {t.collective_timeout_s} must be "
+                                                      f"at most {MAX_TIMEOUT_S:g} seconds (31 years)")
+    _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps = {t.max_nonfinite_steps} must be >= 1")
+    _validate_observability(cfg)
+
+
+def _validate_observability(cfg: Config) -> None:
+    """``train.profile_steps`` is off or a step range of the run; ``train.tensorboard`` needs its package
+    (found without importing it, so this stays torch-free)."""
+    import importlib.util
+
+    t = cfg.train
+    if t.profile_steps:
+        _require(len(t.profile_steps) == 2, f"train.profile_steps = {t.profile_steps} must be two steps [first, last] "
+                                            f"or empty (off)")
+        a, b = t.profile_steps
+        _require(1 <= a <= b <= t.steps, f"train.profile_steps = {t.profile_steps} must satisfy 1 <= first <= last "
+                                         f"<= train.steps = {t.steps}")
+        _require(cfg.parallel.sync_mode != "async", "train.profile_steps needs a step every rank shares, which "
+                                                    "parallel.sync_mode = 'async' has not: use [] (off)")
+    _require(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+             "train.tensorboard = true needs the tensorboard package: pip install 'meshtrain[tb]', or use false")
+
+
+def _validate_support(cfg: Config) -> None:
+    """Reject what the trainer cannot run (the table in :mod:`meshtrain.rules.support`)."""
+    from meshtrain.rules.support import SUPPORTED as S, zero_stage_error
+
+    p = cfg.parallel
+    zeros = ", ".join(map(str, S.zero_stages))
+    _require(p.zero_stage in S.zero_stages, f"parallel.zero_stage = {p.zero_stage} is not supported: use one of {zeros}")
+    _require(not (S.zero1_ddp_only and zero_stage_error(p.zero_stage, p.tp, p.pp)),
+             f"parallel.{zero_stage_error(p.zero_stage, p.tp, p.pp)}")
+    _require(p.fsdp_unit_mb >= 0, f"parallel.fsdp_unit_mb = {p.fsdp_unit_mb} must be >= 0 (0 = one FSDP2 unit per block)")
+    _require(S.tp or p.tp == 1, f"parallel.tp = {p.tp} is not supported yet: use 1")
+    _require(S.sp_modes or p.sp == 1, f"parallel.sp = {p.sp} is not supported yet: use 1")
+    _require(p.sp_mode in S.sp_modes + ("ulysses",),
+             f"parallel.sp_mode = {p.sp_mode!r} is not valid: use one of {', '.join(S.sp_modes)}")
+    _require(p.pp_schedule in S.pp_schedules,
+             f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
+    if p.pp > 1:
+        from meshtrain.parallel.pipeline.rules import schedule_error
+
+        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+                               cfg.model.n_layer, max(p.dp, 1) * p.sp, p.zero_stage)  # dp = -1: resolve_world
+        _require(error is None, error or "")
+    _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
+             "parallel.tp_sequence_parallel = true is not supported yet: use false")
+    _require(not p.tp_sequence_parallel or p.tp > 1,
+             f"parallel.tp_sequence_parallel = true needs parallel.tp > 1 (it is {p.tp}): set tp >= 2 or use false")
+    _require(p.sp == 1 or cfg.model.dropout == 0 or p.sp_mode in S.attention_dropout_sp_modes,
+             f"model.dropout = {cfg.model.dropout} is not supported with parallel.sp_mode = {p.sp_mode!r} "
+             f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
+
+
+def _validate_sync_mode(cfg: Config) -> None:
+    """local-sgd and async replace the gradient all-reduce of plain data parallelism, so they run with
+    dp only (no tp, pp, sp, FSDP); the rank counts they need are checked in :func:`resolve_world`."""
+    p = cfg.parallel
+    _require(p.sync_mode in SYNC_MODES, f"parallel.sync_mode = {p.sync_mode!r} is not valid: use one of "
+                                        f"{', '.join(SYNC_MODES)}")
+    _require(p.local_sgd_steps >= 1, f"parallel.local_sgd_steps = {p.local_sgd_steps} must be >= 1")
+    _require(p.local_sgd_warmup >= 0, f"parallel.local_sgd_warmup = {p.local_sgd_warmup} must be >= 0")
+    _require(p.ps_servers >= 1, f"parallel.ps_servers = {p.ps_servers} must be >= 1")
+    _require(p.max_staleness >= 0, f"parallel.max_staleness = {p.max_staleness} must be >= 0 (0 = only fresh gradients)")
+    _require(p.stale_policy in STALE_POLICIES,
+             f"parallel.stale_policy = {p.stale_policy!r} is not valid: use one of {', '.join(STALE_POLICIES)}")
+    _require(p.sync_mode != "async" or p.stale_policy != "wait" or p.ps_servers == 1,
+             f"parallel.stale_policy = 'wait' needs parallel.ps_servers = 1 (got {p.ps_servers}): bounded waiting is "
+             f"decided by one server; use stale_policy = 'drop' with several servers")
+    if p.hierarchical_allreduce:
+        _require(p.sync_mode == "sync" and p.zero_stage == 0 and p.tp == 1,
+                 f"parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce: it needs sync_mode = "
+                 f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
+    if p.sync_mode == "sync":
+        return
+    for key, value in ((str(a), axes.degree(p, a)) for a in REPLICA_AXES):
+        _require(value == 1, f"parallel.{key} = {value} cannot be combined with parallel.sync_mode = "
+                             f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
+    _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
+                                f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
+
+
+def _validate_packing(cfg: Config) -> None:
+    """``data.packing = "document"`` needs an EOS token to split windows at, and an attention that takes the
+    block-diagonal mask: the GPT's or Llama's SDPA, whole or under Ulysses (ring attention's blocks are masked
+    by chunk index only; a recurrence has no attention; the parameter server runs the model unsharded)."""
+    d, m, p = cfg.data, cfg.model, cfg.parallel
+    _require(d.packing in PACKINGS, f"data.packing = {d.packing!r} is not valid: use one of {', '.join(PACKINGS)}")
+    if d.packing != "document":
+        return
+    _require(d.tokenizer != "char", "data.packing = 'document' needs an end-of-document (EOS) token and "
+                                    "data.tokenizer = 'char' has none: use a tokenizer file with one or 'concat'")
+    _require(family(m.type).attention, f"data.packing = 'document' masks attention, which model.type = "
+                                       f"{m.type!r} has none: use an attention model ({attention_families()}), or "
+                                       f"data.packing = 'concat'")
+    _require(p.sp == 1 or p.sp_mode == "ulysses", f"data.packing = 'document' is not supported with parallel.sp_mode "
+                                                  f"= {p.sp_mode!r} (ring attention takes no document mask): use "
+                                                  f"sp_mode = 'ulysses' or data.packing = 'concat'")
+    _require(p.sync_mode != "async", "data.packing = 'document' is not supported with parallel.sync_mode = 'async' "
+                                     "(the parameter server's workers run windows whole): use 'sync' or 'local-sgd'")
+
+
+def _validate_shapes(cfg: Config) -> None:
+    """The sequence split across sp, 2*sp chunks for ring attention, and further across tp with
+    tp_sequence_parallel (what the heads need is the family's, :attr:`meshtrain.models.family.Family.check_layout`)."""
+    m, p = cfg.model, cfg.parallel
+    chunks = p.sp * (2 if p.sp > 1 and p.sp_mode == "ring" else 1) * (p.tp if p.tp_sequence_parallel else 1)
+    if chunks > 1:
+        what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", p.sp > 1 and p.sp_mode == "ring"),
+                                               ("tp (tp_sequence_parallel)", p.tp_sequence_parallel)) if on)
+        _require(m.block_size % chunks == 0,
+                 f"model.block_size = {m.block_size} is not divisible by {what} = {chunks}: each rank holds "
+                 f"block_size/{chunks} tokens of a sample; use a block_size that is a multiple of {chunks}")
+
+
+def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
+    """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config).
+
+    ``world_size = pp * dp * sp * tp`` (docs/architecture.md, mesh). With ``dp = -1``, dp fills the ranks left.
+
+    Raises:
+        ConfigError: nproc is not divisible by ``pp*sp*tp``, or disagrees with an explicit dp.
+    """
+    p = cfg.parallel
+    if p.sync_mode == "async":
+        return _resolve_async_world(p, nproc)
+    inner, names = axes.replica_size(p), axes.product_text(REPLICA_AXES)
+    if nproc is None:
+        dp = 1 if p.dp == -1 else p.dp
+        if p.sync_mode == "local-sgd":
+            dp = max(dp, 2)
+        return dp * inner, dp
+    _require(nproc >= 1, f"--nproc = {nproc} must be >= 1")
+    _require(nproc % inner == 0,
+             f"--nproc = {nproc} is not divisible by {names} = {inner}: use a multiple of {inner}")
+    dp = nproc // inner
+    _require(p.dp in (-1, dp),
+             f"parallel.dp = {p.dp} does not match --nproc = {nproc} ({names} = {inner} gives dp = {dp}): "
+             f"set --dp {dp} or --nproc {p.dp * inner}")
+    if p.pp > 1:
+        from meshtrain.parallel.pipeline.rules import schedule_error
+
+        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+                               cfg.model.n_layer, dp * p.sp, p.zero_stage)
+        _require(error is None, error or "")
+    _require(p.sync_mode != "local-sgd" or dp >= 2,
+             f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
+    return nproc, dp
+
+
+def _resolve_async_world(p: ParallelConfig, nproc: int | None) -> tuple[int, int]:
+    """``(world_size, workers)`` of a parameter-server run: ``ps_servers`` server ranks plus the workers
+    (``parallel.dp``; -1 = every rank that is not a server)."""
+    if nproc is None:
+        workers = 2 if p.dp == -1 else p.dp
+        return p.ps_servers + workers, workers
+    workers = nproc - p.ps_servers
+    _require(workers >= 1, f"parallel.sync_mode = 'async' needs at least one worker besides parallel.ps_servers = "
+                           f"{p.ps_servers} server(s), got --nproc = {nproc}: use --nproc {p.ps_servers + 1} or more")
+    _require(p.dp in (-1, workers), f"parallel.dp = {p.dp} workers does not match --nproc = {nproc} with "
+                                    f"{p.ps_servers} server(s) (= {workers} workers): set --dp {workers} or -1")
+    return nproc, workers

@@ -1,0 +1,206 @@
+"""The run's sections: one dataclass per ``[section]`` of a config, each key with its default and meaning, and
+the value lists they take. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.axes import degrees_dataclass
+from meshtrain.models.registry import ModelConfig
+from meshtrain.rules.support import SUPPORTED
+
+BUNDLED_CORPUS = Path(__file__).parents[1] / "assets" / "tinyshakespeare.txt"
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+COMPILES = ("auto", "on", "off")
+RECOMPUTES = SUPPORTED.recompute
+LR_SCALINGS = ("none", "linear", "sqrt")
+"""How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch_math.scaled_lr`)."""
+PACKINGS = ("concat", "document")
+"""``data.packing`` values (:mod:`meshtrain.data.packing`)."""
+TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
+"""Kinds of ``data.tokenizer`` (:mod:`meshtrain.data.tokenizers`)."""
+HF_TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """UTF-8 text file to train on, or a folder ``meshtrain prepare`` wrote (token shards read through memory
+    maps: any size); empty means the bundled Tiny Shakespeare corpus."""
+    val_fraction: float = 0.1
+    """Fraction of the text (taken from its end) held out for validation, in (0, 1); a prepared folder has its own."""
+    tokenizer: str = "char"
+    """How the text becomes token ids (:mod:`meshtrain.data.tokenizers`): "char" (one id per distinct character
+    of the text), a Hugging Face ``tokenizer.json`` (or a model folder holding one, e.g. ``model.init_from``'s),
+    a ``*.tiktoken`` BPE file, or a sentencepiece ``*.model``. With ``model.vocab_size = 0`` a non-char
+    tokenizer's vocabulary is padded up to a multiple of 128 * tp (Megatron-LM's rule)."""
+    packing: str = "concat"
+    """How documents share a window of ``block_size`` tokens (:mod:`meshtrain.data.packing`): "concat" (one
+    sequence across the EOS tokens that separate documents, nanoGPT's and Megatron-LM's) or "document" (positions
+    restart after each EOS and attention stays inside each document: a block-diagonal causal mask). "document"
+    needs a tokenizer with an EOS token (not "char"), an attention model (gpt, llama), sp_mode "ulysses" when
+    sp > 1, and a synchronous sync_mode."""
+
+    def resolved_path(self) -> Path:
+        return Path(self.path).expanduser() if self.path else BUNDLED_CORPUS
+
+
+ParallelDegrees = degrees_dataclass("ParallelDegrees", "The degree of each axis of :data:`meshtrain.axes.AXIS_TABLE`.")
+
+
+@dataclass
+class ParallelConfig(ParallelDegrees):
+    """The ``[parallel]`` section: one degree per axis (``dp``, ``tp``, ``pp``, ``sp``: their meaning is
+    :data:`meshtrain.axes.AXIS_TABLE`'s), then how the axes run."""
+
+    zero_stage: int = 0
+    """0 = DDP (replicated); 2 = FSDP2 without resharding after forward; 3 = FSDP2 ``fully_shard``."""
+    fsdp_unit_mb: float = 25.0
+    """zero_stage 2/3: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter) until it
+    holds this many MiB of fp32 parameters, like DDP's 25 MiB buckets; 0 = one unit per block
+    (:func:`meshtrain.rules.support.fsdp_units`)."""
+    sp_mode: str = "ulysses"
+    """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble" or "zbv"
+    (:mod:`meshtrain.parallel.pipeline.rules`); its micro-batches are the ``gradient_accumulation_steps``."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank: 1, >= 2 for "interleaved-1f1b", 2 for "zbv"."""
+    tp_sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
+    sync_mode: str = "sync"
+    """How dp replicas combine their work: "sync" (gradients all-reduced every step), "local-sgd" (each
+    replica steps alone, parameters averaged every ``local_sgd_steps``) or "async" (a parameter server,
+    :mod:`meshtrain.parallel.async_ps`)."""
+    local_sgd_steps: int = 4
+    """local-sgd: optimizer steps between two parameter averages (H of Lin et al. 2020)."""
+    local_sgd_warmup: int = 0
+    """local-sgd: synchronous steps (gradient all-reduce) before local SGD starts (post-local SGD)."""
+    ps_servers: int = 1
+    """async: ranks 0..ps_servers-1 hold the parameters and the optimizer; the other ranks are workers."""
+    max_staleness: int = 4
+    """async: a gradient computed on parameters more than this many updates old is not applied."""
+    hierarchical_allreduce: bool = False
+    """Reduce gradients inside each node first, then across nodes between one rank per node, then
+    broadcast inside the node (:mod:`meshtrain.parallel.hierarchical`); DDP (zero_stage 0, tp 1) only."""
+    stale_policy: str = "drop"
+    """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
+    wait for parameters so that no gradient is ever too stale)."""
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 12
+    """Samples one dp replica processes in one forward/backward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW, reached after ``warmup_steps``."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay; <= lr."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to ``lr``."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (across all ranks) to this value; 0 disables clipping."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    lr_scaling: str = "none"
+    """Scale ``lr`` and ``min_lr`` with the global batch: "none", "linear" or "sqrt" (:func:`meshtrain.batch_math.scaled_lr`)."""
+    reference_batch_size: int = 0
+    """Global batch (samples) at which ``lr`` was tuned; needed (>= 1) when ``lr_scaling`` is not "none"."""
+    fused: bool = True
+    """AdamW's fastest kernels: the fused kernel (``torch.optim.AdamW(fused=True)``) where every parameter
+    is a plain tensor (one rank, DDP, pp), foreach kernels where every one is a DTensor (FSDP2: the fused
+    kernel fails on their resumed states); false, or a mix of both (tp), torch's default (a per-tensor
+    loop on CPU). The same update up to rounding."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    """Optimizer steps to train for."""
+    seed: int = 1337
+    """Seed for weights, data order and dropout."""
+    eval_interval: int = 250
+    """Evaluate on the val split every this many steps (and at the last step); 0 = only at the end."""
+    eval_steps: int = 20
+    """Micro-batches (of ``micro_batch_size`` per dp rank) averaged for one val loss."""
+    log_interval: int = 10
+    """Write a metrics record every this many steps (and at the last step)."""
+    dtype: str = "auto"
+    """Compute dtype: "bfloat16" (autocast; master weights stay fp32), "float32", or "auto": bfloat16 where
+    the device has bf16 matmul (:func:`meshtrain.runtime.device.compute_dtype`), else float32."""
+    out_dir: str = "out"
+    """Folder for metrics.jsonl, checkpoints, the loss curve; must not hold another run."""
+    compile: str = "auto"
+    """``torch.compile`` each transformer block (``nn.Module.compile``: parameter names unchanged): "on",
+    "off", or "auto": on for a GPT on CUDA, off on CPU, where it measured no faster (docs/benchmarks.md).
+    Every layout compiles (per block, after tp/sp, before DDP/FSDP2) but a parameter-server run (sync_mode
+    "async") and the recurrent models, which run uncompiled; "on" there is refused."""
+    recompute: str = "none"
+    """Activation recomputation per transformer block (:mod:`meshtrain.parallel.recompute`): "none"; "selective"
+    (torch's per-operator selective checkpointing: GEMM, attention-kernel and tp/sp collective outputs kept,
+    norms, activations, dropout and residual adds recomputed in backward); "full" (only each block's input kept,
+    the whole block run again in backward). Trades step time for activation memory (docs/training.md)."""
+    check_memory: bool = True
+    """Before launch, refuse a run whose predicted peak memory (the planner's, all ranks of this node)
+    exceeds the memory available (CPU: MemAvailable; GPU: each device's). false skips the check."""
+    max_nonfinite_steps: int = 5
+    """A step whose loss or gradient norm is NaN/inf is skipped (no update) and logged; this many in a row
+    stop the run, keeping the checkpoints written before."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for its peers before the waiting rank stops with a message naming
+    the step's phase and the ranks it waited on (torch's default for gloo, 30 min). Bounds every hang on
+    a stuck or dead rank; keep it above the longest checkpoint save."""
+    tensorboard: bool = False
+    """Global rank 0 also writes every metrics.jsonl record's numbers as TensorBoard scalars to ``OUT/tb/``
+    (tags are the record's keys: loss, val_loss, lr, grad_norm, tokens_per_s, peak_memory_bytes, ...); needs
+    the ``tb`` extra, ``pip install 'meshtrain[tb]'``."""
+    profile_steps: list[int] = field(default_factory=list)
+    """``[a, b]``: every rank records a ``torch.profiler`` trace of steps a..b (1 <= a <= b <= steps) with
+    memory to ``OUT/profile/rank{r}.json`` (Chrome trace format; on CUDA also a memory snapshot
+    ``rank{r}_memory.pickle``); empty = off. On the command line ``--train.profile_steps 3,5``."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500
+    """Save every this many steps (and at the last step); 0 = only at the last step."""
+    keep: int = 2
+    """Number of most recent checkpoints kept on disk (>= 1)."""
+    resume: str = ""
+    """Checkpoint to resume from: a step folder, a run folder (its latest step), or "" for none."""
+    allow_batch_change: bool = False
+    """Resume at another global batch size than the checkpoint's (by default that is refused, since it
+    changes the loss and the learning-rate schedule's meaning)."""
+    async_save: bool = False
+    """Write checkpoints in the background (``torch.distributed.checkpoint.async_save``): training waits
+    only while the state is copied to CPU memory, and a step becomes a checkpoint once every rank's write
+    finished (:mod:`meshtrain.checkpoint.writer`). Costs a CPU copy of the model and optimizer state per rank
+    while a write runs. Needs a synchronous ``parallel.sync_mode`` (not "async")."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
