@@ -174,13 +174,13 @@ def _error(**overrides) -> str:
      "data.packing = 'document' is not supported with parallel.sync_mode = 'async'"),
 ])
 def test_what_document_packing_cannot_run_is_refused(overrides, message, monkeypatch):
-    monkeypatch.setattr("meshtrain.config.tokenizer_kind", lambda spec: "hf")  # no tokenizer file needed
+    monkeypatch.setattr("meshtrain.config.checks.tokenizer_kind", lambda spec: "hf")  # no tokenizer file needed
     assert message in _error(**overrides)
 
 
 def test_concat_is_the_default_and_document_is_accepted_where_it_runs(monkeypatch):
     assert load_config(None).data.packing == "concat"
-    monkeypatch.setattr("meshtrain.config.tokenizer_kind", lambda spec: "hf")
+    monkeypatch.setattr("meshtrain.config.checks.tokenizer_kind", lambda spec: "hf")
     cfg = Config()
     cfg.data.tokenizer, cfg.data.packing, cfg.parallel.sp = "tokenizer.json", "document", 2
     validate(cfg)  # Ulysses

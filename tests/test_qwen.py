@@ -206,9 +206,9 @@ def test_tp2_pp2_run_exported_generates_as_transformers(trained_slow, trained, t
     generates_as_transformers(trained[3] / "slow" / "w4" / "qwen3-tp2-pp2", tmp_path)
 
 
-def generates_as_transformers(run: Path, tmp_path: Path) -> None:
-    """Export ``run`` to Hugging Face; ``transformers``' greedy continuation of a prompt is meshtrain's ``generate
-    --temperature 0`` on the run and on the export, token for token."""
+def generates_as_transformers(run: Path, tmp_path: Path, architecture: str = "Qwen3ForCausalLM") -> None:
+    """Export ``run`` to Hugging Face (as ``architecture``); ``transformers``' greedy continuation of a prompt is
+    meshtrain's ``generate --temperature 0`` on the run and on the export, token for token."""
     from meshtrain import checkpoint as ckpt
     from meshtrain.cli.export import export_hf
     from meshtrain.cli.generate import sample
@@ -219,7 +219,7 @@ def generates_as_transformers(run: Path, tmp_path: Path) -> None:
     ours = sample(run, prompt, n, temperature=0.0)
     tokenizer = CharTokenizer.from_dict(ckpt.read_meta(ckpt.resolve_checkpoint(run))["tokenizer"])
     theirs = reference(tmp_path / "export")
-    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    assert type(theirs).__name__ == architecture
     ids = torch.tensor([tokenizer.encode(prompt)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

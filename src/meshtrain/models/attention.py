@@ -64,7 +64,8 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tuple[str, ...]) -> None:
     """Fill a decoder's parameters from ``model.init_seed`` (GPT-2's scheme, Radford et al. 2019, Sec. 2.3):
     normal(0, 0.02) for Linear and Embedding weights in module order, the modules named ``*residual`` (the
-    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)``, ``norm`` weights 1,
+    projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)`` (so are the experts'
+    down projections of a module with ``expert_weights()``, :class:`meshtrain.models.moe.layer.MoE`), ``norm`` weights 1,
     every Linear and ``norm`` bias 0 (GPT-2's, Hugging Face ``GPT2PreTrainedModel._init_weights``; biases draw
     nothing, so a model without them gets the same weights). Draws come from a private CPU generator and are
     copied, so CPU, GPU and meta -> ``to_empty`` builds agree bit for bit. Re-ties the head first
@@ -77,6 +78,10 @@ def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tupl
     for name, module in model.named_modules():
         if isinstance(module, norm):
             module.weight.fill_(1.0)
+        elif hasattr(module, "expert_weights"):  # a mixture of experts' stacks (E, out, in), one Linear each
+            for w, residual_out in module.expert_weights():
+                std = resid_std if residual_out else INIT_STD
+                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, std, generator=gen))
         elif isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and not (tied and module is model.lm_head)):
             std = resid_std if name.endswith(residual) else INIT_STD
             w = module.weight

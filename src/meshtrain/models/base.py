@@ -57,6 +57,12 @@ class LayeredLM(nn.Module):
                                                "drop")
     """Attributes (plain values or modules every chunk uses) a pipeline chunk shares with the whole model."""
 
+    aux_grad_scale: float = 1.0
+    """The weight the trainer's objective gives this forward's cross-entropy, which a family's auxiliary loss gets
+    too (:func:`meshtrain.models.moe.layer.attach_aux_loss`): ``1 / micro-batches`` where each micro-batch's loss
+    is divided before backward (:class:`meshtrain.parallel.model.ReplicatedModel` sets it), 1 under a pipeline
+    schedule, which divides the gradients afterwards."""
+
     init_seed: int
     cfg: ModelConfig
     vocab_size: int
@@ -98,6 +104,11 @@ class LayeredLM(nn.Module):
         """Whether ``lm_head`` uses ``tok_emb``'s weight; a pipeline gives its last stage a copy (:meth:`untie_weights`)."""
         self.tie_weights()  # Press & Wolf 2017; GPT-2
         self.init_weights()
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The family's auxiliary loss of the last forward over this model's blocks (a scalar; its gradient reaches
+        the parameters through the forward's output, :mod:`meshtrain.models.family`), or None: no auxiliary loss."""
+        return None
 
     def ties_embeddings(self) -> bool:
         """Whether a whole model of this class shares ``tok_emb``'s weight with ``lm_head`` (read once, in

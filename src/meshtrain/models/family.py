@@ -11,10 +11,11 @@ What ``model.py``'s class must provide is :class:`meshtrain.models.base.LayeredL
 ``nn.ModuleDict`` keyed by layer index, the embedding and head module names, ``tp_plan`` and
 ``tp_split_dropout_modules``, ``forward(idx, positions=None, doc_ids=None)`` -> logits (B, T, V), ``generate``.
 
-Auxiliary loss: a family with ``aux_loss = True`` (a mixture of experts' router) will have a model whose
-``aux_loss()`` returns the scalar its last forward accumulated, for the trainer to add to the cross-entropy. No
-family sets it yet and the trainer does not read it: the mixture-of-experts issue wires it (its scope, micro-batch
-or global batch, and the pipeline's last stage).
+Auxiliary loss: a family with ``aux_loss = True`` (a mixture of experts' router, :mod:`meshtrain.models.moe`)
+has a model whose forward adds its blocks' auxiliary loss to the cross-entropy through the gradient: it hands the
+loss's gradient to the blocks that made it in backward (:func:`meshtrain.models.moe.layer.attach_aux_loss`), so
+every layout -- a pipeline stage that never sees the cross-entropy included -- trains on ``cross-entropy + aux``;
+``aux_loss()`` returns the last forward's value for the metrics.
 """
 
 from __future__ import annotations
@@ -38,11 +39,17 @@ and document-masked; "recurrent" ones run their sequence in order on one rank (d
 @dataclass(frozen=True)
 class Source:
     """Where a meshtrain parameter lives in a Hugging Face checkpoint: rows ``row0 .. row0 + rows`` (dim 0) of
-    tensor ``name``, transposed first when ``transpose`` (GPT-2's ``Conv1D`` stores (in, out))."""
+    tensor ``name``, transposed first when ``transpose`` (GPT-2's ``Conv1D`` stores (in, out)).
+
+    A 3-D parameter (E, rows, cols) holds one matrix per expert (:mod:`meshtrain.models.moe`): with ``experts`` = E
+    it is the stack of E tensors ``name.format(e=e)`` (the per-expert tensors of published checkpoints); with
+    ``experts`` = 0 it is the 3-D tensor ``name`` whose rows ``row0 ..`` (dim 1) it holds (``transformers``' fused
+    experts)."""
 
     name: str
     transpose: bool = False
     row0: int = 0
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,8 +133,8 @@ class Family:
     """Keys whose 0 means "derive it" -> how (from the other keys): a Hugging Face folder's explicit value is then
     accepted when it equals the derived one (``model.init_from`` with the config an export was trained with)."""
     aux_loss: bool = False
-    """Whether the model has an auxiliary loss (its ``aux_loss()``) to add to the cross-entropy; not read by the
-    trainer yet (see the module docstring)."""
+    """Whether the model has an auxiliary loss that its forward adds to the cross-entropy's gradient, and whose last
+    value ``aux_loss()`` returns (see the module docstring)."""
 
     @property
     def attention(self) -> bool:

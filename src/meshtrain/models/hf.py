@@ -31,6 +31,7 @@ from torch import nn
 
 from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
 from meshtrain.models import hf_io as hf
+from meshtrain.models.family import Source
 from meshtrain.models.registry import check_hf_weights, hf_format
 
 
@@ -72,14 +73,28 @@ def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t, (0,) * t.dim()
 
 
-def _read(handle: Any, source: hf.Source, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
-    """The block ``shape`` at ``offset`` of the tensor ``source`` describes, read as a slice of the file."""
-    part = handle.get_slice(source.name)
+def _read(part: Any, source: Source, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+    """The block ``shape`` at ``offset`` of the tensor ``source`` describes, read as slices of the files
+    (``part(name)``: the safetensors slice of tensor ``name``); a 3-D block (experts, rows, cols) from the
+    per-expert tensors of a stack or from one fused 3-D tensor (:class:`meshtrain.models.family.Source`)."""
+    if len(shape) == 3:
+        e0, r0, c0 = offset
+        rows = slice(source.row0 + r0, source.row0 + r0 + shape[1])
+        cols = slice(c0, c0 + shape[2])
+        if source.experts:
+            return torch.stack([part(source.name.format(e=e))[rows, cols] for e in range(e0, e0 + shape[0])])
+        return part(source.name)[e0:e0 + shape[0], rows, cols]
+    whole = part(source.name)
     rows = slice(source.row0 + offset[0], source.row0 + offset[0] + shape[0])
     if len(shape) == 1:
-        return part[rows]
+        return whole[rows]
     cols = slice(offset[1], offset[1] + shape[1])
-    return part[cols, rows].t() if source.transpose else part[rows, cols]
+    return whole[cols, rows].t() if source.transpose else whole[rows, cols]
+
+
+def _names(source: Source) -> list[str]:
+    """The Hugging Face tensors ``source`` reads: its name, or each expert's of a stack."""
+    return [source.name.format(e=e) for e in range(source.experts)] if source.experts else [source.name]
 
 
 @torch.no_grad()
@@ -103,17 +118,22 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
     read = 0
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
-        for name, param in get_model_state_dict(model).items():
-            source = sources.get(name)
-            if source is None or source.name not in files:
-                raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
-                                  f"({source.name if source else 'no Hugging Face name'})")
-            file = files[source.name]
+
+        def part(name: str) -> Any:
+            file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+            return handles[file].get_slice(name)
+
+        for name, param in get_model_state_dict(model).items():
+            source = sources.get(name)
+            missing = [n for n in _names(source) if n not in files] if source else []
+            if source is None or missing:
+                raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
+                                  f"({missing[0] if missing else 'no Hugging Face name'})")
             local, offset = _chunk(param)
             if local.numel():
-                local.copy_(_read(handles[file], source, offset, local.shape))
+                local.copy_(_read(part, source, offset, local.shape))
                 read += local.numel()
     return read
 
@@ -121,7 +141,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
 def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A whole meshtrain model's ``state`` (its ``state_dict()``, one process) under ``transformers``' names (the
     family's :class:`meshtrain.models.family.Source` of each parameter): blocks of rows joined into one tensor
-    (GPT-2's q, k and v back into ``c_attn``), transposed where the source is (GPT-2's ``Conv1D``); tensors
+    (GPT-2's q, k and v back into ``c_attn``), transposed where the source is (GPT-2's ``Conv1D``), a stack of
+    experts as one tensor per expert (the published form); tensors
     ``transformers`` expects that the model lacks as zeros (a GPT without biases, the same function); a tied head
     left out (saved once, as the embedding). Every tensor contiguous, ready for safetensors.
 
@@ -133,12 +154,15 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     transposed: dict[str, bool] = {}
     tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
+    out = {}
     for name, source in sources.items():
         if name == "lm_head.weight" and tied:
             continue
+        if source.experts:  # a stack (E, rows, cols): one tensor per expert
+            out.update({n: state[name][e].detach().contiguous() for e, n in enumerate(_names(source))})
+            continue
         parts.setdefault(source.name, []).append((source.row0, state[name].detach()))
         transposed[source.name] = source.transpose
-    out = {}
     for name, blocks in parts.items():
         whole = torch.cat([t for _, t in sorted(blocks, key=lambda b: b[0])])
         out[name] = (whole.t() if transposed[name] else whole).contiguous()

@@ -20,8 +20,10 @@ from meshtrain.models.family import Family
 from meshtrain.models.gpt import spec as gpt
 from meshtrain.models.hf_io import HFFormatError, check_weights
 from meshtrain.models.llama import spec as llama
+from meshtrain.models.mixtral import spec as mixtral
 from meshtrain.models.qwen2 import spec as qwen2
 from meshtrain.models.qwen3 import spec as qwen3
+from meshtrain.models.qwen3_moe import spec as qwen3_moe
 from meshtrain.models.rnn import spec as rnn
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -29,6 +31,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
     rnn.LSTM,
     rnn.GRU,
 )}
@@ -41,7 +45,8 @@ class ModelKeys:
 
     type: str = "gpt"
     """Model family, one of :data:`FAMILIES`: "gpt" (GPT-2-style decoder), "llama" (RMSNorm, RoPE, SwiGLU,
-    grouped-query attention), "lstm" or "gru" (recurrent); docs/models.md lists them all."""
+    grouped-query attention), "qwen2", "qwen3", the mixtures of experts "mixtral" and "qwen3_moe", "lstm" or "gru"
+    (recurrent); docs/models.md lists them all."""
     n_layer: int = 4
     """Number of blocks: transformer blocks, or recurrent layers."""
     n_head: int = 4

@@ -67,6 +67,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     """
     p, b = cfg.parallel, cfg.batch
     eos = _packing_eos(cfg, eos_id)
+    _set_balance_group(model, dims)
     device_type = next(model.parameters()).device.type
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
                                device_type)
@@ -82,6 +83,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                  if p.sync_mode == "local-sgd" else None)
     return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
                            local_sgd=local_sgd)
+
+
+def _set_balance_group(model: nn.Module, dims: ParallelDims) -> None:
+    """Give each router (a module with ``balance_group``, :class:`meshtrain.models.moe.layer.MoE`) the batch mesh
+    (dp x sp), whose ranks' expert counts the global-batch load-balancing loss sums; none on one such rank."""
+    group = dims.get_mesh(BATCH_MESH).get_group() if dims.batch_degree > 1 else None
+    for module in model.modules():
+        if hasattr(module, "balance_group"):
+            module.balance_group = group
 
 
 def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:

@@ -51,6 +51,10 @@ class ParallelModel:
         self.autocast = autocast
         """The context every forward runs in: bf16 autocast (fp32 master weights) or none."""
 
+    aux_loss: torch.Tensor | None = None
+    """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
+    micro-batches, or None: a model without one, or a pipeline (each stage holds part of it)."""
+
     def local(self, x: torch.Tensor, y: torch.Tensor) -> LocalBatch:
         """This rank's sp shard of ``x, y`` (B, T) on its device: (B, T/sp) each, positions (T/sp,) (or
         (B, T/sp)) and the document ids (B, T) of document packing (else None), :data:`LocalBatch`."""
@@ -112,12 +116,18 @@ class ReplicatedModel(ParallelModel):
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
+        lm = getattr(self.model, "module", self.model)  # DDP wraps the language model; FSDP2 and tp keep it
+        lm.aux_grad_scale = 1.0 / n  # a family's auxiliary loss joins the backward with the loss's weight
+        aux = []
         for i, (x, y) in enumerate(micro_batches):
             with self.gradient_sync(self.model, i == n - 1):
                 loss = self.loss(x, y)
                 with backward_context(loss):
                     (loss / n).backward()
             total += local_value(loss).detach()
+            if (value := lm.aux_loss()) is not None:
+                aux.append(value.detach())
+        self.aux_loss = torch.stack(aux).mean() if aux else None
         return total / n
 
     @torch.no_grad()

@@ -185,6 +185,8 @@ class Trainer:
                     record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
                               "grad_norm": grad_norm, "step_time_s": dt,
                               "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
+                    if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
+                        record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
                     if not finite:
                         record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
                 log.step(step, record)

@@ -26,6 +26,7 @@ RoPE (Qwen3, Yang et al. 2025, arXiv:2505.09388, Sec. 2).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 
 from meshtrain.models.attention import SDPAttention, document_causal_mask, init_decoder_weights
 from meshtrain.models.base import LayeredLM
+from meshtrain.models.moe import layer as moe
+from meshtrain.models.moe.layer import MoE
 from meshtrain.models.registry import ModelConfig
 
 
@@ -116,14 +119,16 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, RMSNorm before each."""
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, RMSNorm before each; ``mlp`` a SwiGLU or, in the
+    mixture-of-experts relatives, routed experts (:class:`meshtrain.models.moe.layer.MoE`)."""
 
-    def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False,
+                 mlp: Callable[[ModelConfig], nn.Module] = SwiGLU) -> None:
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = LlamaAttention(cfg, bias, qk_norm)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,13 +155,25 @@ class Llama(LayeredLM):
     """Biases on the q, k and v projections (Qwen2's)."""
     QK_NORM = False
     """RMSNorm over each head's features of q and k before RoPE (Qwen3's)."""
+    MOE = False
+    """Routed experts instead of the SwiGLU MLP in every block (Mixtral's, Qwen3-MoE's): :mod:`meshtrain.models.moe`."""
 
     norm: nn.RMSNorm | None
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         self.inv_freq = rope_frequencies(cfg)  # a plain tensor: not a parameter, not in checkpoints
-        super().__init__(cfg, vocab_size, lambda i: LlamaBlock(cfg, self.QKV_BIAS, self.QK_NORM),
+        mlp = MoE if self.MOE else SwiGLU
+        super().__init__(cfg, vocab_size, lambda i: LlamaBlock(cfg, self.QKV_BIAS, self.QK_NORM, mlp),
                          head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The routers' load-balancing loss of the last forward over this model's (or pipeline stage's) blocks,
+        ``router_aux_loss_coef`` x their sum / ``n_layer`` (:func:`meshtrain.models.moe.layer.aux_loss`); None
+        without experts."""
+        if not self.MOE:
+            return None
+        return moe.aux_loss([block.mlp for block in self.blocks.values()], self.cfg.router_aux_loss_coef,
+                            self.cfg.n_layer)
 
     def ties_embeddings(self) -> bool:
         """``model.tie_embeddings``: untied by default, as Llama 2/3 (7B and up) are."""
@@ -204,6 +221,7 @@ class Llama(LayeredLM):
         mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
         for block in self.blocks.values():
             x = block(x, cos, sin, mask=mask)  # (B, T, C)
+        x = moe.attach_aux_loss(x, self.aux_loss(), self.aux_grad_scale)  # the routers' loss, through backward
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)

@@ -1,0 +1,1 @@
+"""The Mixtral family: ``spec.py`` (torch-free) and ``model.py``."""

@@ -1,0 +1,171 @@
+"""A mixture-of-experts MLP: a top-k router over ``num_experts`` SwiGLU experts, dropless, and its load-balancing loss.
+
+Shape legend: B batch, T tokens, N = B*T, C = n_embd, E = num_experts, k = num_experts_per_tok, F = ffn_hidden.
+
+Routing (Shazeer et al. 2017, arXiv:1701.06538, Eq. 3-4; Mixtral, Jiang et al. 2024, arXiv:2401.04088, Eq. 1-2),
+in fp32 whatever the compute dtype: ``p = softmax(x W_r^T)`` (N, E); each token's k largest ``p`` pick its experts,
+their values (divided by their sum with ``norm_topk_prob``) weigh the experts' outputs:
+``y = sum_j w_j * SwiGLU_{e_j}(x)``. Dropless: every token reaches all k experts (no capacity, nothing dropped).
+
+Expert compute: the N*k (token, expert) pairs are sorted by expert (stable, so ties keep token order), each
+expert's rows multiplied by its weights, and the results summed back per token. "grouped" runs each of SwiGLU's
+three GEMMs as one ``torch._grouped_mm`` over all experts (``offs``: each expert's last row); "loop" runs one GEMM
+per expert (the reference). Weights are stacks ``w_gate, w_up`` (E, F, C) and ``w_down`` (E, C, F), one
+``nn.Linear`` weight per expert, so a (E, ...) shard is a set of whole experts.
+
+Load balancing (Fedus et al. 2021, "Switch Transformers", arXiv:2101.03961, Eq. 4-6, with top-k counts as
+``transformers``' ``load_balancing_loss_func`` and Mixtral): per MoE layer
+``aux = E * sum_i f_i * P_i``, ``f_i`` the fraction of the N*k assignments that went to expert i times k (so
+``sum_i f_i = k``), ``P_i`` the mean router probability of expert i over the tokens; ``f`` carries no gradient.
+With ``router_aux_loss_scope = "global_batch"`` the counts behind ``f`` are summed over the ranks of the batch mesh
+(dp x sp) first, so every rank uses the global batch's ``f`` (Qiu et al. 2025, arXiv:2501.11873, Sec. 3); the
+loss is linear in ``P``, so each rank's ``E * sum_i f_i * P_i(local)`` averaged over the ranks (as the gradients
+and the logged loss are) is the global batch's loss. The model's auxiliary loss is ``router_aux_loss_coef`` times
+the mean over its MoE layers. ``transformers`` pools every layer's counts and probabilities into one ``f`` and
+``P`` instead: the same value for one layer, a different one for several (a per-layer loss is what Switch
+Transformers, GShard and Megatron-Core's ``switch_load_balancing_loss_func`` add; docs/moe.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.models.registry import ModelConfig
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``torch._grouped_mm``'s backward fails on
+    stride-0 gradients (those of a ``sum()`` or ``expand``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x`` (M, in) rows sorted by expert, ``w`` (E, out, in) one weight per expert, ``offs`` (E,) int32 the end
+    row of each expert's rows -> (M, out): each expert's rows times its ``w[e]^T``."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+def aux_loss_terms(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The load-balancing loss of one MoE layer, ``E * sum_i f_i * P_i`` (module docstring): ``probs`` (N, E) fp32
+    router probabilities, ``experts`` (N, k) the chosen experts; ``group``: the ranks whose counts ``f`` sums
+    (global-batch scope) or None (this micro-batch). Returns a scalar with the gradient of ``P``."""
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)  # (E,) assignments
+    tokens = torch.tensor([float(probs.shape[0])], dtype=probs.dtype, device=probs.device)
+    if group is not None:
+        both = torch.cat([counts, tokens])
+        dist.all_reduce(both, group=group)
+        counts, tokens = both[:-1], both[-1:]
+    f = counts / tokens  # (E,), sums to k; no gradient
+    P = probs.mean(dim=0)  # (E,)
+    return num_experts * (f * P).sum()
+
+
+class MoE(nn.Module):
+    """Router ``router`` (E, C, no bias) and ``num_experts`` SwiGLU experts (``w_gate, w_up`` (E, F, C), ``w_down``
+    (E, C, F)); ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
+
+    ``balance_group``: the process group the global-batch counts are summed over (set by
+    :func:`meshtrain.parallel.parallelize` under dp or sp; None: this rank's tokens are the batch)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, C, hidden = cfg.num_experts, cfg.n_embd, cfg.ffn_hidden_size()
+        self.num_experts, self.top_k, self.normalize = E, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.grouped = cfg.moe_compute == "grouped"
+        self.global_scope = cfg.router_aux_loss_scope == "global_batch"
+        self.router = nn.Linear(C, E, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(E, hidden, C))
+        self.w_up = nn.Parameter(torch.empty(E, hidden, C))
+        self.w_down = nn.Parameter(torch.empty(E, C, hidden))
+        self.balance_group: dist.ProcessGroup | None = None
+        self.aux_loss: torch.Tensor | None = None
+        """This layer's load-balancing loss of the last forward (a scalar with gradient), before the coefficient."""
+        self.last_experts: torch.Tensor | None = None
+        """The experts each token of the last forward went to, (N, k) int64 (tests compare routings)."""
+
+    def expert_weights(self) -> list[tuple[nn.Parameter, bool]]:
+        """The experts' stacks and whether each projects into the residual stream (the down projections):
+        :func:`meshtrain.models.attention.init_decoder_weights` fills them as the dense MLP's Linears."""
+        return [(self.w_gate, False), (self.w_up, False), (self.w_down, True)]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (N, C) -> (probs (N, E) fp32, weights (N, k) fp32, experts (N, k) int64), in fp32 under autocast."""
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)  # (N, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, experts
+
+    def experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each expert over its rows of ``x`` (M, C) (sorted by expert, ``counts`` (E,) rows each) -> (M, C)."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if self.grouped:
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) end row of each expert
+            with torch.autocast(x.device.type, enabled=False):
+                hidden = F.silu(grouped_mm(x, w_gate, offs)) * grouped_mm(x, w_up, offs)  # (M, F)
+                return grouped_mm(hidden, w_down, offs)  # (M, C)
+        outs = [F.linear(F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e]), w_down[e])
+                for e, rows in enumerate(x.split(counts.tolist()))]  # each (rows_e, C)
+        return torch.cat(outs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C): each token's k experts' outputs, weighted."""
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)  # (N, C)
+        probs, weights, experts = self.route(flat)
+        self.last_experts = experts.detach()
+        self.aux_loss = aux_loss_terms(probs, experts, self.num_experts,
+                                       self.balance_group if self.global_scope else None)
+        assignment = experts.reshape(-1)  # (N*k,)
+        order = torch.argsort(assignment, stable=True)  # (N*k,) pairs sorted by expert
+        token = order // self.top_k  # (N*k,) the token of each sorted pair
+        counts = torch.bincount(assignment, minlength=self.num_experts)  # (E,)
+        out = self.experts(flat[token], counts)  # (N*k, C)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out).reshape(B, T, C).to(x.dtype)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """``x`` unchanged forward; backward also gives ``loss`` the gradient ``scale``: as if ``scale * loss`` were
+    added to the objective whose gradient reaches ``x`` (DeepSeek-V2's ``AddAuxiliaryLoss``, arXiv:2405.04434)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype)
+        return x.clone()  # not a view: the zero-bubble schedules detach_() a stage's output in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: D102
+        shape, dtype = ctx.loss_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
+
+
+def aux_loss(layers: list[MoE], coef: float, num_layers: int) -> torch.Tensor | None:
+    """``coef`` x the sum of ``layers``' auxiliary losses of the last forward / ``num_layers`` (the model's MoE layers,
+    all stages together: a pipeline stage holds some of them and adds its share); None before any forward."""
+    losses = [m.aux_loss for m in layers if m.aux_loss is not None]
+    return coef * torch.stack(losses).sum() / num_layers if losses else None
+
+
+def attach_aux_loss(x: torch.Tensor, loss: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``x`` (the hidden states after the layers that made ``loss`` ran) carrying ``loss`` into backward with weight
+    ``scale``: the weight the caller's objective gives this forward's cross-entropy (``1 / micro-batches`` where the
+    trainer divides each micro-batch's loss; 1 where a pipeline schedule divides the gradients afterwards)."""
+    if loss is None or not torch.is_grad_enabled() or not loss.requires_grad:
+        return x
+    return _AttachAuxLoss.apply(x, loss, scale)

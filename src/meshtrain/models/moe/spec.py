@@ -1,0 +1,200 @@
+"""Mixture-of-experts MLPs without torch: the ``[model]`` keys, checks, parameter and FLOP counts, and the Hugging
+Face names of a routed-experts MLP, shared by the MoE families (``mixtral``, ``qwen3_moe``; the module is
+:mod:`meshtrain.models.moe.layer`).
+
+A MoE MLP replaces the SwiGLU of a Llama block by ``num_experts`` SwiGLU experts of width F (``ffn_hidden``) and a
+router ``W_r`` (E, C): each token goes to the ``num_experts_per_tok`` = k experts of largest router probability and
+its output is their outputs weighted by those probabilities (renormalised to sum to 1 with ``norm_topk_prob``)
+(Shazeer et al. 2017, arXiv:1701.06538, Eq. 3-4; Mixtral, Jiang et al. 2024, arXiv:2401.04088, Sec. 2.1). Every
+token reaches its k experts: no capacity, no token dropped ("dropless", Gale et al. 2022, arXiv:2211.15841).
+
+Parameters per MoE MLP: ``E*C`` (router) + ``E * 3*C*F`` (experts); per token only ``k`` experts run, so the
+active parameters are ``E*C + k * 3*C*F``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from meshtrain.errors import require
+from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source
+from meshtrain.models.llama import spec as llama
+from meshtrain.models.llama.spec import LlamaKeys
+
+AUX_LOSS_SCOPES = ("global_batch", "micro_batch")
+"""``model.router_aux_loss_scope``: where the load-balancing loss counts each expert's tokens (see :class:`MoEKeys`)."""
+EXPERT_COMPUTES = ("grouped", "loop")
+"""``model.moe_compute``: one grouped GEMM over all experts, or one GEMM per expert (the reference)."""
+
+
+@dataclass
+class MoEKeys:
+    """The ``[model]`` keys of a mixture-of-experts MLP (mixtral, qwen3_moe)."""
+
+    num_experts: int = 8
+    """moe: routed experts per MoE layer (E); each is a SwiGLU MLP of width ``ffn_hidden``."""
+    num_experts_per_tok: int = 2
+    """moe: experts each token is routed to (top-k, k <= num_experts)."""
+    norm_topk_prob: bool = True
+    """moe: renormalise each token's k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's ``norm_topk_prob``)."""
+    router_aux_loss_coef: float = 0.001
+    """moe: weight of the load-balancing loss added to the cross-entropy (Switch Transformer's alpha, Fedus et al.
+    2021, arXiv:2101.03961, Eq. 4; ``transformers``' ``router_aux_loss_coef``, 0.001 by default); 0 = none."""
+    router_aux_loss_scope: str = "global_batch"
+    """moe: where the load-balancing loss counts the tokens each expert gets: "global_batch" (counted over every
+    rank of the batch mesh, dp x sp, before the product: one process's loss on any layout; Qiu et al. 2025,
+    arXiv:2501.11873) or "micro_batch" (this rank's micro-batch alone)."""
+    moe_compute: str = "grouped"
+    """moe: "grouped" (the experts' GEMMs as one ``torch._grouped_mm`` over the tokens sorted by expert) or "loop"
+    (one GEMM per expert, the reference); the same arithmetic per token."""
+
+
+def check(m: Any) -> None:
+    """The experts' counts, top-k, the loss coefficient and the two choices."""
+    require(m.num_experts >= 2, f"model.num_experts = {m.num_experts} must be >= 2 (a mixture of experts)")
+    require(1 <= m.num_experts_per_tok <= m.num_experts,
+            f"model.num_experts_per_tok = {m.num_experts_per_tok} must be in [1, model.num_experts = {m.num_experts}]")
+    require(m.router_aux_loss_coef >= 0 and math.isfinite(m.router_aux_loss_coef),
+            f"model.router_aux_loss_coef = {m.router_aux_loss_coef} must be a finite number >= 0 (0 = none)")
+    require(m.router_aux_loss_scope in AUX_LOSS_SCOPES, f"model.router_aux_loss_scope = {m.router_aux_loss_scope!r} "
+                                                        f"is not valid: use one of {', '.join(AUX_LOSS_SCOPES)}")
+    require(m.moe_compute in EXPERT_COMPUTES,
+            f"model.moe_compute = {m.moe_compute!r} is not valid: use one of {', '.join(EXPERT_COMPUTES)}")
+
+
+def check_layout(m: Any, p: Any) -> None:
+    """Experts are not split by tensor parallelism yet: the attention is, the MoE MLP would need its experts'
+    GEMMs split too (the mixture-of-experts issue's expert parallelism, next)."""
+    require(p.tp == 1, f"parallel.tp = {p.tp} is not supported with model.type = {m.type!r} yet (its experts are "
+                       f"not tensor-parallel): use tp = 1 with dp, pp, sp and FSDP2")
+
+
+def mlp_params(m: Any, ffn: int) -> int:
+    """Parameters of one MoE MLP: router ``E*C`` + experts ``E * 3*C*F``."""
+    return m.num_experts * m.n_embd + m.num_experts * 3 * m.n_embd * ffn
+
+
+def mlp_active_matrix_params(m: Any, ffn: int) -> int:
+    """Matrix parameters one token runs through: the router and its ``k`` experts."""
+    return m.num_experts * m.n_embd + m.num_experts_per_tok * 3 * m.n_embd * ffn
+
+
+# --- Hugging Face names of the experts ----------------------------------------------------------------------
+
+def expert_sources(layer: str, names: tuple[str, str, str], fused: str | None, ffn: int, experts: int) -> dict[str, Source]:
+    """meshtrain's ``mlp.router.weight`` and ``mlp.w_gate/w_up/w_down`` (each (E, rows, cols)) of the layer whose
+    Hugging Face prefix is ``layer`` (``model.layers.3.mlp``): per-expert tensors ``{layer}.experts.{e}.{name}.weight``
+    of the ``names`` (gate, up, down: ``w1, w3, w2`` in Mixtral's published files, ``gate_proj, up_proj, down_proj``
+    in Qwen3-MoE's), or, with ``fused`` (the prefix of ``transformers`` 5's in-memory tensors, saved as they are), the
+    3-D ``{fused}.experts.gate_up_proj`` (E, 2F, C: gate rows first) and ``{fused}.experts.down_proj`` (E, C, F)."""
+    if fused is not None:
+        return {"mlp.router.weight": Source(f"{fused}.gate.weight"),
+                "mlp.w_gate": Source(f"{fused}.experts.gate_up_proj"),
+                "mlp.w_up": Source(f"{fused}.experts.gate_up_proj", row0=ffn),
+                "mlp.w_down": Source(f"{fused}.experts.down_proj")}
+    gate, up, down = names
+    return {"mlp.router.weight": Source(f"{layer}.gate.weight"),
+            "mlp.w_gate": Source(f"{layer}.experts.{{e}}.{gate}.weight", experts=experts),
+            "mlp.w_up": Source(f"{layer}.experts.{{e}}.{up}.weight", experts=experts),
+            "mlp.w_down": Source(f"{layer}.experts.{{e}}.{down}.weight", experts=experts)}
+
+
+def expert_shapes(layer: str, names: tuple[str, str, str], fused: str | None, m: Any,
+                  ffn: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of :func:`expert_sources`' tensors."""
+    E, C = m.num_experts, m.n_embd
+    if fused is not None:
+        return {f"{fused}.gate.weight": (E, C), f"{fused}.experts.gate_up_proj": (E, 2 * ffn, C),
+                f"{fused}.experts.down_proj": (E, C, ffn)}
+    gate, up, down = names
+    out: dict[str, tuple[int, ...]] = {f"{layer}.gate.weight": (E, C)}
+    for e in range(E):
+        out.update({f"{layer}.experts.{e}.{gate}.weight": (ffn, C), f"{layer}.experts.{e}.{up}.weight": (ffn, C),
+                    f"{layer}.experts.{e}.{down}.weight": (C, ffn)})
+    return out
+
+
+def fused_prefix(present: Collection[str], fused: str) -> str | None:
+    """``fused`` (``model.layers.{i}.mlp``, with ``{i}``) when the folder holds ``transformers`` 5's fused expert
+    tensors (layer 0's ``gate_up_proj``), else None: per-expert tensors, the published form and what exports write."""
+    return fused if f"{fused.format(i=0)}.experts.gate_up_proj" in present else None
+
+
+# --- a Llama whose MLPs are routed experts ------------------------------------------------------------------
+
+@dataclass
+class MoELlamaKeys(MoEKeys, LlamaKeys):
+    """The ``[model]`` keys of the Llama family's mixture-of-experts relatives (mixtral, qwen3_moe): the Llama's
+    (``ffn_hidden`` is each expert's width) and the experts'."""
+
+
+def check_moe_llama(m: Any) -> None:
+    llama.check(m)
+    check(m)
+
+
+def check_moe_layout(m: Any, p: Any) -> None:
+    llama.check_layout(m, p)
+    check_layout(m, p)
+
+
+def block_params(m: Any, qkv_bias: bool = False, qk_norm: bool = False) -> int:
+    """Parameters of one block: the Llama's attention and norms, and a MoE MLP (:func:`mlp_params`)."""
+    F = llama.ffn_hidden(m)
+    return llama.block_params(m, qkv_bias, qk_norm) - 3 * m.n_embd * F + mlp_params(m, F)
+
+
+def layer_costs(m: Any, vocab_size: int, tokens: int, qk_norm: bool = False) -> tuple[float, float, float]:
+    """(embedding, block, head) FLOPs per step as :func:`meshtrain.models.llama.spec.layer_costs`, the MLP's matrices
+    counted for the router and the k experts a token runs through; AdamW updates every expert."""
+    embedding, dense_block, head = llama.layer_costs(m, vocab_size, tokens, qk_norm=qk_norm)
+    F = llama.ffn_hidden(m)
+    dense_mlp = 3 * m.n_embd * F
+    active = 3 * 2 * (mlp_active_matrix_params(m, F) - dense_mlp) * tokens
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * (mlp_params(m, F) - dense_mlp)
+    return embedding, dense_block + active + optimizer, head
+
+
+def moe_sources(m: Any, present: Collection[str], published: str, names: tuple[str, str, str],
+                qk_norm: bool = False) -> dict[str, Source]:
+    """The Llama's sources but its MLPs, and each block's router and experts (:func:`expert_sources`): the
+    per-expert tensors under ``model.layers.{i}.<published>``, or the fused ones under ``model.layers.{i}.mlp``."""
+    out = {k: v for k, v in llama.sources(m, present, qk_norm=qk_norm).items() if ".mlp." not in k}
+    fused = fused_prefix(present, "model.layers.{i}.mlp")
+    for i in range(m.n_layer):
+        experts = expert_sources(f"model.layers.{i}.{published}", names, fused and fused.format(i=i),
+                                 llama.ffn_hidden(m), m.num_experts)
+        out.update({f"blocks.{i}.{k}": v for k, v in experts.items()})
+    return out
+
+
+def moe_shapes(m: Any, vocab_size: int, present: Collection[str], published: str, names: tuple[str, str, str],
+               qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+    """The shapes of :func:`moe_sources`' tensors."""
+    out = {k: v for k, v in llama.shapes(m, vocab_size, present, qk_norm=qk_norm).items() if ".mlp." not in k}
+    fused = fused_prefix(present, "model.layers.{i}.mlp")
+    for i in range(m.n_layer):
+        out.update(expert_shapes(f"model.layers.{i}.{published}", names, fused and fused.format(i=i), m,
+                                 llama.ffn_hidden(m)))
+    return out
+
+
+def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool = False,
+               check_family: Any = None) -> Family:
+    """A Llama relative with routed experts in every block: the Llama's keys, rules and names (:func:`meshtrain.models
+    .llama.spec.family`), the experts' keys and checks, no tensor parallelism of the experts yet, no planner model
+    yet, and an auxiliary loss (the routers' load balancing)."""
+    base = llama.family(name, summary, model, hf, qk_norm=qk_norm)
+
+    def check_all(m: Any) -> None:
+        check_moe_llama(m)
+        if check_family is not None:
+            check_family(m)
+
+    return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
+                   layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=None, tp=None, aux_loss=True,
+                   resume_keys=base.resume_keys + ("num_experts",))

@@ -1,0 +1,57 @@
+"""Qwen3-MoE without torch: Qwen3's keys, rules and tensor names (:mod:`meshtrain.models.qwen3.spec`) with routed
+experts (:mod:`meshtrain.models.moe.spec`) in every block and ``transformers``' ``Qwen3MoeForCausalLM`` format.
+
+Each block's router is ``model.layers.{i}.mlp.gate.weight`` (E, C), each expert's SwiGLU
+``...mlp.experts.{e}.gate_proj``/``up_proj`` (F, C) and ``down_proj`` (C, F), F = ``moe_intermediate_size``
+(meshtrain's ``ffn_hidden``), E = ``num_experts`` (``num_local_experts`` in the configs ``transformers`` 5 writes);
+``transformers`` 5's fused ``...mlp.experts.gate_up_proj`` / ``down_proj`` are read
+too. Dense layers among the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``; none in the released
+models) are not built.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from meshtrain.models.family import HFFormat
+from meshtrain.models.hf_io import HFFormatError, number
+from meshtrain.models.moe import spec as moe
+from meshtrain.models.qwen3 import spec as qwen3
+
+PUBLISHED = "mlp"
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") not in (None, []):
+        raise HFFormatError(f"'{where}': decoder_sparse_step = {hf.get('decoder_sparse_step')!r} and mlp_only_layers "
+                            f"= {hf.get('mlp_only_layers')!r} are not supported (dense layers among the sparse ones): "
+                            f"meshtrain builds 1 and [] (experts in every layer)")
+    norm = hf.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise HFFormatError(f"'{where}': norm_topk_prob = {norm!r} must be true or false")
+    keys = qwen3.read(hf, where)
+    keys.update(type="qwen3_moe", ffn_hidden=number(hf, "moe_intermediate_size", where, int),
+                num_experts=number(hf, "num_experts" if "num_experts" in hf else "num_local_experts", where, int),
+                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm)
+    return keys
+
+
+def write(m: Any, vocab_size: int) -> dict[str, Any]:
+    config = qwen3.write(m, vocab_size)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=m.num_experts,
+                  num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+                  router_aux_loss_coef=m.router_aux_loss_coef, moe_intermediate_size=config["intermediate_size"],
+                  decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    return config
+
+
+FAMILY = moe.moe_family(
+    "qwen3_moe", "Qwen3-MoE (Qwen3 attention, top-k routed SwiGLU experts in every block)",
+    "meshtrain.models.qwen3_moe.model:Qwen3MoE",
+    HFFormat(architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", read=read, write=write,
+             sources=partial(moe.moe_sources, published=PUBLISHED, names=EXPERT_NAMES, qk_norm=True),
+             shapes=partial(moe.moe_shapes, published=PUBLISHED, names=EXPERT_NAMES, qk_norm=True)),
+    qk_norm=True)

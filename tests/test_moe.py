@@ -1,0 +1,266 @@
+"""Mixture of experts (``models/moe``; the families ``mixtral`` and ``qwen3_moe``), checked against ``transformers`` and
+against one process.
+
+``transformers`` builds tiny random ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` models offline; their routers are
+scaled up (the init's 0.02 gives near-uniform probabilities whose top-k a rounding could flip) and their norms
+perturbed:
+
+- imported logits equal ``transformers``' from the published per-expert files and from ``transformers`` 5's fused
+  in-memory tensors saved as they are; import -> export is bit-identical and loads with no missing key;
+- each layer's load-balancing loss equals ``transformers``' ``load_balancing_loss_func`` of that layer's router
+  logits, and for one layer the model's auxiliary loss is ``transformers``' ``aux_loss``;
+- the grouped GEMM equals the per-expert loop (outputs and gradients);
+- ``model.init_from`` into FSDP2 dp2 and ring sp2 (``make test``; pp2 1F1B and ZBV, Ulysses, DDP, full and selective
+  recomputation in ``make test-slow``) with
+  a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
+  micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
+- greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import assert_close_grads, assert_close_losses
+from layout_worker import launch_layouts, reference_run
+from meshtrain.models import hf_io as hf
+from meshtrain.models.hf import load_hf_model, write_hf_folder
+from test_hf import FINETUNE, EPS32, PIPE, V, assert_logits_equal, model_overrides, reference
+from test_qwen import generates_as_transformers
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=32, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+             num_experts_per_tok=2, output_router_logits=True)
+ARCHITECTURES = {
+    "mixtral": ("MixtralForCausalLM", dict(intermediate_size=48, num_local_experts=4)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+                                              head_dim=16, norm_topk_prob=True)),
+    "qwen3_moe-unnormalised": ("Qwen3MoeForCausalLM", dict(intermediate_size=64, moe_intermediate_size=24,
+                                                           num_experts=8, head_dim=8, norm_topk_prob=False)),
+}
+
+
+def saved(folder: Path, case: str, fused: bool = False, **overrides) -> Path:
+    """A random tiny model of ``case`` saved into ``folder`` (published per-expert tensors, or with ``fused`` the
+    state dict ``transformers`` keeps in memory), its routers scaled to decisive probabilities, norms perturbed."""
+    architecture, shape = ARCHITECTURES[case]
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**{**SHAPE, **shape, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    if not fused:
+        model.save_pretrained(folder)
+        return folder
+    folder.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    save_file(state, str(folder / hf.SINGLE_FILE), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    return folder
+
+
+def moe_tolerance_width(cfg) -> int:
+    """The widest sum of a block (C, F, T, and the k weighted expert outputs a token adds), for
+    :func:`test_hf.logits_tolerance`."""
+    return max(cfg.n_embd, cfg.ffn_hidden_size(), cfg.block_size) + cfg.num_experts_per_tok
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURES))
+@pytest.mark.parametrize("fused", [False, True], ids=["published", "fused"])
+def test_imported_logits_equal_transformers(case, fused, tmp_path):
+    folder = saved(tmp_path / "hf", case, fused)
+    ours, cfg = load_hf_model(folder)
+    assert cfg.type == case.split("-")[0]
+    assert_logits_equal(ours, reference(folder), cfg.n_layer, moe_tolerance_width(cfg), T=cfg.block_size)
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURES))
+def test_import_export_round_trip_is_bit_identical(case, tmp_path):
+    """Import -> export writes the published per-expert tensors back bit for bit, and ``transformers`` loads them
+    with no missing, unexpected or mismatched key; an import of the fused form exports the same tensors."""
+    folder = saved(tmp_path / "hf", case)
+    ours, cfg = load_hf_model(folder)
+    write_hf_folder(tmp_path / "out", ours.state_dict(), cfg, cfg.vocab_size, None, max_shard_bytes=2**30)
+    fused, _ = load_hf_model(saved(tmp_path / "fused", case, fused=True))
+    write_hf_folder(tmp_path / "out-fused", fused.state_dict(), cfg, cfg.vocab_size, None, max_shard_bytes=2**30)
+    with safe_open(str(folder / hf.SINGLE_FILE), framework="pt") as f:
+        original = {name: f.get_tensor(name) for name in f.keys()}
+    for out in ("out", "out-fused"):
+        with safe_open(str(tmp_path / out / hf.SINGLE_FILE), framework="pt") as f:
+            exported = {name: f.get_tensor(name) for name in f.keys()}
+        assert exported.keys() == original.keys()
+        for name, t in original.items():
+            assert torch.equal(exported[name], t), (out, name)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURES))
+def test_load_balancing_loss_equals_transformers(case, tmp_path):
+    """Each layer's ``E * sum_i f_i P_i`` is ``transformers``' ``load_balancing_loss_func`` of that layer's router
+    logits alone; with one layer the model's auxiliary loss is ``router_aux_loss_coef`` x ``transformers``'
+    ``aux_loss`` (with several, ``transformers`` pools the layers' counts: docs/moe.md). Sums of N*k ones and of
+    N probabilities in another order: ``2 * N * eps`` relative."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    for layers in (2, 1):
+        folder = saved(tmp_path / f"hf{layers}", case, num_hidden_layers=layers)
+        ours, cfg = load_hf_model(folder)
+        ours.train()
+        theirs = reference(folder)
+        x = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(1))
+        ours(x)
+        out = theirs(x, output_router_logits=True)
+        tol = 2 * x.numel() * EPS32
+        for i, logits in enumerate(out.router_logits):
+            want = load_balancing_loss_func((logits,), cfg.num_experts, cfg.num_experts_per_tok)
+            torch.testing.assert_close(ours.blocks[str(i)].mlp.aux_loss, want, rtol=tol, atol=0)
+            theirs_experts = torch.topk(torch.softmax(logits.float(), -1), cfg.num_experts_per_tok).indices
+            assert torch.equal(ours.blocks[str(i)].mlp.last_experts, theirs_experts)
+        if layers == 1:
+            torch.testing.assert_close(ours.aux_loss(), cfg.router_aux_loss_coef * out.aux_loss, rtol=tol, atol=0)
+
+
+def test_grouped_gemm_equals_the_per_expert_loop():
+    """``moe_compute = "grouped"`` and ``"loop"`` compute each (token, expert) pair's SwiGLU with the same sums
+    (of C or F products, in another order at most): outputs within ``2 * max(C, F) * eps`` of their scale, and the
+    gradients of every parameter within the same relative bound (the backward's sums are over N*k rows at most)."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    results = {}
+    for compute in ("grouped", "loop"):
+        cfg = ModelConfig(type="mixtral", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48, block_size=32,
+                          num_experts=4, moe_compute=compute, router_aux_loss_coef=1.0)
+        torch.manual_seed(0)
+        model = build_model(cfg, V)
+        x = torch.randint(0, V, (3, 32), generator=torch.Generator().manual_seed(1))
+        logits = model(x)
+        logits.sum().backward()  # a stride-0 incoming gradient: the grouped GEMM's backward needs it contiguous
+        results[compute] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (a, ga), (b, gb) = results["grouped"], results["loop"]
+    rel = 2 * max(48, 3 * 32) * EPS32
+    torch.testing.assert_close(a, b, rtol=0, atol=rel * float(b.abs().max()))
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=rel * float(gb[name].abs().max()) + 1e-30,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("model", [{"type": "mixtral"}, {"type": "qwen3_moe", "head_dim": 16, "norm_topk_prob": False}])
+def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=24, block_size=32, num_experts=4,
+                      **model)
+    torch.manual_seed(0)
+    ours = build_model(cfg, V)
+    write_hf_folder(tmp_path / "out", ours.state_dict(), cfg, V, None, max_shard_bytes=2**30)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert type(theirs).__name__ == cfg.family().hf.architectures[0]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert_logits_equal(ours, theirs.eval(), cfg.n_layer, moe_tolerance_width(cfg), T=cfg.block_size)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"model.type": "mixtral", "parallel.tp": "2"}, "parallel.tp = 2 is not supported with model.type = 'mixtral'"),
+    ({"model.type": "mixtral", "model.norm_topk_prob": "false"}, "model.norm_topk_prob = false is not Mixtral's"),
+    ({"model.type": "qwen3_moe", "model.num_experts_per_tok": "9"}, "model.num_experts_per_tok = 9 must be in [1,"),
+    ({"model.type": "qwen3_moe", "model.router_aux_loss_scope": "step"}, "model.router_aux_loss_scope = 'step'"),
+    ({"model.type": "llama", "model.num_experts": "4"}, "model.num_experts = 4 applies to model.type = 'mixtral' or"),
+])
+def test_bad_moe_keys_are_one_line(overrides, expected):
+    from meshtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")) as e:
+        load_config(FINETUNE, {"model.n_kv_head": "2", **overrides})
+    assert "\n" not in str(e.value)
+
+
+# --- training from imported weights, layouts against one process -----------------------------------------------
+
+BALANCED = {"model.router_aux_loss_coef": "1.0"}
+"""A load-balancing coefficient large enough that a wrong count or scope moves the loss and router gradients."""
+LAYOUTS = {
+    "mixtral-fsdp2-dp2": (2, "mixtral", {"parallel.zero_stage": "3", "batch.micro_batch_size": "2"}),
+    "qwen3_moe-ring-sp2": (2, "qwen3_moe", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "mixtral-ddp-dp2": (2, "mixtral", {"batch.micro_batch_size": "2"}),
+    "qwen3_moe-ulysses-sp2": (2, "qwen3_moe", {"parallel.sp": "2"}),
+    "mixtral-pp2": (2, "mixtral", PIPE),
+    "qwen3_moe-pp2-zbv": (2, "qwen3_moe", {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2"}),
+    "mixtral-dp2-full-recompute": (2, "mixtral", {"batch.micro_batch_size": "2", "train.recompute": "full"}),
+    "qwen3_moe-fsdp2-dp2-selective": (2, "qwen3_moe", {"parallel.zero_stage": "2", "batch.micro_batch_size": "2",
+                                                       "train.recompute": "selective"}),
+}
+"""Each layout's global batch is the reference's 4 samples; a pipeline's micro-batches of 1 sample are the
+reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope counts a micro-batch's tokens)."""
+SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
+        "qwen3_moe-fsdp2-dp2-selective"}
+"""In `make test-slow`; `make test` keeps FSDP2 over dp and ring sp, one 2-rank launch."""
+PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_layouts")
+    return {"mixtral": saved(root / "mixtral", "mixtral"),
+            "qwen3_moe": saved(root / "qwen3_moe", "qwen3_moe", num_hidden_layers=4)}, root  # zbv: 4 chunks
+
+
+def one_process(root: Path, folder: Path, name: str, pipeline: bool) -> tuple:
+    extra = PER_SAMPLE if pipeline else {}
+    return reference_run(root / f"one-{name}{'-per-sample' if pipeline else ''}",
+                         {**model_overrides(folder), **BALANCED, **extra}, config=FINETUNE)
+
+
+def launch(root: Path, layouts: dict, folders: dict) -> dict:
+    results = {}
+    for world in sorted({w for w, _, _ in layouts.values()}):
+        (root / f"w{world}").mkdir(parents=True, exist_ok=True)
+        named = {n: {**model_overrides(folders[f]), **BALANCED, **o} for n, (w, f, o) in layouts.items() if w == world}
+        results |= launch_layouts(world, root / f"w{world}", named, config=FINETUNE)
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(folders):
+    paths, root = folders
+    return launch(root, {n: v for n, v in LAYOUTS.items() if n not in SLOW}, paths)
+
+
+def check(results: dict, folders: tuple, name: str) -> None:
+    paths, root = folders
+    world, family, overrides = LAYOUTS[name]
+    one = one_process(root, paths[family], name.split("-")[0], "parallel.pp" in overrides)
+    assert_close_losses(results[name][0], one[0])
+    assert_close_grads(results[name][1], one[1])
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in SLOW])
+def test_training_from_imported_weights_equals_one_process(trained, folders, name):
+    check(trained, folders, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_training_from_imported_weights_equals_one_process_slow(folders, name):
+    paths, root = folders
+    check(launch(root / "slow" / name, {name: LAYOUTS[name]}, paths), folders, name)
+
+
+def test_dp2_run_exported_generates_as_transformers(trained, folders, tmp_path):
+    """The Mixtral trained under FSDP2 at dp=2 and exported: ``transformers``' greedy continuation of a prompt is
+    meshtrain's ``generate --temperature 0`` on the run and on the export, token for token."""
+    generates_as_transformers(folders[1] / "w2" / "mixtral-fsdp2-dp2", tmp_path, "MixtralForCausalLM")
