@@ -401,6 +401,28 @@ def test_export_hf_refuses_what_it_cannot_write(tmp_path, capsys):
                    "already exists")
 
 
+@pytest.mark.parametrize("fmt", ["hf", "safetensors"])
+def test_an_export_never_touches_a_users_tmp(fmt, tmp_path):
+    """``export --out X`` writes under a fresh temporary name beside X: a user's own ``X.tmp`` (a folder with a
+    file, or a file) is left as it was, and no temporary is left behind (it deleted them before)."""
+    from conftest import train_here
+
+    run = tmp_path / "run"
+    train_here(run, **{"model.type": "llama", "train.steps": "1"})
+    out = tmp_path / ("x" if fmt == "hf" else "m.safetensors")
+    mine = out.with_name(out.name + ".tmp")
+    if fmt == "hf":
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+    else:
+        mine.write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli_main(["export", "--checkpoint", str(run), "--format", fmt, "--out", str(out)]) == 0
+    assert (mine / "notes.txt" if fmt == "hf" else mine).read_text() == "mine"
+    made = {out.name} | ({out.with_suffix(".json").name} if fmt == "safetensors" else set())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(before) | made)
+
+
 def test_export_copies_a_hugging_face_tokenizer(tmp_path):
     """A run on a ``tokenizer.json`` (``data.tokenizer``) exports it with the model, byte for byte, and
     ``generate`` on the export reads the prompt with it."""

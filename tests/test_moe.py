@@ -10,7 +10,9 @@ perturbed:
 - each layer's load-balancing loss equals ``transformers``' ``load_balancing_loss_func`` of that layer's router
   logits, and for one layer the model's auxiliary loss is ``transformers``' ``aux_loss``;
 - the grouped GEMM equals the per-expert loop (outputs and gradients);
-- ``model.init_from`` into FSDP2 dp2 and ring sp2 (``make test``; pp2 1F1B and ZBV, Ulysses, DDP, full and selective
+- DeepSeek-V3's routing biases move by the rate towards balance after each step, pick the experts but do not weigh
+  them, and refuse a Hugging Face export;
+- ``model.init_from`` into FSDP2 dp2 (with and without routing biases) and ring sp2 (``make test``; pp2 1F1B and ZBV, Ulysses, DDP, full and selective
   recomputation in ``make test-slow``) with
   a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
@@ -174,6 +176,92 @@ def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
     assert_logits_equal(ours, theirs.eval(), cfg.n_layer, moe_tolerance_width(cfg), T=cfg.block_size)
 
 
+def test_routing_biases_move_towards_balance():
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after a step, each bias moves by the rate towards the mean count
+    of the step's training forwards (``b_i += rate * sign(mean - c_i)``); an evaluation forward counts nothing;
+    the biases pick the experts, the probabilities weigh them."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import MoE
+
+    cfg = ModelConfig(type="mixtral", n_embd=32, ffn_hidden=24, num_experts=4, router_bias_update_rate=0.5)
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    for w, _ in layer.expert_weights():
+        torch.nn.init.normal_(w, std=0.02)
+    torch.nn.init.normal_(layer.router.weight, std=0.5)
+    x = torch.randn(2, 16, 32)
+    counts = torch.zeros(4)
+    for _ in range(2):
+        layer(x)
+        counts += torch.bincount(layer.last_experts.reshape(-1), minlength=4)
+    layer.eval()
+    with torch.no_grad():
+        layer(x)
+    layer.train()
+    layer.update_bias()
+    assert torch.equal(layer.expert_bias, 0.5 * torch.sign(counts.mean() - counts))
+    assert torch.equal(layer.step_counts, torch.zeros(4))
+    probs, weights, experts = layer.route(x.reshape(-1, 32))
+    assert torch.equal(experts, torch.topk(probs + layer.expert_bias, 2).indices)
+    torch.testing.assert_close(weights, probs.gather(-1, experts) / probs.gather(-1, experts).sum(-1, keepdim=True))
+
+
+def _bias_worker(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: a MoE layer (same weights on both) trains on this rank's tokens, then moves its biases
+    over the pair of ranks; saves (its counts, its biases)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import MoE
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        layer = MoE(ModelConfig(type="mixtral", n_embd=16, ffn_hidden=8, num_experts=8, router_bias_update_rate=0.25))
+        torch.nn.init.normal_(layer.router.weight, std=1.0)
+        for w, _ in layer.expert_weights():
+            torch.nn.init.normal_(w, std=0.02)
+        layer.balance_group = dist.group.WORLD
+        layer(torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(10 + rank)))  # each rank its own tokens
+        counts = layer.step_counts.clone()
+        layer.update_bias()
+        torch.save((counts, layer.expert_bias.clone()), Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_routing_biases_move_by_the_counts_of_every_rank(tmp_path):
+    """Over dp x sp the biases move by the summed counts (one process's step), not each rank's own: both ranks end
+    with ``rate * sign(mean(c0 + c1) - (c0 + c1))``, which here differs from what rank 0's counts alone give."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_bias_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    (c0, b0), (c1, b1) = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    total = c0 + c1
+    want = 0.25 * torch.sign(total.mean() - total)
+    assert torch.equal(b0, want) and torch.equal(b1, want)
+    assert not torch.equal(want, 0.25 * torch.sign(c0.mean() - c0))  # the test can tell local from global counts
+
+
+def test_an_export_refuses_routing_biases(tmp_path):
+    from meshtrain.config import ConfigError, ModelConfig
+    from meshtrain.models import build_model
+
+    cfg = ModelConfig(type="mixtral", n_layer=1, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=24, block_size=32,
+                      num_experts=4, router_bias_update_rate=0.001)
+    with pytest.raises(ConfigError, match="trained routing biases that mixtral's Hugging Face format has no tensor"):
+        write_hf_folder(tmp_path / "out", build_model(cfg, V).state_dict(), cfg, V, None, max_shard_bytes=2**30)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("overrides, expected", [
     ({"model.type": "mixtral", "parallel.tp": "2"}, "parallel.tp = 2 is not supported with model.type = 'mixtral'"),
     ({"model.type": "mixtral", "model.norm_topk_prob": "false"}, "model.norm_topk_prob = false is not Mixtral's"),
@@ -196,6 +284,8 @@ BALANCED = {"model.router_aux_loss_coef": "1.0"}
 LAYOUTS = {
     "mixtral-fsdp2-dp2": (2, "mixtral", {"parallel.zero_stage": "3", "batch.micro_batch_size": "2"}),
     "qwen3_moe-ring-sp2": (2, "qwen3_moe", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "qwen3_moe-fsdp2-dp2-bias": (2, "qwen3_moe", {"parallel.zero_stage": "3", "batch.micro_batch_size": "2",
+                                                  "model.router_bias_update_rate": "0.05"}),
     "mixtral-ddp-dp2": (2, "mixtral", {"batch.micro_batch_size": "2"}),
     "qwen3_moe-ulysses-sp2": (2, "qwen3_moe", {"parallel.sp": "2"}),
     "mixtral-pp2": (2, "mixtral", PIPE),
@@ -219,10 +309,13 @@ def folders(tmp_path_factory):
             "qwen3_moe": saved(root / "qwen3_moe", "qwen3_moe", num_hidden_layers=4)}, root  # zbv: 4 chunks
 
 
-def one_process(root: Path, folder: Path, name: str, pipeline: bool) -> tuple:
-    extra = PER_SAMPLE if pipeline else {}
-    return reference_run(root / f"one-{name}{'-per-sample' if pipeline else ''}",
-                         {**model_overrides(folder), **BALANCED, **extra}, config=FINETUNE)
+def one_process(root: Path, folder: Path, name: str, overrides: dict[str, str]) -> tuple:
+    """One process with the layout's model keys, and its micro-batches (a pipeline's: 1 sample, 4 steps)."""
+    pipeline = "parallel.pp" in overrides
+    model = {k: v for k, v in overrides.items() if k.startswith("model.")}
+    tag = "-".join([name] + (["per-sample"] if pipeline else []) + [v for v in model.values()])
+    return reference_run(root / f"one-{tag}", {**model_overrides(folder), **BALANCED, **(PER_SAMPLE if pipeline else {}),
+                                               **model}, config=FINETUNE)
 
 
 def launch(root: Path, layouts: dict, folders: dict) -> dict:
@@ -243,7 +336,7 @@ def trained(folders):
 def check(results: dict, folders: tuple, name: str) -> None:
     paths, root = folders
     world, family, overrides = LAYOUTS[name]
-    one = one_process(root, paths[family], name.split("-")[0], "parallel.pp" in overrides)
+    one = one_process(root, paths[family], family, overrides)
     assert_close_losses(results[name][0], one[0])
     assert_close_grads(results[name][1], one[1])
 

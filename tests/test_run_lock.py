@@ -111,6 +111,7 @@ def test_a_run_writes_only_what_the_foreign_file_check_knows(tmp_path):
     train_here(out, **{"train.steps": "2"})
     assert foreign_entries(out) == [], sorted(p.name for p in out.iterdir())
     (out / "summary.json.tmp").write_text("{")  # an atomic write cut short is still meshtrain's
+    (out / ".summary.json.k3j2_x9.tmp").write_text("{")  # under its fresh temporary name too
     (out / ".meshtrain-probe-x").mkdir()
     assert foreign_entries(out) == []
     (out / "checkpoints.txt").write_text("")
@@ -129,3 +130,28 @@ def test_a_folder_with_files_meshtrain_did_not_write_is_refused_and_left_alone(t
         f"meshtrain train: error: train.out_dir = '{out}' holds files meshtrain did not write (data and 1 more): "
         f"choose a new or empty folder for --out"], proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["data", "notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["summary.json", "loss.png", "plan_vs_actual.json", ".summary.json.x1.tmp"])
+def test_a_run_file_with_no_run_beside_it_is_the_users(name, tmp_path):
+    """A ``summary.json`` (``loss.png``, ``plan_vs_actual.json``, a temporary of one) in a folder that holds no run
+    (no metrics.jsonl, no checkpoints) is the user's own; beside a run's metrics.jsonl it is the run's."""
+    from meshtrain.preflight import foreign_entries
+
+    (tmp_path / name).write_text("mine\n")
+    assert foreign_entries(tmp_path) == [name]
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert foreign_entries(tmp_path) == []
+
+
+def test_a_users_summary_json_is_refused_before_launch_and_left_alone(tmp_path):
+    """It was overwritten by the run's own at the end."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.json").write_text("mine\n")
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"meshtrain train: error: train.out_dir = '{out}' holds files meshtrain did not write (summary.json): "
+        f"choose a new or empty folder for --out"], proc.stderr
+    assert [p.name for p in out.iterdir()] == ["summary.json"] and (out / "summary.json").read_text() == "mine\n"

@@ -11,12 +11,40 @@ from typing import Any
 from meshtrain.config import ConfigError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fresh_temp_file(path: Path) -> Path:
+    """A new, empty file next to ``path`` under a name no other file has (``.NAME.<random>.tmp``), with the
+    permissions a new file gets (0666 less the umask): write it, then ``os.replace`` it onto ``path``. A user's
+    own ``NAME.tmp`` is never touched."""
+    fd, name = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+    os.close(fd)
+    os.chmod(name, 0o666 & ~_umask())
+    return Path(name)
+
+
+def fresh_temp_dir(path: Path) -> Path:
+    """A new, empty folder next to ``path`` under a name no other file has (``.NAME.<random>.tmp``), with the
+    permissions a new folder gets (0777 less the umask): fill it, then ``os.replace`` it onto ``path``."""
+    name = tempfile.mkdtemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+    os.chmod(name, 0o777 & ~_umask())
+    return Path(name)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path.tmp`` then rename it to ``path`` (atomic on POSIX)."""
+    """Write ``obj`` as JSON to a fresh temporary file next to ``path`` (:func:`fresh_temp_file`), then rename it
+    to ``path`` (atomic on POSIX)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    tmp = fresh_temp_file(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def check_writable_dir(folder: str | Path, what: str) -> None:

@@ -71,19 +71,30 @@ def preflight(run: ResolvedRun) -> None:
 RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "plan_vs_actual.json", "pipeline_trace.json",
              "pipeline_schedule.png")
 """The files a run writes at the top of its output folder (``metrics``, ``planner.actual``, the pipeline's
-report); each may also be there as ``NAME.tmp``, an atomic write cut short."""
+report); each may also be there as ``NAME.tmp`` or ``.NAME.<random>.tmp``, an atomic write cut short
+(:func:`meshtrain.fileio.fresh_temp_file`). All but ``metrics.jsonl``, which a run writes first, are a run's only
+beside its ``metrics.jsonl`` or checkpoints: alone, they are the user's."""
 RUN_DIRS = ("checkpoints", "tb", "profile")
 """Its folders: checkpoints (:mod:`meshtrain.checkpoint`), TensorBoard events, profiler traces."""
 
 
 def foreign_entries(out: Path) -> list[str]:
-    """Names in ``out`` that no run writes (:data:`RUN_FILES`, :data:`RUN_DIRS`, ``.meshtrain-*`` probes),
-    sorted; empty when ``out`` is missing. A run never writes into a folder that holds someone else's files."""
+    """Names in ``out`` that no run writes (:data:`RUN_FILES` and their temporaries, :data:`RUN_DIRS`,
+    ``.meshtrain-*`` probes), sorted; empty when ``out`` is missing. A run never writes into a folder that holds
+    someone else's files, a ``summary.json``, ``loss.png`` or ``plan_vs_actual.json`` with no run beside it included."""
     if not out.is_dir():
         return []
-    ours = {*RUN_FILES, *(name + ".tmp" for name in RUN_FILES)}
-    return sorted(p.name for p in out.iterdir() if not (p.name in ours and p.is_file() or p.name in RUN_DIRS
-                                                          and p.is_dir() or p.name.startswith(".meshtrain-")))
+    has_run = (out / RUN_FILES[0]).is_file() or (out / RUN_DIRS[0]).is_dir()
+    files = RUN_FILES if has_run else RUN_FILES[:1]  # a summary.json with no run beside it is someone else's
+    ours = {*files, *(name + ".tmp" for name in files)}
+
+    def is_ours(p: Path) -> bool:
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and p.name[1:].startswith(
+            tuple(f"{name}." for name in files))
+        return ((p.name in ours or temporary) and p.is_file() or p.name in RUN_DIRS and p.is_dir()
+                or p.name.startswith(".meshtrain-"))
+
+    return sorted(p.name for p in out.iterdir() if not is_ours(p))
 
 
 def check_init_from(cfg: Config, corpus_vocab: int) -> None:

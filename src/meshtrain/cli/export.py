@@ -27,7 +27,7 @@ from typing import Any
 
 from meshtrain.argtypes import positive_float
 from meshtrain.config import ConfigError
-from meshtrain.fileio import check_writable_dir
+from meshtrain.fileio import check_writable_dir, fresh_temp_file
 
 SUFFIX = ".safetensors"
 FORMATS = ("safetensors", "hf")
@@ -78,7 +78,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     info = {"model": meta["config"]["model"], "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"],
             "step": meta["step"], "source": str(found)}
     text = json.dumps(info)
-    tmp, tmp_sidecar = path.with_name(path.name + ".tmp"), sidecar.with_name(sidecar.name + ".tmp")
+    tmp, tmp_sidecar = fresh_temp_file(path), fresh_temp_file(sidecar)  # never a user's own NAME.tmp
     try:
         save_model(model, str(tmp), metadata={METADATA_KEY: text})
         tmp_sidecar.write_text(json.dumps(info, indent=1) + "\n")

@@ -50,6 +50,8 @@ class Source:
     transpose: bool = False
     row0: int = 0
     experts: int = 0
+    """See above; a Source whose ``name`` is "" marks a model tensor no Hugging Face checkpoint holds (a routing bias
+    of :mod:`meshtrain.models.moe`): an import leaves it at its initial value, an export writes nothing for it."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
+from meshtrain.fileio import fresh_temp_dir
 from meshtrain.models import hf_io as hf
 from meshtrain.models.family import Source
 from meshtrain.models.registry import check_hf_weights, hf_format
@@ -127,6 +128,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
 
         for name, param in get_model_state_dict(model).items():
             source = sources.get(name)
+            if source is not None and not source.name:  # no Hugging Face tensor holds it: it keeps its init
+                continue
             missing = [n for n in _names(source) if n not in files] if source else []
             if source is None or missing:
                 raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
@@ -156,7 +159,7 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
     out = {}
     for name, source in sources.items():
-        if name == "lm_head.weight" and tied:
+        if (name == "lm_head.weight" and tied) or not source.name:
             continue
         if source.experts:  # a stack (E, rows, cols): one tensor per expert
             out.update({n: state[name][e].detach().contiguous() for e, n in enumerate(_names(source))})
@@ -201,7 +204,8 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
                     tokenizer: dict[str, Any] | None, max_shard_bytes: int) -> list[Path]:
     """Write the Hugging Face folder ``out`` (which must not exist) of a whole model's ``state``, no weights
     file larger than ``max_shard_bytes`` but for a single larger tensor: built in
-    ``out.tmp`` and renamed into place, so a crash leaves no half-written folder. Returns the files written.
+    a fresh temporary folder beside it (:func:`meshtrain.fileio.fresh_temp_dir`) and renamed into place, so a crash
+    leaves no half-written folder and no other folder is touched. Returns the files written.
 
     Raises:
         ConfigError: ``out`` exists, or the model has no Hugging Face architecture (lstm, gru).
@@ -215,9 +219,7 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     tensors = hf_state_dict(state, cfg)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = fresh_temp_dir(out)  # a fresh name: a user's own OUT.tmp is never touched
     try:
         groups = _shards(tensors, max_shard_bytes)
         names = ([hf.SINGLE_FILE] if len(groups) == 1 else

@@ -74,7 +74,11 @@ class ParallelModel:
         return clip_grad_norm_(self.model.parameters(), max_norm)
 
     def after_optimizer_step(self) -> None:
-        """Called after every ``optimizer.step()``."""
+        """Called after every ``optimizer.step()``: routers with auxiliary-loss-free balancing move their biases
+        (:meth:`meshtrain.models.moe.layer.MoE.update_bias`)."""
+        for module in self.model.modules():
+            if hasattr(module, "update_bias"):
+                module.update_bias()
 
     def consolidate(self) -> None:
         """Make the replicas hold the same parameters before a checkpoint (they always do, but under local SGD)."""
@@ -140,6 +144,7 @@ class ReplicatedModel(ParallelModel):
         return total
 
     def after_optimizer_step(self) -> None:
+        super().after_optimizer_step()
         if self.local_sgd is not None:
             self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
 

@@ -36,6 +36,7 @@ def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
 
 
 def write(m: Any, vocab_size: int) -> dict[str, Any]:
+    moe.check_exportable(m)
     config = llama.write(m, vocab_size, "MixtralForCausalLM", "mixtral", num_local_experts=m.num_experts,
                          num_experts_per_tok=m.num_experts_per_tok, router_aux_loss_coef=m.router_aux_loss_coef,
                          router_jitter_noise=0.0, sliding_window=None, output_router_logits=False)

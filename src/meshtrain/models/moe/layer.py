@@ -13,6 +13,10 @@ three GEMMs as one ``torch._grouped_mm`` over all experts (``offs``: each expert
 per expert (the reference). Weights are stacks ``w_gate, w_up`` (E, F, C) and ``w_down`` (E, C, F), one
 ``nn.Linear`` weight per expert, so a (E, ...) shard is a set of whole experts.
 
+With ``router_bias_update_rate`` > 0 each expert also has a routing bias that picks the top-k (``probs + bias``) but
+does not weigh them, moved after every step towards balance (DeepSeek-V3's auxiliary-loss-free balancing,
+:meth:`MoE.update_bias`).
+
 Load balancing (Fedus et al. 2021, "Switch Transformers", arXiv:2101.03961, Eq. 4-6, with top-k counts as
 ``transformers``' ``load_balancing_loss_func`` and Mixtral): per MoE layer
 ``aux = E * sum_i f_i * P_i``, ``f_i`` the fraction of the N*k assignments that went to expert i times k (so
@@ -88,6 +92,11 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(E, hidden, C))
         self.w_up = nn.Parameter(torch.empty(E, hidden, C))
         self.w_down = nn.Parameter(torch.empty(E, C, hidden))
+        self.bias_rate = cfg.router_bias_update_rate
+        if self.bias_rate:  # DeepSeek-V3's auxiliary-loss-free balancing: a routing bias per expert, checkpointed
+            self.register_buffer("expert_bias", torch.zeros(E))
+            self.step_counts = torch.zeros(E)
+            """Assignments to each expert in this step's training forwards so far (this rank's), for :meth:`update_bias`."""
         self.balance_group: dist.ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
         """This layer's load-balancing loss of the last forward (a scalar with gradient), before the coefficient."""
@@ -103,7 +112,11 @@ class MoE(nn.Module):
         """``x`` (N, C) -> (probs (N, E) fp32, weights (N, k) fp32, experts (N, k) int64), in fp32 under autocast."""
         with torch.autocast(x.device.type, enabled=False):
             probs = F.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
+        if self.bias_rate:  # the biases pick the experts; the probabilities weigh them (DeepSeek-V3, Eq. 16)
+            experts = torch.topk(probs + self.expert_bias.to(probs.device), self.top_k, dim=-1).indices  # (N, k)
+            weights = probs.gather(-1, experts)
+        else:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, experts
@@ -134,9 +147,25 @@ class MoE(nn.Module):
         order = torch.argsort(assignment, stable=True)  # (N*k,) pairs sorted by expert
         token = order // self.top_k  # (N*k,) the token of each sorted pair
         counts = torch.bincount(assignment, minlength=self.num_experts)  # (E,)
+        if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.step_counts = self.step_counts.to(counts.device) + counts  # a training forward (not a recompute)
         out = self.experts(flat[token], counts)  # (N*k, C)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out).reshape(B, T, C).to(x.dtype)
+
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After an optimizer step: each expert's routing bias moves by ``router_bias_update_rate`` towards balance,
+        ``b_i += rate * sign(mean_j c_j - c_i)`` with ``c`` the step's assignments summed over ``balance_group``
+        (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 2.1.2); the counts restart. Nothing without biases."""
+        if not self.bias_rate:
+            return
+        counts = self.step_counts.float()
+        if self.balance_group is not None:
+            dist.all_reduce(counts, group=self.balance_group)
+        self.expert_bias += self.bias_rate * torch.sign(counts.mean() - counts).to(self.expert_bias.device)
+        self.step_counts = torch.zeros_like(self.step_counts)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -22,6 +22,7 @@ from typing import Any
 
 from meshtrain.errors import require
 from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source
+from meshtrain.models.hf_io import HFFormatError
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.llama.spec import LlamaKeys
 
@@ -48,6 +49,12 @@ class MoEKeys:
     """moe: where the load-balancing loss counts the tokens each expert gets: "global_batch" (counted over every
     rank of the batch mesh, dp x sp, before the product: one process's loss on any layout; Qiu et al. 2025,
     arXiv:2501.11873) or "micro_batch" (this rank's micro-batch alone)."""
+    router_bias_update_rate: float = 0.0
+    """moe: DeepSeek-V3's auxiliary-loss-free balancing (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 2.1.2; Wang et al.
+    2024, arXiv:2408.15664): each expert has a routing bias, added to its router probability to pick the top-k only
+    (never to weigh the outputs), which after every step moves by this rate up if the expert got fewer than the
+    mean count of the step's assignments (over dp x sp), down if more; 0 = off (DeepSeek-V3: 0.001). The biases are
+    saved in checkpoints; a Hugging Face export refuses them (no such tensor)."""
     moe_compute: str = "grouped"
     """moe: "grouped" (the experts' GEMMs as one ``torch._grouped_mm`` over the tokens sorted by expert) or "loop"
     (one GEMM per expert, the reference); the same arithmetic per token."""
@@ -62,6 +69,8 @@ def check(m: Any) -> None:
             f"model.router_aux_loss_coef = {m.router_aux_loss_coef} must be a finite number >= 0 (0 = none)")
     require(m.router_aux_loss_scope in AUX_LOSS_SCOPES, f"model.router_aux_loss_scope = {m.router_aux_loss_scope!r} "
                                                         f"is not valid: use one of {', '.join(AUX_LOSS_SCOPES)}")
+    require(m.router_bias_update_rate >= 0 and math.isfinite(m.router_bias_update_rate),
+            f"model.router_bias_update_rate = {m.router_bias_update_rate} must be a finite number >= 0 (0 = off)")
     require(m.moe_compute in EXPERT_COMPUTES,
             f"model.moe_compute = {m.moe_compute!r} is not valid: use one of {', '.join(EXPERT_COMPUTES)}")
 
@@ -85,6 +94,18 @@ def mlp_active_matrix_params(m: Any, ffn: int) -> int:
 
 # --- Hugging Face names of the experts ----------------------------------------------------------------------
 
+NO_SOURCE = Source("")
+"""The routing biases of auxiliary-loss-free balancing: no Hugging Face tensor holds them (an import starts them at 0,
+an export refuses a model that has them, :func:`check_exportable`)."""
+
+
+def check_exportable(m: Any) -> None:
+    """Raises HFFormatError: routing biases (``router_bias_update_rate`` > 0), which no Hugging Face MoE holds."""
+    if m.router_bias_update_rate:
+        raise HFFormatError(f"model.router_bias_update_rate = {m.router_bias_update_rate} trained routing biases that "
+                            f"{m.type}'s Hugging Face format has no tensor for: export it with --format safetensors")
+
+
 def expert_sources(layer: str, names: tuple[str, str, str], fused: str | None, ffn: int, experts: int) -> dict[str, Source]:
     """meshtrain's ``mlp.router.weight`` and ``mlp.w_gate/w_up/w_down`` (each (E, rows, cols)) of the layer whose
     Hugging Face prefix is ``layer`` (``model.layers.3.mlp``): per-expert tensors ``{layer}.experts.{e}.{name}.weight``
@@ -92,12 +113,12 @@ def expert_sources(layer: str, names: tuple[str, str, str], fused: str | None, f
     in Qwen3-MoE's), or, with ``fused`` (the prefix of ``transformers`` 5's in-memory tensors, saved as they are), the
     3-D ``{fused}.experts.gate_up_proj`` (E, 2F, C: gate rows first) and ``{fused}.experts.down_proj`` (E, C, F)."""
     if fused is not None:
-        return {"mlp.router.weight": Source(f"{fused}.gate.weight"),
+        return {"mlp.router.weight": Source(f"{fused}.gate.weight"), "mlp.expert_bias": NO_SOURCE,
                 "mlp.w_gate": Source(f"{fused}.experts.gate_up_proj"),
                 "mlp.w_up": Source(f"{fused}.experts.gate_up_proj", row0=ffn),
                 "mlp.w_down": Source(f"{fused}.experts.down_proj")}
     gate, up, down = names
-    return {"mlp.router.weight": Source(f"{layer}.gate.weight"),
+    return {"mlp.router.weight": Source(f"{layer}.gate.weight"), "mlp.expert_bias": NO_SOURCE,
             "mlp.w_gate": Source(f"{layer}.experts.{{e}}.{gate}.weight", experts=experts),
             "mlp.w_up": Source(f"{layer}.experts.{{e}}.{up}.weight", experts=experts),
             "mlp.w_down": Source(f"{layer}.experts.{{e}}.{down}.weight", experts=experts)}

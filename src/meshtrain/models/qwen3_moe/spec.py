@@ -40,6 +40,7 @@ def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
 
 
 def write(m: Any, vocab_size: int) -> dict[str, Any]:
+    moe.check_exportable(m)
     config = qwen3.write(m, vocab_size)
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=m.num_experts,
                   num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
