@@ -32,6 +32,7 @@ from conftest import assert_close_grads, assert_close_losses
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.models.hf import load_hf_model, write_hf_folder
+from conftest import ROOT
 from test_hf import FINETUNE, EPS32, PIPE, V, assert_logits_equal, model_overrides, reference
 from test_qwen import generates_as_transformers
 
@@ -260,6 +261,29 @@ def test_an_export_refuses_routing_biases(tmp_path):
     with pytest.raises(ConfigError, match="trained routing biases that mixtral's Hugging Face format has no tensor"):
         write_hf_folder(tmp_path / "out", build_model(cfg, V).state_dict(), cfg, V, None, max_shard_bytes=2**30)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_planner_plans_experts(capsys):
+    """``meshtrain plan`` on a Mixtral config: every expert's parameters in the states, the k active ones in the
+    FLOPs (a token costs the dense model of width k*F plus the router), and no layout with tp > 1 (the experts are
+    not tensor-parallel yet)."""
+    import json
+
+    from meshtrain.cli.main import main as cli_main
+    from meshtrain.config import load_config
+    from meshtrain.planner.cost import dense_flops_per_token
+    from meshtrain.planner.model_specs import from_config
+
+    moe = {"model.type": "mixtral", "model.ffn_hidden": "96", "model.num_experts": "8"}
+    llama = ROOT / "configs" / "llama_tiny.toml"
+    spec = from_config(load_config(llama, moe))
+    dense = from_config(load_config(llama, {"model.ffn_hidden": "192"}))  # k * F = 2 * 96
+    assert dense_flops_per_token(spec) == dense_flops_per_token(dense) + 2 * 8 * 128
+    assert spec.num_params() - dense.num_params() == spec.layers * (8 * 3 * 128 * 96 + 8 * 128 - 3 * 128 * 192)
+    args = ["plan", str(llama), "--num-gpus", "2", "--json", *[a for k, v in moe.items() for a in (f"--{k}", v)]]
+    assert cli_main(args) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert ranked and all(r["tp"] == 1 for r in ranked)
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -109,7 +109,10 @@ def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
 
 @pytest.mark.parametrize("model", [{"type": "gpt"}, {"type": "gpt", "bias": True}, {"type": "llama", "n_kv_head": 2},
                                    {"type": "llama", "head_dim": 16, "tie_embeddings": True},
-                                   {"type": "qwen2", "n_kv_head": 1}, {"type": "qwen3", "head_dim": 16, "n_kv_head": 2}])
+                                   {"type": "qwen2", "n_kv_head": 1}, {"type": "qwen3", "head_dim": 16, "n_kv_head": 2},
+                                   {"type": "mixtral", "n_kv_head": 2, "ffn_hidden": 24, "num_experts": 4},
+                                   {"type": "qwen3_moe", "head_dim": 16, "ffn_hidden": 24, "num_experts": 8,
+                                    "num_experts_per_tok": 3}])
 def test_planner_parameter_count_equals_the_built_model(model):
     """The planner's N (:class:`meshtrain.planner.model_specs.ModelSpec`, from the family's planner numbers) is the
     built model's parameter count, a tied head counted once."""

@@ -42,9 +42,11 @@ from meshtrain.planner.model_specs import ModelSpec
 
 
 def dense_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``."""
-    h, kv, f, q = model.hidden, model.kv_dim, model.ffn_hidden, model.q_dim
-    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f)
+    """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``, f the active MLP width
+    (k experts of width f: k*f) plus a router's ``E*h`` (Fedus et al. 2021, Sec. 2: FLOPs per token follow the
+    experts a token runs, not their number)."""
+    h, kv, f, q = model.hidden, model.kv_dim, model.active_ffn, model.q_dim
+    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params)
 
 
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
@@ -56,7 +58,7 @@ def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], .
     """(K, N) of one layer's weight GEMMs on one tp rank: QKV ``h -> (q + 2kv)/t``, out-projection
     ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
     (column- then row-parallel, Shoeybi et al. 2019, Sec. 3)."""
-    h, kv, f, t, q = model.hidden, model.kv_dim, model.ffn_hidden, tp, model.q_dim
+    h, kv, f, t, q = model.hidden, model.kv_dim, model.active_ffn, tp, model.q_dim
     return ((h, (q + 2 * kv) / t), (q / t, h), (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
 
 
@@ -180,7 +182,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, mater
     per score. The scores the QK^T GEMM writes and the AV GEMM reads (2e) are those GEMMs' own traffic,
     charged in their roofline (:func:`_compute`), not here.
     """
-    h, f, t, seq = model.hidden, model.ffn_hidden, layout.tp, (layout.tp if layout.tp_sequence_parallel else 1)
+    h, f, t, seq = model.hidden, model.active_ffn, layout.tp, (layout.tp if layout.tp_sequence_parallel else 1)
     replicated = e * (4 * h + 6 * h) + (2 * h if model.dropout else 0)
     sharded = e * ((model.mlp_matrices - 1) * f + f + 2 * h + 2 * model.kv_dim)
     if eager is not None:  # the framework's eager count (Framework.eager_elementwise), forward + backward: a third

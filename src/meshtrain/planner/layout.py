@@ -352,6 +352,8 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
     if model.ffn_hidden % L.tp:
         e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
+    if model.experts and L.tp > 1:
+        e.append(f"tp = {L.tp} with {model.experts} experts: the experts are not tensor-parallel yet")
     ring = L.sp > 1 and L.sp_mode == "ring"
     if L.sp_mode not in SP_MODES:
         e.append(f"sp_mode = {L.sp_mode!r} is not one of {', '.join(SP_MODES)}")

@@ -128,15 +128,17 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     kernel there: ``aten._fused_rms_norm`` dispatches to CUDA only) each RMSNorm's normalised input.
     """
     recompute = recompute or layout.recompute
-    b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.ffn_hidden
+    b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.active_ffn
     t, e = layout.tp, precision.activation_bytes
+    routed = s * b * (model.experts * 4 + model.experts_per_token * h * e) if model.experts else 0.0  # fp32 router
+    # probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe)
     sharded_seq = t if layout.tp_sequence_parallel else 1
     if recompute == "full":
         return s * b * h * e / sharded_seq
     if recompute == "selective" and framework.selective == "op-level":
-        return s * b * h * e / sharded_seq + op_level_saved_bytes(model, layout, e)
+        return s * b * h * e / sharded_seq + op_level_saved_bytes(model, layout, e) + routed
     if recompute == "selective" and framework.selective == "op-level-alternate":
-        return s * b * h * e / sharded_seq + alternate_saved_bytes(model, layout, e)
+        return s * b * h * e / sharded_seq + alternate_saved_bytes(model, layout, e) + routed
     masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
     norms = 4 + (2 if composite_norms and model.norm == "rmsnorm" else 0)  # 2 norm inputs + qkv and fc1 inputs
     replicated = s * b * (h * e * norms + masks * h)
@@ -147,7 +149,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     if framework.attention == "materialized" and recompute == "none":
         per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
         sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
-    return replicated / sharded_seq + sharded / t
+    return replicated / sharded_seq + sharded / t + routed
 
 
 def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
@@ -168,7 +170,7 @@ def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
     saves less than full recomputation but recomputes no GEMM.
     """
     b, s, h, t = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp
-    kv, up = model.kv_dim, (model.mlp_matrices - 1) * model.ffn_hidden
+    kv, up = model.kv_dim, (model.mlp_matrices - 1) * model.active_ffn
     gemms = s * b * e * ((h + 2 * kv + up) / t + 2 * h)
     ring = layout.sp > 1 and layout.sp_mode == "ring"
     pairs = (2 * layout.sp + 1) / 2 if ring else 1.0
@@ -184,7 +186,7 @@ def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
 def torchtitan_gemms(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     """(K, N) of one block's weight GEMMs in the order they run in torchtitan's Llama
     (``models/llama3/model/model.py`` of pytorch/torchtitan): wq, wk, wv, wo, then w1, w3, w2 (SwiGLU) or w1, w2."""
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    h, kv, f = model.hidden, model.kv_dim, model.active_ffn
     mlp = ((h, f), (h, f), (f, h)) if model.mlp_matrices == 3 else ((h, f), (f, h))
     return ((h, h), (h, kv), (h, kv), (h, h)) + mlp
 

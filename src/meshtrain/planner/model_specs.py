@@ -11,6 +11,9 @@ Parameter count (weights only, biases and norms included)::
               + norms (2h, or 4h with biases) + biases (q + 2kv + h + f + h)
     total     = L*per layer + V*h (+ V*h if the head is untied) + s*h (learned positions) + final norm
 
+A mixture of experts (``experts`` = E, ``experts_per_token`` = k) has E MLPs of width f and a router (E*h) per
+layer; a token runs k of them, so FLOPs and activations follow the active width k*f (:attr:`ModelSpec.active_ffn`).
+
 For the GPT configs of Narayanan et al. 2021 (biases, tied head, learned positions, no final norm)
 this is their Eq. 2 exactly: ``12*L*h**2 * (1 + 13/(12h) + (V+s)/(12*L*h))``.
 """
@@ -61,6 +64,12 @@ class ModelSpec:
     """Biases on q, k and v only (Qwen2), without ``biases`` elsewhere."""
     qk_norm: bool = False
     """An RMSNorm of ``head_dim`` scales on each of q and k (Qwen3)."""
+    experts: int = 0
+    """Routed experts per MLP, each an MLP of width ``ffn_hidden`` (a mixture of experts: Mixtral, Qwen3-MoE); 0 =
+    one dense MLP. Parameters count every expert and the router (E*h); a token runs ``experts_per_token`` of them,
+    so its FLOPs, GEMM widths and activations are a dense MLP's of width :attr:`active_ffn`."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k); with ``experts``."""
 
     @property
     def norm(self) -> str:
@@ -82,6 +91,9 @@ class ModelSpec:
                 raise ConfigError(f"model {key} = {getattr(self, key)} must be >= 1")
         if self.heads % self.kv_heads:
             raise ConfigError(f"model heads = {self.heads} must be divisible by kv_heads = {self.kv_heads}")
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ConfigError(f"model experts_per_token = {self.experts_per_token} must be in [1, experts = "
+                              f"{self.experts}]")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model activation = {self.activation!r} is not valid: use one of {', '.join(ACTIVATIONS)}")
 
@@ -93,7 +105,7 @@ class ModelSpec:
         """The sizes' hash (equal specs have equal sizes; ints hash alike in every process, so a pickled copy keeps a
         true one), computed once: the planner's caches hash a spec ~10^5 times per search."""
         return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads,
-                     self.head_dim))
+                     self.head_dim, self.experts, self.experts_per_token))
 
     # Derived sizes are cached_property (kept in the instance's __dict__, beside the fields; a frozen spec never
     # changes them): the planner's search asks each ~10^5 times.
@@ -108,6 +120,18 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @cached_property
+    def active_ffn(self) -> int:
+        """The MLP width one token runs through: ``ffn_hidden``, or with experts ``experts_per_token * ffn_hidden``
+        (k experts of width f cost a token what one MLP of width k*f does: the same GEMM FLOPs and activations; the
+        expert GEMMs' smaller row counts and the imbalance between experts are not modelled)."""
+        return self.ffn_hidden * (self.experts_per_token if self.experts else 1)
+
+    @cached_property
+    def router_params(self) -> int:
+        """The router's E*h weights per layer (0 without experts)."""
+        return self.experts * self.hidden
+
+    @cached_property
     def mlp_matrices(self) -> int:
         """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
         return 3 if self.activation == "swiglu" else 2
@@ -119,7 +143,7 @@ class ModelSpec:
     @cached_property
     def _layer_params(self) -> int:
         h, f, kv, q = self.hidden, self.ffn_hidden, self.kv_dim, self.q_dim
-        n = h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f
+        n = h * (q + 2 * kv) + q * h + max(self.experts, 1) * self.mlp_matrices * h * f + self.router_params
         n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
         if self.biases:
             n += (q + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
@@ -133,7 +157,7 @@ class ModelSpec:
 
     @cached_property
     def _param_tensors(self) -> int:
-        per_layer = 2 + self.mlp_matrices + 2 + 2 * self.qk_norm  # qkv, out-proj, MLP matrices, norm scales
+        per_layer = 2 + self.mlp_matrices + 2 + 2 * self.qk_norm + bool(self.experts)  # + the router
         if self.biases:
             per_layer += 2 + self.mlp_matrices + 2
         elif self.qkv_bias:
@@ -204,7 +228,8 @@ def preset(name: str) -> ModelSpec:
 
 
 PLANNER_KEYS = {"name", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "activation",
-                "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm"}
+                "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm", "experts",
+                "experts_per_token"}
 
 
 def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:

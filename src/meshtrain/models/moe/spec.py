@@ -180,6 +180,13 @@ def layer_costs(m: Any, vocab_size: int, tokens: int, qk_norm: bool = False) -> 
     return embedding, dense_block + active + optimizer, head
 
 
+def planner(m: Any, vocab_size: int, qk_norm: bool = False) -> dict[str, Any]:
+    """The Llama's planner numbers (:func:`meshtrain.models.llama.spec.planner`) with the experts: E MLPs of width
+    ``ffn_hidden`` and a router per layer, k run per token."""
+    return {**llama.planner(m, vocab_size, qk_norm=qk_norm), "experts": m.num_experts,
+            "experts_per_token": m.num_experts_per_tok}
+
+
 def moe_sources(m: Any, present: Collection[str], published: str, names: tuple[str, str, str],
                 qk_norm: bool = False) -> dict[str, Source]:
     """The Llama's sources but its MLPs, and each block's router and experts (:func:`expert_sources`): the
@@ -207,8 +214,8 @@ def moe_shapes(m: Any, vocab_size: int, present: Collection[str], published: str
 def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool = False,
                check_family: Any = None) -> Family:
     """A Llama relative with routed experts in every block: the Llama's keys, rules and names (:func:`meshtrain.models
-    .llama.spec.family`), the experts' keys and checks, no tensor parallelism of the experts yet, no planner model
-    yet, and an auxiliary loss (the routers' load balancing)."""
+    .llama.spec.family`), the experts' keys and checks, the planner's numbers with experts (:func:`planner`), no
+    tensor parallelism of the experts yet, and an auxiliary loss (the routers' load balancing)."""
     base = llama.family(name, summary, model, hf, qk_norm=qk_norm)
 
     def check_all(m: Any) -> None:
@@ -217,5 +224,6 @@ def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool 
             check_family(m)
 
     return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
-                   layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=None, tp=None, aux_loss=True,
+                   layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=partial(planner, qk_norm=qk_norm),
+                   tp=None, aux_loss=True,
                    resume_keys=base.resume_keys + ("num_experts",))
