@@ -130,6 +130,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     # train: launcher
     ("nproc-zero", ["train", C, "--nproc", "0"], "--nproc = 0 must be >= 1"),
     ("nnodes-word", [*TRAIN, "--nnodes", "abc"], "--nnodes = 'abc' is not valid: use N or MIN:MAX"),
+    ("nnodes-min-above-max", [*TRAIN, "--nnodes", "4:2"], "--nnodes = '4:2' is not valid: MIN = 4 exceeds MAX = 2"),
+    ("nnodes-zero", [*TRAIN, "--nnodes", "0"], "--nnodes = '0' is not valid: use N or MIN:MAX, each >= 1"),
     ("nnodes-without-endpoint", [*TRAIN, "--nnodes", "2"], "--nnodes = 2 needs --rdzv-endpoint HOST:PORT"),
     ("endpoint-without-port", [*TRAIN, "--rdzv-endpoint", "node0"], "--rdzv-endpoint = 'node0' is not HOST:PORT"),
     ("endpoint-port-range", [*TRAIN, "--rdzv-endpoint", "node0:99999"], "with a port in 1..65535"),
@@ -162,6 +164,8 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("plan-unknown-model", ["plan", "--model", "gpt5", "--gpu", "A100", "--num-gpus", "8", "--global-batch-size", "8"], "gpt5"),
     ("plan-nics-zero", [*PLAN, "--nics-per-node", "0"], "argument --nics-per-node: 0 must be an integer > 0"),
     ("plan-fix-unknown-field", [*PLAN, "--fix", "bogus=1"], "bogus"),
+    ("plan-fix-tp-zero", [*PLAN, "--fix", "tp=0"], "--fix tp = 0 must be >= 1"),
+    ("plan-fix-micro-batch-zero", [*PLAN, "--fix", "micro_batch_size=0"], "--fix micro_batch_size = 0 must be >= 1"),
     ("plan-lstm-config", ["plan", "{user}/lstm.toml"], "model.type = 'lstm' is not modelled by the planner yet"),
     # batch
     ("batch-time-nan", [*BATCH, "--time-per-step", "nan"], "argument --time-per-step: nan must be a finite number > 0"),

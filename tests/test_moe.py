@@ -12,8 +12,8 @@ perturbed:
 - the grouped GEMM equals the per-expert loop (outputs and gradients);
 - DeepSeek-V3's routing biases move by the rate towards balance after each step, pick the experts but do not weigh
   them, and refuse a Hugging Face export;
-- ``model.init_from`` into FSDP2 dp2 (with and without routing biases) and ring sp2 (``make test``; pp2 1F1B and ZBV, Ulysses, DDP, full and selective
-  recomputation in ``make test-slow``) with
+- ``model.init_from`` into FSDP2 dp2 with and without routing biases (``make test``; ring and Ulysses sp2, DDP,
+  pp2 1F1B and ZBV, full and selective recomputation in ``make test-slow``) with
   a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
 - greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
@@ -237,6 +237,7 @@ def _bias_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo ranks (~8 s); make test checks the biases in the FSDP2 dp2 layout
 def test_routing_biases_move_by_the_counts_of_every_rank(tmp_path):
     """Over dp x sp the biases move by the summed counts (one process's step), not each rank's own: both ranks end
     with ``rate * sign(mean(c0 + c1) - (c0 + c1))``, which here differs from what rank 0's counts alone give."""
@@ -321,8 +322,8 @@ LAYOUTS = {
 """Each layout's global batch is the reference's 4 samples; a pipeline's micro-batches of 1 sample are the
 reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope counts a micro-batch's tokens)."""
 SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
-        "qwen3_moe-fsdp2-dp2-selective"}
-"""In `make test-slow`; `make test` keeps FSDP2 over dp and ring sp, one 2-rank launch."""
+        "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2"}
+"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
 
 

@@ -110,10 +110,21 @@ def torchrun_argv(args: argparse.Namespace, nproc: int, local_store: str | None,
 
 
 def _nnodes_max(nnodes: str) -> int:
+    """The most nodes ``--nnodes`` allows: N, or MAX of torchrun's elastic ``MIN:MAX`` (1 <= MIN <= MAX).
+
+    Raises:
+        ConfigError: not N or MIN:MAX of integers, a count below 1, or MIN above MAX.
+    """
     try:
-        return int(str(nnodes).split(":")[-1])
+        counts = [int(part) for part in str(nnodes).split(":")]
     except ValueError:
         raise ConfigError(f"--nnodes = {nnodes!r} is not valid: use N or MIN:MAX") from None
+    if len(counts) > 2 or min(counts) < 1:
+        raise ConfigError(f"--nnodes = {nnodes!r} is not valid: use N or MIN:MAX, each >= 1")
+    if counts[0] > counts[-1]:
+        raise ConfigError(f"--nnodes = {nnodes!r} is not valid: MIN = {counts[0]} exceeds MAX = {counts[-1]}; use "
+                          f"MIN:MAX with MIN <= MAX")
+    return counts[-1]
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:

@@ -482,8 +482,8 @@ def parse_fix(text: str) -> dict:
     layout fields ``meshtrain plan --fix`` and ``meshtrain train --layout auto`` (its pinned keys) hold fixed.
 
     Raises:
-        ConfigError: unknown key, a value of the wrong type, or a recompute/pp_schedule/zero_stage/sp_mode
-            not valid.
+        ConfigError: unknown key, a value of the wrong type, a recompute/pp_schedule/zero_stage/sp_mode not
+            valid, or a degree, micro-batch size, accumulation or virtual stage count below 1.
     """
     kinds = field_kinds()
     out: dict = {}
@@ -500,4 +500,7 @@ def parse_fix(text: str) -> dict:
                        ("sp_mode", SP_MODES)):
         if key in out and out[key] not in valid:
             raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
+    for key in (*axes.SHORT_FLAGS, "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
+        if key in out and out[key] < 1:
+            raise ConfigError(f"--fix {key} = {out[key]} must be >= 1")
     return out
