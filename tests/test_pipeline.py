@@ -145,6 +145,7 @@ def test_bad_pipeline_configs_are_rejected_before_launch(tmp_path, overrides, ne
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a 2-rank CLI run (~22 s): `make test` stays under 15 min on AVX2-only machines
 def test_pipeline_run_writes_trace_timeline_and_bubble(tmp_path):
     """`meshtrain train` with pp=2 prints the split, then writes a Chrome trace with every forward and
     backward of every micro-batch on both stages, the timeline PNG, and a bubble in the summary."""
