@@ -132,3 +132,18 @@ class ResolvedRun:
             raise ConfigError(f"'{path}': degrees {data['degrees']} and global batch {data['global_batch_size']} "
                               f"disagree with its config ({run.degrees}, {run.global_batch_size})")
         return run
+
+
+def config_of(run: ResolvedRun | Config) -> Config:
+    """The config of a resolved run, or a bare config (ranks started without the launcher, tests) as it is."""
+    return run.config if isinstance(run, ResolvedRun) else run
+
+
+def for_world(run: ResolvedRun | Config, world_size: int) -> ResolvedRun:
+    """``run`` on the ``world_size`` ranks a rank finds itself among (:meth:`ResolvedRun.for_world`); a bare config is
+    resolved for them.
+
+    Raises:
+        ConfigError: ``world_size`` does not suit the config.
+    """
+    return run.for_world(world_size) if isinstance(run, ResolvedRun) else ResolvedRun.resolve(run, world_size)

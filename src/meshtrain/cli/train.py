@@ -130,7 +130,8 @@ def _nnodes_max(nnodes: str) -> int:
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     """``meshtrain train``: resolve the run once (config, command line, ``--layout auto``), check it, start its
     ranks. Returns the exit code."""
-    cfg = build_config(args, list(extra or []))
+    extra = list(extra or [])
+    cfg = build_config(args, extra)
     nnodes = _nnodes_max(args.nnodes)
     if args.nproc is None:
         world = ResolvedRun.resolve(cfg, None).world_size
@@ -144,8 +145,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if args.layout == "auto":
         from meshtrain.launch import auto
 
-        chosen = auto.apply(cfg, _command_line_overrides(args, list(extra or [])), nproc * nnodes, nproc,
-                            rank_threads(nproc))
+        chosen = auto.apply(cfg, _command_line_overrides(args, extra), nproc * nnodes, nproc, rank_threads(nproc))
         for key, value in chosen.items():
             set_key(cfg, key, value)
         validate(cfg)

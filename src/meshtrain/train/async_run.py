@@ -41,7 +41,7 @@ from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer, lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
-from meshtrain.resolved import ResolvedRun
+from meshtrain.resolved import ResolvedRun, config_of, for_world
 from meshtrain.runtime.distributed import collective_timeout, init_distributed
 from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 
@@ -50,9 +50,9 @@ class AsyncRun:
     """One rank of a parameter-server run; :meth:`run` trains and returns rank 0's summary."""
 
     def __init__(self, run: ResolvedRun | Config) -> None:
-        timeout = (run.config if isinstance(run, ResolvedRun) else run).train.collective_timeout_s
+        timeout = config_of(run).train.collective_timeout_s
         self.rank, world = init_distributed("gloo", timeout)
-        self.resolved = run.for_world(world) if isinstance(run, ResolvedRun) else ResolvedRun.resolve(run, world)
+        self.resolved = for_world(run, world)
         self.cfg = cfg = self.resolved.config
         p, b, t = cfg.parallel, cfg.batch, cfg.train
         self.servers = list(range(p.ps_servers))

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.checkpoint import elastic_restart, resume_hint
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
-from meshtrain.resolved import ResolvedRun
+from meshtrain.resolved import ResolvedRun, config_of
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock
 from meshtrain.preflight import preflight
@@ -44,7 +44,7 @@ def train(run: ResolvedRun | Config) -> dict[str, Any]:
     """
     finished, trainer = False, None
     try:
-        cfg = run.config if isinstance(run, ResolvedRun) else run
+        cfg = config_of(run)
         trainer = AsyncRun(run) if uses_parameter_server(cfg.parallel.sync_mode) else Trainer(run)
         summary = trainer.run()
         finished = True

@@ -40,7 +40,7 @@ from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean
 from meshtrain.parallel.rng import seed_step
 from meshtrain.profiling import StepProfiler
-from meshtrain.resolved import ResolvedRun
+from meshtrain.resolved import ResolvedRun, config_of, for_world
 from meshtrain.runtime.device import device_and_backend
 from meshtrain.runtime.distributed import init_distributed
 from meshtrain.runtime.faults import STOP, Stopped, enter_phase
@@ -61,9 +61,9 @@ class Trainer:
 
     def __init__(self, run: ResolvedRun | Config) -> None:
         self.device, backend = device_and_backend()
-        timeout = (run.config if isinstance(run, ResolvedRun) else run).train.collective_timeout_s
+        timeout = config_of(run).train.collective_timeout_s
         self.rank, world = init_distributed(backend, timeout)
-        self.resolved = run.for_world(world) if isinstance(run, ResolvedRun) else ResolvedRun.resolve(run, world)
+        self.resolved = for_world(run, world)
         self.cfg = cfg = self.resolved.config
         dp = self.resolved.dp
         self.dims = ParallelDims(**self.resolved.degrees, world_size=world)
