@@ -53,7 +53,7 @@ def layer_times(rounds: int) -> list[list]:
             torch.manual_seed(0)
             cfg = ModelConfig(type="mixtral", n_embd=128, ffn_hidden=ffn, num_experts=EXPERTS, moe_compute=compute)
             layer = MoE(cfg)
-            for w, _ in layer.expert_weights():
+            for w, _ in layer.experts.expert_weights():
                 torch.nn.init.normal_(w, std=0.02)
             layers[compute] = layer
         times = {name: [] for name in layers}

@@ -52,15 +52,24 @@ def test_every_axis_is_a_flag_a_pin_and_a_fix():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 4), min_size=len(NAMES), max_size=len(NAMES)), st.data())
+@given(st.lists(st.integers(1, 4), min_size=len(AXES), max_size=len(AXES)), st.data())
 def test_strides_and_sizes_follow_the_mesh_order(values, data):
     """A rank's coordinates (row-major over AXES, :meth:`ParallelDims.coordinates`) weighted by the strides give
-    the rank back; world_size, replica_size and batch_degree are the products of their axes."""
+    the rank back; world_size, replica_size and batch_degree are the products of their axes, and a borrowed axis
+    (ep) multiplies none of them: it must divide dp*sp."""
     from meshtrain.mesh import ParallelDims
 
-    degrees = dict(zip(NAMES, values))
+    degrees = dict(zip(map(str, AXES), values))
     world = math.prod(values)
+    batch = axes.batch_degree(degrees)
+    ep = data.draw(st.integers(1, batch + 1))
+    if batch % ep:
+        with pytest.raises(ConfigError, match=f"parallel.ep = {ep} does not divide dp\\*sp"):
+            ParallelDims(**degrees, ep=ep, world_size=world)
+        return
+    degrees["ep"] = ep
     dims = ParallelDims(**degrees, world_size=world)
+    assert dims.expert_replicas * ep == batch
     rank = data.draw(st.integers(0, world - 1))
     coords = dims.coordinates(rank)
     assert sum(coords[str(a)] * axes.stride(degrees, a) for a in AXES) == rank
@@ -105,7 +114,7 @@ def test_no_module_but_axes_lists_the_axes():
 def test_a_resolved_run_reads_back_equal(tmp_path):
     cfg = load_config(CONFIG, {"parallel.tp": "2", "batch.gradient_accumulation_steps": "3"})
     run = ResolvedRun.resolve(cfg, 4, "auto")
-    assert (run.world_size, run.dp, run.degrees, run.global_batch_size) == (4, 2, {"dp": 2, "tp": 2, "pp": 1, "sp": 1},
+    assert (run.world_size, run.dp, run.degrees, run.global_batch_size) == (4, 2, {"dp": 2, "tp": 2, "pp": 1, "sp": 1, "ep": 1},
                                                                            12 * 3 * 2)
     assert cfg.parallel.dp == -1  # the config it came from is untouched
     again = ResolvedRun.read(run.write(tmp_path / "resolved.json"))

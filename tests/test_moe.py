@@ -12,8 +12,11 @@ perturbed:
 - the grouped GEMM equals the per-expert loop (outputs and gradients);
 - DeepSeek-V3's routing biases move by the rate towards balance after each step, pick the experts but do not weigh
   them, and refuse a Hugging Face export;
-- ``model.init_from`` into FSDP2 dp2 with and without routing biases (``make test``; ring and Ulysses sp2, DDP,
-  pp2 1F1B and ZBV, full and selective recomputation in ``make test-slow``) with
+- expert parallelism: experts split over ep = 4 ranks route, compute and differentiate as one process (the all-to-all
+  dispatch alone);
+- ``model.init_from`` into FSDP2 dp2 with and without routing biases and ep2 (``make test``; ring and Ulysses sp2,
+  DDP, pp2 1F1B and ZBV, full and selective recomputation, and ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4,
+  ep2 x pp2 1F1B x ring sp2 and ep2 x pp2 ZBV x sp2 in ``make test-slow``) with
   a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
 - greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
@@ -28,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import assert_close_grads, assert_close_losses
+from conftest import assert_close_grads, assert_close_losses, losses
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.models.hf import load_hf_model, write_hf_folder
@@ -187,7 +190,7 @@ def test_routing_biases_move_towards_balance():
     cfg = ModelConfig(type="mixtral", n_embd=32, ffn_hidden=24, num_experts=4, router_bias_update_rate=0.5)
     torch.manual_seed(0)
     layer = MoE(cfg)
-    for w, _ in layer.expert_weights():
+    for w, _ in layer.experts.expert_weights():
         torch.nn.init.normal_(w, std=0.02)
     torch.nn.init.normal_(layer.router.weight, std=0.5)
     x = torch.randn(2, 16, 32)
@@ -225,7 +228,7 @@ def _bias_worker(rank: int, port: int, out: str) -> None:
         torch.manual_seed(0)
         layer = MoE(ModelConfig(type="mixtral", n_embd=16, ffn_hidden=8, num_experts=8, router_bias_update_rate=0.25))
         torch.nn.init.normal_(layer.router.weight, std=1.0)
-        for w, _ in layer.expert_weights():
+        for w, _ in layer.experts.expert_weights():
             torch.nn.init.normal_(w, std=0.02)
         layer.balance_group = dist.group.WORLD
         layer(torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(10 + rank)))  # each rank its own tokens
@@ -251,6 +254,99 @@ def test_routing_biases_move_by_the_counts_of_every_rank(tmp_path):
     want = 0.25 * torch.sign(total.mean() - total)
     assert torch.equal(b0, want) and torch.equal(b1, want)
     assert not torch.equal(want, 0.25 * torch.sign(c0.mean() - c0))  # the test can tell local from global counts
+
+
+EP_WORLD = 4
+EP_TOKENS = 12  # per rank: with 8 experts and top-2, some rank sends some expert no row (an empty split)
+
+
+def _ep_layer():
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(type="mixtral", n_embd=16, ffn_hidden=8, num_experts=8, router_aux_loss_scope="global_batch"))
+    torch.nn.init.normal_(layer.router.weight, std=1.0)
+    for w, _ in layer.experts.expert_weights():
+        torch.nn.init.normal_(w, std=0.3)
+    return layer
+
+
+def _ep_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens (1, EP_TOKENS, 16) and the weights of its outputs in the objective."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(1, EP_TOKENS, 16, generator=gen), torch.randn(1, EP_TOKENS, 16, generator=gen)
+
+
+def _ep_worker(rank: int, port: int, out: str) -> None:
+    """One of EP_WORLD gloo ranks: the MoE layer with its 8 experts split over ep = 4 (2 each) runs this rank's
+    tokens; objective ``sum(y * g) + aux`` per rank; saves its outputs, expert ids, aux loss, input gradient, router
+    gradient (averaged over the ranks as dp averages it) and its experts' gradients."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.parallel.expert import apply_ep
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=EP_WORLD, timeout=timedelta(seconds=60))
+    try:
+        layer = _ep_layer()
+        layer.balance_group = dist.group.WORLD
+        apply_ep(layer, init_device_mesh("cpu", (EP_WORLD,), mesh_dim_names=("ep",)))
+        x, g = _ep_inputs(rank)
+        x.requires_grad_(True)
+        y = layer(x)
+        ((y * g).sum() + layer.aux_loss).backward()
+        router = layer.router.weight.grad.clone()
+        dist.all_reduce(router)
+        experts = {n: p.grad.to_local().clone() for n, p in layer.experts.named_parameters()}
+        torch.save({"y": y.detach(), "ids": layer.last_experts, "aux": layer.aux_loss.detach(), "x": x.grad,
+                    "router": router / EP_WORLD, "experts": experts}, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_dispatch_equals_one_process(tmp_path):
+    """Experts split over ep = 4 gloo ranks (all-to-all dispatch and combine, uneven and empty splits) against one
+    process running the 4 ranks' tokens at once with the mean of their objectives: every token's expert ids are
+    identical, outputs equal, the ranks' global-batch auxiliary losses average to one process's, and the input, router
+    and expert gradients equal (each expert's on the rank that holds it).
+
+    Tolerance: each output and gradient element is a sum of at most 2 * max(C, F, N*k) = 96 products
+    (the same terms in another order across GEMMs of other sizes), so fp32 errs by ~96 * 2**-24 ~ 6e-6 of their
+    magnitude sum; 1e-5 relative plus 1e-5 absolute (magnitudes here are O(1)) holds on any CPU."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_ep_worker, args=(free_port(), str(tmp_path)), nprocs=EP_WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(EP_WORLD)]
+
+    layer = _ep_layer()
+    inputs = [_ep_inputs(r) for r in range(EP_WORLD)]
+    x = torch.cat([i[0] for i in inputs], dim=1).requires_grad_(True)  # (1, EP_WORLD * EP_TOKENS, 16)
+    g = torch.cat([i[1] for i in inputs], dim=1)
+    y = layer(x)
+    ((y * g).sum() / EP_WORLD + layer.aux_loss).backward()
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for r, got in enumerate(ranks):
+        mine = slice(r * EP_TOKENS, (r + 1) * EP_TOKENS)
+        assert torch.equal(got["ids"], layer.last_experts[mine])
+        torch.testing.assert_close(got["y"], y.detach()[:, mine], **tol)
+        torch.testing.assert_close(got["x"], x.grad[:, mine] * EP_WORLD, **tol)  # rank r's objective is EP_WORLD x its share
+        torch.testing.assert_close(got["router"], layer.router.weight.grad, **tol)
+        held = slice(r * 2, (r + 1) * 2)  # experts 2r and 2r + 1
+        for name, grad in got["experts"].items():
+            torch.testing.assert_close(grad, getattr(layer.experts, name).grad[held], **tol)
+    # the global-batch loss: every rank weighs its own probabilities by the counts of all, so their mean is one process's
+    torch.testing.assert_close(torch.stack([got["aux"] for got in ranks]).mean(), layer.aux_loss.detach(), **tol)
+    sent = torch.stack([torch.bincount(got["ids"].reshape(-1), minlength=8) for got in ranks])  # (ranks, experts)
+    assert (sent == 0).any(), "no empty split: the test does not reach the all-to-all's zero-row case"
 
 
 def test_an_export_refuses_routing_biases(tmp_path):
@@ -318,12 +414,25 @@ LAYOUTS = {
     "mixtral-dp2-full-recompute": (2, "mixtral", {"batch.micro_batch_size": "2", "train.recompute": "full"}),
     "qwen3_moe-fsdp2-dp2-selective": (2, "qwen3_moe", {"parallel.zero_stage": "2", "batch.micro_batch_size": "2",
                                                        "train.recompute": "selective"}),
+    # expert parallelism: ep ranks borrowed from dp x sp
+    "mixtral-ep2": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2"}),
+    "qwen3_moe-ep2-ring-sp2": (2, "qwen3_moe", {"parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "qwen3_moe-ep2-fsdp2-dp4": (4, "qwen3_moe", {"parallel.ep": "2", "parallel.zero_stage": "3",
+                                                 "batch.micro_batch_size": "1"}),
+    "mixtral-ep2-ddp-dp4": (4, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "1"}),
+    "mixtral-ep4": (4, "mixtral", {"parallel.ep": "4", "batch.micro_batch_size": "1"}),
+    # pipelines with ep over sp: the batch ranks of a stage hold the same samples, as the per-sample reference's
+    "mixtral-ep2-pp2-ring-sp2": (4, "mixtral", {**PIPE, "parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "qwen3_moe-ep2-pp2-zbv-sp2": (4, "qwen3_moe", {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2",
+                                                   "parallel.ep": "2", "parallel.sp": "2", "parallel.zero_stage": "2"}),
 }
 """Each layout's global batch is the reference's 4 samples; a pipeline's micro-batches of 1 sample are the
 reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope counts a micro-batch's tokens)."""
 SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
-        "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2"}
-"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch."""
+        "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
+        "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2"}
+"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases and ep2 (DDP), one 2-rank
+launch (and the 4-rank dispatch test, :func:`test_expert_parallel_dispatch_equals_one_process`)."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
 
 
@@ -335,12 +444,19 @@ def folders(tmp_path_factory):
 
 
 def one_process(root: Path, folder: Path, name: str, overrides: dict[str, str]) -> tuple:
-    """One process with the layout's model keys, and its micro-batches (a pipeline's: 1 sample, 4 steps)."""
+    """One process with the layout's model keys, and its micro-batches (a pipeline's: 1 sample, 4 steps); run once
+    per module and kept (layouts share references)."""
     pipeline = "parallel.pp" in overrides
     model = {k: v for k, v in overrides.items() if k.startswith("model.")}
     tag = "-".join([name] + (["per-sample"] if pipeline else []) + [v for v in model.values()])
-    return reference_run(root / f"one-{tag}", {**model_overrides(folder), **BALANCED, **(PER_SAMPLE if pipeline else {}),
-                                               **model}, config=FINETUNE)
+    if (root / f"one-{tag}") not in _REFERENCES:
+        _REFERENCES[root / f"one-{tag}"] = reference_run(
+            root / f"one-{tag}", {**model_overrides(folder), **BALANCED, **(PER_SAMPLE if pipeline else {}), **model},
+            config=FINETUNE)
+    return _REFERENCES[root / f"one-{tag}"]
+
+
+_REFERENCES: dict[Path, tuple] = {}
 
 
 def launch(root: Path, layouts: dict, folders: dict) -> dict:
@@ -382,3 +498,34 @@ def test_dp2_run_exported_generates_as_transformers(trained, folders, tmp_path):
     """The Mixtral trained under FSDP2 at dp=2 and exported: ``transformers``' greedy continuation of a prompt is
     meshtrain's ``generate --temperature 0`` on the run and on the export, token for token."""
     generates_as_transformers(folders[1] / "w2" / "mixtral-fsdp2-dp2", tmp_path, "MixtralForCausalLM")
+
+
+# --- checkpoints reshard across ep --------------------------------------------------------------------------------
+
+MOE_SCRATCH = {"model.type": "mixtral", "model.n_kv_head": "1", "model.num_experts": "4", "model.ffn_hidden": "24",
+               "model.router_aux_loss_coef": "0.1", "checkpoint.interval": "5", "checkpoint.keep": "3"}
+"""A tiny Mixtral trained from scratch on the bundled text (global batch 8)."""
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """ep2 over dp2 (DDP, micro-batch 4), 10 steps, checkpoints at 5 and 10."""
+    from conftest import train_cli
+
+    out = tmp_path_factory.mktemp("ep2")
+    return out, losses(train_cli(out, 2, **MOE_SCRATCH, **{"parallel.ep": "2", "batch.micro_batch_size": "4"}))
+
+
+@pytest.mark.slow  # three launches, ~45 s
+@pytest.mark.parametrize("layout, nproc", [({"parallel.ep": "1", "batch.micro_batch_size": "4"}, 2),
+                                           ({"parallel.ep": "4", "parallel.zero_stage": "3",
+                                             "batch.micro_batch_size": "2"}, 4)], ids=["to-ep1", "to-ep4-fsdp2"])
+def test_an_ep2_checkpoint_resumes_at_other_ep(ep2_run, tmp_path, layout, nproc):
+    """The experts saved as ep = 2 shards (DCP) load as whole stacks at ep = 1 and as ep = 4 shards under FSDP2, and
+    the run continues as the uninterrupted ep2 run (the resumed losses' tolerance: :func:`conftest.assert_resumed_losses`)."""
+    from conftest import assert_resumed_losses, train_cli
+
+    saved, full = ep2_run
+    records = train_cli(tmp_path, nproc, **MOE_SCRATCH, **layout,
+                        **{"checkpoint.resume": str(saved / "checkpoints" / "step_000005")})
+    assert_resumed_losses(losses(records), {s: full[s] for s in range(6, 11)})

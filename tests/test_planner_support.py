@@ -155,6 +155,7 @@ SHARED_FIELD_CASES = {
     "tp": ({"parallel.tp": "2"}, 2),
     "pp": ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "2"}, 2),
     "sp": ({"parallel.sp": "2"}, 2),
+    "ep": ({"model.type": "mixtral", "parallel.ep": "2"}, 2),
     "zero_stage": ({"parallel.zero_stage": "3"}, 2),
     "micro_batch_size": ({"batch.micro_batch_size": "5"}, 1),
     "gradient_accumulation_steps": ({"batch.gradient_accumulation_steps": "3"}, 1),

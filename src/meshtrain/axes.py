@@ -31,6 +31,7 @@ class Axis(StrEnum):
     TP = "tp"
     PP = "pp"
     SP = "sp"
+    EP = "ep"
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ AXIS_TABLE: tuple[AxisSpec, ...] = (
     AxisSpec(Axis.PP, 0, "Pipeline-parallel degree: consecutive layers split across pp ranks (parallel.pp_schedule)."),
     AxisSpec(Axis.SP, 2, "Sequence-parallel degree (the seeds' sp_size): each sample's sequence split across sp "
                          "ranks (parallel.sp_mode).", holds_batch=True),
+    AxisSpec(Axis.EP, 4, "Expert-parallel degree: a mixture of experts' experts split across ep ranks borrowed from "
+                         "dp*sp (it must divide dp*sp and model.num_experts; it does not multiply the world size): "
+                         "each token is sent to the rank that holds its expert and back (all-to-all).", in_world=False),
 )
 """The parallel axes in the order users write them (``dp tp pp sp``): one row each."""
 
@@ -74,6 +78,11 @@ BATCH_MESH = "_".join(BATCH_AXES)
 """Name of the flattened mesh of :data:`BATCH_AXES` (``"dp_sp"``): the gradient reduction and the loss mean span it."""
 REPLICA_AXES: tuple[Axis, ...] = tuple(a for a in AXES if not SPECS[a].fills)
 """The axes inside one data-parallel replica (``pp``, ``sp``, ``tp``): their product is a replica's ranks."""
+EXPERT_MESH = "ep"
+"""Name of the 1-D mesh of ``ep`` consecutive ranks of the batch mesh that split the experts between them."""
+EXPERT_REPLICA_MESH = "edp"
+"""Name of the 1-D mesh of the ``dp*sp/ep`` ranks of the batch mesh that hold the same experts (Megatron-Core's
+"expert data parallel" group): the experts' gradients are summed over it."""
 SHORT_FLAGS: dict[str, str] = {str(s.axis): f"parallel.{s.axis}" for s in AXIS_TABLE}
 """``--dp`` -> ``parallel.dp``, one per axis."""
 
@@ -82,12 +91,13 @@ def degrees_dataclass(name: str, doc: str, *, defaults: str = "config", frozen: 
     """A dataclass with one ``int`` field per axis, in :data:`AXIS_TABLE` order, to inherit from.
 
     ``defaults``: "config" (-1 for a filling axis, else 1: the ``[parallel]`` section's), "one" (every degree
-    1: the planner's Layout), or "none" (every degree required: the run's resolved dims). Each field's
+    1: the planner's Layout), or "none" (every degree of the world required, a borrowed axis 1 unless given: the
+    run's resolved dims). Each field's
     ``metadata["doc"]`` is its row's ``doc``.
     """
     def default(s: AxisSpec) -> dict[str, Any]:
         if defaults == "none":
-            return {}
+            return {} if s.in_world else {"default": 1, "kw_only": True}
         return {"default": -1 if defaults == "config" and s.fills else 1}
 
     specs = [(str(s.axis), int, dataclasses.field(metadata={"doc": s.doc}, **default(s))) for s in AXIS_TABLE]
@@ -116,7 +126,10 @@ def batch_degree(degrees: Any) -> int:
 
 def stride(degrees: Any, axis: Axis | str) -> int:
     """Rank distance between neighbours along ``axis``: the product of the degrees of the axes inside it
-    (mesh order outer to inner, :data:`AXES`)."""
+    (mesh order outer to inner, :data:`AXES`); a borrowed axis (ep: consecutive ranks of the flattened batch mesh)
+    has the innermost batch axis's."""
+    if not SPECS[str(axis)].in_world:
+        axis = BATCH_AXES[-1]
     inner = AXES[AXES.index(Axis(str(axis))) + 1:]
     return math.prod(degree(degrees, a) for a in inner)
 
@@ -148,6 +161,15 @@ def describe(degrees: Any) -> str:
 def as_dict(degrees: Any) -> dict[str, int]:
     """``{"dp": 2, "tp": 1, "pp": 1, "sp": 1}`` (table order)."""
     return {str(s.axis): degree(degrees, s.axis) for s in AXIS_TABLE}
+
+
+def expert_degree_error(ep: int, dp: int, sp: int) -> str:
+    """The one-line refusal of an ``ep`` that does not divide ``dp*sp`` (its ranks are borrowed from them)."""
+    batch = dp * sp
+    valid = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+    return (f"parallel.ep = {ep} does not divide dp*sp = {dp}*{sp} = {batch}: expert parallelism borrows its ranks "
+            f"from the data- and sequence-parallel ones; use ep in {valid}, or more dp ranks")
+
 
 
 SP_MODES = ("ulysses", "ring")

@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtrain import axes
-from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, Axis
+from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, Axis
 from meshtrain.config import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 
-__all__ = ["AXES", "Axis", "BATCH_MESH", "ParallelDims"]
+__all__ = ["AXES", "Axis", "BATCH_MESH", "EXPERT_MESH", "EXPERT_REPLICA_MESH", "ParallelDims"]
 RunDegrees = axes.degrees_dataclass("RunDegrees", "One resolved degree per axis (no -1).", defaults="none")
 
 
@@ -27,21 +27,27 @@ class ParallelDims(RunDegrees):
     """Parallel degrees of a run (one field per axis of :data:`meshtrain.axes.AXIS_TABLE`), checked when
     built; ``build_mesh`` makes the ``DeviceMesh``.
 
+    Expert parallelism borrows its ``ep`` ranks from the batch mesh: ``ep`` consecutive ranks of ``"dp_sp"`` split
+    the experts (the ``"ep"`` mesh), and the ``dp*sp/ep`` ranks at the same place in each such group hold the same
+    experts (the ``"edp"`` mesh): torchtitan's and Megatron-Core's "parallel folding".
+
     Raises:
-        ConfigError: a degree < 1 or ``pp*dp*sp*tp != world_size``.
+        ConfigError: a degree < 1, ``pp*dp*sp*tp != world_size``, or an ``ep`` that does not divide ``dp*sp``.
     """
 
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
     batch_mesh: DeviceMesh | None = field(default=None, repr=False)
+    expert_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            if self.degree(axis) < 1:
-                raise ConfigError(f"parallel.{axis} = {self.degree(axis)} must be >= 1")
+        if errors := axes.degree_errors(self, "parallel."):
+            raise ConfigError(errors[0])
         product = axes.world_size(self)
         if product != self.world_size:
             raise ConfigError(f"{axes.product_text(AXES, self)} = {product} must equal world_size = {self.world_size}")
+        if self.batch_degree % self.ep:
+            raise ConfigError(axes.expert_degree_error(self.ep, self.dp, self.sp))
 
     def degree(self, axis: Axis | str) -> int:
         return getattr(self, str(axis))
@@ -64,6 +70,15 @@ class ParallelDims(RunDegrees):
         loss are averaged over them (the ``"dp_sp"`` mesh)."""
         return axes.batch_degree(self)
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same experts, ``dp * sp / ep`` (the ``"edp"`` mesh)."""
+        return self.batch_degree // self.ep
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank (row-major over AXES)."""
         coords = {}
@@ -79,14 +94,19 @@ class ParallelDims(RunDegrees):
             self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
                                          mesh_dim_names=tuple(str(a) for a in AXES))
             self.batch_mesh = self.mesh[tuple(map(str, BATCH_AXES))]._flatten(BATCH_MESH)
+            if self.ep_enabled:  # (edp, ep): ep consecutive batch ranks split the experts
+                folded = self.batch_mesh._unflatten(0, (self.expert_replicas, self.ep),
+                                                    (EXPERT_REPLICA_MESH, EXPERT_MESH))
+                self.expert_meshes = {EXPERT_MESH: folded[EXPERT_MESH], EXPERT_REPLICA_MESH: folded[EXPERT_REPLICA_MESH]}
             # DeviceMesh creates its groups with torch's default timeout (30 min for gloo), not the
             # default group's; give them the run's (torchtitan sets its mesh groups' timeouts the same way).
-            for group in {*(self.mesh.get_group(str(a)) for a in AXES), self.batch_mesh.get_group()}:
+            for group in {*(self.mesh.get_group(str(a)) for a in AXES), self.batch_mesh.get_group(),
+                          *(m.get_group() for m in self.expert_meshes.values())}:
                 dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
         return self.mesh
 
     def get_mesh(self, axis: Axis | str) -> DeviceMesh:
-        """The 1-D sub-mesh of ``axis`` (one of AXES, or ``"dp_sp"``).
+        """The 1-D sub-mesh of ``axis`` (one of AXES, ``"dp_sp"``, or with ep > 1 ``"ep"`` and ``"edp"``).
 
         Raises:
             RuntimeError: before ``build_mesh``.
@@ -94,8 +114,11 @@ class ParallelDims(RunDegrees):
         """
         if self.mesh is None:
             raise RuntimeError("build_mesh() must be called before get_mesh()")
+        if str(axis) in self.expert_meshes:
+            return self.expert_meshes[str(axis)]
         if str(axis) not in {str(a) for a in AXES} | {BATCH_MESH}:
-            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}, {BATCH_MESH}")
+            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}, {BATCH_MESH}"
+                           f"{', ' + ', '.join(self.expert_meshes) if self.expert_meshes else ''}")
         return self.batch_mesh if str(axis) == BATCH_MESH else self.mesh[str(axis)]
 
     def batch_groups(self) -> list[list[int]]:
@@ -110,3 +133,4 @@ class ParallelDims(RunDegrees):
         if self.mesh is None:
             return self.coordinates(dist.get_rank() if dist.is_initialized() else 0)[str(axis)]
         return self.get_mesh(axis).get_local_rank()
+

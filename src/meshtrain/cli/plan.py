@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                              f"keys can follow as --section.key VALUE (or {'/'.join(f'--{a}' for a in SHORT_FLAGS)} N), "
                                              "as for meshtrain train")
     g = p.add_argument_group("model and hardware")
-    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t) or a TOML "
+    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, mixtral-8x7b/8x22b, qwen3-30b-a3b) or a TOML "
                                    "file with a [model] table")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sample (overrides the model's)")
     g.add_argument("--gpu", help="device type, e.g. H100-SXM-80GB, A100-80GB, MI300X, cpu (default: cpu for a "

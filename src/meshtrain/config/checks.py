@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtrain import axes
-from meshtrain.axes import REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors
+from meshtrain.axes import REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors, expert_degree_error
 from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS, PACKINGS, RECOMPUTES,
                                        Config, ParallelConfig)
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
-from meshtrain.models.registry import attention_families, check_model, family
+from meshtrain.models.registry import attention_families, check_model, expert_families, family
 from meshtrain.paths import path_problem
 from meshtrain.rules.support import compile_error, recompute_error
 
@@ -226,9 +226,31 @@ def _validate_support(cfg: Config) -> None:
              "parallel.tp_sequence_parallel = true is not supported yet: use false")
     _require(not p.tp_sequence_parallel or p.tp > 1,
              f"parallel.tp_sequence_parallel = true needs parallel.tp > 1 (it is {p.tp}): set tp >= 2 or use false")
+    _validate_experts(cfg)
     _require(p.sp == 1 or cfg.model.dropout == 0 or p.sp_mode in S.attention_dropout_sp_modes,
              f"model.dropout = {cfg.model.dropout} is not supported with parallel.sp_mode = {p.sp_mode!r} "
              f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
+
+
+def _validate_experts(cfg: Config) -> None:
+    """Expert parallelism: a model with experts, ranks borrowed from dp*sp (known here unless dp = -1, else checked
+    by :func:`resolve_world`), the synchronous gradient all-reduce (the experts' gradients are reduced over the
+    ranks that hold them, not by a replacement of it)."""
+    p = cfg.parallel
+    if p.ep == 1:
+        return
+    _require(family(cfg.model.type).experts,
+             f"parallel.ep = {p.ep} splits a mixture of experts' experts, and model.type = {cfg.model.type!r} has none: "
+             f"use ep = 1, or a model with experts ({expert_families()})")
+    if p.dp != -1 and (p.dp * p.sp) % p.ep:
+        raise ConfigError(expert_degree_error(p.ep, p.dp, p.sp))
+    _require(p.sync_mode == "sync", f"parallel.ep = {p.ep} cannot be combined with parallel.sync_mode = "
+                                    f"{p.sync_mode!r}: the experts' ranks exchange tokens every step; use 'sync' or ep = 1")
+    _require(not p.hierarchical_allreduce, f"parallel.hierarchical_allreduce = true is not supported with parallel.ep "
+                                           f"= {p.ep}: use false or ep = 1")
+    _require(p.zero_stage != 1, f"parallel.zero_stage = 1 is not supported with parallel.ep = {p.ep} (the sharded "
+                                f"optimizer broadcasts whole parameters, and an ep rank holds some experts only): use "
+                                f"zero_stage 0, 2 or 3")
 
 
 def _validate_sync_mode(cfg: Config) -> None:
@@ -322,6 +344,8 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, dp * p.sp, p.zero_stage)
         _require(error is None, error or "")
+    if p.ep > 1 and (dp * p.sp) % p.ep:
+        raise ConfigError(expert_degree_error(p.ep, dp, p.sp))
     _require(p.sync_mode != "local-sgd" or dp >= 2,
              f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
     return nproc, dp

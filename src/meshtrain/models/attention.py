@@ -65,7 +65,7 @@ def init_decoder_weights(model: LayeredLM, norm: type[nn.Module], residual: tupl
     """Fill a decoder's parameters from ``model.init_seed`` (GPT-2's scheme, Radford et al. 2019, Sec. 2.3):
     normal(0, 0.02) for Linear and Embedding weights in module order, the modules named ``*residual`` (the
     projections into the residual stream, two per block) at ``0.02 / sqrt(2 * n_layer)`` (so are the experts'
-    down projections of a module with ``expert_weights()``, :class:`meshtrain.models.moe.layer.MoE`), ``norm`` weights 1,
+    down projections of a module with ``expert_weights()``, :class:`meshtrain.models.moe.layer.GroupedExperts`), ``norm`` weights 1,
     every Linear and ``norm`` bias 0 (GPT-2's, Hugging Face ``GPT2PreTrainedModel._init_weights``; biases draw
     nothing, so a model without them gets the same weights). Draws come from a private CPU generator and are
     copied, so CPU, GPU and meta -> ``to_empty`` builds agree bit for bit. Re-ties the head first

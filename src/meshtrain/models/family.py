@@ -134,6 +134,9 @@ class Family:
     derived: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     """Keys whose 0 means "derive it" -> how (from the other keys): a Hugging Face folder's explicit value is then
     accepted when it equals the derived one (``model.init_from`` with the config an export was trained with)."""
+    experts: bool = False
+    """Whether its MLPs are mixtures of experts (:mod:`meshtrain.models.moe`), which expert parallelism
+    (``parallel.ep``) splits."""
     aux_loss: bool = False
     """Whether the model has an auxiliary loss that its forward adds to the cross-entropy's gradient, and whose last
     value ``aux_loss()`` returns (see the module docstring)."""

@@ -151,6 +151,11 @@ def families_with(predicate: Any) -> list[str]:
     return [name for name, f in FAMILIES.items() if predicate(f)]
 
 
+def expert_families() -> str:
+    """"mixtral and qwen3_moe": the families whose MLPs are mixtures of experts."""
+    return " and ".join(families_with(lambda f: f.experts))
+
+
 def attention_families() -> str:
     """"gpt and llama and ...": the families with attention blocks, for messages about what only they run."""
     return " and ".join(families_with(lambda f: f.attention))

@@ -7,8 +7,11 @@ order (docs/architecture.md, "Layers"):
    layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;
 2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
 3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
-4. dp -- :func:`meshtrain.parallel.data_parallel.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
-   it wraps (and, for FSDP2, shards further) the parameters tp produced; optionally with DDP's
+4. ep -- :func:`meshtrain.parallel.expert.apply_ep`: a mixture of experts' experts split over ``ep`` ranks
+   borrowed from dp x sp, tokens sent to them by all-to-all;
+5. dp -- :func:`meshtrain.parallel.data_parallel.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
+   it wraps (and, for FSDP2, shards further) the parameters tp produced (the experts ep split: over the
+   ``"edp"`` ranks that hold the same ones); optionally with DDP's
    all-reduce made hierarchical (:mod:`meshtrain.parallel.hierarchical`). Local SGD and the parameter
    server replace this all-reduce altogether (:mod:`meshtrain.parallel.local_sgd`,
    :mod:`meshtrain.parallel.async_ps`).
@@ -36,8 +39,9 @@ from collections.abc import Callable
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError, ParallelConfig
 from meshtrain.data.packing import pack_documents
-from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
+from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, Axis, ParallelDims
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
+from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_gradients
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
 from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
@@ -77,12 +81,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
         pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
                                         document_masking=eos is not None, **blockwise)
-        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast, compiled=compiled)
+        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast, compiled=compiled,
+                             after_backward=_expert_sync([pipeline.model], dims, p))
     model = parallelize_model(model, dims, p, **blockwise)
     local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
                  if p.sync_mode == "local-sgd" else None)
     return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
-                           local_sgd=local_sgd)
+                           local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
 
 
 def _set_balance_group(model: nn.Module, dims: ParallelDims) -> None:
@@ -92,6 +97,28 @@ def _set_balance_group(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if hasattr(module, "balance_group"):
             module.balance_group = group
+
+
+def _expert_fsdp(dims: ParallelDims, cfg: ParallelConfig) -> bool:
+    """Whether FSDP2 shards the experts over the ``"edp"`` ranks (zero_stage 2 or 3 with more than one of them)."""
+    return dims.ep_enabled and cfg.zero_stage in (2, 3) and dims.expert_replicas > 1
+
+
+def _expert_sync(models: list[nn.Module], dims: ParallelDims, cfg: ParallelConfig) -> Callable[[], None] | None:
+    """What averages the experts' gradients over the ``"edp"`` ranks after a step's backward, where FSDP2 does not
+    (:func:`meshtrain.parallel.expert.sync_expert_gradients`); None without ep or with one such rank."""
+    if not dims.ep_enabled or dims.expert_replicas == 1 or _expert_fsdp(dims, cfg):
+        return None
+    experts = [m for model in models for m in expert_modules(model)]
+    group = dims.get_mesh(EXPERT_REPLICA_MESH).get_group()
+    return lambda: sync_expert_gradients(experts, group)
+
+
+def _data_parallel(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
+    """dp over the batch mesh, the experts of ep left to the ``"edp"`` ranks (:func:`apply_dp`)."""
+    experts = expert_modules(model) if dims.ep_enabled else []
+    expert_mesh = dims.get_mesh(EXPERT_REPLICA_MESH) if _expert_fsdp(dims, cfg) else None
+    return apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb, experts, expert_mesh)
 
 
 def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:
@@ -136,7 +163,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     model = _shard(model, dims, cfg)
     _attach_tp_rng(model, dims, cfg)
     _blockwise(model, model, recompute, compiled)
-    model = apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb)
+    model = _data_parallel(model, dims, cfg)
     _maybe_hierarchical(dims, cfg, [model])
     return model
 
@@ -160,7 +187,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
     _attach_tp_rng(model, dims, cfg)
     for part in parts:
         _blockwise(part, model, recompute, compiled, split_backward=cfg.pp_schedule in ("zero-bubble", "zbv"))
-    parts = [apply_dp(part, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb) for part in parts]
+    parts = [_data_parallel(part, dims, cfg) for part in parts]
     _maybe_hierarchical(dims, cfg, parts)
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
@@ -185,11 +212,13 @@ def _maybe_hierarchical(dims: ParallelDims, cfg: ParallelConfig, models: list[nn
 
 
 def _shard(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """tp, then sp, on ``model`` (a whole model or one pipeline chunk)."""
+    """tp, then sp, then ep on ``model`` (a whole model or one pipeline chunk)."""
     if dims.tp_enabled:
         model = apply_tp(model, dims.get_mesh(Axis.TP), cfg.tp_sequence_parallel)
     if dims.sp_enabled:
         model = apply_sp(model, dims.get_mesh(Axis.SP), cfg.sp_mode)
+    if dims.ep_enabled:
+        model = apply_ep(model, dims.get_mesh(EXPERT_MESH))
     return model
 
 

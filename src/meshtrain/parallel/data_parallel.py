@@ -41,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshtrain.rules.support import fsdp_units
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: float = 0.0) -> nn.Module:
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: float = 0.0,
+             experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism over the 1-D ``dp_mesh``; return the module to train.
 
     ``model`` must expose ``blocks`` (an ``nn.ModuleDict``) for sharding with FSDP2, in units of at
@@ -49,19 +50,32 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
     block). Its parameters may already be ``DTensor`` shards of a tp mesh of the same root mesh (2-D:
     FSDP2 shards them further along dp). With one rank and zero_stage 0 or 1 the model is returned as is.
 
+    ``experts``: modules whose parameters expert parallelism split over ``ep`` (:mod:`meshtrain.parallel.expert`):
+    left out of the wrapping over ``dp_mesh``. At zero_stage 2 and 3 with an ``expert_mesh`` (the ``"edp"`` ranks that
+    hold the same experts) each is first ``fully_shard``-ed over it along dim 1 (the expert rows; dim 0 is ep's), which
+    averages their gradients over it; otherwise :func:`meshtrain.parallel.expert.sync_expert_gradients` does.
+
     Raises:
         ValueError: ``zero_stage`` not in (0, 1, 2, 3).
     """
+    ignored = {p for m in experts for p in m.parameters()}
     if zero_stage in (0, 1):  # zero_stage 1 shards the optimizer states, not the model
         if dp_mesh.size() == 1:
             return model
-        if any(isinstance(p, DTensor) for p in model.parameters()):
+        if any(isinstance(p, DTensor) for p in model.parameters() if p not in ignored):
             replicate(model, mesh=dp_mesh)
             return model
+        if ignored:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in ignored])
         device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
         return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage = {zero_stage} is not supported: use 0, 1, 2 or 3")
+    if expert_mesh is not None:
+        for module in experts:
+            fully_shard(module, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1),
+                        reshard_after_forward=zero_stage == 3)
+        ignored = set()  # FSDP2 leaves modules it already manages to them
     blocks = list(model.blocks.values())
     units, _ = fsdp_units([local_bytes(block) for block in blocks], unit_mb * 2**20)  # the rest stays in the root
     placement = partial(fsdp_placement, dp=dp_mesh.size())
@@ -69,8 +83,10 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
         modules = [blocks[j] for j in unit]
         last = i == len(units) - 1
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh, shard_placement_fn=placement,
-                    reshard_after_forward=zero_stage == 3 and not last)
-    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=False)
+                    reshard_after_forward=zero_stage == 3 and not last,
+                    ignored_params={p for m in modules for p in m.parameters() if p in ignored} or None)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=False,
+                ignored_params=ignored or None)
     return model
 
 

@@ -43,13 +43,17 @@ class ParallelModel:
     """Whether the blocks run ``torch.compile``-d (:func:`meshtrain.rules.support.blocks_compiled`)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, shard: Sharder,
-                 autocast: contextlib.AbstractContextManager) -> None:
+                 autocast: contextlib.AbstractContextManager,
+                 after_backward: Callable[[], None] | None = None) -> None:
         self.model = model
         self.dims = dims
         self.device = next(model.parameters()).device
         self._shard = shard
         self.autocast = autocast
         """The context every forward runs in: bf16 autocast (fp32 master weights) or none."""
+        self.after_backward = after_backward or (lambda: None)
+        """Called once a step's gradients are accumulated, before they are clipped: the experts' gradient
+        reduction of expert parallelism (:func:`meshtrain.parallel.expert.sync_expert_gradients`), or nothing."""
 
     aux_loss: torch.Tensor | None = None
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
@@ -96,13 +100,14 @@ class ReplicatedModel(ParallelModel):
         gradient_sync: ``(model, enabled) -> context``: within it, backward synchronises gradients over dp
             only if ``enabled`` (:func:`meshtrain.parallel.data_parallel.gradient_sync`).
         local_sgd: the averager of local SGD (:class:`meshtrain.parallel.local_sgd.LocalSGD`), or None.
+        after_backward: see :attr:`ParallelModel.after_backward`.
     """
 
     def __init__(self, model: nn.Module, dims: ParallelDims, shard: Sharder,
                  autocast: contextlib.AbstractContextManager,
                  gradient_sync: Callable[[nn.Module, bool], contextlib.AbstractContextManager], *,
-                 compiled: bool = False, local_sgd: Any = None) -> None:
-        super().__init__(model, dims, shard, autocast)
+                 compiled: bool = False, local_sgd: Any = None, after_backward: Callable[[], None] | None = None) -> None:
+        super().__init__(model, dims, shard, autocast, after_backward)
         self.gradient_sync = gradient_sync
         self.compiled = compiled
         self.local_sgd = local_sgd
@@ -132,6 +137,7 @@ class ReplicatedModel(ParallelModel):
             if (value := lm.aux_loss()) is not None:
                 aux.append(value.detach())
         self.aux_loss = torch.stack(aux).mean() if aux else None
+        self.after_backward()
         return total / n
 
     @torch.no_grad()
@@ -158,8 +164,9 @@ class PipelineModel(ParallelModel):
     """pp > 1: the step's micro-batches through this rank's stages (:class:`meshtrain.parallel.pipeline.Pipeline`)."""
 
     def __init__(self, pipeline: Any, dims: ParallelDims, shard: Sharder,
-                 autocast: contextlib.AbstractContextManager, *, compiled: bool = False) -> None:
-        super().__init__(pipeline.model, dims, shard, autocast)
+                 autocast: contextlib.AbstractContextManager, *, compiled: bool = False,
+                 after_backward: Callable[[], None] | None = None) -> None:
+        super().__init__(pipeline.model, dims, shard, autocast, after_backward)
         self.pipeline = pipeline
         self.compiled = compiled
 
@@ -167,7 +174,9 @@ class PipelineModel(ParallelModel):
         x, y, positions, doc_ids = self.local(torch.cat([mb[0] for mb in micro_batches]),
                                               torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
         with self.autocast:
-            return self.pipeline.step(x, y, positions, doc_ids)
+            loss = self.pipeline.step(x, y, positions, doc_ids)
+        self.after_backward()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> torch.Tensor:

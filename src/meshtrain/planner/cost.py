@@ -30,6 +30,8 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain import axes
@@ -149,11 +151,13 @@ class StepTime:
     bubble: float
     dp_comm: float
     optimizer: float
+    ep_comm: float = 0.0
+    """Expert parallelism's token all-to-alls (:func:`layer_collectives`)."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.sp_comm + self.pp_comm + self.bubble + self.dp_comm
-                + self.optimizer)
+                + self.optimizer + self.ep_comm)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self) | {"total": self.total}
@@ -166,6 +170,7 @@ class _MicroBatch:
     tp: float
     sp: float
     p2p: float
+    ep: float = 0.0
 
 
 def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, materialized: bool,
@@ -272,8 +277,9 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
                  memo: dict | None = None) -> _MicroBatch:
     """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
     key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
-           layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute)
-    forward, backward, tp, sp = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
+           layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
+           layout.spans_nodes("ep", hw.network.devices_per_node))
+    forward, backward, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
     # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
@@ -286,7 +292,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
         send = memoized(memo, key, _stage_send_time, model, layout, hw, prec)
         actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
         p2p = layout.virtual_stages * (2 * send + actions * hw.device.pipeline_action_host_s)
-    return _MicroBatch(forward, backward, tp, sp, p2p)
+    return _MicroBatch(forward, backward, tp, sp, p2p, ep)
 
 
 def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
@@ -296,9 +302,9 @@ def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Preci
 
 
 def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
-                fw: Framework) -> tuple[float, float, float, float]:
-    """(forward, backward, tp, sp) of :class:`_MicroBatch` before the pipeline's share: the busiest stage's
-    layers and head (:func:`_compute`) and their tp and sp collectives."""
+                fw: Framework) -> tuple[float, float, float, float, float]:
+    """(forward, backward, tp, sp, ep) of :class:`_MicroBatch` before the pipeline's share: the busiest stage's
+    layers and head (:func:`_compute`) and their tp, sp and ep collectives."""
     forward, backward, gemm = _compute(model, layout, hw, prec, fw)
     net, n = hw.network, stage_layers(model, layout)
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
@@ -309,14 +315,14 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     # dp_time uses: its all-reduces run between the GEMMs, on NICs that data-parallel traffic uses at the
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
-    comm = {"tp": 0.0, "sp": 0.0}
+    comm: dict[str, float] = defaultdict(float)  # by axis
     for c in layer_collectives(model, layout, prec):
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
         comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
     tp, sp = comm["tp"], comm["sp"]
     if fw.tp_comm_overlap:
         tp = max(0.0, tp - gemm)
-    return forward, backward, tp, sp
+    return forward, backward, tp, sp, comm["ep"]
 
 
 @dataclass(frozen=True)
@@ -348,6 +354,11 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
     2023): ``sp-1`` passes of K/V and ``sp`` of their gradients. Takeaway: ring moves ~3(sp-1) times a
     rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens' width: ring pays more wire and latency
     but keeps every head on every rank (no ``heads % (tp*sp)`` rule).
+    Expert parallelism (GShard, Lepikhin et al. 2020, Sec. 2.2; :mod:`meshtrain.parallel.expert`): per MoE layer a
+    dispatch and a combine all-to-all of the rank's ``k`` copies of its tokens, ``(b*s/sp) * k * h`` elements,
+    forward, the same two reversed in backward, and the forward's again under full recomputation (the per-expert
+    counts exchanged first are E integers: latency only, left out). Dropless routing with balanced experts: a
+    rank receives as many rows as it sends; imbalance (a hot expert's rank receives more) is not modelled.
     """
     full = recompute_passes(layout) if layout.recompute == "full" else 0
     ring_again = recompute_passes(layout)  # any recomputation runs ring attention's forward again
@@ -366,6 +377,8 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
         else:
             out += [Collective("sp", "all-to-all", layout.sp, width * per_token, 2 + full)
                     for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
+    if layout.ep > 1 and model.experts:
+        out.append(Collective("ep", "all-to-all", layout.ep, act * model.experts_per_token, 2 * (2 + full)))
     return out
 
 
@@ -389,7 +402,7 @@ def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
         return 0.0
     m = layout.gradient_accumulation_steps
     f = bubble_fraction(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
-    whole = mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p
+    whole = mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p + mb.ep
     return f / (1.0 - f) * m * whole
 
 
@@ -576,7 +589,8 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
                        _step_collectives_time, model, layout, hw, prec)
     return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
                     pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
-                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec))
+                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec),
+                    ep_comm=m * mb.ep)
 
 
 def _step_collectives_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:

@@ -141,7 +141,8 @@ class Layout(LayoutDegrees):
         sched = ""
         if self.pp > 1:
             sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        degrees = " ".join(f"{a}{self._axis_label(str(a))}" for a in axes.SHORT_FLAGS)
+        degrees = " ".join(f"{a}{self._axis_label(str(a))}" for a in axes.SHORT_FLAGS
+                           if axes.SPECS[a].in_world or axes.degree(self, a) > 1)  # ep only where it is on
         return (f"{degrees} z{self.zero_stage} mbs{self.micro_batch_size} ga{self.gradient_accumulation_steps} "
                 f"{self.recompute}{sched}")
 
@@ -354,6 +355,15 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
     if model.experts and L.tp > 1:
         e.append(f"tp = {L.tp} with {model.experts} experts: the experts are not tensor-parallel yet")
+    if L.ep > 1:
+        if not model.experts:
+            e.append(f"ep = {L.ep} needs a model with experts")
+        elif model.experts % L.ep:
+            e.append(f"ep = {L.ep} does not divide experts = {model.experts}")
+        if (L.dp * L.sp) % L.ep:
+            e.append(f"ep = {L.ep} does not divide dp*sp = {L.dp * L.sp} (its ranks are borrowed from them)")
+        if L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce:
+            e.append(f"ep = {L.ep} runs with the synchronous all-reduce and zero_stage 0, 2 or 3 only")
     ring = L.sp > 1 and L.sp_mode == "ring"
     if L.sp_mode not in SP_MODES:
         e.append(f"sp_mode = {L.sp_mode!r} is not one of {', '.join(SP_MODES)}")

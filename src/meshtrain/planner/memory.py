@@ -89,17 +89,19 @@ def stage_layers(model: ModelSpec, layout: Layout) -> int:
 
 def stage_params(model: ModelSpec, layout: Layout) -> float:
     """Parameters on one device of the busiest stage before ZeRO sharding: its layers plus the
-    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding)."""
-    return _stage_params(model, layout.pp, layout.tp)
+    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding), and a
+    mixture of experts' experts over ep (each ep rank holds E/ep of them)."""
+    return _stage_params(model, layout.pp, layout.tp, layout.ep)
 
 
 @lru_cache(maxsize=4096)
-def _stage_params(model: ModelSpec, pp: int, tp: int) -> float:
+def _stage_params(model: ModelSpec, pp: int, tp: int, ep: int = 1) -> float:
     ends = model.embedding_params() + model.head_params()
     if pp > 1:
         ends = max(model.embedding_params(), model.head_params() + (model.vocab * model.hidden
                                                                      if model.tied_embeddings else 0))
-    return (math.ceil(model.layers / pp) * model.layer_params() + ends) / tp
+    layer = model.layer_params() - model.expert_params() * (1 - 1 / ep)
+    return (math.ceil(model.layers / pp) * layer + ends) / tp
 
 
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
@@ -347,9 +349,9 @@ class StateMemory:
 def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
                  memo: dict | None = None) -> StateMemory:
     """:class:`StateMemory` of ``layout``. ``memo``: a dict shared by the calls for one model, hardware, precision and
-    framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, zero_stage and whether
+    framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, ep, zero_stage and whether
     gradient_accumulation_steps is 1 (``tests/test_planner_search.py`` checks a search's memory against no memo)."""
-    key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.zero_stage,
+    key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,
            layout.gradient_accumulation_steps == 1)
     return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)
 
@@ -357,14 +359,17 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
 def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
                   framework: Framework) -> StateMemory:
     p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
-    weights = p * precision.weight_bytes / (shard if z >= 3 else 1)
+    # ZeRO shards: expert parallelism holds E/ep experts on a rank, FSDP2 shards them over the dp*sp/ep ranks that
+    # hold the same ones, the rest over dp*sp: either way 1/(dp*sp) of the whole stage (meshtrain.parallel.expert)
+    sharded = _stage_params(model, layout.pp, layout.tp) / shard
+    weights = sharded * precision.weight_bytes if z >= 3 else p * precision.weight_bytes
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
     # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
     pipelined = layout.pp > 1
     grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
                                                   or framework.grad_sync_every_microstep)
-    grads = p * precision.grad_bytes / (shard if grads_sharded else 1)
-    optimizer = p * precision.optimizer_bytes / (shard if z >= 1 else 1)
+    grads = (sharded if grads_sharded else p) * precision.grad_bytes
+    optimizer = (sharded if z >= 1 else p) * precision.optimizer_bytes
     block = model.layer_params() / layout.tp
     gathered = 0.0
     if z >= 2:
@@ -380,7 +385,7 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
         gathered += p * precision.grad_bytes
     return StateMemory(weights=weights, grads=grads, optimizer=optimizer, gathered=gathered,
                        fixed=gathered + p * precision.weight_cast_bytes,
-                       optimizer_peak=p * 4 / (shard if z >= 1 else 1) if framework.torch_buffers else 0.0,
+                       optimizer_peak=(sharded if z >= 1 else p) * 4 if framework.torch_buffers else 0.0,
                        overhead=hw.device.framework_overhead_bytes)
 
 

@@ -151,6 +151,11 @@ class ModelSpec:
             n += q + 2 * kv
         return n + (2 * self.head_dim if self.qk_norm else 0)
 
+    def expert_params(self) -> int:
+        """Parameters of one block's routed experts, ``E * mlp_matrices * h * f`` (0 without experts): what expert
+        parallelism splits over ``ep``."""
+        return self.experts * self.mlp_matrices * self.hidden * self.ffn_hidden
+
     def param_tensors(self) -> int:
         """Number of parameter tensors (fused qkv counted as one), which sets per-tensor optimizer work."""
         return self._param_tensors
@@ -200,6 +205,16 @@ def _megatron(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
                      final_norm=False)
 
 
+def _moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, experts: int, k: int,
+         head_dim: int = 0, qk_norm: bool = False) -> ModelSpec:
+    """A Llama-style mixture of experts at 4,096 tokens: Mixtral 8x7B and 8x22B (Jiang et al. 2024, arXiv:2401.04088,
+    Table 1; 8x22B's ``config.json`` on the Hugging Face hub), Qwen3-30B-A3B (Qwen Team 2025, arXiv:2505.09388,
+    Table 2: 128 experts, 8 per token, expert width 768, head_dim 128)."""
+    return ModelSpec(name, layers, hidden, heads, vocab=vocab, seq_len=4096, ffn_hidden=ffn, kv_heads=kv_heads,
+                     activation="swiglu", tied_embeddings=False, learned_positions=False, head_dim=head_dim,
+                     qk_norm=qk_norm, experts=experts, experts_per_token=k)
+
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _gpt2("gpt2-small", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -210,6 +225,8 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _megatron("megatron-39.1b", 48, 8192, 64), _megatron("megatron-76.1b", 60, 10240, 80),
     _megatron("megatron-145.6b", 80, 12288, 96), _megatron("megatron-310.1b", 96, 16384, 128),
     _megatron("megatron-529.6b", 105, 20480, 128), _megatron("megatron-1t", 128, 25600, 160),
+    _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 8, 2), _moe("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 8, 2),
+    _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, 128, 8, head_dim=128, qk_norm=True),
 )}
 
 

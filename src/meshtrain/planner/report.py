@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 
-from meshtrain.axes import SHORT_FLAGS, degree
+from meshtrain.axes import SHORT_FLAGS, SPECS, degree
 from meshtrain.batch_math import tokens_per_step
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
@@ -81,17 +81,22 @@ def _axis_cell(b: Layout, axis: str) -> str:
     return cell
 
 
-def _row(rank: str, e: Estimate) -> list[str]:
+def _shown_axes(model: ModelSpec) -> list[str]:
+    """The axes a table has a column for: the world's, and expert parallelism's for a model with experts."""
+    return [a for a in SHORT_FLAGS if SPECS[a].in_world or model.experts]
+
+
+def _row(rank: str, e: Estimate, shown: list[str]) -> list[str]:
     b = e.layout
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
-    return [rank, *(_axis_cell(b, axis) for axis in SHORT_FLAGS), str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
+    return [rank, *(_axis_cell(b, axis) for axis in shown), str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
             f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
             duration(e.total_time_s)]
 
 
-def _table(mfu: str) -> Table:
+def _table(mfu: str, shown: list[str]) -> Table:
     t = Table()
-    for name in ("#", *SHORT_FLAGS, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
+    for name in ("#", *shown, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
                  "s/step", "tokens/s", mfu, "total"):
         t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule") else "left")
     return t
@@ -109,16 +114,17 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
     layout when none fits)."""
     out = console()
     out.print(ctx.headline(), soft_wrap=True)
-    table = _table(ctx.hw.device.mfu_label())
+    shown = _shown_axes(ctx.model)
+    table = _table(ctx.hw.device.mfu_label(), shown)
     for i, e in enumerate(fitting[:top], 1):
-        table.add_row(*_row(str(i), e))
+        table.add_row(*_row(str(i), e, shown))
     mine = None
     config = ctx.config_layout
     if config is not None and not (divisibility_errors(ctx.model, config)
                                    + framework_errors(ctx.framework, config, ctx.model)):
         job = replace(ctx.job, global_batch_size=config.global_batch_size) if config.ps_servers else ctx.job
         mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, job)
-        table.add_row(*_row("config", mine), style="bold")
+        table.add_row(*_row("config", mine, shown), style="bold")
     out.print(table)
     lines = [f"{len(fitting)} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
              "(each with the cheapest recompute mode that fits)."]

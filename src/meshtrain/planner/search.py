@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -98,12 +99,14 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         fitting_zeros = [z for z in zeros if states_fit is None or states_fit(tp, pp, dp * sp, z)]
         if not fitting_zeros:
             continue
-        for sp_mode, seqp in _model_splits(model, framework, fixed, dp, tp, pp, sp):
-            degrees_only = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
+        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, dp * sp),
+                                                     _model_splits(model, framework, fixed, dp, tp, pp, sp)):
+            degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
             # rules on DDP and ZeRO-3 (runs_with_data_parallel, below)
             variants = [(zero, hier) for zero in fitting_zeros
                         if not (framework.zero1_ddp_only and zero_stage_error(zero, tp, pp))
+                        and not (ep > 1 and zero == 1)
                         for hier in _hierarchical(framework, _with(degrees_only, zero_stage=zero), devices_per_node,
                                                   fixed)]
             for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
@@ -125,6 +128,14 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
                              for zero, hier in variants if runs_with_data_parallel(sched, dp * sp, zero)]
                     if group:
                         yield group, runnable
+
+
+def expert_degrees(model: ModelSpec, fixed: dict[str, Any], batch_degree: int) -> list[int]:
+    """The ``ep`` degrees to try: every divisor of both the expert count and ``dp*sp`` (the ranks ep borrows) for a
+    model with experts, else 1; a pinned one alone."""
+    if "ep" in fixed:
+        return [fixed["ep"]] if model.experts % fixed["ep"] == 0 and batch_degree % fixed["ep"] == 0 else []
+    return list(divisors(math.gcd(model.experts, batch_degree))) if model.experts else [1]
 
 
 def _hierarchical(framework: Framework, layout: Layout, devices_per_node: int | None,
@@ -227,7 +238,9 @@ def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int
     gradients and optimizer states, each sharded over the ``shard`` = dp*sp ranks as ZeRO stage ``zero``
     can shard it (Rajbhandari et al. 2020, Sec. 5; gradients counted sharded from stage 2 even where gradient
     accumulation keeps them whole), plus the runtime overhead; no activations, no buffers. A lower bound of
-    :func:`meshtrain.planner.memory.memory_breakdown` (``tests/test_planner_search.py`` checks it)."""
-    p = stage_params(model, Layout(1, tp=tp, pp=pp))
+    :func:`meshtrain.planner.memory.memory_breakdown` (``tests/test_planner_search.py`` checks it). A model with
+    experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts)."""
+    ep = math.gcd(model.experts, shard) if model.experts else 1
+    p = stage_params(model, Layout(1, tp=tp, pp=pp, ep=ep))
     return (p * precision.weight_bytes / (shard if zero >= 3 else 1) + p * precision.grad_bytes / (shard if zero >= 2 else 1)
             + p * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)

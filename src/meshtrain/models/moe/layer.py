@@ -32,6 +32,8 @@ Transformers, GShard and Megatron-Core's ``switch_load_balancing_loss_func`` add
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,38 +77,94 @@ def aux_loss_terms(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
     return num_experts * (f * P).sum()
 
 
-class MoE(nn.Module):
-    """Router ``router`` (E, C, no bias) and ``num_experts`` SwiGLU experts (``w_gate, w_up`` (E, F, C), ``w_down``
-    (E, C, F)); ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts as three stacks, ``w_gate, w_up`` (E, F, C) and ``w_down`` (E, C, F);
+    ``forward(x, counts)``: each expert over its rows of ``x`` (module docstring, "Expert compute").
 
-    ``balance_group``: the process group the global-batch counts are summed over (set by
-    :func:`meshtrain.parallel.parallelize` under dp or sp; None: this rank's tokens are the batch)."""
+    Under expert parallelism (:mod:`meshtrain.parallel.expert`) each stack is a ``DTensor`` sharded on dim 0 over the
+    ``ep`` ranks: a rank holds E/ep whole experts and computes only those."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, C, hidden = cfg.num_experts, cfg.n_embd, cfg.ffn_hidden_size()
-        self.num_experts, self.top_k, self.normalize = E, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.grouped = cfg.moe_compute == "grouped"
-        self.global_scope = cfg.router_aux_loss_scope == "global_batch"
-        self.router = nn.Linear(C, E, bias=False)
         self.w_gate = nn.Parameter(torch.empty(E, hidden, C))
         self.w_up = nn.Parameter(torch.empty(E, hidden, C))
         self.w_down = nn.Parameter(torch.empty(E, C, hidden))
+        self.grad_scale = 1.0
+        """Factor on the stacks' gradients (expert parallelism sets 1/ep: :mod:`meshtrain.parallel.expert`)."""
+
+    def expert_weights(self) -> list[tuple[nn.Parameter, bool]]:
+        """The stacks and whether each projects into the residual stream (the down projections):
+        :func:`meshtrain.models.attention.init_decoder_weights` fills them as the dense MLP's Linears."""
+        return [(self.w_gate, False), (self.w_up, False), (self.w_down, True)]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each expert this rank holds over its rows of ``x`` (M, C) (sorted by expert, ``counts`` (E_local,)
+        rows each) -> (M, C)."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        w_gate, w_up, w_down = (_ScaleGrad.apply(_local(w), self.grad_scale).to(dtype)
+                                for w in (self.w_gate, self.w_up, self.w_down))
+        if self.grouped:
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
+            with torch.autocast(x.device.type, enabled=False):
+                hidden = F.silu(grouped_mm(x, w_gate, offs)) * grouped_mm(x, w_up, offs)  # (M, F)
+                return grouped_mm(hidden, w_down, offs)  # (M, C)
+        outs = [F.linear(F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e]), w_down[e])
+                for e, rows in enumerate(x.split(counts.tolist()))]  # each (rows_e, C)
+        return torch.cat(outs) if outs else x[:0]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.scale if ctx.scale != 1.0 else grad, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stack: a ``DTensor``'s local shard (expert parallelism), else the stack."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+Dispatch = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(experts, x (M, C) sorted by expert, counts (E,)) -> (M, C)``: how the rows reach their experts and come back
+(expert parallelism's all-to-all, :class:`meshtrain.parallel.expert.ExpertDispatch`)."""
+
+
+class MoE(nn.Module):
+    """Router ``router`` (E, C, no bias) and ``num_experts`` SwiGLU experts (``experts``, :class:`GroupedExperts`);
+    ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
+
+    ``balance_group``: the process group the global-batch counts are summed over (set by
+    :func:`meshtrain.parallel.parallelize` under dp or sp; None: this rank's tokens are the batch). ``dispatch``:
+    set by expert parallelism; None runs every expert here."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, C = cfg.num_experts, cfg.n_embd
+        self.num_experts, self.top_k, self.normalize = E, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.global_scope = cfg.router_aux_loss_scope == "global_batch"
+        self.experts = GroupedExperts(cfg)  # before the router: the initial draws come in module order
+        self.router = nn.Linear(C, E, bias=False)
         self.bias_rate = cfg.router_bias_update_rate
         if self.bias_rate:  # DeepSeek-V3's auxiliary-loss-free balancing: a routing bias per expert, checkpointed
             self.register_buffer("expert_bias", torch.zeros(E))
             self.step_counts = torch.zeros(E)
             """Assignments to each expert in this step's training forwards so far (this rank's), for :meth:`update_bias`."""
         self.balance_group: dist.ProcessGroup | None = None
+        self.dispatch: Dispatch | None = None
         self.aux_loss: torch.Tensor | None = None
         """This layer's load-balancing loss of the last forward (a scalar with gradient), before the coefficient."""
         self.last_experts: torch.Tensor | None = None
         """The experts each token of the last forward went to, (N, k) int64 (tests compare routings)."""
-
-    def expert_weights(self) -> list[tuple[nn.Parameter, bool]]:
-        """The experts' stacks and whether each projects into the residual stream (the down projections):
-        :func:`meshtrain.models.attention.init_decoder_weights` fills them as the dense MLP's Linears."""
-        return [(self.w_gate, False), (self.w_up, False), (self.w_down, True)]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (N, C) -> (probs (N, E) fp32, weights (N, k) fp32, experts (N, k) int64), in fp32 under autocast."""
@@ -120,20 +178,6 @@ class MoE(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, experts
-
-    def experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of each expert over its rows of ``x`` (M, C) (sorted by expert, ``counts`` (E,) rows each) -> (M, C)."""
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x.to(dtype)
-        w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        if self.grouped:
-            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) end row of each expert
-            with torch.autocast(x.device.type, enabled=False):
-                hidden = F.silu(grouped_mm(x, w_gate, offs)) * grouped_mm(x, w_up, offs)  # (M, F)
-                return grouped_mm(hidden, w_down, offs)  # (M, C)
-        outs = [F.linear(F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e]), w_down[e])
-                for e, rows in enumerate(x.split(counts.tolist()))]  # each (rows_e, C)
-        return torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, C) -> (B, T, C): each token's k experts' outputs, weighted."""
@@ -149,10 +193,10 @@ class MoE(nn.Module):
         counts = torch.bincount(assignment, minlength=self.num_experts)  # (E,)
         if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.step_counts = self.step_counts.to(counts.device) + counts  # a training forward (not a recompute)
-        out = self.experts(flat[token], counts)  # (N*k, C)
+        rows = flat[token]  # (N*k, C)
+        out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out).reshape(B, T, C).to(x.dtype)
-
 
     @torch.no_grad()
     def update_bias(self) -> None:

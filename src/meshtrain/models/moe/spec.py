@@ -107,21 +107,21 @@ def check_exportable(m: Any) -> None:
 
 
 def expert_sources(layer: str, names: tuple[str, str, str], fused: str | None, ffn: int, experts: int) -> dict[str, Source]:
-    """meshtrain's ``mlp.router.weight`` and ``mlp.w_gate/w_up/w_down`` (each (E, rows, cols)) of the layer whose
+    """meshtrain's ``mlp.router.weight`` and ``mlp.experts.w_gate/w_up/w_down`` (each (E, rows, cols)) of the layer whose
     Hugging Face prefix is ``layer`` (``model.layers.3.mlp``): per-expert tensors ``{layer}.experts.{e}.{name}.weight``
     of the ``names`` (gate, up, down: ``w1, w3, w2`` in Mixtral's published files, ``gate_proj, up_proj, down_proj``
     in Qwen3-MoE's), or, with ``fused`` (the prefix of ``transformers`` 5's in-memory tensors, saved as they are), the
     3-D ``{fused}.experts.gate_up_proj`` (E, 2F, C: gate rows first) and ``{fused}.experts.down_proj`` (E, C, F)."""
     if fused is not None:
         return {"mlp.router.weight": Source(f"{fused}.gate.weight"), "mlp.expert_bias": NO_SOURCE,
-                "mlp.w_gate": Source(f"{fused}.experts.gate_up_proj"),
-                "mlp.w_up": Source(f"{fused}.experts.gate_up_proj", row0=ffn),
-                "mlp.w_down": Source(f"{fused}.experts.down_proj")}
+                "mlp.experts.w_gate": Source(f"{fused}.experts.gate_up_proj"),
+                "mlp.experts.w_up": Source(f"{fused}.experts.gate_up_proj", row0=ffn),
+                "mlp.experts.w_down": Source(f"{fused}.experts.down_proj")}
     gate, up, down = names
     return {"mlp.router.weight": Source(f"{layer}.gate.weight"), "mlp.expert_bias": NO_SOURCE,
-            "mlp.w_gate": Source(f"{layer}.experts.{{e}}.{gate}.weight", experts=experts),
-            "mlp.w_up": Source(f"{layer}.experts.{{e}}.{up}.weight", experts=experts),
-            "mlp.w_down": Source(f"{layer}.experts.{{e}}.{down}.weight", experts=experts)}
+            "mlp.experts.w_gate": Source(f"{layer}.experts.{{e}}.{gate}.weight", experts=experts),
+            "mlp.experts.w_up": Source(f"{layer}.experts.{{e}}.{up}.weight", experts=experts),
+            "mlp.experts.w_down": Source(f"{layer}.experts.{{e}}.{down}.weight", experts=experts)}
 
 
 def expert_shapes(layer: str, names: tuple[str, str, str], fused: str | None, m: Any,
@@ -225,5 +225,5 @@ def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool 
 
     return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
                    layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=partial(planner, qk_norm=qk_norm),
-                   tp=None, aux_loss=True,
+                   tp=None, experts=True, aux_loss=True,
                    resume_keys=base.resume_keys + ("num_experts",))
