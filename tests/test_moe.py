@@ -360,6 +360,66 @@ def test_an_export_refuses_routing_biases(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+MOE_PRESETS = {  # the published configs (Mixtral: Jiang et al. 2024, Table 1; Qwen3-30B-A3B: its config.json)
+    "mixtral-8x7b": {"model.type": "mixtral", "model.n_layer": "32", "model.n_head": "32", "model.n_kv_head": "8",
+                     "model.n_embd": "4096", "model.ffn_hidden": "14336", "model.num_experts": "8",
+                     "model.vocab_size": "32000"},
+    "mixtral-8x22b": {"model.type": "mixtral", "model.n_layer": "56", "model.n_head": "48", "model.n_kv_head": "8",
+                      "model.n_embd": "6144", "model.ffn_hidden": "16384", "model.num_experts": "8",
+                      "model.vocab_size": "32768"},
+    "qwen3-30b-a3b": {"model.type": "qwen3_moe", "model.n_layer": "48", "model.n_head": "32", "model.n_kv_head": "4",
+                      "model.head_dim": "128", "model.n_embd": "2048", "model.ffn_hidden": "768",
+                      "model.num_experts": "128", "model.num_experts_per_tok": "8", "model.vocab_size": "151936"},
+}
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_moe_presets_are_the_model_the_trainer_builds(name):
+    """Each mixture-of-experts preset of the planner, written as a config, builds on the meta device exactly the
+    preset's parameters (46.7 B, 140.6 B and 30.5 B, the published totals), and the planner's spec of that config is
+    the preset."""
+    from dataclasses import replace
+
+    from meshtrain.config import load_config
+    from meshtrain.models import build_model
+    from meshtrain.planner.model_specs import PRESETS, from_config, preset
+
+    assert {n for n, m in PRESETS.items() if m.experts} == set(MOE_PRESETS)
+    spec = preset(name)
+    cfg = load_config(None, {**MOE_PRESETS[name], "model.block_size": str(spec.seq_len)})
+    with torch.device("meta"):
+        model = build_model(cfg.model, spec.vocab)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    assert replace(from_config(cfg), name=spec.name) == spec
+
+
+def test_the_planner_splits_experts_over_ep():
+    """ep in the planner: a Mixtral 8x7B layout at ep = 8 holds 1/8 of the experts' states per rank (without ZeRO),
+    pays the dispatch all-to-alls (ep_comm > 0, none at ep = 1), and the search offers ep > 1; ep that does not
+    divide the experts or dp*sp, or a model without experts, is a rule broken."""
+    from meshtrain.planner.cost import step_time
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
+    from meshtrain.planner.memory import PRECISIONS, stage_params
+    from meshtrain.planner.model_specs import preset
+    from meshtrain.planner.search import candidate_layouts
+    from meshtrain.planner.estimate import Job
+
+    model, hw, fw, prec = preset("mixtral-8x7b"), get_hardware("H100"), FRAMEWORKS["meshtrain"], PRECISIONS["bf16"]
+    one, eight = Layout(dp=8, pp=4, micro_batch_size=1, gradient_accumulation_steps=8), \
+        Layout(dp=8, pp=4, ep=8, micro_batch_size=1, gradient_accumulation_steps=8)
+    experts = model.layers / 4 * model.expert_params()
+    assert stage_params(model, one) - stage_params(model, eight) == pytest.approx(experts * 7 / 8, rel=1e-12)
+    assert step_time(model, one, hw, prec, fw).ep_comm == 0 < step_time(model, eight, hw, prec, fw).ep_comm
+    assert divisibility_errors(model, eight) == []
+    assert divisibility_errors(model, Layout(dp=6, ep=3)) == ["ep = 3 does not divide experts = 8"]
+    assert divisibility_errors(model, Layout(dp=2, ep=4)) == ["ep = 4 does not divide dp*sp = 2 (its ranks are "
+                                                              "borrowed from them)"]
+    assert divisibility_errors(preset("llama3-8b"), Layout(dp=2, ep=2)) == ["ep = 2 needs a model with experts"]
+    job = Job(num_devices=16, global_batch_size=64)
+    assert {layout.ep for layout, _ in candidate_layouts(model, job, fw, {"pp": 4, "tp": 1})} == {1, 2, 4}
+
+
 def test_the_planner_plans_experts(capsys):
     """``meshtrain plan`` on a Mixtral config: every expert's parameters in the states, the k active ones in the
     FLOPs (a token costs the dense model of width k*F plus the router), and no layout with tp > 1 (the experts are

@@ -57,7 +57,7 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
     "sampler": _table("with an integer 'samples_seen' >= 0",
                       lambda v: isinstance(v.get("samples_seen"), int) and v["samples_seen"] >= 0),
     "world_size": _int_at_least(1),
-    **{str(s.axis): _int_at_least(1) for s in AXIS_TABLE},  # the layout it was saved at, one degree per axis
+    **{str(s.axis): _int_at_least(1) for s in AXIS_TABLE if s.in_world},  # the layout it was saved at
     "global_batch_size": _int_at_least(1),
     "files": _table("mapping each file name (.metadata among them) to its 'bytes' and 'sha256'", _manifest_ok),
 }
@@ -65,6 +65,8 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
 
 OPTIONAL = {"scheduler": dict, "async": dict}
 """Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts."""
+BORROWED_DEGREES = {str(s.axis): _int_at_least(1) for s in AXIS_TABLE if not s.in_world}
+"""The degrees of axes that borrow their ranks (ep): checkpoints written before the axis existed have none (1)."""
 
 
 def check_meta(meta: Any, path: Path) -> dict[str, Any]:
@@ -85,6 +87,10 @@ def check_meta(meta: Any, path: Path) -> dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"checkpoint file {path}: in its saved config, {e}: the checkpoint is damaged or was edited; "
                           f"resume from another one") from None
+    for key, (want, typed, in_range) in BORROWED_DEGREES.items():
+        if key in meta and not (typed(meta[key]) and in_range(meta[key])):
+            raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be {want}: the checkpoint "
+                              f"is damaged or was edited; resume from another one")
     for key, kind in OPTIONAL.items():
         if key in meta and not isinstance(meta[key], kind):
             raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be an object: the "

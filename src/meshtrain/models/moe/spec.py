@@ -76,10 +76,13 @@ def check(m: Any) -> None:
 
 
 def check_layout(m: Any, p: Any) -> None:
-    """Experts are not split by tensor parallelism yet: the attention is, the MoE MLP would need its experts'
-    GEMMs split too (the mixture-of-experts issue's expert parallelism, next)."""
+    """Experts are not split by tensor parallelism yet (expert parallelism splits them whole: ``parallel.ep``, which
+    must divide the expert count)."""
     require(p.tp == 1, f"parallel.tp = {p.tp} is not supported with model.type = {m.type!r} yet (its experts are "
-                       f"not tensor-parallel): use tp = 1 with dp, pp, sp and FSDP2")
+                       f"not tensor-parallel): use tp = 1 with dp, pp, sp, ep and FSDP2")
+    require(m.num_experts % p.ep == 0, f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
+                                       f"each ep rank holds num_experts/ep whole experts; use an ep that divides "
+                                       f"{m.num_experts}")
 
 
 def mlp_params(m: Any, ffn: int) -> int:
