@@ -14,9 +14,9 @@ perturbed:
   them, and refuse a Hugging Face export;
 - expert parallelism: experts split over ep = 4 ranks route, compute and differentiate as one process (the all-to-all
   dispatch alone);
-- ``model.init_from`` into FSDP2 dp2 with and without routing biases and ep2 (``make test``; ring and Ulysses sp2,
-  DDP, pp2 1F1B and ZBV, full and selective recomputation, and ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4,
-  ep2 x pp2 1F1B x ring sp2 and ep2 x pp2 ZBV x sp2 in ``make test-slow``) with
+- ``model.init_from`` into FSDP2 dp2 with and without routing biases (``make test``; ring and Ulysses sp2,
+  DDP, pp2 1F1B and ZBV, full and selective recomputation, and ep2, ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4,
+  ep4, ep2 x pp2 1F1B x ring sp2 and ep2 x pp2 ZBV x sp2 in ``make test-slow``) with
   a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
 - greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
@@ -489,10 +489,10 @@ LAYOUTS = {
 """Each layout's global batch is the reference's 4 samples; a pipeline's micro-batches of 1 sample are the
 reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope counts a micro-batch's tokens)."""
 SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
-        "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
+        "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "mixtral-ep2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
         "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2"}
-"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases and ep2 (DDP), one 2-rank
-launch (and the 4-rank dispatch test, :func:`test_expert_parallel_dispatch_equals_one_process`)."""
+"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch, and for
+expert parallelism the 4-rank dispatch test (:func:`test_expert_parallel_dispatch_equals_one_process`)."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
 
 
