@@ -12,11 +12,12 @@ perturbed:
 - the grouped GEMM equals the per-expert loop (outputs and gradients);
 - DeepSeek-V3's routing biases move by the rate towards balance after each step, pick the experts but do not weigh
   them, and refuse a Hugging Face export;
-- expert parallelism: experts split over ep = 4 ranks route, compute and differentiate as one process (the all-to-all
+- expert parallelism: experts split over ep = 2 ranks route, compute and differentiate as one process (the all-to-all
   dispatch alone);
 - ``model.init_from`` into FSDP2 dp2 with and without routing biases (``make test``; ring and Ulysses sp2,
-  DDP, pp2 1F1B and ZBV, full and selective recomputation, and ep2, ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4,
-  ep4, ep2 x pp2 1F1B x ring sp2 and ep2 x pp2 ZBV x sp2 in ``make test-slow``) with
+  DDP, pp2 1F1B and ZBV, full and selective recomputation, tp2 (attention split, experts replicated), and ep2,
+  ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4, ep2 x pp2 1F1B x ring sp2, ep2 x pp2 ZBV x sp2, ep2 x tp2,
+  ep2 x tp2 x FSDP2 dp4 (8 ranks), ep2 with full recomputation and ep2 with compiled blocks in ``make test-slow``) with
   a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
 - greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
@@ -256,7 +257,7 @@ def test_routing_biases_move_by_the_counts_of_every_rank(tmp_path):
     assert not torch.equal(want, 0.25 * torch.sign(c0.mean() - c0))  # the test can tell local from global counts
 
 
-EP_WORLD = 4
+EP_WORLD = 2  # ep = 4 runs in make test-slow (the mixtral-ep4 layout)
 EP_TOKENS = 12  # per rank: with 8 experts and top-2, some rank sends some expert no row (an empty split)
 
 
@@ -279,7 +280,7 @@ def _ep_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ep_worker(rank: int, port: int, out: str) -> None:
-    """One of EP_WORLD gloo ranks: the MoE layer with its 8 experts split over ep = 4 (2 each) runs this rank's
+    """One of EP_WORLD gloo ranks: the MoE layer with its 8 experts split over ep = EP_WORLD ranks runs this rank's
     tokens; objective ``sum(y * g) + aux`` per rank; saves its outputs, expert ids, aux loss, input gradient, router
     gradient (averaged over the ranks as dp averages it) and its experts' gradients."""
     import os
@@ -312,7 +313,7 @@ def _ep_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_expert_parallel_dispatch_equals_one_process(tmp_path):
-    """Experts split over ep = 4 gloo ranks (all-to-all dispatch and combine, uneven and empty splits) against one
+    """Experts split over ep = EP_WORLD gloo ranks (all-to-all dispatch and combine, uneven and empty splits) against one
     process running the 4 ranks' tokens at once with the mean of their objectives: every token's expert ids are
     identical, outputs equal, the ranks' global-batch auxiliary losses average to one process's, and the input, router
     and expert gradients equal (each expert's on the rank that holds it).
@@ -340,7 +341,8 @@ def test_expert_parallel_dispatch_equals_one_process(tmp_path):
         torch.testing.assert_close(got["y"], y.detach()[:, mine], **tol)
         torch.testing.assert_close(got["x"], x.grad[:, mine] * EP_WORLD, **tol)  # rank r's objective is EP_WORLD x its share
         torch.testing.assert_close(got["router"], layer.router.weight.grad, **tol)
-        held = slice(r * 2, (r + 1) * 2)  # experts 2r and 2r + 1
+        per_rank = 8 // EP_WORLD
+        held = slice(r * per_rank, (r + 1) * per_rank)  # the experts rank r holds
         for name, grad in got["experts"].items():
             torch.testing.assert_close(grad, getattr(layer.experts, name).grad[held], **tol)
     # the global-batch loss: every rank weighs its own probabilities by the counts of all, so their mean is one process's
@@ -422,8 +424,8 @@ def test_the_planner_splits_experts_over_ep():
 
 def test_the_planner_plans_experts(capsys):
     """``meshtrain plan`` on a Mixtral config: every expert's parameters in the states, the k active ones in the
-    FLOPs (a token costs the dense model of width k*F plus the router), and no layout with tp > 1 (the experts are
-    not tensor-parallel yet)."""
+    FLOPs (a token costs the dense model of width k*F plus the router); tp > 1 layouts replicate the experts (their
+    parameters and FLOPs are not divided by tp) and offer no Megatron sequence parallelism."""
     import json
 
     from meshtrain.cli.main import main as cli_main
@@ -437,14 +439,23 @@ def test_the_planner_plans_experts(capsys):
     dense = from_config(load_config(llama, {"model.ffn_hidden": "192"}))  # k * F = 2 * 96
     assert dense_flops_per_token(spec) == dense_flops_per_token(dense) + 2 * 8 * 128
     assert spec.num_params() - dense.num_params() == spec.layers * (8 * 3 * 128 * 96 + 8 * 128 - 3 * 128 * 192)
-    args = ["plan", str(llama), "--num-gpus", "2", "--json", *[a for k, v in moe.items() for a in (f"--{k}", v)]]
+    args = ["plan", str(llama), "--num-gpus", "2", "--json", "--top", "1000",
+            *[a for k, v in moe.items() for a in (f"--{k}", v)]]
     assert cli_main(args) == 0
     ranked = json.loads(capsys.readouterr().out)
-    assert ranked and all(r["tp"] == 1 for r in ranked)
+    assert ranked and any(r["tp"] == 2 for r in ranked)
+    assert not any(r["tp_sequence_parallel"] for r in ranked)
+    from meshtrain.planner.layout import Layout
+    from meshtrain.planner.memory import stage_params
+
+    tp2 = stage_params(spec, Layout(tp=2))
+    assert stage_params(spec, Layout()) - tp2 == pytest.approx((spec.num_params() - spec.layers * (
+        spec.expert_params() + spec.router_params)) / 2)  # all but the routers and experts halved
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ({"model.type": "mixtral", "parallel.tp": "2"}, "parallel.tp = 2 is not supported with model.type = 'mixtral'"),
+    ({"model.type": "mixtral", "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"},
+     "parallel.tp_sequence_parallel = true is not supported with model.type = 'mixtral'"),
     ({"model.type": "mixtral", "model.norm_topk_prob": "false"}, "model.norm_topk_prob = false is not Mixtral's"),
     ({"model.type": "qwen3_moe", "model.num_experts_per_tok": "9"}, "model.num_experts_per_tok = 9 must be in [1,"),
     ({"model.type": "qwen3_moe", "model.router_aux_loss_scope": "step"}, "model.router_aux_loss_scope = 'step'"),
@@ -481,6 +492,14 @@ LAYOUTS = {
                                                  "batch.micro_batch_size": "1"}),
     "mixtral-ep2-ddp-dp4": (4, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "1"}),
     "mixtral-ep4": (4, "mixtral", {"parallel.ep": "4", "batch.micro_batch_size": "1"}),
+    # tp splits the attention and replicates the experts
+    "qwen3_moe-tp2": (2, "qwen3_moe", {"parallel.tp": "2"}),
+    "mixtral-ep2-tp2": (4, "mixtral", {"parallel.ep": "2", "parallel.tp": "2", "batch.micro_batch_size": "2"}),
+    "qwen3_moe-ep2-tp2-fsdp2-dp4": (8, "qwen3_moe", {"parallel.ep": "2", "parallel.tp": "2", "parallel.zero_stage": "3",
+                                                     "batch.micro_batch_size": "1"}),
+    "mixtral-ep2-dp2-full-recompute": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2",
+                                                      "train.recompute": "full"}),
+    "mixtral-ep2-compiled": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2", "train.compile": "on"}),
     # pipelines with ep over sp: the batch ranks of a stage hold the same samples, as the per-sample reference's
     "mixtral-ep2-pp2-ring-sp2": (4, "mixtral", {**PIPE, "parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "qwen3_moe-ep2-pp2-zbv-sp2": (4, "qwen3_moe", {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2",
@@ -490,9 +509,10 @@ LAYOUTS = {
 reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope counts a micro-batch's tokens)."""
 SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
         "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "mixtral-ep2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
-        "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2"}
+        "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2", "qwen3_moe-tp2",
+        "mixtral-ep2-tp2", "qwen3_moe-ep2-tp2-fsdp2-dp4", "mixtral-ep2-dp2-full-recompute", "mixtral-ep2-compiled"}
 """In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch, and for
-expert parallelism the 4-rank dispatch test (:func:`test_expert_parallel_dispatch_equals_one_process`)."""
+expert parallelism the 2-rank dispatch test (:func:`test_expert_parallel_dispatch_equals_one_process`)."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
 
 

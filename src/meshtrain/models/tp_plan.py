@@ -39,6 +39,8 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool, nam
     entries for modules a stage lacks are dropped by the caller. The head's output stays a ``DTensor`` (B, T, V) sharded on V, for
     :func:`torch.distributed.tensor.parallel.loss_parallel`. ``names.extra_inputs``: plain tensors a block and its
     attention take after the residual stream (Llama's RoPE ``cos, sin``), passed through unchanged.
+    A block's ``attn`` or ``mlp`` with no column-parallel module in ``names`` (a mixture of experts' MLP) is left
+    whole: it takes the replicated residual stream as a plain tensor.
     ``names.head_norms`` (Qwen3's q and k norms) act on (B, T, heads/tp, hd), this rank's heads: their weight is
     replicated and its gradient, a partial sum over each rank's heads, is all-reduced (``SequenceParallel`` over
     the head dim).
@@ -62,6 +64,8 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool, nam
             for name in ("ln_1", "ln_2"):
                 plan[f"{b}.{name}"] = SequenceParallel()
         for name, more in (("attn", extra), ("mlp", ())):
+            if not any(c.startswith(f"{name}.") for c in names.colwise):
+                continue  # not split (a mixture of experts' MLP: tp replicates it)
             # One DTensor input for all of q, k, v: their gradients add up as one partial sum before a
             # single all-reduce (reduce-scatter with sequence parallelism), Megatron's f operator,
             # instead of one collective per matrix.

@@ -63,7 +63,7 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
         if dp_mesh.size() == 1:
             return model
         if any(isinstance(p, DTensor) for p in model.parameters() if p not in ignored):
-            replicate(model, mesh=dp_mesh)
+            replicate(model, mesh=dp_mesh, ignored_params=ignored or None)
             return model
         if ignored:
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in ignored])

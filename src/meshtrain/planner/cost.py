@@ -51,6 +51,12 @@ def dense_flops_per_token(model: ModelSpec) -> float:
     return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params)
 
 
+def expert_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs per token of a mixture of experts' MLP, the k experts and the router (0 for a dense model): the part
+    of :func:`dense_flops_per_token` that tensor parallelism replicates (``meshtrain.models.moe.spec.tp_names``)."""
+    return 2.0 * (model.mlp_matrices * model.hidden * model.active_ffn + model.router_params) if model.experts else 0.0
+
+
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
     """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
     return 4.0 * model.seq_len * model.q_dim * (0.5 if causal else 1.0)
@@ -59,9 +65,10 @@ def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
     """(K, N) of one layer's weight GEMMs on one tp rank: QKV ``h -> (q + 2kv)/t``, out-projection
     ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
-    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3)."""
+    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3); a mixture of experts' MLP whole (k*f wide)."""
     h, kv, f, t, q = model.hidden, model.kv_dim, model.active_ffn, tp, model.q_dim
-    return ((h, (q + 2 * kv) / t), (q / t, h), (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
+    ft = f if model.experts else f / t  # tp replicates a mixture of experts' MLP
+    return ((h, (q + 2 * kv) / t), (q / t, h), (h, (model.mlp_matrices - 1) * ft), (ft, h))
 
 
 def gemm_traffic_bytes(rows: float, shapes: tuple[tuple[float, float], ...], element_bytes: int) -> float:
@@ -224,7 +231,8 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
     layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
-    dense = tokens * n * dense_flops_per_token(model) / t / rate + n * layer_io
+    moe = expert_flops_per_token(model)  # not split by tp: every tp rank runs the experts on the same tokens
+    dense = tokens * n * ((dense_flops_per_token(model) - moe) / t + moe) / rate + n * layer_io
     attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
                                                            fw.eager_elementwise if model.norm == "rmsnorm" else None)

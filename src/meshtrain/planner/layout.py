@@ -351,10 +351,10 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"tp = {L.tp} does not divide heads = {model.heads}")
     if model.kv_heads % L.tp and L.tp % model.kv_heads:
         e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
-    if model.ffn_hidden % L.tp:
+    if model.ffn_hidden % L.tp and not model.experts:  # tp leaves experts whole
         e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
-    if model.experts and L.tp > 1:
-        e.append(f"tp = {L.tp} with {model.experts} experts: the experts are not tensor-parallel yet")
+    if model.experts and L.tp_sequence_parallel:
+        e.append("tp_sequence_parallel with experts: tp replicates the experts, which take the whole sequence")
     if L.ep > 1:
         if not model.experts:
             e.append(f"ep = {L.ep} needs a model with experts")

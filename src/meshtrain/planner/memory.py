@@ -89,8 +89,8 @@ def stage_layers(model: ModelSpec, layout: Layout) -> int:
 
 def stage_params(model: ModelSpec, layout: Layout) -> float:
     """Parameters on one device of the busiest stage before ZeRO sharding: its layers plus the
-    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding), and a
-    mixture of experts' experts over ep (each ep rank holds E/ep of them)."""
+    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding), but for a
+    mixture of experts' routers and experts, which tp replicates and ep splits (each ep rank holds E/ep experts)."""
     return _stage_params(model, layout.pp, layout.tp, layout.ep)
 
 
@@ -100,8 +100,9 @@ def _stage_params(model: ModelSpec, pp: int, tp: int, ep: int = 1) -> float:
     if pp > 1:
         ends = max(model.embedding_params(), model.head_params() + (model.vocab * model.hidden
                                                                      if model.tied_embeddings else 0))
-    layer = model.layer_params() - model.expert_params() * (1 - 1 / ep)
-    return (math.ceil(model.layers / pp) * layer + ends) / tp
+    moe = model.expert_params() + model.router_params  # replicated over tp, the experts split over ep
+    layer = (model.layer_params() - moe) / tp + model.expert_params() / ep + model.router_params
+    return math.ceil(model.layers / pp) * layer + ends / tp
 
 
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain.models.registry import ModelConfig
 
@@ -59,6 +60,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """``x`` (M, in) rows sorted by expert, ``w`` (E, out, in) one weight per expert, ``offs`` (E,) int32 the end
     row of each expert's rows -> (M, out): each expert's rows times its ``w[e]^T``."""
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+def grouped_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU over its rows: ``x`` (M, C) sorted by expert, stacks (E, F, C), (E, F, C), (E, C, F),
+    ``offs`` (E,) -> (M, C), three grouped GEMMs."""
+    with torch.autocast(x.device.type, enabled=False):
+        hidden = F.silu(grouped_mm(x, w_gate, offs)) * grouped_mm(x, w_up, offs)  # (M, F)
+        return grouped_mm(hidden, w_down, offs)  # (M, C)
+
+
+_grouped_swiglu_eager = torch.compiler.disable(grouped_swiglu)
+""":func:`grouped_swiglu` run eagerly inside a compiled block: torch 2.13's fake-tensor kernel of ``_grouped_mm``
+(which ``torch.compile`` traces with) takes bf16 only, the eager CPU kernel fp32 too."""
 
 
 def aux_loss_terms(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -108,9 +123,8 @@ class GroupedExperts(nn.Module):
                                 for w in (self.w_gate, self.w_up, self.w_down))
         if self.grouped:
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
-            with torch.autocast(x.device.type, enabled=False):
-                hidden = F.silu(grouped_mm(x, w_gate, offs)) * grouped_mm(x, w_up, offs)  # (M, F)
-                return grouped_mm(hidden, w_down, offs)  # (M, C)
+            run = grouped_swiglu if dtype == torch.bfloat16 else _grouped_swiglu_eager
+            return run(x, w_gate, w_up, w_down, offs)
         outs = [F.linear(F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e]), w_down[e])
                 for e, rows in enumerate(x.split(counts.tolist()))]  # each (rows_e, C)
         return torch.cat(outs) if outs else x[:0]
@@ -131,7 +145,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stack: a ``DTensor``'s local shard (expert parallelism), else the stack."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 Dispatch = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from meshtrain.errors import require
-from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source
+from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames
 from meshtrain.models.hf_io import HFFormatError
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.llama.spec import LlamaKeys
@@ -76,10 +76,12 @@ def check(m: Any) -> None:
 
 
 def check_layout(m: Any, p: Any) -> None:
-    """Experts are not split by tensor parallelism yet (expert parallelism splits them whole: ``parallel.ep``, which
-    must divide the expert count)."""
-    require(p.tp == 1, f"parallel.tp = {p.tp} is not supported with model.type = {m.type!r} yet (its experts are "
-                       f"not tensor-parallel): use tp = 1 with dp, pp, sp, ep and FSDP2")
+    """Tensor parallelism splits the attention and replicates the experts (each tp rank runs the MoE layer on the
+    same tokens), so it needs the whole sequence on every tp rank: no ``tp_sequence_parallel``. Expert parallelism
+    splits the experts whole: ``parallel.ep`` must divide the expert count."""
+    require(not p.tp_sequence_parallel, f"parallel.tp_sequence_parallel = true is not supported with model.type = "
+                                        f"{m.type!r} (tensor parallelism replicates its experts, which take every "
+                                        f"token of the sequence): use tp_sequence_parallel = false")
     require(m.num_experts % p.ep == 0, f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
                                        f"each ep rank holds num_experts/ep whole experts; use an ep that divides "
                                        f"{m.num_experts}")
@@ -166,6 +168,15 @@ def check_moe_layout(m: Any, p: Any) -> None:
     check_layout(m, p)
 
 
+def tp_names(qk_norm: bool) -> TPNames:
+    """The attention's tensor-parallel plan of the Llama (:data:`meshtrain.models.llama.spec.TP`); the MoE MLP is left
+    out, so tp replicates the router and the experts (Megatron-Core's expert tensor parallelism of 1: no expert GEMM
+    is split, every tp rank routes and computes the same tokens; expert parallelism is what splits the experts)."""
+    return TPNames(tuple(n for n in llama.TP.colwise if n.startswith("attn.")),
+                   tuple(n for n in llama.TP.rowwise if n.startswith("attn.")),
+                   ("attn.q_norm", "attn.k_norm") if qk_norm else (), llama.TP.extra_inputs)
+
+
 def block_params(m: Any, qkv_bias: bool = False, qk_norm: bool = False) -> int:
     """Parameters of one block: the Llama's attention and norms, and a MoE MLP (:func:`mlp_params`)."""
     F = llama.ffn_hidden(m)
@@ -217,8 +228,8 @@ def moe_shapes(m: Any, vocab_size: int, present: Collection[str], published: str
 def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool = False,
                check_family: Any = None) -> Family:
     """A Llama relative with routed experts in every block: the Llama's keys, rules and names (:func:`meshtrain.models
-    .llama.spec.family`), the experts' keys and checks, the planner's numbers with experts (:func:`planner`), no
-    tensor parallelism of the experts yet, and an auxiliary loss (the routers' load balancing)."""
+    .llama.spec.family`), the experts' keys and checks, the planner's numbers with experts (:func:`planner`), tensor
+    parallelism of the attention alone (:func:`tp_names`), and an auxiliary loss (the routers' load balancing)."""
     base = llama.family(name, summary, model, hf, qk_norm=qk_norm)
 
     def check_all(m: Any) -> None:
@@ -228,5 +239,5 @@ def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool 
 
     return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
                    layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=partial(planner, qk_norm=qk_norm),
-                   tp=None, experts=True, aux_loss=True,
+                   tp=tp_names(qk_norm), experts=True, aux_loss=True,
                    resume_keys=base.resume_keys + ("num_experts",))
