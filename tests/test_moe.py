@@ -25,6 +25,7 @@ perturbed:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -609,3 +610,44 @@ def test_an_ep2_checkpoint_resumes_at_other_ep(ep2_run, tmp_path, layout, nproc)
     records = train_cli(tmp_path, nproc, **MOE_SCRATCH, **layout,
                         **{"checkpoint.resume": str(saved / "checkpoints" / "step_000005")})
     assert_resumed_losses(losses(records), {s: full[s] for s in range(6, 11)})
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_a_capacity_factor_drops_each_experts_assignments_past_its_capacity_in_token_order(factor):
+    """``moe_capacity_factor``: each expert keeps its first ``ceil(factor * N*k / E)`` assignments in token order; a
+    token's output is the weighted sum over its kept experts alone (weights not renormalised), computed here token by
+    token from the routing; the load-balancing loss is the dropless one. Tolerance: each output element is a sum of
+    k <= 2 products of C = 16 / F = 8 wide dot products: fp32 rounding, 1e-6 relative plus absolute."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import MoE
+
+    def layer(capacity: float) -> MoE:
+        torch.manual_seed(0)
+        moe = MoE(ModelConfig(type="mixtral", n_embd=16, ffn_hidden=8, num_experts=4, moe_capacity_factor=capacity))
+        torch.nn.init.normal_(moe.router.weight, std=1.0)
+        for w, _ in moe.experts.expert_weights():
+            torch.nn.init.normal_(w, std=0.3)
+        return moe
+
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3))
+    capped, dropless = layer(factor), layer(0.0)
+    y = capped(x).reshape(-1, 16)
+    dropless(x)
+    probs, weights, experts = capped.route(x.reshape(-1, 16))
+    cap = math.ceil(factor * 20 * 2 / 4)
+    taken = [0] * 4
+    want = torch.zeros(20, 16)
+    dropped = 0
+    for t in range(20):  # token order, then the token's choices in rank order
+        for j in range(2):
+            e = int(experts[t, j])
+            if taken[e] < cap:
+                taken[e] += 1
+                w = capped.experts
+                h = torch.nn.functional.silu(x.reshape(-1, 16)[t] @ w.w_gate[e].T) * (x.reshape(-1, 16)[t] @ w.w_up[e].T)
+                want[t] += weights[t, j] * (h @ w.w_down[e].T)
+            else:
+                dropped += 1
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(capped.aux_loss, dropless.aux_loss, rtol=0, atol=0)
+    assert (dropped > 0) == (factor < 1.25), dropped  # the cases reach both sides of the rule

@@ -5,7 +5,9 @@ Shape legend: B batch, T tokens, N = B*T, C = n_embd, E = num_experts, k = num_e
 Routing (Shazeer et al. 2017, arXiv:1701.06538, Eq. 3-4; Mixtral, Jiang et al. 2024, arXiv:2401.04088, Eq. 1-2),
 in fp32 whatever the compute dtype: ``p = softmax(x W_r^T)`` (N, E); each token's k largest ``p`` pick its experts,
 their values (divided by their sum with ``norm_topk_prob``) weigh the experts' outputs:
-``y = sum_j w_j * SwiGLU_{e_j}(x)``. Dropless: every token reaches all k experts (no capacity, nothing dropped).
+``y = sum_j w_j * SwiGLU_{e_j}(x)``. Dropless by default: every token reaches all k experts; with
+``moe_capacity_factor`` each expert keeps its first ``ceil(factor * N*k / E)`` assignments of the micro-batch in token
+order and drops the rest (:meth:`MoE.within_capacity`; GShard, Lepikhin et al. 2020, arXiv:2006.16668, Sec. 2.2).
 
 Expert compute: the N*k (token, expert) pairs are sorted by expert (stable, so ties keep token order), each
 expert's rows multiplied by its weights, and the results summed back per token. "grouped" runs each of SwiGLU's
@@ -32,6 +34,7 @@ Transformers, GShard and Megatron-Core's ``switch_load_balancing_loss_func`` add
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -168,6 +171,7 @@ class MoE(nn.Module):
         self.global_scope = cfg.router_aux_loss_scope == "global_batch"
         self.experts = GroupedExperts(cfg)  # before the router: the initial draws come in module order
         self.router = nn.Linear(C, E, bias=False)
+        self.capacity_factor = cfg.moe_capacity_factor
         self.bias_rate = cfg.router_bias_update_rate
         if self.bias_rate:  # DeepSeek-V3's auxiliary-loss-free balancing: a routing bias per expert, checkpointed
             self.register_buffer("expert_bias", torch.zeros(E))
@@ -202,15 +206,32 @@ class MoE(nn.Module):
         self.aux_loss = aux_loss_terms(probs, experts, self.num_experts,
                                        self.balance_group if self.global_scope else None)
         assignment = experts.reshape(-1)  # (N*k,)
-        order = torch.argsort(assignment, stable=True)  # (N*k,) pairs sorted by expert
-        token = order // self.top_k  # (N*k,) the token of each sorted pair
+        order = torch.argsort(assignment, stable=True)  # (N*k,) pairs sorted by expert, each in token order
         counts = torch.bincount(assignment, minlength=self.num_experts)  # (E,)
         if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.step_counts = self.step_counts.to(counts.device) + counts  # a training forward (not a recompute)
-        rows = flat[token]  # (N*k, C)
+        if self.capacity_factor:  # the router's load above counts every assignment; the experts take their capacity
+            order, counts = self.within_capacity(order, counts, assignment.numel())
+        token = order // self.top_k  # (M,) the token of each sorted pair
+        rows = flat[token]  # (M, C); M = N*k without a capacity
         out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)  # a dropped pair adds nothing
         return torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out).reshape(B, T, C).to(x.dtype)
+
+    def capacity(self, assignments: int) -> int:
+        """Assignments an expert keeps of a micro-batch's ``assignments`` = N*k: ``ceil(factor * N*k / E)``."""
+        return math.ceil(self.capacity_factor * assignments / self.num_experts)
+
+    def within_capacity(self, order: torch.Tensor, counts: torch.Tensor,
+                        assignments: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sorted pairs ``order`` (N*k,) and ``counts`` (E,) with each expert's rows past its :meth:`capacity`
+        dropped: its first ones in token order stay (``moe_capacity_factor``'s rule) -> (M,) and (E,), M <= N*k.
+        Under a layout the micro-batch is this rank's tokens (its dp and sp share), so drops follow the layout."""
+        cap = self.capacity(assignments)
+        start = torch.cumsum(counts, dim=0) - counts  # (E,) first sorted row of each expert
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)  # (N*k,)
+        keep = torch.arange(order.numel(), device=order.device) - start[expert] < cap
+        return order[keep], counts.clamp(max=cap)
 
     @torch.no_grad()
     def update_bias(self) -> None:

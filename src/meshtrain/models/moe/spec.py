@@ -58,6 +58,12 @@ class MoEKeys:
     moe_compute: str = "grouped"
     """moe: "grouped" (the experts' GEMMs as one ``torch._grouped_mm`` over the tokens sorted by expert) or "loop"
     (one GEMM per expert, the reference); the same arithmetic per token."""
+    moe_capacity_factor: float = 0.0
+    """moe: 0 = dropless (every token reaches its k experts); > 0 caps each expert at ``ceil(factor * N * k / E)``
+    assignments of a rank's micro-batch of N tokens (GShard, Lepikhin et al. 2020, arXiv:2006.16668, Sec. 2.2;
+    Switch Transformers, Fedus et al. 2021, Sec. 2.2): an expert keeps its assignments in token order (a token's
+    choices in rank order) and drops the rest, whose outputs are 0 (the token keeps its residual); the kept weights
+    are not renormalised, and the load-balancing loss counts every assignment, dropped or not."""
 
 
 def check(m: Any) -> None:
@@ -71,6 +77,8 @@ def check(m: Any) -> None:
                                                         f"is not valid: use one of {', '.join(AUX_LOSS_SCOPES)}")
     require(m.router_bias_update_rate >= 0 and math.isfinite(m.router_bias_update_rate),
             f"model.router_bias_update_rate = {m.router_bias_update_rate} must be a finite number >= 0 (0 = off)")
+    require(m.moe_capacity_factor >= 0 and math.isfinite(m.moe_capacity_factor),
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} must be a finite number >= 0 (0 = dropless)")
     require(m.moe_compute in EXPERT_COMPUTES,
             f"model.moe_compute = {m.moe_compute!r} is not valid: use one of {', '.join(EXPERT_COMPUTES)}")
 
