@@ -52,6 +52,8 @@ ARCHITECTURES = {
                                               head_dim=16, norm_topk_prob=True)),
     "qwen3_moe-unnormalised": ("Qwen3MoeForCausalLM", dict(intermediate_size=64, moe_intermediate_size=24,
                                                            num_experts=8, head_dim=8, norm_topk_prob=False)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(intermediate_size=64, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=40, num_experts=4, norm_topk_prob=False)),
 }
 
 
@@ -64,7 +66,7 @@ def saved(folder: Path, case: str, fused: bool = False, **overrides) -> Path:
     model = getattr(transformers, architecture)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("shared_expert_gate.weight"):  # norms, q/k/v biases, the shared gate
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
@@ -501,6 +503,9 @@ LAYOUTS = {
     "mixtral-ep2-dp2-full-recompute": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2",
                                                       "train.recompute": "full"}),
     "mixtral-ep2-compiled": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2", "train.compile": "on"}),
+    # a shared expert: a dense MLP on every rank's tokens, averaged over dp x sp like the attention
+    "qwen2_moe-ep2-fsdp2-dp2": (2, "qwen2_moe", {"parallel.ep": "2", "parallel.zero_stage": "3",
+                                                 "batch.micro_batch_size": "2"}),
     # pipelines with ep over sp: the batch ranks of a stage hold the same samples, as the per-sample reference's
     "mixtral-ep2-pp2-ring-sp2": (4, "mixtral", {**PIPE, "parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "qwen3_moe-ep2-pp2-zbv-sp2": (4, "qwen3_moe", {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2",
@@ -511,7 +516,8 @@ reference's with ``micro_batch_size`` 1 and 4 accumulation steps (the scope coun
 SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp2-zbv", "mixtral-dp2-full-recompute",
         "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "mixtral-ep2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
         "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2", "qwen3_moe-tp2",
-        "mixtral-ep2-tp2", "qwen3_moe-ep2-tp2-fsdp2-dp4", "mixtral-ep2-dp2-full-recompute", "mixtral-ep2-compiled"}
+        "mixtral-ep2-tp2", "qwen3_moe-ep2-tp2-fsdp2-dp4", "mixtral-ep2-dp2-full-recompute", "mixtral-ep2-compiled",
+        "qwen2_moe-ep2-fsdp2-dp2"}
 """In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch, and for
 expert parallelism the 2-rank dispatch test (:func:`test_expert_parallel_dispatch_equals_one_process`)."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
@@ -521,7 +527,8 @@ PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps"
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
     return {"mixtral": saved(root / "mixtral", "mixtral"),
-            "qwen3_moe": saved(root / "qwen3_moe", "qwen3_moe", num_hidden_layers=4)}, root  # zbv: 4 chunks
+            "qwen3_moe": saved(root / "qwen3_moe", "qwen3_moe", num_hidden_layers=4),  # zbv: 4 chunks
+            "qwen2_moe": saved(root / "qwen2_moe", "qwen2_moe")}, root
 
 
 def one_process(root: Path, folder: Path, name: str, overrides: dict[str, str]) -> tuple:

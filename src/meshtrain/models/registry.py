@@ -22,6 +22,7 @@ from meshtrain.models.hf_io import HFFormatError, check_weights
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.mixtral import spec as mixtral
 from meshtrain.models.qwen2 import spec as qwen2
+from meshtrain.models.qwen2_moe import spec as qwen2_moe
 from meshtrain.models.qwen3 import spec as qwen3
 from meshtrain.models.qwen3_moe import spec as qwen3_moe
 from meshtrain.models.rnn import spec as rnn
@@ -33,6 +34,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
+    qwen2_moe.FAMILY,
     rnn.LSTM,
     rnn.GRU,
 )}

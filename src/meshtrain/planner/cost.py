@@ -45,16 +45,17 @@ from meshtrain.planner.model_specs import ModelSpec
 
 def dense_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``, f the active MLP width
-    (k experts of width f: k*f) plus a router's ``E*h`` (Fedus et al. 2021, Sec. 2: FLOPs per token follow the
-    experts a token runs, not their number)."""
+    (k experts of width f: k*f) plus a router's ``E*h`` and a shared expert's (Fedus et al. 2021, Sec. 2: FLOPs per
+    token follow the experts a token runs, not their number)."""
     h, kv, f, q = model.hidden, model.kv_dim, model.active_ffn, model.q_dim
-    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params)
+    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params + model.shared_params)
 
 
 def expert_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs per token of a mixture of experts' MLP, the k experts and the router (0 for a dense model): the part
     of :func:`dense_flops_per_token` that tensor parallelism replicates (``meshtrain.models.moe.spec.tp_names``)."""
-    return 2.0 * (model.mlp_matrices * model.hidden * model.active_ffn + model.router_params) if model.experts else 0.0
+    return (2.0 * (model.mlp_matrices * model.hidden * model.active_ffn + model.router_params + model.shared_params)
+            if model.experts else 0.0)
 
 
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:

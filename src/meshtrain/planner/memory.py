@@ -100,8 +100,9 @@ def _stage_params(model: ModelSpec, pp: int, tp: int, ep: int = 1) -> float:
     if pp > 1:
         ends = max(model.embedding_params(), model.head_params() + (model.vocab * model.hidden
                                                                      if model.tied_embeddings else 0))
-    moe = model.expert_params() + model.router_params  # replicated over tp, the experts split over ep
-    layer = (model.layer_params() - moe) / tp + model.expert_params() / ep + model.router_params
+    dense_moe = model.router_params + model.shared_params  # replicated over tp and ep
+    moe = model.expert_params() + dense_moe  # replicated over tp, the experts split over ep
+    layer = (model.layer_params() - moe) / tp + model.expert_params() / ep + dense_moe
     return math.ceil(model.layers / pp) * layer + ends / tp
 
 

@@ -70,6 +70,9 @@ class ModelSpec:
     so its FLOPs, GEMM widths and activations are a dense MLP's of width :attr:`active_ffn`."""
     experts_per_token: int = 0
     """Experts each token is routed to (top-k); with ``experts``."""
+    shared_ffn: int = 0
+    """Width of a shared expert every token runs besides its routed ones, with a (1, h) sigmoid gate (Qwen2-MoE);
+    0 = none. Replicated over tp and ep like the router."""
 
     @property
     def norm(self) -> str:
@@ -132,6 +135,11 @@ class ModelSpec:
         return self.experts * self.hidden
 
     @cached_property
+    def shared_params(self) -> int:
+        """The shared expert's ``mlp_matrices*h*S`` weights and its gate's h per layer (0 without one)."""
+        return self.mlp_matrices * self.hidden * self.shared_ffn + self.hidden if self.shared_ffn else 0
+
+    @cached_property
     def mlp_matrices(self) -> int:
         """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
         return 3 if self.activation == "swiglu" else 2
@@ -143,7 +151,8 @@ class ModelSpec:
     @cached_property
     def _layer_params(self) -> int:
         h, f, kv, q = self.hidden, self.ffn_hidden, self.kv_dim, self.q_dim
-        n = h * (q + 2 * kv) + q * h + max(self.experts, 1) * self.mlp_matrices * h * f + self.router_params
+        n = (h * (q + 2 * kv) + q * h + max(self.experts, 1) * self.mlp_matrices * h * f + self.router_params
+             + self.shared_params)
         n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
         if self.biases:
             n += (q + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
@@ -162,7 +171,8 @@ class ModelSpec:
 
     @cached_property
     def _param_tensors(self) -> int:
-        per_layer = 2 + self.mlp_matrices + 2 + 2 * self.qk_norm + bool(self.experts)  # + the router
+        per_layer = (2 + self.mlp_matrices + 2 + 2 * self.qk_norm + bool(self.experts)  # + the router
+                     + (self.mlp_matrices + 1 if self.shared_ffn else 0))  # + the shared expert and its gate
         if self.biases:
             per_layer += 2 + self.mlp_matrices + 2
         elif self.qkv_bias:
@@ -246,7 +256,7 @@ def preset(name: str) -> ModelSpec:
 
 PLANNER_KEYS = {"name", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "activation",
                 "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm", "experts",
-                "experts_per_token"}
+                "experts_per_token", "shared_ffn"}
 
 
 def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:

@@ -156,9 +156,24 @@ Dispatch = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
 (expert parallelism's all-to-all, :class:`meshtrain.parallel.expert.ExpertDispatch`)."""
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU every token runs, ``down(silu(gate(x)) * up(x))`` of width ``hidden`` (Qwen2-MoE's ``shared_expert``)."""
+
+    def __init__(self, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(n_embd, hidden, bias=False)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (N, C) -> (N, C)."""
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class MoE(nn.Module):
-    """Router ``router`` (E, C, no bias) and ``num_experts`` SwiGLU experts (``experts``, :class:`GroupedExperts`);
-    ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
+    """Router ``router`` (E, C, no bias) and ``num_experts`` SwiGLU experts (``experts``, :class:`GroupedExperts`), and
+    with ``shared_expert_ffn`` a shared expert (``shared``, :class:`SharedExpert`) gated by ``sigmoid(x w_g)``
+    (``shared_gate``, (1, C)); ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
 
     ``balance_group``: the process group the global-batch counts are summed over (set by
     :func:`meshtrain.parallel.parallelize` under dp or sp; None: this rank's tokens are the batch). ``dispatch``:
@@ -171,6 +186,8 @@ class MoE(nn.Module):
         self.global_scope = cfg.router_aux_loss_scope == "global_batch"
         self.experts = GroupedExperts(cfg)  # before the router: the initial draws come in module order
         self.router = nn.Linear(C, E, bias=False)
+        self.shared = SharedExpert(C, cfg.shared_expert_ffn) if cfg.shared_expert_ffn else None
+        self.shared_gate = nn.Linear(C, 1, bias=False) if cfg.shared_expert_ffn else None
         self.capacity_factor = cfg.moe_capacity_factor
         self.bias_rate = cfg.router_bias_update_rate
         if self.bias_rate:  # DeepSeek-V3's auxiliary-loss-free balancing: a routing bias per expert, checkpointed
@@ -216,7 +233,10 @@ class MoE(nn.Module):
         rows = flat[token]  # (M, C); M = N*k without a capacity
         out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)  # a dropped pair adds nothing
-        return torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out).reshape(B, T, C).to(x.dtype)
+        y = torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out)  # (N, C)
+        if self.shared is not None:  # Qwen2-MoE: + sigmoid(x w_g) * SwiGLU_shared(x), every token
+            y = y + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return y.reshape(B, T, C).to(x.dtype)
 
     def capacity(self, assignments: int) -> int:
         """Assignments an expert keeps of a micro-batch's ``assignments`` = N*k: ``ceil(factor * N*k / E)``."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from meshtrain.errors import require
 from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames
-from meshtrain.models.hf_io import HFFormatError
+from meshtrain.models.hf_io import HFFormatError, number
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.llama.spec import LlamaKeys
 
@@ -58,6 +58,11 @@ class MoEKeys:
     moe_compute: str = "grouped"
     """moe: "grouped" (the experts' GEMMs as one ``torch._grouped_mm`` over the tokens sorted by expert) or "loop"
     (one GEMM per expert, the reference); the same arithmetic per token."""
+    shared_expert_ffn: int = 0
+    """moe: width of a shared SwiGLU expert every token runs besides its k routed ones, its output scaled by
+    ``sigmoid(x w_g)`` (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, Qwen Team 2024; DeepSeekMoE's shared
+    experts, Dai et al. 2024, arXiv:2401.06066, Sec. 3.2, are the ungated form); 0 = none. ``qwen2_moe`` reads it from
+    ``shared_expert_intermediate_size``."""
     moe_capacity_factor: float = 0.0
     """moe: 0 = dropless (every token reaches its k experts); > 0 caps each expert at ``ceil(factor * N * k / E)``
     assignments of a rank's micro-batch of N tokens (GShard, Lepikhin et al. 2020, arXiv:2006.16668, Sec. 2.2;
@@ -77,6 +82,8 @@ def check(m: Any) -> None:
                                                         f"is not valid: use one of {', '.join(AUX_LOSS_SCOPES)}")
     require(m.router_bias_update_rate >= 0 and math.isfinite(m.router_bias_update_rate),
             f"model.router_bias_update_rate = {m.router_bias_update_rate} must be a finite number >= 0 (0 = off)")
+    require(m.shared_expert_ffn >= 0, f"model.shared_expert_ffn = {m.shared_expert_ffn} must be >= 0 (0 = no shared "
+                                      f"expert)")
     require(m.moe_capacity_factor >= 0 and math.isfinite(m.moe_capacity_factor),
             f"model.moe_capacity_factor = {m.moe_capacity_factor} must be a finite number >= 0 (0 = dropless)")
     require(m.moe_compute in EXPERT_COMPUTES,
@@ -95,14 +102,19 @@ def check_layout(m: Any, p: Any) -> None:
                                        f"{m.num_experts}")
 
 
+def shared_params(m: Any) -> int:
+    """Parameters of the shared expert and its gate: ``3*C*S + C`` (S = ``shared_expert_ffn``; 0 without one)."""
+    return 3 * m.n_embd * m.shared_expert_ffn + m.n_embd if m.shared_expert_ffn else 0
+
+
 def mlp_params(m: Any, ffn: int) -> int:
-    """Parameters of one MoE MLP: router ``E*C`` + experts ``E * 3*C*F``."""
-    return m.num_experts * m.n_embd + m.num_experts * 3 * m.n_embd * ffn
+    """Parameters of one MoE MLP: router ``E*C`` + experts ``E * 3*C*F`` + the shared expert (:func:`shared_params`)."""
+    return m.num_experts * m.n_embd + m.num_experts * 3 * m.n_embd * ffn + shared_params(m)
 
 
 def mlp_active_matrix_params(m: Any, ffn: int) -> int:
-    """Matrix parameters one token runs through: the router and its ``k`` experts."""
-    return m.num_experts * m.n_embd + m.num_experts_per_tok * 3 * m.n_embd * ffn
+    """Matrix parameters one token runs through: the router, its ``k`` experts and the shared expert."""
+    return m.num_experts * m.n_embd + m.num_experts_per_tok * 3 * m.n_embd * ffn + shared_params(m)
 
 
 # --- Hugging Face names of the experts ----------------------------------------------------------------------
@@ -112,8 +124,13 @@ NO_SOURCE = Source("")
 an export refuses a model that has them, :func:`check_exportable`)."""
 
 
-def check_exportable(m: Any) -> None:
-    """Raises HFFormatError: routing biases (``router_bias_update_rate`` > 0), which no Hugging Face MoE holds."""
+def check_exportable(m: Any, shared: bool = False) -> None:
+    """Raises HFFormatError: routing biases (``router_bias_update_rate`` > 0), which no Hugging Face MoE holds, or a
+    shared expert where the format has none (``shared``: it has one)."""
+    if m.shared_expert_ffn and not shared:
+        raise HFFormatError(f"model.shared_expert_ffn = {m.shared_expert_ffn} trained a shared expert that {m.type}'s "
+                            f"Hugging Face format has no tensor for: export it with --format safetensors, or train "
+                            f"model.type = 'qwen2_moe'")
     if m.router_bias_update_rate:
         raise HFFormatError(f"model.router_bias_update_rate = {m.router_bias_update_rate} trained routing biases that "
                             f"{m.type}'s Hugging Face format has no tensor for: export it with --format safetensors")
@@ -150,6 +167,27 @@ def expert_shapes(layer: str, names: tuple[str, str, str], fused: str | None, m:
         out.update({f"{layer}.experts.{e}.{gate}.weight": (ffn, C), f"{layer}.experts.{e}.{up}.weight": (ffn, C),
                     f"{layer}.experts.{e}.{down}.weight": (C, ffn)})
     return out
+
+
+def qwen_moe_keys(hf: dict[str, Any], where: Any) -> dict[str, Any]:
+    """The experts' ``[model]`` keys of a Qwen MoE ``config.json`` (Qwen2-MoE's and Qwen3-MoE's spelling): expert
+    width ``moe_intermediate_size``, ``num_experts`` (``num_local_experts`` in ``transformers`` 5), top-k,
+    ``norm_topk_prob`` (false unless given).
+
+    Raises:
+        HFFormatError: dense layers among the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``), or a
+            ``norm_topk_prob`` that is not a boolean.
+    """
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") not in (None, []):
+        raise HFFormatError(f"'{where}': decoder_sparse_step = {hf.get('decoder_sparse_step')!r} and mlp_only_layers "
+                            f"= {hf.get('mlp_only_layers')!r} are not supported (dense layers among the sparse ones): "
+                            f"meshtrain builds 1 and [] (experts in every layer)")
+    norm = hf.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise HFFormatError(f"'{where}': norm_topk_prob = {norm!r} must be true or false")
+    return dict(ffn_hidden=number(hf, "moe_intermediate_size", where, int),
+                num_experts=number(hf, "num_experts" if "num_experts" in hf else "num_local_experts", where, int),
+                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm)
 
 
 def fused_prefix(present: Collection[str], fused: str) -> str | None:
@@ -191,10 +229,11 @@ def block_params(m: Any, qkv_bias: bool = False, qk_norm: bool = False) -> int:
     return llama.block_params(m, qkv_bias, qk_norm) - 3 * m.n_embd * F + mlp_params(m, F)
 
 
-def layer_costs(m: Any, vocab_size: int, tokens: int, qk_norm: bool = False) -> tuple[float, float, float]:
+def layer_costs(m: Any, vocab_size: int, tokens: int, qkv_bias: bool = False,
+                qk_norm: bool = False) -> tuple[float, float, float]:
     """(embedding, block, head) FLOPs per step as :func:`meshtrain.models.llama.spec.layer_costs`, the MLP's matrices
     counted for the router and the k experts a token runs through; AdamW updates every expert."""
-    embedding, dense_block, head = llama.layer_costs(m, vocab_size, tokens, qk_norm=qk_norm)
+    embedding, dense_block, head = llama.layer_costs(m, vocab_size, tokens, qkv_bias=qkv_bias, qk_norm=qk_norm)
     F = llama.ffn_hidden(m)
     dense_mlp = 3 * m.n_embd * F
     active = 3 * 2 * (mlp_active_matrix_params(m, F) - dense_mlp) * tokens
@@ -202,43 +241,57 @@ def layer_costs(m: Any, vocab_size: int, tokens: int, qk_norm: bool = False) -> 
     return embedding, dense_block + active + optimizer, head
 
 
-def planner(m: Any, vocab_size: int, qk_norm: bool = False) -> dict[str, Any]:
+def planner(m: Any, vocab_size: int, qkv_bias: bool = False, qk_norm: bool = False) -> dict[str, Any]:
     """The Llama's planner numbers (:func:`meshtrain.models.llama.spec.planner`) with the experts: E MLPs of width
     ``ffn_hidden`` and a router per layer, k run per token."""
-    return {**llama.planner(m, vocab_size, qk_norm=qk_norm), "experts": m.num_experts,
-            "experts_per_token": m.num_experts_per_tok}
+    return {**llama.planner(m, vocab_size, qkv_bias=qkv_bias, qk_norm=qk_norm), "experts": m.num_experts,
+            "experts_per_token": m.num_experts_per_tok, "shared_ffn": m.shared_expert_ffn}
+
+
+SHARED = (("mlp.shared.gate", "shared_expert.gate_proj"), ("mlp.shared.up", "shared_expert.up_proj"),
+          ("mlp.shared.down", "shared_expert.down_proj"), ("mlp.shared_gate", "shared_expert_gate"))
+"""(meshtrain's module in ``blocks.{i}``, ``transformers``' in ``model.layers.{i}.mlp``) of Qwen2-MoE's shared expert."""
 
 
 def moe_sources(m: Any, present: Collection[str], published: str, names: tuple[str, str, str],
-                qk_norm: bool = False) -> dict[str, Source]:
+                qkv_bias: bool = False, qk_norm: bool = False) -> dict[str, Source]:
     """The Llama's sources but its MLPs, and each block's router and experts (:func:`expert_sources`): the
-    per-expert tensors under ``model.layers.{i}.<published>``, or the fused ones under ``model.layers.{i}.mlp``."""
-    out = {k: v for k, v in llama.sources(m, present, qk_norm=qk_norm).items() if ".mlp." not in k}
+    per-expert tensors under ``model.layers.{i}.<published>``, or the fused ones under ``model.layers.{i}.mlp``; and
+    a shared expert's (:data:`SHARED`)."""
+    out = {k: v for k, v in llama.sources(m, present, qkv_bias=qkv_bias, qk_norm=qk_norm).items() if ".mlp." not in k}
     fused = fused_prefix(present, "model.layers.{i}.mlp")
     for i in range(m.n_layer):
         experts = expert_sources(f"model.layers.{i}.{published}", names, fused and fused.format(i=i),
                                  llama.ffn_hidden(m), m.num_experts)
         out.update({f"blocks.{i}.{k}": v for k, v in experts.items()})
+        if m.shared_expert_ffn:
+            out.update({f"blocks.{i}.{ours}.weight": Source(f"model.layers.{i}.mlp.{theirs}.weight")
+                        for ours, theirs in SHARED})
     return out
 
 
 def moe_shapes(m: Any, vocab_size: int, present: Collection[str], published: str, names: tuple[str, str, str],
-               qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+               qkv_bias: bool = False, qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
     """The shapes of :func:`moe_sources`' tensors."""
-    out = {k: v for k, v in llama.shapes(m, vocab_size, present, qk_norm=qk_norm).items() if ".mlp." not in k}
+    out = {k: v for k, v in llama.shapes(m, vocab_size, present, qkv_bias=qkv_bias, qk_norm=qk_norm).items()
+           if ".mlp." not in k}
     fused = fused_prefix(present, "model.layers.{i}.mlp")
+    C, S = m.n_embd, m.shared_expert_ffn
     for i in range(m.n_layer):
         out.update(expert_shapes(f"model.layers.{i}.{published}", names, fused and fused.format(i=i), m,
                                  llama.ffn_hidden(m)))
+        if S:
+            shapes = ((S, C), (S, C), (C, S), (1, C))
+            out.update({f"model.layers.{i}.mlp.{theirs}.weight": shape for (_, theirs), shape in zip(SHARED, shapes)})
     return out
 
 
-def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool = False,
+def moe_family(name: str, summary: str, model: str, hf: HFFormat, qkv_bias: bool = False, qk_norm: bool = False,
                check_family: Any = None) -> Family:
     """A Llama relative with routed experts in every block: the Llama's keys, rules and names (:func:`meshtrain.models
     .llama.spec.family`), the experts' keys and checks, the planner's numbers with experts (:func:`planner`), tensor
     parallelism of the attention alone (:func:`tp_names`), and an auxiliary loss (the routers' load balancing)."""
-    base = llama.family(name, summary, model, hf, qk_norm=qk_norm)
+    base = llama.family(name, summary, model, hf, qkv_bias=qkv_bias, qk_norm=qk_norm)
 
     def check_all(m: Any) -> None:
         check_moe_llama(m)
@@ -246,6 +299,7 @@ def moe_family(name: str, summary: str, model: str, hf: HFFormat, qk_norm: bool 
             check_family(m)
 
     return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
-                   layer_costs=partial(layer_costs, qk_norm=qk_norm), planner=partial(planner, qk_norm=qk_norm),
+                   layer_costs=partial(layer_costs, qkv_bias=qkv_bias, qk_norm=qk_norm),
+                   planner=partial(planner, qkv_bias=qkv_bias, qk_norm=qk_norm),
                    tp=tp_names(qk_norm), experts=True, aux_loss=True,
                    resume_keys=base.resume_keys + ("num_experts",))

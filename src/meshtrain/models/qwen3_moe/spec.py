@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.models.family import HFFormat
-from meshtrain.models.hf_io import HFFormatError, number
 from meshtrain.models.moe import spec as moe
 from meshtrain.models.qwen3 import spec as qwen3
 
@@ -25,17 +24,9 @@ EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") not in (None, []):
-        raise HFFormatError(f"'{where}': decoder_sparse_step = {hf.get('decoder_sparse_step')!r} and mlp_only_layers "
-                            f"= {hf.get('mlp_only_layers')!r} are not supported (dense layers among the sparse ones): "
-                            f"meshtrain builds 1 and [] (experts in every layer)")
-    norm = hf.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise HFFormatError(f"'{where}': norm_topk_prob = {norm!r} must be true or false")
+    experts = moe.qwen_moe_keys(hf, where)
     keys = qwen3.read(hf, where)
-    keys.update(type="qwen3_moe", ffn_hidden=number(hf, "moe_intermediate_size", where, int),
-                num_experts=number(hf, "num_experts" if "num_experts" in hf else "num_local_experts", where, int),
-                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm)
+    keys.update(type="qwen3_moe", **experts)
     return keys
 
 

@@ -1,0 +1,1 @@
+"""The Qwen2-MoE family: ``spec.py`` (torch-free) and ``model.py``."""
