@@ -14,13 +14,14 @@ perturbed:
   them, and refuse a Hugging Face export;
 - expert parallelism: experts split over ep = 2 ranks route, compute and differentiate as one process (the all-to-all
   dispatch alone);
-- ``model.init_from`` into FSDP2 dp2 with and without routing biases (``make test``; ring and Ulysses sp2,
+- ``model.init_from`` into FSDP2 dp2 with and without routing biases (one launch; ring and Ulysses sp2,
   DDP, pp2 1F1B and ZBV, full and selective recomputation, tp2 (attention split, experts replicated), and ep2,
   ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4, ep2 x pp2 1F1B x ring sp2, ep2 x pp2 ZBV x sp2, ep2 x tp2,
-  ep2 x tp2 x FSDP2 dp4 (8 ranks), ep2 with full recomputation and ep2 with compiled blocks in ``make test-slow``) with
-  a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
+  ep2 x tp2 x FSDP2 dp4 (8 ranks), ep2 with full recomputation, ep2 with compiled blocks and qwen2_moe ep2 x FSDP2
+  dp2, each alone; all in ``make test-slow``) with a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
-- greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export.
+- greedy ``generate`` of the dp2 run equals ``transformers``' greedy decoding of its export (``make test-slow``);
+- the planner's experts (ep, tp), its MoE presets against the built models, a capacity factor's drop rule, Qwen2-MoE.
 """
 
 from __future__ import annotations
@@ -518,8 +519,9 @@ SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp
         "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2", "qwen3_moe-tp2",
         "mixtral-ep2-tp2", "qwen3_moe-ep2-tp2-fsdp2-dp4", "mixtral-ep2-dp2-full-recompute", "mixtral-ep2-compiled",
         "qwen2_moe-ep2-fsdp2-dp2"}
-"""In `make test-slow`; `make test` keeps FSDP2 over dp with and without routing biases, one 2-rank launch, and for
-expert parallelism the 2-rank dispatch test (:func:`test_expert_parallel_dispatch_equals_one_process`)."""
+"""Launched one by one in `make test-slow`; the rest (FSDP2 over dp with and without routing biases) share one 2-rank
+launch, also in `make test-slow` since this session's expert-parallel tests (make test keeps the unit tests and the
+2-rank dispatch test, :func:`test_expert_parallel_dispatch_equals_one_process`, to stay under 15 minutes)."""
 PER_SAMPLE = {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}
 
 
@@ -570,6 +572,7 @@ def check(results: dict, folders: tuple, name: str) -> None:
     assert_close_grads(results[name][1], one[1])
 
 
+@pytest.mark.slow  # one 2-rank launch (~25 s with the generation below): make test keeps the MoE unit tests
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in SLOW])
 def test_training_from_imported_weights_equals_one_process(trained, folders, name):
     check(trained, folders, name)
@@ -582,6 +585,7 @@ def test_training_from_imported_weights_equals_one_process_slow(folders, name):
     check(launch(root / "slow" / name, {name: LAYOUTS[name]}, paths), folders, name)
 
 
+@pytest.mark.slow  # needs the 2-rank launch above
 def test_dp2_run_exported_generates_as_transformers(trained, folders, tmp_path):
     """The Mixtral trained under FSDP2 at dp=2 and exported: ``transformers``' greedy continuation of a prompt is
     meshtrain's ``generate --temperature 0`` on the run and on the export, token for token."""
