@@ -71,11 +71,12 @@ def run_reference(out) -> tuple:
 
 
 SLOW = {"tp4", "sp4-ulysses", "sp4-ring", "zero1-dp2-sp2", "dp2-sp2-tp2-seqpar", "fsdp2-zero3-per-block",
-        "fsdp2-zero3-two-block-unit", "sp2-ring-tp2"}
+        "fsdp2-zero3-two-block-unit", "sp2-ring-tp2", "ddp-dp4-ga2", "dp2-sp2"}
 """Layouts in `make test-slow` (the eight-rank one, and the 4-rank degree-4 and ZeRO-1 x sp ones: the 4-rank launch
 took 30 s here, 51 s on an AVX2-only 2-core machine; the FSDP2 unit sizes of one block and of two blocks, and ring x
-tp on 4 ranks, moved there when the mixture-of-experts tests joined `make test`); tp, Ulysses and ring sp each still
-run at degree 2 and in mixes on 4 ranks in `make test`, FSDP2 at its default unit, and ZeRO-1 at dp = 2."""
+tp on 4 ranks, moved there when the mixture-of-experts tests joined `make test`; dp = 4 with accumulation and dp x
+Ulysses sp, when expert parallelism did); tp, Ulysses and ring sp each still run at degree 2 and tp in mixes on 4
+ranks in `make test`, FSDP2 at its default unit, and ZeRO-1 at dp = 2."""
 
 
 @pytest.fixture(scope="module")
