@@ -21,7 +21,13 @@ was there, rather than leaving the row out.
     python bench/bench_cuda.py [--job gpt2-medium|main-job] [--steps 30] [--rounds 2] [--batch 16]
 
 ``--job main-job`` runs the same contenders on the main job's own model and global batch (24 x 64).
-Writes ``bench/results/cuda.{md,json}`` (main-job: ``cuda_main``) and the table into ``docs/benchmarks.md``.
+``--job mixtral`` is the mixture of experts on one GPU: a Mixtral-shaped model (8 layers, 1024 wide, 8 experts of
+width 3584, top-2: 0.8 B parameters, 0.27 B active per token) on ``configs/llama_tiny.toml``'s data, against
+``transformers``' ``MixtralForCausalLM`` holding the same initial weights in the bf16 loop (2.), and meshtrain with
+the experts as one grouped GEMM (default) or one GEMM per expert (``model.moe_compute = "loop"``); its MFU counts
+the active parameters' FLOPs (top-k experts and the router).
+Writes ``bench/results/cuda.{md,json}`` (main-job: ``cuda_main``, mixtral: ``cuda_moe``) and the table into
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,16 +47,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS_DIR, meshtrain_command, update_benchmarks_doc, write_results  # noqa: E402
 
 CONFIG = REPO / "configs" / "shakespeare_char.toml"
+LLAMA = REPO / "configs" / "llama_tiny.toml"
 CONTENDERS = REPO / "bench" / "contenders.py"
 SKIP_STEPS = 10  # first steps of a run left out (cuBLAS heuristics, allocator growth, autotuning)
 MODEL = {"model.n_layer": "24", "model.n_head": "16", "model.n_embd": "1024", "model.block_size": "1024",
          "model.vocab_size": "50304"}
 """GPT-2 medium (Radford et al. 2019, Table 2: 24 layers, 1024 wide; 345 M there with vocabulary 50257)."""
+MIXTRAL = {"model.type": "mixtral", "model.n_layer": "8", "model.n_head": "16", "model.n_kv_head": "8",
+           "model.n_embd": "1024", "model.ffn_hidden": "3584", "model.num_experts": "8", "model.num_experts_per_tok": "2",
+           "model.block_size": "1024", "model.vocab_size": "32000"}
+"""Mixtral 8x7B's ratios (Jiang et al. 2024, Table 1: 8 experts, top-2, width 3.5x the hidden size, 4 query heads per
+kv head is 2 here) at 1024 wide and 8 layers."""
 JOBS = {"gpt2-medium": {"model": MODEL, "block": 1024, "vocab": 50304, "batch": 16, "steps": 30, "name": "cuda",
-                        "title": "meshtrain on one GPU (355M GPT)", "what": "24 x 1024, 16 heads, 1024 tokens, vocabulary 50304"},
-        "main-job": {"model": {}, "block": 64, "vocab": 65, "batch": 24, "steps": 200, "name": "cuda_main",
-                     "title": "meshtrain on one GPU (the main job's GPT)", "what": "the main job's: 4 x 128, 4 heads, 64 tokens, vocabulary 65"}}
-"""``--job``: the 355M GPT, or the main job's own model at its own global batch."""
+                        "config": CONFIG, "title": "meshtrain on one GPU (355M GPT)",
+                        "what": "GPT, 24 x 1024, 16 heads, 1024 tokens, vocabulary 50304"},
+        "main-job": {"model": {}, "block": 64, "vocab": 65, "batch": 24, "steps": 200, "name": "cuda_main", "config": CONFIG,
+                     "title": "meshtrain on one GPU (the main job's GPT)",
+                     "what": "GPT, the main job's: 4 x 128, 4 heads, 64 tokens, vocabulary 65"},
+        "mixtral": {"model": MIXTRAL, "block": 1024, "vocab": 32000, "batch": 8, "steps": 40, "name": "cuda_moe",
+                    "config": LLAMA, "versus": "vs transformers (bf16)", "title": "Mixture of experts on one GPU (a Mixtral of 0.8B parameters)",
+                    "what": "Mixtral, 8 x 1024, 16 heads (8 kv), 8 experts of width 3584, top-2, 1024 tokens, vocabulary 32000"}}
+"""``--job``: the 355M GPT, the main job's own model at its own global batch, or a Mixtral-shaped MoE."""
 JOB = JOBS["gpt2-medium"]
 COLUMNS = ["contender", "device", "tokens/s (median)", "per round", "vs plain fp32 loop", "ms/step", "MFU (vs measured matmul peak)",
            "peak GPU memory (GiB)", "val loss @ steps", "wall s"]
@@ -59,11 +77,19 @@ def contenders(steps: int, batch: int) -> list[dict]:
     py = sys.executable
     sets = [a for k, v in JOB["model"].items() for a in ("--set", f"{k}={v}")]
     hand = [py, str(CONTENDERS), "plain", "{out}", "--device", "cuda", "--steps", str(steps), "--batch", str(batch),
-            *sets]
-    mesh = [*meshtrain_command(), "train", str(CONFIG), "--nproc", "1", "--steps", str(steps), "--out", "{out}",
+            "--config", str(JOB["config"]), *sets]
+    mesh = [*meshtrain_command(), "train", str(JOB["config"]), "--nproc", "1", "--steps", str(steps), "--out", "{out}",
             "--batch.micro_batch_size", str(batch), "--train.log_interval", "1", "--train.eval_interval", "0",
             "--train.eval_steps", "1", "--checkpoint.interval", "0", "--checkpoint.keep", "1",
             *[a for k, v in JOB["model"].items() for a in (f"--{k}", v)]]
+    if JOB["model"].get("model.type") == "mixtral":
+        return [{"name": "transformers MixtralForCausalLM, bf16 autocast + fused AdamW", "dtype": "bfloat16", "kind": "hand",
+                 "argv": [*hand, "--hf", "--dtype", "bfloat16", "--fused"]},
+                {"name": "meshtrain, bf16, compile off, one GEMM per expert", "dtype": "bfloat16", "kind": "meshtrain",
+                 "argv": [*mesh, "--train.dtype", "bfloat16", "--train.compile", "off", "--model.moe_compute", "loop"]},
+                {"name": "meshtrain, bf16, compile off", "dtype": "bfloat16", "kind": "meshtrain",
+                 "argv": [*mesh, "--train.dtype", "bfloat16", "--train.compile", "off"]},
+                {"name": "meshtrain, default settings", "dtype": "bfloat16", "kind": "meshtrain", "argv": mesh}]
     return [{"name": "plain PyTorch loop, fp32", "dtype": "float32", "kind": "hand", "argv": [*hand, "--dtype", "float32"]},
             {"name": "plain PyTorch loop, bf16 autocast + fused AdamW", "dtype": "bfloat16", "kind": "hand",
              "argv": [*hand, "--dtype", "bfloat16", "--fused"]},
@@ -107,6 +133,7 @@ def run_one(c: dict, work: Path, index: int) -> dict:
         result = json.loads(target.read_text())
     else:
         result = meshtrain_result(out)
+        shutil.rmtree(out, ignore_errors=True)  # its checkpoint (~10 GiB for the Mixtral) leaves the disk to the next
     result["wall_s"] = wall
     return result
 
@@ -123,25 +150,26 @@ def meshtrain_result(out: Path) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     model = load_checkpoint_model(out)[0].cuda()
-    cfg = load_config(CONFIG, JOB["model"])
+    cfg = load_config(JOB["config"], JOB["model"])
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size)
     return {"step_times_s": [r["step_time_s"] for r in records if "step_time_s" in r],
             "peak_cuda_bytes": summary["peak_memory_bytes"], "val_loss": val_loss(model, corpus, JOB["block"], chunk=8)}
 
 
-def step_flops(batch: int) -> tuple[float, int]:
-    """(model FLOPs of one step at ``batch`` sequences, parameter count)."""
+def step_flops(batch: int) -> tuple[float, int, int]:
+    """(model FLOPs of one step at ``batch`` sequences, parameter count, parameters one token runs through)."""
     from meshtrain.config import load_config
     from meshtrain.models import build_model
     from meshtrain.planner.cost import model_flops
     from meshtrain.planner.model_specs import from_config
 
-    cfg = load_config(CONFIG, JOB["model"])
+    cfg = load_config(JOB["config"], JOB["model"])
     import torch
 
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(cfg.model, JOB["vocab"]).parameters())
-    return model_flops(from_config(cfg, JOB["vocab"]), batch), params
+    spec = from_config(cfg, JOB["vocab"])
+    return model_flops(spec, batch), params, spec.active_params()
 
 
 def main() -> None:
@@ -169,18 +197,19 @@ def main() -> None:
         return
     device = torch.cuda.get_device_name()
     peaks = {d: matmul_peak(d) for d in ("bfloat16", "float32")}
-    flops, params = step_flops(args.batch)
+    flops, params, active = step_flops(args.batch)
     field = [c for c in contenders(args.steps, args.batch) if args.only in c["name"]]
     with tempfile.TemporaryDirectory(prefix="meshtrain-cuda-") as tmp:
         for r in range(args.rounds):
             for i, c in enumerate(field):
                 print(f"round {r + 1}/{args.rounds}: {c['name']}", file=sys.stderr, flush=True)
                 c.setdefault("rounds", []).append(run_one(c, Path(tmp), r * len(field) + i))
-            report(field, args, device, peaks, flops, params, r + 1)  # each round's results kept as they come
+                # each result kept as it comes: a run cut short by a time limit still leaves its table
+                report([c for c in field if c.get("rounds")], args, device, peaks, flops, (params, active), r + 1)
 
 
-def report(field: list[dict], args, device: str, peaks: dict, flops: float, params: int, rounds: int) -> None:
-    """Write the table of the ``rounds`` rounds run so far."""
+def report(field: list[dict], args, device: str, peaks: dict, flops: float, params: tuple[int, int], rounds: int) -> None:
+    """Write the table of the ``rounds`` rounds run so far; ``params``: (all parameters, those a token runs through)."""
     tokens = args.batch * JOB["block"]
     stats = {}
     for c in field:
@@ -193,7 +222,7 @@ def report(field: list[dict], args, device: str, peaks: dict, flops: float, para
                             "peak_gib": max(run.get("peak_cuda_bytes", 0) for run in c["rounds"]) / 2 ** 30,
                             "val_loss": statistics.median(run["val_loss"] for run in c["rounds"]),
                             "wall_s": statistics.median(run["wall_s"] for run in c["rounds"])}
-    reference = stats.get("plain PyTorch loop, fp32")
+    reference = stats.get(field[0]["name"])  # the first contender: the plain fp32 loop, or transformers' Mixtral
     rows = []
     for c in field:
         if c["name"] not in stats:
@@ -206,15 +235,19 @@ def report(field: list[dict], args, device: str, peaks: dict, flops: float, para
                      " / ".join(f"{t:,.0f}" for t in s["tokens_per_s_rounds"]), ratio, f"{1000 * s['step_s']:.1f}",
                      f"{flops / s['step_s'] / peaks[c['dtype']]:.1%} of {c['dtype']}", f"{s['peak_gib']:.1f}",
                      f"{s['val_loss']:.4f} @ {args.steps}", f"{s['wall_s']:.0f}"])
-    notes = [f"GPT {params / 1e6:.1f} M parameters ({JOB['what']}), global "
+    total, active = params
+    counted = f"{total / 1e6:.1f} M parameters" + (f", {active / 1e6:.1f} M active per token" if active != total else "")
+    notes = [f"{counted} ({JOB['what']}), global "
              f"batch {args.batch} x {JOB['block']} tokens, {args.steps} steps, {rounds} interleaved rounds; medians over "
              f"steps {SKIP_STEPS + 1}..{args.steps} of a run, then over rounds.",
              "Dense matmul peak of this GPU measured in this run (8192^3): "
              + ", ".join(f"{d} {v / 1e12:.0f} TFLOP/s" for d, v in peaks.items())
              + f"; model FLOPs per step {flops / 1e9:,.1f} GFLOP (Korthikanti et al. 2022, Eq. 7).",
              "Wall time includes process start, compilation, model build and (meshtrain) the final checkpoint."]
-    write_results(JOB["name"], JOB["title"], COLUMNS, rows, notes,
-                  {"device": device, "peaks_flops": peaks, "step_flops": flops, "params": params, "stats": stats,
+    columns = [JOB.get("versus", col) if col == COLUMNS[4] else col for col in COLUMNS]
+    write_results(JOB["name"], JOB["title"], columns, rows, notes,
+                  {"device": device, "peaks_flops": peaks, "step_flops": flops, "params": total, "active_params": active,
+                   "stats": stats,
                    "rounds": {c["name"]: c["rounds"] for c in field}})
     update_benchmarks_doc(JOB["name"])
     print("\n".join(["| " + " | ".join(map(str, r)) + " |" for r in rows]))

@@ -5,13 +5,14 @@
     accelerate launch --cpu --num_processes 2 bench/contenders.py accelerate OUT.json ...
     python bench/contenders.py fabric OUT.json --devices 2 ...     (Fabric starts its own processes)
     python bench/contenders.py plain OUT.json --device cuda --dtype bfloat16 --fused --set model.n_layer=24 ...
-    python bench/contenders.py plain OUT.json --config configs/llama_tiny.toml --hf     (transformers' Llama)
+    python bench/contenders.py plain OUT.json --config configs/llama_tiny.toml --hf     (transformers' model)
     python bench/contenders.py plain OUT.json --steps 2000 --batch 12 --seed 1 --data-seed 1 --eval-interval 250 \
         [--windows meshtrain]     (bench/bench_seeds.py: a val curve; meshtrain's batches of `--seed 1`)
 
 Every contender trains meshtrain's GPT of ``configs/shakespeare_char.toml`` (``meshtrain.models.GPT``:
 the model is the same object, so only the loop around it differs), or the model of ``--config``; with
-``--hf`` (a Llama config) the model is ``transformers.LlamaForCausalLM`` holding the same initial weights on the bundled Tiny Shakespeare,
+``--hf`` the model is ``transformers``' model of the config's family (``LlamaForCausalLM``, ``MixtralForCausalLM``,
+...) holding the same initial weights, on the bundled Tiny Shakespeare,
 global batch ``--batch`` samples of block_size tokens split over the ranks, AdamW with the config's
 hyperparameters, weight decay on matrices only, linear warmup then cosine (meshtrain's ``lr_at``),
 global-norm clipping at 1.0, ``--steps`` steps. Batches are random windows drawn from a generator
@@ -57,22 +58,24 @@ def setup(args):
 
 
 class HFLogits(torch.nn.Module):
-    """``transformers.LlamaForCausalLM`` with the weights of meshtrain's Llama ``ours`` (the same initial
-    point), called as meshtrain's models are: token ids (B, T) -> logits (B, T, V)."""
+    """The ``transformers`` model of ``ours``'s family (``LlamaForCausalLM``, ``MixtralForCausalLM``, ...) holding
+    ``ours``'s weights (the same initial point: meshtrain's Hugging Face export, loaded by ``from_pretrained``),
+    called as meshtrain's models are: token ids (B, T) -> logits (B, T, V). ``transformers`` picks its own
+    kernels (for experts: ``torch._grouped_mm`` where it can)."""
 
     def __init__(self, ours) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import tempfile
 
-        from meshtrain.models.hf import hf_state_dict
+        from transformers import AutoModelForCausalLM
+
+        from meshtrain.models.hf import write_hf_folder
 
         super().__init__()
-        m = ours.cfg
-        self.model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=ours.vocab_size, hidden_size=m.n_embd, intermediate_size=m.ffn_hidden_size(),
-            num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads(),
-            max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-            tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False))
-        self.model.load_state_dict(hf_state_dict(ours.state_dict(), m), strict=not m.tie_embeddings)
+        with tempfile.TemporaryDirectory(prefix="meshtrain-hf-") as tmp:
+            folder = Path(tmp) / "model"
+            write_hf_folder(folder, ours.state_dict(), ours.cfg, ours.vocab_size, None, max_shard_bytes=2**40)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.model.train()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x).logits
@@ -276,7 +279,7 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="plain, ddp: AdamW(fused=True)")
     parser.add_argument("--compile", action="store_true", help="plain: model.compile() (torch.compile)")
     parser.add_argument("--config", default=str(CONFIG), help="the training config whose model and data to use")
-    parser.add_argument("--hf", action="store_true", help="a Llama config: train transformers' LlamaForCausalLM")
+    parser.add_argument("--hf", action="store_true", help="train transformers' model of the config's family (LlamaForCausalLM, MixtralForCausalLM, ...)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. model.n_layer=24 (repeatable)")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 LARGE = ["--model.n_layer", "6", "--model.n_head", "6", "--model.n_embd", "384", "--model.block_size", "256"]
-RUNS = {"bench_contenders.py": [[], ["--large"]], "bench_cuda.py": [[], ["--job", "main-job"]],
+RUNS = {"bench_contenders.py": [[], ["--large"]], "bench_cuda.py": [[], ["--job", "main-job"], ["--job", "mixtral"]],
         "bench_profile.py": [[], ["--name", "profile_large", "--steps", "5", *LARGE]]}
 """Scripts run more than once, with these arguments each time (the others once, with none)."""
 

@@ -399,6 +399,31 @@ def test_moe_presets_are_the_model_the_trainer_builds(name):
     assert replace(from_config(cfg), name=spec.name) == spec
 
 
+PUBLISHED_ACTIVE = {"mixtral-8x7b": (12.9, 0.1), "mixtral-8x22b": (39, 1), "qwen3-30b-a3b": (3.3, 0.1)}
+"""Active parameters per token, billions, as published (Jiang et al. 2024, Sec. 2: 12.9 B; Mistral's Mixtral 8x22B
+announcement: 39 B; Qwen3 technical report, Table 2: 3.3 B), with one unit of the last digit given: a published
+figure may be cut rather than rounded (3.35 B is Qwen's "3.3 B")."""
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_active_params_are_the_built_model_less_the_unchosen_experts(name):
+    """The planner's active parameters are the built model's parameters less (E - k)/E of its expert stacks, and
+    match the published count to its rounding."""
+    from meshtrain.config import load_config
+    from meshtrain.models import build_model
+    from meshtrain.planner.model_specs import preset
+
+    spec = preset(name)
+    cfg = load_config(None, {**MOE_PRESETS[name], "model.block_size": str(spec.seq_len)})
+    with torch.device("meta"):
+        params = dict(build_model(cfg.model, spec.vocab).named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    idle = experts * (spec.experts - spec.experts_per_token) // spec.experts
+    assert spec.active_params() == sum(p.numel() for p in params.values()) - idle
+    published, rounding = PUBLISHED_ACTIVE[name]
+    assert abs(spec.active_params() / 1e9 - published) <= rounding
+
+
 def test_the_planner_splits_experts_over_ep():
     """ep in the planner: a Mixtral 8x7B layout at ep = 8 holds 1/8 of the experts' states per rank (without ZeRO),
     pays the dispatch all-to-alls (ep_comm > 0, none at ep = 1), and the search offers ep > 1; ep that does not

@@ -194,6 +194,12 @@ class ModelSpec:
         """Total parameters N (the tied head counted once)."""
         return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
 
+    def active_params(self) -> int:
+        """Parameters one token runs through: :meth:`num_params` less each block's ``E - k`` unchosen routed experts
+        (= ``num_params`` for a dense model). Mixtral 8x7B: 46.7 B in all, 12.9 B active (Jiang et al. 2024, Sec. 2)."""
+        idle = max(self.experts - self.experts_per_token, 0) * self.mlp_matrices * self.hidden * self.ffn_hidden
+        return self.num_params() - self.layers * idle if self.experts else self.num_params()
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

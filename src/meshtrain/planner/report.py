@@ -32,7 +32,8 @@ class Context:
 
     def headline(self) -> str:
         m, d = self.model, self.hw.device
-        return (f"{m.name}: {param_count(m.num_params())} params, {m.layers} layers, seq_len {m.seq_len} | "
+        active = f" ({param_count(m.active_params())} active)" if m.experts else ""
+        return (f"{m.name}: {param_count(m.num_params())} params{active}, {m.layers} layers, seq_len {m.seq_len} | "
                 f"{self.job.num_devices} x {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
                 f"{d.peak(self.precision.compute_dtype) / 1e12:.4g} TFLOP/s {self.precision.compute_dtype}), "
                 f"{self.hw.network.devices_per_node}/node | {self.precision.name}, {self.framework.name} | "
