@@ -430,7 +430,7 @@ def test_the_planner_splits_experts_over_ep():
     divide the experts or dp*sp, or a model without experts, is a rule broken."""
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.hardware import get_hardware
-    from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
+    from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors, framework_errors
     from meshtrain.planner.memory import PRECISIONS, stage_params
     from meshtrain.planner.model_specs import preset
     from meshtrain.planner.search import candidate_layouts
@@ -444,11 +444,92 @@ def test_the_planner_splits_experts_over_ep():
     assert step_time(model, one, hw, prec, fw).ep_comm == 0 < step_time(model, eight, hw, prec, fw).ep_comm
     assert divisibility_errors(model, eight) == []
     assert divisibility_errors(model, Layout(dp=6, ep=3)) == ["ep = 3 does not divide experts = 8"]
-    assert divisibility_errors(model, Layout(dp=2, ep=4)) == ["ep = 4 does not divide dp*sp = 2 (its ranks are "
+    assert divisibility_errors(model, Layout(dp=2, ep=4)) == ["ep = 4 does not divide tp*dp*sp = 2 (its ranks are "
                                                               "borrowed from them)"]
+    folded = Layout(dp=2, tp=2, ep=4, tp_sequence_parallel=True)  # Megatron's parallel folding: ep over tp x dp
+    assert divisibility_errors(model, folded) == framework_errors(FRAMEWORKS["megatron-core"], folded, model) == []
+    assert framework_errors(fw, folded, model) == [
+        "tp_sequence_parallel with experts is not available in meshtrain: tp replicates the experts, which take the "
+        "whole sequence", "ep = 4 does not divide dp*sp = 2 (its ranks are borrowed from them in meshtrain)"]
     assert divisibility_errors(preset("llama3-8b"), Layout(dp=2, ep=2)) == ["ep = 2 needs a model with experts"]
     job = Job(num_devices=16, global_batch_size=64)
     assert {layout.ep for layout, _ in candidate_layouts(model, job, fw, {"pp": 4, "tp": 1})} == {1, 2, 4}
+
+
+def test_expert_gemm_traffic_is_each_experts_roofline_summed():
+    """The routed experts' operand traffic is the sum over the rank's E/ep experts of each expert's own GEMMs
+    (``gemm_traffic_bytes`` of its rows through h -> (m-1)f and f -> h): every expert's weights read once, however
+    few rows it gets; the rows are the rank's tokens times k times the imbalance."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import expert_gemm_traffic_bytes, gemm_traffic_bytes
+    from meshtrain.planner.model_specs import preset
+
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        for ep, imbalance in ((1, 1.0), (8, 1.0), (8, 1.3)):
+            m = replace(preset(name), expert_imbalance=imbalance)
+            tokens, local = 4096, m.experts // ep
+            rows = tokens * m.experts_per_token * imbalance / local  # each local expert's
+            shapes = ((m.hidden, (m.mlp_matrices - 1) * m.ffn_hidden), (m.ffn_hidden, m.hidden))
+            assert expert_gemm_traffic_bytes(m, tokens, ep, 2) == pytest.approx(
+                local * gemm_traffic_bytes(rows, shapes, 2), rel=1e-12)
+    assert expert_gemm_traffic_bytes(preset("llama3-8b"), 4096, 1, 2) == 0
+
+
+def test_expert_imbalance_slows_the_routed_experts_and_the_dispatch():
+    """expert_imbalance = x multiplies the busiest rank's routed-expert GEMM FLOPs (forward + backward: 3x the forward's)
+    and its all-to-all rows by x; nothing else in the step changes (on a device whose memory traffic is free and a
+    network with no latency, the terms isolate); x < 1 is refused."""
+    from dataclasses import replace
+
+    from meshtrain.config import ConfigError
+    from meshtrain.planner.cost import routed_flops_per_token, step_time
+    from meshtrain.planner.hardware import Device, Hardware, Network
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.model_specs import preset
+
+    dev = Device("ideal", {"bfloat16": 1e15, "float32": 1e14}, memory_bytes=1e13, memory_bandwidth=1e30,
+                 matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=0.0)
+    hw = Hardware(dev, Network(8, 1e11, 1e10, 0.0, 0.0, 1.0, 1.0))
+    fw, prec = FRAMEWORKS["meshtrain"], PRECISIONS["bf16"]
+    layout = Layout(dp=8, ep=8, micro_batch_size=1, gradient_accumulation_steps=1)
+    balanced = preset("mixtral-8x7b")
+    hot = replace(balanced, expert_imbalance=1.5)
+    a, b = step_time(balanced, layout, hw, prec, fw), step_time(hot, layout, hw, prec, fw)
+    tokens = balanced.seq_len  # a micro-batch of one sequence
+    extra = 3 * tokens * balanced.layers * 0.5 * routed_flops_per_token(balanced) / dev.matmul_flops("bfloat16", 4096)
+    assert b.compute - a.compute == pytest.approx(extra, rel=1e-9)
+    assert b.ep_comm == pytest.approx(1.5 * a.ep_comm, rel=1e-9)
+    with pytest.raises(ConfigError, match="expert_imbalance = 0.9 must be a number >= 1"):
+        replace(balanced, expert_imbalance=0.9)
+
+
+def test_megatron_folds_expert_parallelism_into_tp():
+    """Framework.expert_folding (Megatron-Core's parallel folding, expert tp 1): at tp = 2 each tp rank routes half the
+    tokens, so the router's and experts' FLOPs (3x forward), the all-to-all rows and the routed activations are halved
+    against the same framework replicating them over tp; everything else is the same. Ideal hardware isolates the terms."""
+    from dataclasses import replace
+
+    from meshtrain.planner.cost import expert_flops_per_token, step_time
+    from meshtrain.planner.hardware import Device, Hardware, Network
+    from meshtrain.planner.layout import FRAMEWORKS, Layout
+    from meshtrain.planner.memory import PRECISIONS, layer_activation_bytes
+    from meshtrain.planner.model_specs import preset
+
+    dev = Device("ideal", {"bfloat16": 1e15, "float32": 1e14}, memory_bytes=1e13, memory_bandwidth=1e30,
+                 matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=0.0)
+    hw = Hardware(dev, Network(8, 1e11, 1e10, 0.0, 0.0, 1.0, 1.0))
+    folding, prec, model = FRAMEWORKS["megatron-core"], PRECISIONS["bf16"], preset("mixtral-8x7b")
+    replicating = replace(folding, expert_folding=False)
+    layout = Layout(dp=2, tp=2, ep=2, micro_batch_size=1, gradient_accumulation_steps=1)
+    a, b = step_time(model, layout, hw, prec, replicating), step_time(model, layout, hw, prec, folding)
+    saved = 3 * model.seq_len * model.layers * expert_flops_per_token(model) / 2 / dev.matmul_flops("bfloat16", 2048)
+    assert a.compute - b.compute == pytest.approx(saved, rel=1e-9)
+    assert b.ep_comm == pytest.approx(a.ep_comm / 2, rel=1e-9)
+    routed = model.seq_len * (model.experts * 4 + model.experts_per_token * model.hidden * prec.activation_bytes)
+    assert (layer_activation_bytes(model, layout, prec, replicating, "none")
+            - layer_activation_bytes(model, layout, prec, folding, "none")) == pytest.approx(routed / 2, rel=1e-12)
 
 
 def test_the_planner_plans_experts(capsys):

@@ -54,8 +54,29 @@ def dense_flops_per_token(model: ModelSpec) -> float:
 def expert_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs per token of a mixture of experts' MLP, the k experts and the router (0 for a dense model): the part
     of :func:`dense_flops_per_token` that tensor parallelism replicates (``meshtrain.models.moe.spec.tp_names``)."""
-    return (2.0 * (model.mlp_matrices * model.hidden * model.active_ffn + model.router_params + model.shared_params)
-            if model.experts else 0.0)
+    return routed_flops_per_token(model) + (2.0 * (model.router_params + model.shared_params) if model.experts else 0.0)
+
+
+def routed_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs per token of the k routed experts alone, ``2*m*h*k*f`` (0 for a dense model): the work that
+    :attr:`ModelSpec.expert_imbalance` makes the busiest rank wait for."""
+    return 2.0 * model.mlp_matrices * model.hidden * model.active_ffn if model.experts else 0.0
+
+
+def expert_gemm_traffic_bytes(model: ModelSpec, tokens: float, ep: int, element_bytes: int) -> float:
+    """HBM bytes of one MoE layer's routed-expert GEMMs forward on the busiest rank (:func:`gemm_traffic_bytes`'
+    roofline, per expert): its ``rows = tokens * k * expert_imbalance`` token copies read and the outputs written
+    once over all its experts, and each of its ``E/ep`` experts' weights read once: ``e*(rows*(2h + m*f) + (E/ep)*m*h*f)``
+    (up: rows x h in, rows x (m-1)f out; down: rows x f in, rows x h out). Unlike one dense MLP of width k*f, the weights read are those of E/ep experts,
+    not k: for fine-grained experts (Qwen3-30B-A3B: E/k = 16) at a few thousand tokens per rank the weight traffic
+    outweighs the rows'. Units: ``tokens`` a count per rank, ``element_bytes`` bytes; returns bytes."""
+    if not model.experts:
+        return 0.0
+    h, f, m = model.hidden, model.ffn_hidden, model.mlp_matrices
+    rows, local = tokens * model.experts_per_token * model.expert_imbalance, model.experts / ep
+    up = rows * h + local * h * (m - 1) * f + rows * (m - 1) * f  # gate and up fused for SwiGLU
+    down = rows * f + local * f * h + rows * h
+    return element_bytes * (up + down)
 
 
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
@@ -64,12 +85,16 @@ def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
 
 
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
-    """(K, N) of one layer's weight GEMMs on one tp rank: QKV ``h -> (q + 2kv)/t``, out-projection
-    ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
-    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3); a mixture of experts' MLP whole (k*f wide)."""
+    """(K, N) of one layer's weight GEMMs on one tp rank whose rows are the layer's tokens: QKV ``h -> (q + 2kv)/t``,
+    out-projection ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
+    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3). A mixture of experts: the router ``h -> E`` and a
+    shared expert (whole: tp replicates them); the routed experts' GEMMs are :func:`expert_gemm_traffic_bytes`'."""
     h, kv, f, t, q = model.hidden, model.kv_dim, model.active_ffn, tp, model.q_dim
-    ft = f if model.experts else f / t  # tp replicates a mixture of experts' MLP
-    return ((h, (q + 2 * kv) / t), (q / t, h), (h, (model.mlp_matrices - 1) * ft), (ft, h))
+    attention = ((h, (q + 2 * kv) / t), (q / t, h))
+    if model.experts:
+        shared = ((h, (model.mlp_matrices - 1) * model.shared_ffn), (model.shared_ffn, h)) if model.shared_ffn else ()
+        return (*attention, (h, model.experts), *shared)
+    return (*attention, (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
 
 
 def gemm_traffic_bytes(rows: float, shapes: tuple[tuple[float, float], ...], element_bytes: int) -> float:
@@ -124,7 +149,17 @@ def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: st
 def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes: bool,
                     ranks_per_node: int = 1) -> float:
     """:func:`ring_time` on the link a group uses (measured per-kind numbers inside a node when calibrated;
-    across nodes a ring uses the NICs of the group's ``ranks_per_node`` ranks on a node, :meth:`Network.link`)."""
+    across nodes a ring uses the NICs of the group's ``ranks_per_node`` ranks on a node, :meth:`Network.link`).
+    An all-to-all across nodes is not a ring: each rank sends ``S/n`` to every peer at once, the ``r - 1`` peers on
+    its node over the node's link and the ``n - r`` others through its own NIC, both links busy together, so it
+    takes the longer of ``(r-1)/n * S/B_node + (r-1)*alpha_node`` and ``(n-r)/n * S/B_nic + (n-r)*alpha_nic``
+    (``r = ranks_per_node``; the pairwise exchange of Thakur et al. 2005, Sec. 3, split by link)."""
+    if kind == "all-to-all" and spans_nodes and ranks_per_node > 1:
+        r = min(ranks_per_node, n)
+        node_bw, node_lat = hw.network.link(False, kind)
+        nic_bw, nic_lat = hw.network.link(True, kind, 1)
+        return max((r - 1) / n * nbytes / node_bw + (r - 1) * node_lat,
+                   (n - r) / n * nbytes / nic_bw + (n - r) * nic_lat)
     bandwidth, latency = hw.network.link(spans_nodes, kind, ranks_per_node)
     return ring_time(kind, n, nbytes, bandwidth, latency)
 
@@ -231,9 +266,14 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
-    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e))
-    moe = expert_flops_per_token(model)  # not split by tp: every tp rank runs the experts on the same tokens
-    dense = tokens * n * ((dense_flops_per_token(model) - moe) / t + moe) / rate + n * layer_io
+    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
+                                        + expert_gemm_traffic_bytes(model, tokens / expert_fold(layout, fw), layout.ep, e))
+    # A mixture of experts' MLP is not split by tp in meshtrain: every tp rank runs it on the same tokens (folded into
+    # tp, each tp rank routes its own tokens/tp: Framework.expert_folding); the busiest expert rank's routed rows are
+    # expert_imbalance times the mean
+    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), expert_fold(layout, fw)
+    per_token = (dense_flops_per_token(model) - moe) / t + (moe + (model.expert_imbalance - 1) * routed) / fold
+    dense = tokens * n * per_token / rate + n * layer_io
     attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
                                                            fw.eager_elementwise if model.norm == "rmsnorm" else None)
@@ -259,6 +299,18 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     passes = recompute_passes(layout)
     gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
     return forward, 2 * forward + passes * recompute, gemm
+
+
+def expert_fold(layout: Layout, fw: Framework) -> int:
+    """How many tp ranks share one rank's tokens for the routed experts: tp with ``Framework.expert_folding``
+    (Megatron's parallel folding: each tp rank routes its own s/tp tokens), else 1 (meshtrain replicates them)."""
+    return layout.tp if fw.expert_folding else 1
+
+
+def ep_spans_nodes(layout: Layout, fw: Framework, devices_per_node: int) -> bool:
+    """Whether an ep group crosses a node boundary: its ``ep`` ranks sit at sp's stride (tp ranks apart) in
+    meshtrain, consecutively when folded into tp (``Framework.expert_folding``)."""
+    return layout.ep > devices_per_node if fw.expert_folding else layout.spans_nodes("ep", devices_per_node)
 
 
 def recompute_passes(layout: Layout) -> int:
@@ -287,7 +339,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
     key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
-           layout.spans_nodes("ep", hw.network.devices_per_node))
+           ep_spans_nodes(layout, fw, hw.network.devices_per_node))
     forward, backward, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
@@ -325,7 +377,13 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
     comm: dict[str, float] = defaultdict(float)  # by axis
-    for c in layer_collectives(model, layout, prec):
+    for c in layer_collectives(model, layout, prec, expert_fold(layout, fw)):
+        if c.axis == "ep":  # an all-to-all: the peers on this rank's node over the node's link, the rest by NIC
+            spans = ep_spans_nodes(layout, fw, net.devices_per_node)
+            local = (min(layout.ep, net.devices_per_node) if fw.expert_folding
+                     else layout.ranks_per_node("ep", net.devices_per_node))
+            comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans, local)
+            continue
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
         comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
     tp, sp = comm["tp"], comm["sp"]
@@ -347,7 +405,7 @@ class Collective:
     count: int
 
 
-def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list[Collective]:
+def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_fold: int = 1) -> list[Collective]:
     """The tp and sp collectives of one transformer layer per micro-batch, forward + backward (+ the
     forward again under full recomputation); ``tests/test_collectives.py`` counts them in a profiler
     trace of the trainer.
@@ -366,8 +424,9 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
     Expert parallelism (GShard, Lepikhin et al. 2020, Sec. 2.2; :mod:`meshtrain.parallel.expert`): per MoE layer a
     dispatch and a combine all-to-all of the rank's ``k`` copies of its tokens, ``(b*s/sp) * k * h`` elements,
     forward, the same two reversed in backward, and the forward's again under full recomputation (the per-expert
-    counts exchanged first are E integers: latency only, left out). Dropless routing with balanced experts: a
-    rank receives as many rows as it sends; imbalance (a hot expert's rank receives more) is not modelled.
+    counts exchanged first are E integers: latency only, left out). Dropless routing: the busiest rank receives
+    ``expert_imbalance`` times the rows it sends, and every rank waits for it (:attr:`ModelSpec.expert_imbalance`).
+    ``expert_fold`` = tp where the framework folds ep into tp (each tp rank sends its own tokens/tp: :func:`expert_fold`).
     """
     full = recompute_passes(layout) if layout.recompute == "full" else 0
     ring_again = recompute_passes(layout)  # any recomputation runs ring attention's forward again
@@ -386,8 +445,9 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision) -> list
         else:
             out += [Collective("sp", "all-to-all", layout.sp, width * per_token, 2 + full)
                     for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
-    if layout.ep > 1 and model.experts:
-        out.append(Collective("ep", "all-to-all", layout.ep, act * model.experts_per_token, 2 * (2 + full)))
+    if layout.ep > 1 and model.experts:  # the busiest rank receives expert_imbalance times the mean
+        rows = model.experts_per_token * model.expert_imbalance / expert_fold
+        out.append(Collective("ep", "all-to-all", layout.ep, act * rows, 2 * (2 + full)))
     return out
 
 

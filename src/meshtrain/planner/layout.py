@@ -218,6 +218,13 @@ class Framework:
     """The zero_stage-0 gradient all-reduce can run hierarchically (node leaders only cross nodes)."""
     zero1_ddp_only: bool = False
     """zero_stage 1 only at tp = pp = 1 (meshtrain's ZeroRedundancyOptimizer, :func:`zero_stage_error`)."""
+    expert_folding: bool = False
+    """How expert parallelism meets tp. False (meshtrain, :mod:`meshtrain.parallel.expert`): ``ep`` borrows ranks from
+    dp x sp only, and every tp rank runs the whole router and experts on the same tokens (replicated over tp).
+    True (Megatron-Core's MoE parallel folding with expert tensor parallelism 1, Liu et al. 2025, arXiv 2504.14960,
+    Sec. 3): the ep group is folded into the tp x dp x sp ranks, each tp rank routes its own s/tp tokens (sequence
+    parallelism) to whole experts, so the routed work, its activations and its all-to-all rows are 1/tp per rank and the
+    experts' ZeRO-sharded states are spread over tp x dp x sp ranks; ep must divide tp*dp*sp."""
     selective: str = "attention-core"
     """What ``recompute = "selective"`` recomputes: "attention-core", Korthikanti et al. 2022, Sec. 5 (the
     attention scores' QK^T, softmax, dropout and AV; Megatron-LM), "op-level", meshtrain's per-operator
@@ -306,7 +313,7 @@ def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
 FRAMEWORKS = {f.name: f for f in (
     MESHTRAIN,
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
-              grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
+              expert_folding=True, grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
@@ -353,17 +360,13 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
     if model.ffn_hidden % L.tp and not model.experts:  # tp leaves experts whole
         e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
-    if model.experts and L.tp_sequence_parallel:
-        e.append("tp_sequence_parallel with experts: tp replicates the experts, which take the whole sequence")
     if L.ep > 1:
         if not model.experts:
             e.append(f"ep = {L.ep} needs a model with experts")
         elif model.experts % L.ep:
             e.append(f"ep = {L.ep} does not divide experts = {model.experts}")
-        if (L.dp * L.sp) % L.ep:
-            e.append(f"ep = {L.ep} does not divide dp*sp = {L.dp * L.sp} (its ranks are borrowed from them)")
-        if L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce:
-            e.append(f"ep = {L.ep} runs with the synchronous all-reduce and zero_stage 0, 2 or 3 only")
+        if (L.tp * L.dp * L.sp) % L.ep:  # the widest any framework borrows from (framework_errors: meshtrain's)
+            e.append(f"ep = {L.ep} does not divide tp*dp*sp = {L.tp * L.dp * L.sp} (its ranks are borrowed from them)")
     ring = L.sp > 1 and L.sp_mode == "ring"
     if L.sp_mode not in SP_MODES:
         e.append(f"sp_mode = {L.sp_mode!r} is not one of {', '.join(SP_MODES)}")
@@ -393,11 +396,29 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     return e
 
 
+def _expert_errors(framework: Framework, layout: Layout, model: ModelSpec | None) -> list[str]:
+    """What meshtrain's expert parallelism (``Framework.expert_folding`` False) refuses: ep beyond dp x sp, Megatron
+    sequence parallelism with experts (tp replicates them), and ep with zero_stage 1 or an asynchronous sync mode."""
+    if framework.expert_folding or model is None or not model.experts:
+        return []
+    L, e = layout, []
+    if L.tp_sequence_parallel:
+        e.append(f"tp_sequence_parallel with experts is not available in {framework.name}: tp replicates the experts, "
+                 f"which take the whole sequence")
+    if L.ep > 1 and (L.dp * L.sp) % L.ep:
+        e.append(f"ep = {L.ep} does not divide dp*sp = {L.dp * L.sp} (its ranks are borrowed from them in "
+                 f"{framework.name})")
+    if L.ep > 1 and (L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce):
+        e.append(f"ep = {L.ep} runs with the synchronous all-reduce and zero_stage 0, 2 or 3 only")
+    return e
+
+
 def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | None = None) -> list[str]:
     """Features ``layout`` (of ``model``, when given) needs that ``framework`` does not have, one line each."""
     e = []
     if layout.tp > 1 and not framework.tensor_parallel:
         e.append(f"tp = {layout.tp} is not available in {framework.name} (it has no tensor parallelism)")
+    e += _expert_errors(framework, layout, model)
     if layout.sp > 1 and layout.sp_mode not in framework.sp_modes:
         e.append(f"sp_mode = {layout.sp_mode!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.sp_modes) or 'no sequence parallelism'})")

@@ -135,7 +135,9 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.active_ffn
     t, e = layout.tp, precision.activation_bytes
     routed = s * b * (model.experts * 4 + model.experts_per_token * h * e) if model.experts else 0.0  # fp32 router
-    # probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe)
+    # probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe); each tp
+    # rank routes its own s/tp tokens where the framework folds ep into tp (Framework.expert_folding)
+    routed /= t if framework.expert_folding else 1
     sharded_seq = t if layout.tp_sequence_parallel else 1
     if recompute == "full":
         return s * b * h * e / sharded_seq
@@ -353,7 +355,7 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
     """:class:`StateMemory` of ``layout``. ``memo``: a dict shared by the calls for one model, hardware, precision and
     framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, ep, zero_stage and whether
     gradient_accumulation_steps is 1 (``tests/test_planner_search.py`` checks a search's memory against no memo)."""
-    key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,
+    key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,  # one framework a memo
            layout.gradient_accumulation_steps == 1)
     return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)
 
@@ -362,8 +364,11 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
                   framework: Framework) -> StateMemory:
     p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
     # ZeRO shards: expert parallelism holds E/ep experts on a rank, FSDP2 shards them over the dp*sp/ep ranks that
-    # hold the same ones, the rest over dp*sp: either way 1/(dp*sp) of the whole stage (meshtrain.parallel.expert)
+    # hold the same ones, the rest over dp*sp: either way 1/(dp*sp) of the whole stage (meshtrain.parallel.expert).
+    # Folded into tp too (Framework.expert_folding), the experts' shards spread over tp*dp*sp ranks.
     sharded = _stage_params(model, layout.pp, layout.tp) / shard
+    if framework.expert_folding and model.experts:
+        sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / layout.tp) / shard
     weights = sharded * precision.weight_bytes if z >= 3 else p * precision.weight_bytes
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
     # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)

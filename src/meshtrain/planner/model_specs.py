@@ -73,6 +73,12 @@ class ModelSpec:
     shared_ffn: int = 0
     """Width of a shared expert every token runs besides its routed ones, with a (1, h) sigmoid gate (Qwen2-MoE);
     0 = none. Replicated over tp and ep like the router."""
+    expert_imbalance: float = 1.0
+    """The busiest expert rank's routed rows over the mean (>= 1; 1 = every expert rank gets ``tokens*k/ep``): a
+    stated factor, not predicted. Every rank waits for the busiest at each MoE layer's combine, so the routed
+    experts' GEMM time and the dispatch all-to-alls are multiplied by it. A capacity factor c (GShard, Lepikhin et
+    al. 2020, Sec. 2.2) bounds it at c by dropping; for a dropless router it is whatever the routing does, which
+    no published run below states (docs/planner.md, "Validation against published runs")."""
 
     @property
     def norm(self) -> str:
@@ -99,6 +105,10 @@ class ModelSpec:
                               f"{self.experts}]")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model activation = {self.activation!r} is not valid: use one of {', '.join(ACTIVATIONS)}")
+        if isinstance(self.expert_imbalance, bool) or not isinstance(self.expert_imbalance, int | float) or not (
+                1.0 <= self.expert_imbalance < float("inf")):
+            raise ConfigError(f"model expert_imbalance = {self.expert_imbalance!r} must be a number >= 1 (the busiest "
+                              f"expert rank's rows over the mean; 1 = balanced)")
 
     def __hash__(self) -> int:
         return self._hash
@@ -108,7 +118,7 @@ class ModelSpec:
         """The sizes' hash (equal specs have equal sizes; ints hash alike in every process, so a pickled copy keeps a
         true one), computed once: the planner's caches hash a spec ~10^5 times per search."""
         return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads,
-                     self.head_dim, self.experts, self.experts_per_token))
+                     self.head_dim, self.experts, self.experts_per_token, self.expert_imbalance))
 
     # Derived sizes are cached_property (kept in the instance's __dict__, beside the fields; a frozen spec never
     # changes them): the planner's search asks each ~10^5 times.
@@ -262,7 +272,7 @@ def preset(name: str) -> ModelSpec:
 
 PLANNER_KEYS = {"name", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "activation",
                 "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm", "experts",
-                "experts_per_token", "shared_ffn"}
+                "experts_per_token", "shared_ffn", "expert_imbalance", "head_dim", "qk_norm", "qkv_bias"}
 
 
 def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:

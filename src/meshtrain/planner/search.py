@@ -99,14 +99,15 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         fitting_zeros = [z for z in zeros if states_fit is None or states_fit(tp, pp, dp * sp, z)]
         if not fitting_zeros:
             continue
-        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, dp * sp),
+        folded = tp if framework.expert_folding else 1  # Megatron folds ep into the tp ranks too
+        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, dp * sp * folded),
                                                      _model_splits(model, framework, fixed, dp, tp, pp, sp)):
             degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
             # rules on DDP and ZeRO-3 (runs_with_data_parallel, below)
             variants = [(zero, hier) for zero in fitting_zeros
                         if not (framework.zero1_ddp_only and zero_stage_error(zero, tp, pp))
-                        and not (ep > 1 and zero == 1)
+                        and not (ep > 1 and zero == 1 and not framework.expert_folding)
                         for hier in _hierarchical(framework, _with(degrees_only, zero_stage=zero), devices_per_node,
                                                   fixed)]
             for mbs in _choices(fixed, "micro_batch_size", divisors(gbs // dp)):
@@ -131,8 +132,8 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
 
 
 def expert_degrees(model: ModelSpec, fixed: dict[str, Any], batch_degree: int) -> list[int]:
-    """The ``ep`` degrees to try: every divisor of both the expert count and ``dp*sp`` (the ranks ep borrows) for a
-    model with experts, else 1; a pinned one alone."""
+    """The ``ep`` degrees to try: every divisor of both the expert count and ``batch_degree`` (the ranks ep borrows:
+    dp*sp, or tp*dp*sp with ``Framework.expert_folding``) for a model with experts, else 1; a pinned one alone."""
     if "ep" in fixed:
         return [fixed["ep"]] if model.experts % fixed["ep"] == 0 and batch_degree % fixed["ep"] == 0 else []
     return list(divisors(math.gcd(model.experts, batch_degree))) if model.experts else [1]
