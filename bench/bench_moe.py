@@ -91,46 +91,53 @@ def model_rows(steps: int, work: Path) -> list[list]:
 
 def versus_transformers(rounds: int) -> list[list]:
     """tokens/s of one training step (forward, backward, AdamW) of the same tiny Mixtral: meshtrain's model vs
-    ``transformers``', same initial weights (meshtrain's export loaded by ``transformers``) and batches."""
+    ``transformers``', same initial weights (meshtrain's export loaded by ``transformers``) and batches; in fp32, and
+    under bf16 autocast where this CPU has bf16 matmul (meshtrain's ``dtype = "auto"`` there). Each pair of models
+    starts from the same weights and sees the same batches: the last loss of each is reported beside its speed."""
     import transformers
 
     from meshtrain.config import ModelConfig
     from meshtrain.models import build_model
     from meshtrain.models.hf import write_hf_folder
+    from meshtrain.runtime.device import compute_dtype
 
     cfg = ModelConfig(type="mixtral", n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=DENSE_F // 2,
                       block_size=128, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
-    torch.manual_seed(0)
-    ours = build_model(cfg, 65)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_hf_folder(Path(tmp) / "m", ours.state_dict(), cfg, 65, None, max_shard_bytes=2**30)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32)
-    theirs.train()
     batches = [torch.randint(0, 65, (12, 129), generator=torch.Generator().manual_seed(i)) for i in range(5)]
 
-    def step_ours(model, opt, b):
+    def step_ours(model, b):
         logits = model(b[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
-        return loss
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b[:, 1:].flatten())
 
-    def step_theirs(model, opt, b):
+    def step_theirs(model, b):
         return model(b, labels=b).loss  # transformers shifts the labels itself: the same 12 x 128 predictions
 
-    runners = {"meshtrain": (ours, step_ours), "transformers": (theirs, step_theirs)}
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runners.items()}
-    times = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, (model, step) in runners.items():
-            t0 = time.perf_counter()
-            for b in batches:
-                loss = step(model, opts[name], b)
-                loss.backward()
-                opts[name].step()
-                opts[name].zero_grad()
-            times[name].append(len(batches) * 12 * 128 / (time.perf_counter() - t0))
-    a, b = statistics.median(times["meshtrain"]), statistics.median(times["transformers"])
-    return [["meshtrain Mixtral (grouped GEMM)", f"{a:,.0f}", f"{a / b:.2f}x"],
-            ["transformers MixtralForCausalLM", f"{b:,.0f}", "1.00x"]]
+    rows = []
+    for dtype in sorted({"float32", compute_dtype("auto", "cpu")}, reverse=True):  # fp32, then the default
+        torch.manual_seed(0)
+        ours = build_model(cfg, 65)
+        with tempfile.TemporaryDirectory() as tmp:
+            write_hf_folder(Path(tmp) / "m", ours.state_dict(), cfg, 65, None, max_shard_bytes=2**30)
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32)
+        theirs.train()
+        runners = {"meshtrain": (ours, step_ours), "transformers": (theirs, step_theirs)}
+        opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runners.items()}
+        times, last = {name: [] for name in runners}, {}
+        for _ in range(rounds):
+            for name, (model, step) in runners.items():
+                t0 = time.perf_counter()
+                for b in batches:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                        loss = step(model, b)
+                    loss.backward()
+                    opts[name].step()
+                    opts[name].zero_grad()
+                    last[name] = float(loss)
+                times[name].append(len(batches) * 12 * 128 / (time.perf_counter() - t0))
+        a, b = statistics.median(times["meshtrain"]), statistics.median(times["transformers"])
+        rows += [[f"meshtrain Mixtral (grouped GEMM), {dtype}", f"{a:,.0f}", f"{a / b:.2f}x", f"{last['meshtrain']:.4f}"],
+                 [f"transformers MixtralForCausalLM, {dtype}", f"{b:,.0f}", "1.00x", f"{last['transformers']:.4f}"]]
+    return rows
 
 
 def main() -> int:
@@ -145,8 +152,9 @@ def main() -> int:
     rows = ([["**expert compute**", "grouped ms", "loop ms", "loop / grouped", "per round (grouped:loop)"]] + layers
             + [["**model**", "tokens/s", f"val loss after {args.steps} steps", "tokens/s vs dense", ""]]
             + [r + [""] for r in models]
-            + [["**one training step**", "tokens/s", "vs transformers", "", ""]] + [r + ["", ""] for r in vs])
-    notes = [f"CPU flags: {cpu_flags()}; torch threads: {torch.get_num_threads()}; fp32 throughout.",
+            + [["**one training step**", "tokens/s", "vs transformers", f"loss after {5 * args.rounds} steps", ""]]
+            + [r + [""] for r in vs])
+    notes = [f"CPU flags: {cpu_flags()}; torch threads: {torch.get_num_threads()}; fp32 but for the bf16 training-step rows.",
              "Expert compute: one MoE layer alone, 12 x 128 tokens, C = 128, E = 8, k = 2; forward + backward of "
              "mean(y^2), 5 per round, rounds interleaved; the ratio is of the medians.",
              f"Models: configs/llama_tiny.toml (4 layers, C = 128, block 128, batch 12), {args.steps} steps, one "
@@ -154,8 +162,9 @@ def main() -> int:
              "val split at the last step.",
              "One training step: the same 4-layer Mixtral (meshtrain's export loaded by transformers), 5 batches of "
              "12 x 129 random ids per round (128 predictions per row on both sides), AdamW; rounds interleaved, median "
-             "tokens/s; meshtrain also computes its load-balancing loss (coefficient 0.001), transformers does not "
-             "(output_router_logits off, its default)."]
+             "tokens/s; in fp32, and under bf16 autocast on both sides where the CPU has bf16 matmul (meshtrain's "
+             "default there); meshtrain also computes its load-balancing loss (coefficient 0.001), transformers does "
+             "not (output_router_logits off, its default)."]
     md = write_results("moe", "Mixture of experts: expert compute, MoE vs dense, meshtrain vs transformers",
                        ["", "", "", "", ""], rows, notes,
                        {"layers": layers, "models": models, "versus_transformers": vs, "steps": args.steps,

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import assert_close_grads, assert_close_losses, losses
+from conftest import assert_close_grads, assert_close_losses, losses, read_records
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.models.hf import load_hf_model, write_hf_folder
@@ -639,12 +639,19 @@ def folders(tmp_path_factory):
             "qwen2_moe": saved(root / "qwen2_moe", "qwen2_moe")}, root
 
 
+def reference_folder(root: Path, name: str, overrides: dict[str, str]) -> Path:
+    """Where :func:`one_process` trains the reference of a layout with ``overrides``."""
+    pipeline = "parallel.pp" in overrides
+    model = [v for k, v in overrides.items() if k.startswith("model.")]
+    return root / ("one-" + "-".join([name] + (["per-sample"] if pipeline else []) + model))
+
+
 def one_process(root: Path, folder: Path, name: str, overrides: dict[str, str]) -> tuple:
     """One process with the layout's model keys, and its micro-batches (a pipeline's: 1 sample, 4 steps); run once
     per module and kept (layouts share references)."""
     pipeline = "parallel.pp" in overrides
     model = {k: v for k, v in overrides.items() if k.startswith("model.")}
-    tag = "-".join([name] + (["per-sample"] if pipeline else []) + [v for v in model.values()])
+    tag = reference_folder(root, name, overrides).name.removeprefix("one-")
     if (root / f"one-{tag}") not in _REFERENCES:
         _REFERENCES[root / f"one-{tag}"] = reference_run(
             root / f"one-{tag}", {**model_overrides(folder), **BALANCED, **(PER_SAMPLE if pipeline else {}), **model},
@@ -670,25 +677,33 @@ def trained(folders):
     return launch(root, {n: v for n, v in LAYOUTS.items() if n not in SLOW}, paths)
 
 
-def check(results: dict, folders: tuple, name: str) -> None:
+def check(results: dict, folders: tuple, name: str, launched: Path) -> None:
+    """The layout's losses and step-1 gradients, and its logged load-balancing loss (a mean over micro-batches of
+    the routers' losses over every layer: under a pipeline each stage logs its layers' share, summed over the stages),
+    against one process's: the same tolerance as the loss (:func:`assert_close_losses`), since the auxiliary loss too
+    is an fp32 mean over the micro-batch's tokens of values computed from parameters that drift alike."""
     paths, root = folders
     world, family, overrides = LAYOUTS[name]
     one = one_process(root, paths[family], family, overrides)
     assert_close_losses(results[name][0], one[0])
     assert_close_grads(results[name][1], one[1])
+    aux = [{r["step"]: r["aux_loss"] for r in read_records(folder) if "aux_loss" in r}
+           for folder in (launched / f"w{world}" / name, reference_folder(root, family, overrides))]
+    assert aux[1], "the reference logged no aux_loss"
+    assert_close_losses(*aux)
 
 
 @pytest.mark.slow  # one 2-rank launch (~25 s with the generation below): make test keeps the MoE unit tests
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in SLOW])
 def test_training_from_imported_weights_equals_one_process(trained, folders, name):
-    check(trained, folders, name)
+    check(trained, folders, name, folders[1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SLOW))
 def test_training_from_imported_weights_equals_one_process_slow(folders, name):
     paths, root = folders
-    check(launch(root / "slow" / name, {name: LAYOUTS[name]}, paths), folders, name)
+    check(launch(root / "slow" / name, {name: LAYOUTS[name]}, paths), folders, name, root / "slow" / name)
 
 
 @pytest.mark.slow  # needs the 2-rank launch above

@@ -63,6 +63,11 @@ class LayeredLM(nn.Module):
     is divided before backward (:class:`meshtrain.parallel.model.ReplicatedModel` sets it), 1 under a pipeline
     schedule, which divides the gradients afterwards."""
 
+    aux_history: list[torch.Tensor] | None = None
+    """Where a list, each training forward appends its auxiliary loss (detached): a pipeline's stages run their
+    micro-batches inside the schedule, and :class:`meshtrain.parallel.model.PipelineModel` reads them here for the
+    metrics; None (the default) records nothing."""
+
     init_seed: int
     cfg: ModelConfig
     vocab_size: int

@@ -173,8 +173,19 @@ class PipelineModel(ParallelModel):
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         x, y, positions, doc_ids = self.local(torch.cat([mb[0] for mb in micro_batches]),
                                               torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
-        with self.autocast:
-            loss = self.pipeline.step(x, y, positions, doc_ids)
+        parts = [getattr(part, "module", part) for part in self.pipeline.parts.values()]  # DDP wraps a chunk
+        for part in parts:  # each chunk's auxiliary losses of this step, one per micro-batch
+            part.aux_history = []
+        try:
+            with self.autocast:
+                loss = self.pipeline.step(x, y, positions, doc_ids)
+            n = self.pipeline.n_microbatches  # each chunk's last n: the first step's shape inference runs a forward too
+            history = [value for part in parts for value in part.aux_history[-n:]]
+        finally:
+            for part in parts:
+                part.aux_history = None
+        # this rank's chunks' share of the mean over micro-batches: the metrics' batch_mean sums it over the stages
+        self.aux_loss = torch.stack(history).sum() / n if history else None
         self.after_backward()
         return loss
 

@@ -221,7 +221,10 @@ class Llama(LayeredLM):
         mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
         for block in self.blocks.values():
             x = block(x, cos, sin, mask=mask)  # (B, T, C)
-        x = moe.attach_aux_loss(x, self.aux_loss(), self.aux_grad_scale)  # the routers' loss, through backward
+        aux = self.aux_loss()
+        if aux is not None and self.aux_history is not None and self.training:
+            self.aux_history.append(aux.detach())  # a pipeline stage's share, for the metrics
+        x = moe.attach_aux_loss(x, aux, self.aux_grad_scale)  # the routers' loss, through backward
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x))  # (B, T, V)

@@ -122,7 +122,8 @@ class GroupedExperts(nn.Module):
         rows each) -> (M, C)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dtype)
-        w_gate, w_up, w_down = (_ScaleGrad.apply(_local(w), self.grad_scale).to(dtype)
+        scale = self.grad_scale  # 1 without expert parallelism: no extra pass over the stacks' gradients
+        w_gate, w_up, w_down = ((_local(w) if scale == 1.0 else _ScaleGrad.apply(_local(w), scale)).to(dtype)
                                 for w in (self.w_gate, self.w_up, self.w_down))
         if self.grouped:
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
