@@ -106,6 +106,7 @@ CATALOGUE: list[tuple[str, list[str], str]] = [
     ("toml-key-outside-section", ["train", "{user}/flat.toml"], "'steps' in"),
     ("out-under-proc", [*TRAIN, "--out", "/proc/meshtrain-run"], "train.out_dir = '/proc/meshtrain-run' cannot be written"),
     ("out-is-a-file", [*TRAIN, "--out", "{user}/notes.txt"], "is a file, not a folder"),
+    ("out-dangling-symlink", [*TRAIN, "--out", "{user}/dangling"], "dangling' is a symbolic link to"),
     ("out-under-a-file", [*TRAIN, "--out", "{user}/notes.txt/run"], "which is a file: choose a folder path"),
     ("out-holds-a-run", [*TRAIN, "--out", "{run}"], "already holds a run (metrics.jsonl)"),
     ("out-holds-checkpoints", [*TRAIN, "--out", "{user}/only-checkpoints"], "already holds checkpoints"),
@@ -195,6 +196,7 @@ def user(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("user")
     train_here(folder / "run", **{"train.steps": "2"})
     (folder / "notes.txt").write_text("my notes\n")
+    (folder / "dangling").symlink_to(folder / "moved-away" / "run")  # --out at a link whose target is gone
     (folder / "taken.safetensors").write_bytes(b"not mine to overwrite")
     (folder / "broken.toml").write_text("[model\nn_layer = 4\n")
     (folder / "quoted.toml").write_text('[model]\nn_layer = "4"\n')
@@ -250,7 +252,8 @@ def _rerecord(step_folder: Path) -> None:
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+    """Size and mtime of everything under ``folder`` (a symbolic link's own, not its target's: one may dangle)."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 def documented_commands() -> list[tuple[str, str]]:

@@ -20,7 +20,8 @@ RUN = {"train.steps": "8", "train.log_interval": "4"}
 def choose(world: int, fixed: dict | None = None, **overrides: str):
     from meshtrain.launch.auto import choose_layout
 
-    return choose_layout(load_config(CONFIG, {**MODEL, **overrides}), world, world, 1, fixed or {})
+    # as `meshtrain train --layout auto` loads it: the schedule's rules on the split wait for the chosen layout
+    return choose_layout(load_config(CONFIG, {**MODEL, **overrides}, schedule=False), world, world, 1, fixed or {})
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -59,6 +60,18 @@ def test_command_line_layout_keys_are_pinned():
 def test_what_it_cannot_plan_is_one_config_error(overrides, fixed, needle):
     with pytest.raises(ConfigError, match=needle):
         choose(3 if "3 ranks" in needle else 4, fixed, **overrides)
+
+
+def test_a_pinned_pipeline_needs_no_accumulation_in_the_config():
+    """``--layout auto --pp 2`` on a config with gradient_accumulation_steps = 1 < pp: the config's global batch (its
+    micro_batch_size x 1 x dp) is kept and the planner splits it for the pipeline; without --layout auto the same
+    config is refused (the schedule needs a micro-batch per stage)."""
+    choice = choose(2, {"pp": 2}, **{"parallel.pp": "2"})
+    layout = choice.best.layout
+    assert layout.pp == 2 and layout.gradient_accumulation_steps >= 2
+    assert layout.micro_batch_size * layout.gradient_accumulation_steps * layout.dp == 12  # micro_batch_size 12 x 1 x 1
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps = 1 is below pp = 2"):
+        load_config(CONFIG, {**MODEL, "parallel.pp": "2"})
 
 
 def _auto_run(tmp_path, world: int, *extra: str):

@@ -52,6 +52,9 @@ def preflight(run: ResolvedRun) -> None:
                               f"'{out}' holds later checkpoints this run would save again ({saved[0]}"
                               f"{f' .. {saved[-1]}' if len(saved) > 1 else ''}): resume from the newest with --resume "
                               f"alone, or keep this one's run in another folder: --resume '{found}' --out NEW_FOLDER")
+    if out.is_symlink() and not out.exists():  # the ranks would fail to create it, after the launch
+        raise ConfigError(f"train.out_dir = '{out}' is a symbolic link to '{out.readlink()}', which does not exist: "
+                          f"create that folder, or choose another --out")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
     if (out / METRICS_FILE).exists() and not resuming_here:

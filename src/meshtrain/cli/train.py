@@ -76,7 +76,8 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> Config:
         overrides["train.out_dir"] = args.out
     if args.resume is not None:
         overrides["checkpoint.resume"] = args.resume
-    cfg = load_config(args.config, overrides)
+    # --layout auto chooses micro_batch_size and the accumulation steps: the config's need not fit a pinned pp yet
+    cfg = load_config(args.config, overrides, schedule=args.layout != "auto")
     if cfg.checkpoint.resume == "@out":
         cfg.checkpoint.resume = cfg.train.out_dir
     return cfg

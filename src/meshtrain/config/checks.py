@@ -71,16 +71,18 @@ def _is_base64(token: bytes) -> bool:
         return False
 
 
-def validate(cfg: Config) -> Config:
+def validate(cfg: Config, schedule: bool = True) -> Config:
     """Check every value and cross-field rule that needs no process group; return ``cfg``. Sections are checked
     in order (model, data, layout, optim, train, checkpoint), so the first violated rule is the one reported.
+    ``schedule=False`` leaves out the pipeline schedule's rules on the micro-batch split (``--layout auto`` chooses
+    the split of the global batch itself, then validates the whole config).
 
     Raises:
         ConfigError: the first violated rule, naming the key, the value and what is valid.
     """
     _validate_model(cfg)
     _validate_data(cfg)
-    _validate_layout(cfg)
+    _validate_layout(cfg, schedule)
     _validate_optim(cfg)
     _validate_train(cfg)
     c = cfg.checkpoint
@@ -121,7 +123,7 @@ def _validate_data(cfg: Config) -> None:
     tokenizer_kind(d.tokenizer)
 
 
-def _validate_layout(cfg: Config) -> None:
+def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     """The degrees (:func:`meshtrain.axes.degree_errors`), the batch split, what the trainer runs, what the
     family's heads allow, packing, the sync mode and the sequence split."""
     p, b = cfg.parallel, cfg.batch
@@ -130,7 +132,7 @@ def _validate_layout(cfg: Config) -> None:
     _require(b.micro_batch_size >= 1, f"batch.micro_batch_size = {b.micro_batch_size} must be >= 1")
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
-    _validate_support(cfg)
+    _validate_support(cfg, schedule)
     family(cfg.model.type).check_layout(cfg.model, p)
     _validate_packing(cfg)
     _validate_sync_mode(cfg)
@@ -199,7 +201,7 @@ def _validate_observability(cfg: Config) -> None:
              "train.tensorboard = true needs the tensorboard package: pip install 'meshtrain[tb]', or use false")
 
 
-def _validate_support(cfg: Config) -> None:
+def _validate_support(cfg: Config, schedule: bool = True) -> None:
     """Reject what the trainer cannot run (the table in :mod:`meshtrain.rules.support`)."""
     from meshtrain.rules.support import SUPPORTED as S, zero_stage_error
 
@@ -216,7 +218,7 @@ def _validate_support(cfg: Config) -> None:
     _require(p.pp_schedule in S.pp_schedules,
              f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
-    if p.pp > 1:
+    if p.pp > 1 and schedule:
         from meshtrain.parallel.pipeline.rules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
@@ -314,8 +316,9 @@ def _validate_shapes(cfg: Config) -> None:
                  f"block_size/{chunks} tokens of a sample; use a block_size that is a multiple of {chunks}")
 
 
-def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
-    """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config).
+def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tuple[int, int]:
+    """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config);
+    ``schedule=False`` leaves out the pipeline schedule's rules on the micro-batch split (as :func:`validate`).
 
     ``world_size = pp * dp * sp * tp`` (docs/architecture.md, mesh). With ``dp = -1``, dp fills the ranks left.
 
@@ -338,7 +341,7 @@ def resolve_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
     _require(p.dp in (-1, dp),
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} ({names} = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
-    if p.pp > 1:
+    if p.pp > 1 and schedule:
         from meshtrain.parallel.pipeline.rules import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,

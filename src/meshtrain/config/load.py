@@ -109,8 +109,10 @@ def set_key(cfg: Config, dotted: str, value: Any, from_text: bool = True) -> Non
     setattr(obj, key, _coerce(dotted, value, ftypes[key], from_text))
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Build a :class:`Config` from an optional TOML file, then apply ``overrides`` (``"section.key" -> value``).
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                schedule: bool = True) -> Config:
+    """Build a :class:`Config` from an optional TOML file, then apply ``overrides`` (``"section.key" -> value``);
+    ``schedule``: as :func:`validate`'s.
 
     Raises:
         ConfigError: missing/unparsable file, unknown keys, wrong types or impossible values
@@ -131,7 +133,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_key(cfg, dotted, value)
         given.add(dotted)
     apply_init_from(cfg.model, given)
-    validate(cfg)
+    validate(cfg, schedule)
     return cfg
 
 

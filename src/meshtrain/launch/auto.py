@@ -89,7 +89,7 @@ def config_global_batch(cfg: Config, world: int) -> int:
         ConfigError: the config's layout does not suit ``world`` ranks, so it names no global batch there.
     """
     try:
-        _, dp = resolve_world(cfg, world)
+        _, dp = resolve_world(cfg, world, schedule=False)  # the split is the planner's to choose
     except ConfigError as e:
         raise ConfigError(f"--layout auto keeps the config's global batch (micro_batch_size * "
                           f"gradient_accumulation_steps * dp), but the config's own layout names none on {world} "
