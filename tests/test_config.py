@@ -309,3 +309,20 @@ def test_bad_layouts_are_one_line_errors(overrides, message):
 ], ids=["tp4-seqpar", "ring-any-heads", "ulysses-x-tp"])
 def test_valid_tp_sp_layouts_are_accepted(overrides):
     load_config(None, overrides)
+
+
+def test_a_home_relative_out_and_resume_are_the_users_home(tmp_path, monkeypatch):
+    """``--out '~/run'`` (quoted, so the shell leaves the tilde) names ``$HOME/run`` for everything that uses it: the
+    config holds the expanded path, as for data.path and model.init_from (the run lock expanded it and the ranks did
+    not, so a run wrote ``./~/run`` while holding the lock of ``$HOME/run``); so does checkpoint.resume."""
+    from meshtrain import runlock
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, {"train.out_dir": "~/run", "checkpoint.resume": "~/old"})
+    assert cfg.train.out_dir == str(tmp_path / "run") and cfg.checkpoint.resume == str(tmp_path / "old")
+    lock = runlock.hold(cfg.train.out_dir)
+    try:
+        assert (tmp_path / "run").is_dir() and not (Path.cwd() / "~").exists()
+    finally:
+        lock.release()
+    assert load_config(None, {"checkpoint.resume": "@out"}).checkpoint.resume == "@out"

@@ -133,6 +133,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_key(cfg, dotted, value)
         given.add(dotted)
     apply_init_from(cfg.model, given)
+    # '~/x' (quoted in a shell, or in a config file) is the user's home, as for data.path and model.init_from: the
+    # run lock, the pre-launch checks and the ranks then all mean the same folder
+    if cfg.train.out_dir.startswith("~"):
+        cfg.train.out_dir = str(Path(cfg.train.out_dir).expanduser())
+    if cfg.checkpoint.resume.startswith("~"):
+        cfg.checkpoint.resume = str(Path(cfg.checkpoint.resume).expanduser())
     validate(cfg, schedule)
     return cfg
 
