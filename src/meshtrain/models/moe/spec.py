@@ -190,6 +190,14 @@ def qwen_moe_keys(hf: dict[str, Any], where: Any) -> dict[str, Any]:
                 num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm)
 
 
+def qwen_moe_config(m: Any, expert_width: int) -> dict[str, Any]:
+    """The experts' keys of a Qwen MoE ``config.json`` for the ``[model]`` section ``m``, the inverse of
+    :func:`qwen_moe_keys`: experts in every layer, router logits not returned."""
+    return dict(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+                router_aux_loss_coef=m.router_aux_loss_coef, moe_intermediate_size=expert_width, decoder_sparse_step=1,
+                mlp_only_layers=[], output_router_logits=False)
+
+
 def fused_prefix(present: Collection[str], fused: str) -> str | None:
     """``fused`` (``model.layers.{i}.mlp``, with ``{i}``) when the folder holds ``transformers`` 5's fused expert
     tensors (layer 0's ``gate_up_proj``), else None: per-expert tensors, the published form and what exports write."""

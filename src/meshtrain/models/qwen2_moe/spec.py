@@ -41,10 +41,8 @@ def write(m: Any, vocab_size: int) -> dict[str, Any]:
     config = llama.write(m, vocab_size, "Qwen2MoeForCausalLM", "qwen2_moe", use_sliding_window=False)
     for key in ("attention_bias", "mlp_bias"):  # fixed by the architecture
         config.pop(key)
-    config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
-                  router_aux_loss_coef=m.router_aux_loss_coef, moe_intermediate_size=config["intermediate_size"],
-                  shared_expert_intermediate_size=m.shared_expert_ffn, qkv_bias=True, decoder_sparse_step=1,
-                  mlp_only_layers=[], output_router_logits=False)
+    config.update(**moe.qwen_moe_config(m, config["intermediate_size"]),
+                  shared_expert_intermediate_size=m.shared_expert_ffn, qkv_bias=True)
     return config
 
 

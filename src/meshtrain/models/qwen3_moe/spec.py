@@ -33,10 +33,8 @@ def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
 def write(m: Any, vocab_size: int) -> dict[str, Any]:
     moe.check_exportable(m)
     config = qwen3.write(m, vocab_size)
-    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=m.num_experts,
-                  num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
-                  router_aux_loss_coef=m.router_aux_loss_coef, moe_intermediate_size=config["intermediate_size"],
-                  decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  **moe.qwen_moe_config(m, config["intermediate_size"]))
     return config
 
 
