@@ -266,12 +266,12 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
-    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
-                                        + expert_gemm_traffic_bytes(model, tokens / expert_fold(layout, fw), layout.ep, e))
     # A mixture of experts' MLP is not split by tp in meshtrain: every tp rank runs it on the same tokens (folded into
     # tp, each tp rank routes its own tokens/tp: Framework.expert_folding); the busiest expert rank's routed rows are
     # expert_imbalance times the mean
-    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), expert_fold(layout, fw)
+    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), fw.expert_fold(t)
+    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
+                                        + expert_gemm_traffic_bytes(model, tokens / fold, layout.ep, e))
     per_token = (dense_flops_per_token(model) - moe) / t + (moe + (model.expert_imbalance - 1) * routed) / fold
     dense = tokens * n * per_token / rate + n * layer_io
     attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
@@ -301,16 +301,12 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     return forward, 2 * forward + passes * recompute, gemm
 
 
-def expert_fold(layout: Layout, fw: Framework) -> int:
-    """How many tp ranks share one rank's tokens for the routed experts: tp with ``Framework.expert_folding``
-    (Megatron's parallel folding: each tp rank routes its own s/tp tokens), else 1 (meshtrain replicates them)."""
-    return layout.tp if fw.expert_folding else 1
-
-
-def ep_spans_nodes(layout: Layout, fw: Framework, devices_per_node: int) -> bool:
-    """Whether an ep group crosses a node boundary: its ``ep`` ranks sit at sp's stride (tp ranks apart) in
-    meshtrain, consecutively when folded into tp (``Framework.expert_folding``)."""
-    return layout.ep > devices_per_node if fw.expert_folding else layout.spans_nodes("ep", devices_per_node)
+def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
+    """Ranks of one ep group on a node (fewer than ``ep``: the group crosses nodes): its ``ep`` ranks sit at sp's
+    stride (tp ranks apart) in meshtrain, consecutively when folded into tp (``Framework.expert_folding``)."""
+    if fw.expert_folding:
+        return min(layout.ep, devices_per_node)
+    return layout.ranks_per_node("ep", devices_per_node)
 
 
 def recompute_passes(layout: Layout) -> int:
@@ -339,7 +335,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
     key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
-           ep_spans_nodes(layout, fw, hw.network.devices_per_node))
+           ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
     forward, backward, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
@@ -377,12 +373,10 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
     comm: dict[str, float] = defaultdict(float)  # by axis
-    for c in layer_collectives(model, layout, prec, expert_fold(layout, fw)):
+    for c in layer_collectives(model, layout, prec, fw.expert_fold(layout.tp)):
         if c.axis == "ep":  # an all-to-all: the peers on this rank's node over the node's link, the rest by NIC
-            spans = ep_spans_nodes(layout, fw, net.devices_per_node)
-            local = (min(layout.ep, net.devices_per_node) if fw.expert_folding
-                     else layout.ranks_per_node("ep", net.devices_per_node))
-            comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans, local)
+            local = ep_ranks_per_node(layout, fw, net.devices_per_node)
+            comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, local < layout.ep, local)
             continue
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
         comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
@@ -426,7 +420,8 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
     forward, the same two reversed in backward, and the forward's again under full recomputation (the per-expert
     counts exchanged first are E integers: latency only, left out). Dropless routing: the busiest rank receives
     ``expert_imbalance`` times the rows it sends, and every rank waits for it (:attr:`ModelSpec.expert_imbalance`).
-    ``expert_fold`` = tp where the framework folds ep into tp (each tp rank sends its own tokens/tp: :func:`expert_fold`).
+    ``expert_fold`` = tp where the framework folds ep into tp (each tp rank sends its own tokens/tp:
+    :meth:`Framework.expert_fold`).
     """
     full = recompute_passes(layout) if layout.recompute == "full" else 0
     ring_again = recompute_passes(layout)  # any recomputation runs ring attention's forward again

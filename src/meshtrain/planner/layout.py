@@ -277,6 +277,11 @@ class Framework:
         zero-bubble schedules, :func:`selective_runs`)."""
         return self.selective.startswith("op-level")
 
+    def expert_fold(self, tp: int) -> int:
+        """How many tp ranks share one rank's tokens for the routed experts: ``tp`` with :attr:`expert_folding`
+        (Megatron's parallel folding: each tp rank routes its own s/tp tokens), else 1 (meshtrain replicates them)."""
+        return tp if self.expert_folding else 1
+
     def grad_buckets(self, nbytes: float) -> int:
         """Number of zero_stage-0 all-reduces for ``nbytes`` of gradients (at least 1)."""
         first = min(self.grad_first_bucket_bytes, nbytes)

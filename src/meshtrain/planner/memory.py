@@ -137,7 +137,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     routed = s * b * (model.experts * 4 + model.experts_per_token * h * e) if model.experts else 0.0  # fp32 router
     # probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe); each tp
     # rank routes its own s/tp tokens where the framework folds ep into tp (Framework.expert_folding)
-    routed /= t if framework.expert_folding else 1
+    routed /= framework.expert_fold(t)
     sharded_seq = t if layout.tp_sequence_parallel else 1
     if recompute == "full":
         return s * b * h * e / sharded_seq
@@ -367,8 +367,7 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     # hold the same ones, the rest over dp*sp: either way 1/(dp*sp) of the whole stage (meshtrain.parallel.expert).
     # Folded into tp too (Framework.expert_folding), the experts' shards spread over tp*dp*sp ranks.
     sharded = _stage_params(model, layout.pp, layout.tp) / shard
-    if framework.expert_folding and model.experts:
-        sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / layout.tp) / shard
+    sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / framework.expert_fold(layout.tp)) / shard
     weights = sharded * precision.weight_bytes if z >= 3 else p * precision.weight_bytes
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
     # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)

@@ -99,8 +99,8 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         fitting_zeros = [z for z in zeros if states_fit is None or states_fit(tp, pp, dp * sp, z)]
         if not fitting_zeros:
             continue
-        folded = tp if framework.expert_folding else 1  # Megatron folds ep into the tp ranks too
-        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, dp * sp * folded),
+        batch = dp * sp * framework.expert_fold(tp)  # the ranks ep borrows: Megatron folds it into tp too
+        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, batch),
                                                      _model_splits(model, framework, fixed, dp, tp, pp, sp)):
             degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
