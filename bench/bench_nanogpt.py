@@ -39,6 +39,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_seeds  # noqa: E402
 from bench_moe import cpu_flags  # noqa: E402
@@ -111,32 +113,20 @@ def run_nanogpt(nanogpt: Path, work: Path, seed: int, steps: int, threads: int) 
     (out / "done").touch()
 
 
-class NanoLogits:
+class NanoLogits(torch.nn.Module):
     """nanoGPT's ``GPT`` called as meshtrain's models are: ids (B, T) -> logits (B, T, V) (nanoGPT returns every
     position's logits only when it is given targets)."""
 
     def __init__(self, model) -> None:
+        super().__init__()
         self.model = model
 
-    def __call__(self, x):
-        import torch
-
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x, torch.zeros_like(x))[0]
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def eval(self):
-        self.model.eval()
-
-    def train(self):
-        self.model.train()
 
 
 def nanogpt_model(nanogpt: Path, ckpt: Path):
     """nanoGPT's GPT with the weights of its checkpoint ``ckpt.pt``."""
-    import torch
-
     sys.path.insert(0, str(nanogpt))
     from model import GPT, GPTConfig
 
@@ -165,7 +155,6 @@ def nanogpt_result(nanogpt: Path, work: Path, seed: int, steps: int, data) -> di
 
 def copy_weights(theirs, ours) -> None:
     """nanoGPT's GPT weights into meshtrain's GPT (its fused ``c_attn`` rows q | k | v split; the head tied)."""
-    import torch
 
     src = theirs.state_dict()
     names = {"transformer.wte.weight": "tok_emb.weight", "transformer.wpe.weight": "pos_emb.weight",
@@ -194,7 +183,6 @@ def same_start(nanogpt: Path, steps: int, seed: int = 1337) -> list[list[float]]
     import math
 
     import numpy as np
-    import torch
 
     from meshtrain.config import load_config
     from meshtrain.models import build_model
@@ -292,7 +280,6 @@ def main() -> None:
         raise SystemExit(f"--nanogpt {args.nanogpt}: no train.py there; clone https://github.com/karpathy/nanoGPT")
     seeds = [int(s) for s in args.seeds.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
-    import torch
 
     torch.set_num_threads(1)
     equal = same_start(args.nanogpt, args.steps_equal)
