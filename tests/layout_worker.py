@@ -99,10 +99,10 @@ def reference_run(out: Path, overrides: dict[str, str], config: Path = CONFIG) -
 
 
 def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]],
-                   config: Path = CONFIG, worker: Path = Path(__file__)) -> dict[str, tuple]:
+                   config: Path = CONFIG, worker: Path = Path(__file__), results: bool = True) -> dict[str, tuple]:
     """Train every layout (name -> overrides of ``config``) on ``world`` gloo ranks in one torchrun launch into
-    ``root/NAME``; return {name: :func:`load_result`}. ``worker``: the script torchrun runs (this one, or
-    one that wraps its :func:`main`)."""
+    ``root/NAME``; return {name: :func:`load_result`} (``results=False``: {}, for a worker that writes other
+    files). ``worker``: the script torchrun runs (this one, or one that wraps its :func:`main`)."""
     spec = [{"out": str(root / name), "overrides": overrides, "config": str(config)}
             for name, overrides in layouts.items()]
     (root / "spec.json").write_text(json.dumps(spec))
@@ -112,7 +112,7 @@ def launch_layouts(world: int, root: Path, layouts: dict[str, dict[str, str]],
                           cwd=CONFIG.parents[1])
     first = proc.stderr.find("Traceback")  # the failing rank's own error, before its peers' follow-ups
     assert proc.returncode == 0, proc.stderr[max(first, 0):][:6000] + "\n...\n" + proc.stderr[-3000:]
-    return {name: load_result(root / name) for name in layouts}
+    return {name: load_result(root / name) for name in layouts} if results else {}
 
 
 def layout_launcher(tmp_path_factory, model: dict[str, str], layouts: dict[str, tuple[int, dict[str, str]]],

@@ -181,7 +181,12 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 """``train.recompute`` (:mod:`meshtrain.parallel.recompute`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 """``parallel.zero_stage``: 0 DDP, 1 sharded optimizer states, 2 and 3 FSDP2 (without / with resharding)."""
-SYNC_MODES = ("sync", "async", "local-sgd")
-"""``parallel.sync_mode``: gradients all-reduced every step, a parameter server, or local SGD."""
+SYNC_MODES = ("sync", "async", "local-sgd", "diloco")
+"""``parallel.sync_mode``: gradients all-reduced every step, a parameter server, local SGD, or DiLoCo (workers of
+any synchronous layout joined by an outer optimizer, :mod:`meshtrain.parallel.diloco`)."""
+OUTER_PRECISIONS = ("fp32", "bf16", "int8")
+"""``parallel.diloco_precision``: how DiLoCo's pseudo-gradients cross between workers (:mod:`meshtrain.parallel.diloco`)."""
+WORKER_MESH = "diloco"
+"""Name of the mesh dimension outside every axis whose ranks are DiLoCo's workers (:class:`meshtrain.mesh.ParallelDims`)."""
 STALE_POLICIES = ("drop", "wait")
 """``parallel.stale_policy`` of the parameter server."""

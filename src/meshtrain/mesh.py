@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtrain import axes
-from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, Axis
+from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis
 from meshtrain.config import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 
-__all__ = ["AXES", "Axis", "BATCH_MESH", "EXPERT_MESH", "EXPERT_REPLICA_MESH", "ParallelDims"]
+__all__ = ["AXES", "Axis", "BATCH_MESH", "EXPERT_MESH", "EXPERT_REPLICA_MESH", "WORKER_MESH", "ParallelDims"]
 RunDegrees = axes.degrees_dataclass("RunDegrees", "One resolved degree per axis (no -1).", defaults="none")
 
 
@@ -31,11 +32,17 @@ class ParallelDims(RunDegrees):
     the experts (the ``"ep"`` mesh), and the ``dp*sp/ep`` ranks at the same place in each such group hold the same
     experts (the ``"edp"`` mesh): torchtitan's and Megatron-Core's "parallel folding".
 
+    DiLoCo's ``workers`` (:mod:`meshtrain.parallel.diloco`) are a mesh dimension outside all axes (``"diloco"``):
+    worker ``w`` is ranks ``w*G .. (w+1)*G - 1`` with ``G = world_size / workers`` (one node each), and every axis,
+    ``dp`` included, is this worker's: ``dp`` here is the worker's data-parallel degree, the run's divided by
+    ``workers``, so that DDP, FSDP2, tp, pp and sp run inside one worker, unchanged.
+
     Raises:
-        ConfigError: a degree < 1, ``pp*dp*sp*tp != world_size``, or an ``ep`` that does not divide ``dp*sp``.
+        ConfigError: a degree < 1, ``workers*pp*dp*sp*tp != world_size``, or an ``ep`` that does not divide ``dp*sp``.
     """
 
     world_size: int
+    workers: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
     batch_mesh: DeviceMesh | None = field(default=None, repr=False)
     expert_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
@@ -43,9 +50,11 @@ class ParallelDims(RunDegrees):
     def __post_init__(self) -> None:
         if errors := axes.degree_errors(self, "parallel."):
             raise ConfigError(errors[0])
-        product = axes.world_size(self)
+        product = axes.world_size(self) * self.workers
         if product != self.world_size:
-            raise ConfigError(f"{axes.product_text(AXES, self)} = {product} must equal world_size = {self.world_size}")
+            workers = f"{self.workers} workers * " if self.workers > 1 else ""
+            raise ConfigError(f"{workers}{axes.product_text(AXES, self)} = {product} must equal world_size = "
+                              f"{self.world_size}")
         if self.batch_degree % self.ep:
             raise ConfigError(axes.expert_degree_error(self.ep, self.dp, self.sp))
 
@@ -79,8 +88,18 @@ class ParallelDims(RunDegrees):
         """Ranks that hold the same experts, ``dp * sp / ep`` (the ``"edp"`` mesh)."""
         return self.batch_degree // self.ep
 
+    @property
+    def worker_size(self) -> int:
+        """Ranks of one DiLoCo worker (all of them without DiLoCo)."""
+        return self.world_size // self.workers
+
+    def worker_of(self, rank: int) -> int:
+        """The DiLoCo worker of a global rank (0 without DiLoCo)."""
+        return rank // self.worker_size
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank (row-major over AXES)."""
+        """``{"pp": i, "dp": j, "sp": k, "tp": l}`` of a global rank inside its worker (row-major over AXES)."""
+        rank %= self.worker_size
         coords = {}
         for axis in reversed(AXES):
             coords[str(axis)] = rank % self.degree(axis)
@@ -91,8 +110,9 @@ class ParallelDims(RunDegrees):
         """Create (once) the 4-D ``DeviceMesh`` over all ranks of the default process group, and the
         derived 1-D ``"dp_sp"`` mesh (dp and sp flattened: the ranks that see different tokens)."""
         if self.mesh is None:
-            self.mesh = init_device_mesh(device_type, tuple(self.degree(a) for a in AXES),
-                                         mesh_dim_names=tuple(str(a) for a in AXES))
+            outer = ((self.workers,), (WORKER_MESH,)) if self.workers > 1 else ((), ())
+            self.mesh = init_device_mesh(device_type, (*outer[0], *(self.degree(a) for a in AXES)),
+                                         mesh_dim_names=(*outer[1], *(str(a) for a in AXES)))
             self.batch_mesh = self.mesh[tuple(map(str, BATCH_AXES))]._flatten(BATCH_MESH)
             if self.ep_enabled:  # (edp, ep): ep consecutive batch ranks split the experts
                 folded = self.batch_mesh._unflatten(0, (self.expert_replicas, self.ep),
@@ -100,13 +120,14 @@ class ParallelDims(RunDegrees):
                 self.expert_meshes = {EXPERT_MESH: folded[EXPERT_MESH], EXPERT_REPLICA_MESH: folded[EXPERT_REPLICA_MESH]}
             # DeviceMesh creates its groups with torch's default timeout (30 min for gloo), not the
             # default group's; give them the run's (torchtitan sets its mesh groups' timeouts the same way).
-            for group in {*(self.mesh.get_group(str(a)) for a in AXES), self.batch_mesh.get_group(),
+            for group in {*(self.mesh.get_group(name) for name in self.mesh.mesh_dim_names), self.batch_mesh.get_group(),
                           *(m.get_group() for m in self.expert_meshes.values())}:
                 dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
         return self.mesh
 
     def get_mesh(self, axis: Axis | str) -> DeviceMesh:
-        """The 1-D sub-mesh of ``axis`` (one of AXES, ``"dp_sp"``, or with ep > 1 ``"ep"`` and ``"edp"``).
+        """The 1-D sub-mesh of ``axis`` in this rank's worker (one of AXES, ``"dp_sp"``, with ep > 1 ``"ep"`` and
+        ``"edp"``), or with DiLoCo workers ``"diloco"``: the ranks at this rank's place in every worker.
 
         Raises:
             RuntimeError: before ``build_mesh``.
@@ -116,8 +137,8 @@ class ParallelDims(RunDegrees):
             raise RuntimeError("build_mesh() must be called before get_mesh()")
         if str(axis) in self.expert_meshes:
             return self.expert_meshes[str(axis)]
-        if str(axis) not in {str(a) for a in AXES} | {BATCH_MESH}:
-            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(map(str, AXES))}, {BATCH_MESH}"
+        if str(axis) not in {*self.mesh.mesh_dim_names, BATCH_MESH}:
+            raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(self.mesh.mesh_dim_names)}, {BATCH_MESH}"
                            f"{', ' + ', '.join(self.expert_meshes) if self.expert_meshes else ''}")
         return self.batch_mesh if str(axis) == BATCH_MESH else self.mesh[str(axis)]
 
@@ -125,8 +146,14 @@ class ParallelDims(RunDegrees):
         """Global ranks of every ``"dp_sp"`` group of the mesh (one per pp and tp coordinate): the ranks
         that average a gradient together. Needs ``build_mesh``."""
         batch = [AXES.index(a) for a in BATCH_AXES]
-        ranks = self.mesh.mesh.permute(*[i for i in range(len(AXES)) if i not in batch], *batch)  # (pp, tp, dp, sp)
+        ranks = self.stage_ranks().permute(*[i for i in range(len(AXES)) if i not in batch], *batch)  # (pp, tp, dp, sp)
         return ranks.reshape(-1, self.batch_degree).tolist()
+
+    def stage_ranks(self) -> torch.Tensor:
+        """The global ranks of the mesh as (pp, dp, sp, tp), DiLoCo's workers folded into dp. Needs ``build_mesh``."""
+        if self.workers == 1:
+            return self.mesh.mesh
+        return self.mesh.mesh.movedim(0, 1).flatten(1, 2)  # (workers, pp, dp, ...) -> (pp, workers * dp, ...)
 
     def rank_of(self, axis: Axis | str) -> int:
         """This process's coordinate on ``axis`` (0 without a process group)."""

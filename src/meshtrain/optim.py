@@ -51,8 +51,8 @@ def scaled_optim(cfg: OptimConfig, global_batch_size: int) -> OptimConfig:
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: Config, global_batch_size: int,
                     zero_group: ProcessGroup | None = None) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over ``params`` with weight decay on matrices only (norm weights and biases undecayed), and
-    its schedule, at the learning rate of ``global_batch_size`` (:func:`scaled_optim`).
+    """AdamW (``optim.name = "sgd"``: plain SGD, its weight decay an L2 term) over ``params`` with weight decay on
+    matrices only (norm weights and biases undecayed), and its schedule, at the learning rate of ``global_batch_size`` (:func:`scaled_optim`).
 
     With ``zero_group`` (``parallel.zero_stage = 1`` over DDP), torch's ``ZeroRedundancyOptimizer`` wraps
     the AdamW: each rank of the group keeps the states of its share of the parameters (about 1/n of
@@ -62,10 +62,13 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: Config, global_batch_si
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    kwargs = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), **adamw_kernels(params, optim)}
-    if zero_group is None:
-        optimizer = torch.optim.AdamW(groups, **kwargs)
+    if optim.name == "sgd":
+        kind, kwargs = torch.optim.SGD, {"lr": optim.lr}
     else:
-        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=zero_group, **kwargs)
+        kind, kwargs = torch.optim.AdamW, {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), **adamw_kernels(params, optim)}
+    if zero_group is None:
+        optimizer = kind(groups, **kwargs)
+    else:
+        optimizer = ZeroRedundancyOptimizer(groups, kind, process_group=zero_group, **kwargs)
     scheduler = LambdaLR(optimizer, lambda s: lr_at(s, optim, cfg.train.steps) / optim.lr)
     return optimizer, scheduler

@@ -29,7 +29,7 @@ from typing import Any
 
 from meshtrain import axes
 from meshtrain.batch_math import global_batch_size
-from meshtrain.config import Config, ConfigError, resolve_world, set_key, validate
+from meshtrain.config import Config, ConfigError, diloco_workers, resolve_world, set_key, validate
 
 FORMAT = "meshtrain-resolved-run"
 VERSION = 1
@@ -75,6 +75,12 @@ class ResolvedRun:
     def dp(self) -> int:
         """Data-parallel degree (parameter server: workers)."""
         return self.config.parallel.dp
+
+    @property
+    def workers(self) -> int:
+        """DiLoCo's workers (``sync_mode = "diloco"``: ``world_size / parallel.diloco_group``), else 1."""
+        p = self.config.parallel
+        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" else 1
 
     @property
     def degrees(self) -> dict[str, int]:

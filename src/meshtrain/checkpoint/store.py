@@ -227,8 +227,9 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
 
 
 def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any],
-         keep: int, group: dist.ProcessGroup | None = None) -> Path:
-    """Collectively save model + optimizer state and ``meta``; commit atomically; keep the newest ``keep``.
+         keep: int, group: dist.ProcessGroup | None = None, extra: Any = None) -> Path:
+    """Collectively save model + optimizer state (and ``extra``'s, :func:`state_to_save`) and ``meta``; commit
+    atomically; keep the newest ``keep``.
 
     Every rank of ``group`` (default: all) must call this, global rank 0 among them. Returns the
     committed step folder. (:class:`meshtrain.checkpoint.writer.Checkpoints` writes the same folders in the
@@ -238,7 +239,7 @@ def save(out_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, meta:
         FileExistsError: that step is already committed (nothing is overwritten).
     """
     tmp = begin_save(out_dir, step, group)
-    dcp.save(state_to_save(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    dcp.save(state_to_save(model, optimizer, extra), checkpoint_id=str(tmp), process_group=group)
     # every rank's files are in (DCP's save ends with a gather of every rank's write results)
     final = commit(out_dir, step, meta, file_digests(tmp) if dist.get_rank() == 0 else {}, keep)
     dist.barrier(group)
@@ -262,11 +263,20 @@ def begin_save(out_dir: Path, step: int, group: dist.ProcessGroup | None = None)
     return tmp
 
 
-def state_to_save(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+def state_to_save(model: nn.Module, optimizer: Optimizer, extra: Any = None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` as DCP saves it: tensors named by parameter name (:data:`OPTIONS`).
-    Collective for a ``ZeroRedundancyOptimizer`` (:func:`_as_adamw` gathers its shares)."""
+    Collective for a ``ZeroRedundancyOptimizer`` (:func:`_as_adamw` gathers its shares). ``extra``: an object
+    whose ``state_dict()`` gives more tensors named by parameter (DiLoCo's outer momentum,
+    :meth:`meshtrain.parallel.diloco.DiLoCo.state_dict`), saved under ``"outer"``."""
     model_sd, optim_sd = get_state_dict(model, _as_adamw(optimizer, gather=True), options=OPTIONS)
-    return {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd}
+    if extra is not None:
+        state[EXTRA] = extra.state_dict()
+    return state
+
+
+EXTRA = "outer"
+"""The checkpoint's key of the extra state (:func:`state_to_save`)."""
 
 
 def commit(out_dir: Path, step: int, meta: dict[str, Any], files: dict[str, dict[str, Any]], keep: int) -> Path:
@@ -285,13 +295,15 @@ def commit(out_dir: Path, step: int, meta: dict[str, Any], files: dict[str, dict
 
 
 def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None,
-         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+         group: dist.ProcessGroup | None = None, extra: Any = None) -> dict[str, Any]:
     """Collectively (over ``group``, default all ranks) load a committed checkpoint into ``model`` (and
     ``optimizer``), resharding as needed.
 
     ``aliases`` maps a parameter name to another one holding the same tensor in a checkpoint of another
     layout: a pipeline's head copy of the tied embedding (``lm_head.weight``) reads the optimizer state
-    that a one-stage run saved under ``tok_emb.weight``. Returns the checkpoint's ``meta.json`` contents.
+    that a one-stage run saved under ``tok_emb.weight``. ``extra``: what :func:`state_to_save` saved of it is
+    given to its ``load_state_dict`` (the names the checkpoint holds; none from a run without it). Returns the
+    checkpoint's ``meta.json`` contents.
     """
     read_metadata(ckpt)  # a crafted or broken .metadata is one ConfigError here, not an error inside DCP's load
     if optimizer is None:
@@ -306,7 +318,14 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
+        if extra is not None:
+            stored = set(read_metadata(ckpt).state_dict_metadata)
+            wanted = {k: k if f"{EXTRA}.{k}" in stored else (aliases or {}).get(k) for k in extra.state_dict()}
+            wanted = {k: stored_as for k, stored_as in wanted.items() if f"{EXTRA}.{stored_as}" in stored}
+            state[EXTRA] = {stored_as: extra.state_dict()[k] for k, stored_as in wanted.items()}
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
+        if extra is not None:
+            extra.load_state_dict({k: state[EXTRA][stored_as] for k, stored_as in wanted.items()})
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
@@ -325,7 +344,7 @@ def _as_adamw(optimizer: Optimizer, gather: bool) -> Optimizer:
     receives the others' shares, so the save holds the whole state on every rank for a moment)."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
-    plain = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in optimizer.param_groups])
+    plain = optimizer._optim_constructor([{**g, "params": list(g["params"])} for g in optimizer.param_groups])
     if gather:
         for rank in range(optimizer.world_size):  # each call gathers onto one rank (and clears the others')
             optimizer.consolidate_state_dict(to=rank)

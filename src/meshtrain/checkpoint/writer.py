@@ -69,8 +69,10 @@ class Checkpoints:
         """The step whose background write is not committed yet, or None."""
         return self.pending.step if self.pending else None
 
-    def save(self, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any]) -> Path | None:
-        """Checkpoint model + optimizer state with ``meta`` (``meta.json`` without ``step`` and ``files``).
+    def save(self, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any],
+             extra: Any = None) -> Path | None:
+        """Checkpoint model + optimizer state (and ``extra``'s, :func:`meshtrain.checkpoint.store.state_to_save`)
+        with ``meta`` (``meta.json`` without ``step`` and ``files``).
 
         Blocking: returns the committed step folder. Asynchronous: first waits for the save in flight and
         commits it, then stages this step's state to CPU memory and returns None while the background
@@ -81,10 +83,11 @@ class Checkpoints:
             OSError, RuntimeError: the previous background write failed (:meth:`wait`).
         """
         if self.group is None:
-            return ckpt.save(self.out_dir, step, model, optimizer, meta, keep=self.keep)
+            return ckpt.save(self.out_dir, step, model, optimizer, meta, keep=self.keep, extra=extra)
         self.wait()
         tmp = ckpt.begin_save(self.out_dir, step)
-        written = dcp.async_save(ckpt.state_to_save(model, optimizer), checkpoint_id=str(tmp), process_group=self.group)
+        written = dcp.async_save(ckpt.state_to_save(model, optimizer, extra), checkpoint_id=str(tmp),
+                                 process_group=self.group)
         self.pending = _Pending(step, meta, self.pool.submit(_manifest, written, tmp, dist.get_rank() == 0))
         return None
 

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         nproc = args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
+    if cfg.parallel.sync_mode == "diloco" and cfg.parallel.diloco_group == 0:
+        cfg.parallel.diloco_group = nproc  # one worker per node
     if args.layout == "auto":
         from meshtrain.launch import auto
 

@@ -8,9 +8,11 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  llama n_kv_head, head_dim, ffn_hidden, rope_*, tie_embeddings, ...; lstm/gru tbptt_steps)
     [data]       path, val_fraction, tokenizer, packing
     [parallel]   dp, tp, pp, sp, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages, tp_sequence_parallel, sync_mode,
-                 local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy
+                 local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness, hierarchical_allreduce, stale_policy,
+                 diloco_group, diloco_inner_steps, outer_lr, outer_momentum, diloco_fragments, diloco_delay,
+                 diloco_alpha, diloco_precision
     [batch]      micro_batch_size, gradient_accumulation_steps
-    [optim]      lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
+    [optim]      name, lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling, reference_batch_size
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
                  max_nonfinite_steps, collective_timeout_s, tensorboard, profile_steps
     [checkpoint] interval, keep, resume, allow_batch_change, async_save
@@ -21,7 +23,8 @@ key, the value and what would be valid.
 
 from __future__ import annotations
 
-from meshtrain.config.checks import MAX_MODEL_SIZE, MAX_SEED, MAX_TIMEOUT_S, resolve_world, tokenizer_kind, validate
+from meshtrain.config.checks import (MAX_MODEL_SIZE, MAX_SEED, MAX_TIMEOUT_S, diloco_workers, resolve_world,
+                                     tokenizer_kind, validate)
 from meshtrain.config.load import (SAVED_KEYS, SHORT_FLAGS, apply_init_from, check_saved_config, load_config,
                                    parse_overrides, read_toml, require_regular_file, set_key)
 from meshtrain.config.sections import (BUNDLED_CORPUS, COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS,
@@ -34,4 +37,4 @@ __all__ = ["BUNDLED_CORPUS", "COMPILES", "COMPUTE_DTYPES", "HF_TOKENIZER_FILE", 
            "MAX_SEED", "MAX_TIMEOUT_S", "PACKINGS", "RECOMPUTES", "SAVED_KEYS", "SHORT_FLAGS", "TOKENIZER_KINDS",
            "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "TrainConfig", "apply_init_from", "check_saved_config", "load_config", "parse_overrides",
-           "read_toml", "require_regular_file", "resolve_world", "set_key", "tokenizer_kind", "validate"]
+           "diloco_workers", "read_toml", "require_regular_file", "resolve_world", "set_key", "tokenizer_kind", "validate"]

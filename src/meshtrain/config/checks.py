@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtrain import axes
-from meshtrain.axes import REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors, expert_degree_error
-from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS, PACKINGS, RECOMPUTES,
-                                       Config, ParallelConfig)
+from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors,
+                           expert_degree_error)
+from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS, OPTIMIZERS, PACKINGS,
+                                       RECOMPUTES, Config, ParallelConfig)
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import attention_families, check_model, expert_families, family
@@ -142,6 +143,7 @@ def _validate_layout(cfg: Config, schedule: bool = True) -> None:
 def _validate_optim(cfg: Config) -> None:
     """AdamW's and the schedule's values, and the learning-rate scaling rule."""
     o = cfg.optim
+    _require(o.name in OPTIMIZERS, f"optim.name = {o.name!r} is not valid: use one of {', '.join(OPTIMIZERS)}")
     _require(o.lr > 0, f"optim.lr = {o.lr} must be > 0")
     _require(0 <= o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must be >= 0")
@@ -274,13 +276,59 @@ def _validate_sync_mode(cfg: Config) -> None:
         _require(p.sync_mode == "sync" and p.zero_stage == 0 and p.tp == 1,
                  f"parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce: it needs sync_mode = "
                  f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
-    if p.sync_mode == "sync":
+    if p.sync_mode == "diloco":
+        _validate_diloco(p)
+    if p.sync_mode in ("sync", "diloco"):
         return
     for key, value in ((str(a), axes.degree(p, a)) for a in REPLICA_AXES):
         _require(value == 1, f"parallel.{key} = {value} cannot be combined with parallel.sync_mode = "
                              f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
     _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
                                 f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
+
+
+def _validate_diloco(p: ParallelConfig) -> None:
+    """DiLoCo's own keys; inside a worker every synchronous layout runs, so only what replaces the cross-worker
+    exchange is refused (the hierarchical all-reduce; ep, whose all-to-all would span workers)."""
+    _require(p.diloco_group >= 0, f"parallel.diloco_group = {p.diloco_group} must be >= 0 (0 = the ranks of one node)")
+    _require(p.diloco_inner_steps >= 1, f"parallel.diloco_inner_steps = {p.diloco_inner_steps} must be >= 1")
+    _require(p.outer_lr > 0, f"parallel.outer_lr = {p.outer_lr} must be > 0")
+    _require(0 <= p.outer_momentum < 1, f"parallel.outer_momentum = {p.outer_momentum} must be in [0, 1)")
+    _require(p.diloco_fragments >= 1, f"parallel.diloco_fragments = {p.diloco_fragments} must be >= 1")
+    _require(p.diloco_inner_steps % p.diloco_fragments == 0,
+             f"parallel.diloco_inner_steps = {p.diloco_inner_steps} is not divisible by parallel.diloco_fragments = "
+             f"{p.diloco_fragments}: a fragment syncs every H/F steps; use an H that is a multiple of F")
+    every = p.diloco_inner_steps // p.diloco_fragments
+    _require(0 <= p.diloco_delay < every,
+             f"parallel.diloco_delay = {p.diloco_delay} must be in [0, H/F = {every}): a fragment's exchange must "
+             f"land before the next fragment's starts")
+    _require(0 <= p.diloco_alpha < 1, f"parallel.diloco_alpha = {p.diloco_alpha} must be in [0, 1)")
+    _require(p.diloco_precision in OUTER_PRECISIONS, f"parallel.diloco_precision = {p.diloco_precision!r} is not "
+                                                     f"valid: use one of {', '.join(OUTER_PRECISIONS)}")
+    _require(not p.hierarchical_allreduce, "parallel.hierarchical_allreduce = true cannot be combined with "
+                                           "parallel.sync_mode = 'diloco' (its outer step is the cross-node exchange): "
+                                           "use false")
+    _require(p.ep == 1, f"parallel.ep = {p.ep} cannot be combined with parallel.sync_mode = 'diloco': use ep = 1")
+
+
+def diloco_workers(p: ParallelConfig, world_size: int) -> int:
+    """DiLoCo's workers on ``world_size`` ranks: ``world_size / diloco_group`` (``diloco_group`` resolved, >= 1).
+
+    Raises:
+        ConfigError: the group does not divide the ranks, holds no whole replica (pp*sp*tp), or leaves one worker.
+    """
+    group, inner = p.diloco_group, axes.replica_size(p)
+    names = axes.product_text(REPLICA_AXES)
+    _require(world_size % group == 0, f"parallel.diloco_group = {group} ranks per worker does not divide the "
+                                      f"{world_size} ranks: use a divisor of {world_size}")
+    _require(group % inner == 0, f"parallel.diloco_group = {group} is not a multiple of {names} = {inner}: a "
+                                 f"worker holds whole replicas; use a multiple of {inner}")
+    workers = world_size // group
+    smaller = [g for g in range(inner, world_size // 2 + 1, inner) if world_size % g == 0]
+    _require(workers >= 2, f"parallel.sync_mode = 'diloco' needs >= 2 workers, got {world_size} ranks in groups of "
+                           f"{group}: " + (f"set parallel.diloco_group to one of {', '.join(map(str, smaller))}"
+                                           if smaller else f"use --nproc {2 * group} or more"))
+    return workers
 
 
 def _validate_packing(cfg: Config) -> None:
@@ -329,11 +377,15 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
     if p.sync_mode == "async":
         return _resolve_async_world(p, nproc)
     inner, names = axes.replica_size(p), axes.product_text(REPLICA_AXES)
+    if nproc is None and p.sync_mode == "diloco" and p.dp == -1 and p.diloco_group >= 1:
+        nproc = 2 * p.diloco_group  # two workers
     if nproc is None:
         dp = 1 if p.dp == -1 else p.dp
         if p.sync_mode == "local-sgd":
             dp = max(dp, 2)
-        return dp * inner, dp
+        if p.sync_mode != "diloco":
+            return dp * inner, dp
+        nproc = dp * inner
     _require(nproc >= 1, f"--nproc = {nproc} must be >= 1")
     _require(nproc % inner == 0,
              f"--nproc = {nproc} is not divisible by {names} = {inner}: use a multiple of {inner}")
@@ -351,6 +403,10 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
         raise ConfigError(expert_degree_error(p.ep, dp, p.sp))
     _require(p.sync_mode != "local-sgd" or dp >= 2,
              f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
+    if p.sync_mode == "diloco":
+        _require(p.diloco_group >= 1, "parallel.diloco_group = 0 (one node per worker) is resolved by meshtrain "
+                                      "train from --nproc; set it to the ranks of one worker")
+        diloco_workers(p, nproc)
     return nproc, dp
 
 

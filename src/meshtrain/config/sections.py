@@ -19,6 +19,8 @@ COMPILES = ("auto", "on", "off")
 RECOMPUTES = SUPPORTED.recompute
 LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch_math.scaled_lr`)."""
+OPTIMIZERS = ("adamw", "sgd")
+"""``optim.name`` values (:func:`meshtrain.optim.build_optimizer`)."""
 PACKINGS = ("concat", "document")
 """``data.packing`` values (:mod:`meshtrain.data.packing`)."""
 TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
@@ -74,8 +76,10 @@ class ParallelConfig(ParallelDegrees):
     """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
     sync_mode: str = "sync"
     """How dp replicas combine their work: "sync" (gradients all-reduced every step), "local-sgd" (each
-    replica steps alone, parameters averaged every ``local_sgd_steps``) or "async" (a parameter server,
-    :mod:`meshtrain.parallel.async_ps`)."""
+    replica steps alone, parameters averaged every ``local_sgd_steps``), "async" (a parameter server,
+    :mod:`meshtrain.parallel.async_ps`) or "diloco" (workers of ``diloco_group`` ranks, each a synchronous
+    layout, take ``diloco_inner_steps`` alone, then an outer Nesterov step on their averaged pseudo-gradient,
+    :mod:`meshtrain.parallel.diloco`)."""
     local_sgd_steps: int = 4
     """local-sgd: optimizer steps between two parameter averages (H of Lin et al. 2020)."""
     local_sgd_warmup: int = 0
@@ -87,6 +91,23 @@ class ParallelConfig(ParallelDegrees):
     hierarchical_allreduce: bool = False
     """Reduce gradients inside each node first, then across nodes between one rank per node, then
     broadcast inside the node (:mod:`meshtrain.parallel.hierarchical`); DDP (zero_stage 0, tp 1) only."""
+    diloco_group: int = 0
+    """diloco: ranks per worker (a multiple of pp*sp*tp that divides the world); 0 = the ranks of one node (``--nproc``)."""
+    diloco_inner_steps: int = 8
+    """diloco: H, inner optimizer steps between two outer steps of a fragment (Douillard et al. 2023)."""
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer Nesterov SGD (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """diloco: momentum of the outer SGD (Nesterov; 0 = plain SGD)."""
+    diloco_fragments: int = 1
+    """diloco: F, contiguous groups of blocks synced in turn, one every H/F steps (Streaming DiLoCo); 1 = all at once."""
+    diloco_delay: int = 0
+    """diloco: tau, inner steps a fragment's outer all-reduce overlaps before it is applied (Streaming DiLoCo); < H/F."""
+    diloco_alpha: float = 0.0
+    """diloco: mixing, local <- alpha * local + (1 - alpha) * outer weights after a fragment's outer step (0 = replace)."""
+    diloco_precision: str = "fp32"
+    """diloco: how the pseudo-gradients cross between workers: "fp32", "bf16" (all-reduce in bf16) or "int8"
+    (each worker's quantized per row, all-gathered, averaged in fp32)."""
     stale_policy: str = "drop"
     """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
     wait for parameters so that no gradient is ever too stale)."""
@@ -102,8 +123,10 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """The optimizer: "adamw", or "sgd" (plain SGD, no momentum, the same schedule and weight decay as L2)."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW, reached after ``warmup_steps``."""
+    """Peak learning rate, reached after ``warmup_steps``."""
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay; <= lr."""
     warmup_steps: int = 100

@@ -14,7 +14,9 @@ order (docs/architecture.md, "Layers"):
    ``"edp"`` ranks that hold the same ones); optionally with DDP's
    all-reduce made hierarchical (:mod:`meshtrain.parallel.hierarchical`). Local SGD and the parameter
    server replace this all-reduce altogether (:mod:`meshtrain.parallel.local_sgd`,
-   :mod:`meshtrain.parallel.async_ps`).
+   :mod:`meshtrain.parallel.async_ps`);
+6. DiLoCo's outer loop -- :class:`meshtrain.parallel.diloco.DiLoCo`: with workers, 1-5 run inside each worker and
+   the workers exchange pseudo-gradients every H steps over the ``"diloco"`` mesh.
 
 Dropout streams are set up after tp and sp (:mod:`meshtrain.parallel.rng`), since sp replaces the
 attention modules whose dropout runs on the per-tp-rank stream. No strategy module imports another.
@@ -39,8 +41,9 @@ from collections.abc import Callable
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError, ParallelConfig
 from meshtrain.data.packing import pack_documents
-from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, Axis, ParallelDims
+from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis, ParallelDims
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
+from meshtrain.parallel.diloco import DiLoCo
 from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_gradients
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
@@ -81,13 +84,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
         pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
                                         document_masking=eos is not None, **blockwise)
-        return PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast, compiled=compiled,
-                             after_backward=_expert_sync([pipeline.model], dims, p))
-    model = parallelize_model(model, dims, p, **blockwise)
-    local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
-                 if p.sync_mode == "local-sgd" else None)
-    return ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync, compiled=compiled,
-                           local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
+        parallel: ParallelModel = PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast,
+                                                compiled=compiled, after_backward=_expert_sync([pipeline.model], dims, p))
+    else:
+        model = parallelize_model(model, dims, p, **blockwise)
+        local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
+                     if p.sync_mode == "local-sgd" else None)
+        parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
+                                   compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
+    if dims.workers > 1:
+        parallel.outer = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer,
+                                p.diloco_inner_steps, p.outer_lr, p.outer_momentum, p.diloco_fragments, p.diloco_delay,
+                                p.diloco_alpha, p.diloco_precision)
+    return parallel
 
 
 def _set_balance_group(model: nn.Module, dims: ParallelDims) -> None:
@@ -190,7 +199,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
     parts = [_data_parallel(part, dims, cfg) for part in parts]
     _maybe_hierarchical(dims, cfg, parts)
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
-                    embedding_group(dims.mesh.mesh, cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
+                    embedding_group(dims.stage_ranks(), cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
                     next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,
                     hidden_seq_divisor=dims.tp if cfg.tp_sequence_parallel else 1, document_masking=document_masking)
 

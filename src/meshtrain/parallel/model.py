@@ -55,6 +55,10 @@ class ParallelModel:
         """Called once a step's gradients are accumulated, before they are clipped: the experts' gradient
         reduction of expert parallelism (:func:`meshtrain.parallel.expert.sync_expert_gradients`), or nothing."""
 
+    outer: Any = None
+    """DiLoCo's outer loop (:class:`meshtrain.parallel.diloco.DiLoCo`), or None: set by
+    :func:`meshtrain.parallel.parallelize` with ``sync_mode = "diloco"``."""
+
     aux_loss: torch.Tensor | None = None
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
     micro-batches, or None: a model without one, or a pipeline (each stage holds part of it)."""
@@ -84,13 +88,21 @@ class ParallelModel:
             if hasattr(module, "update_bias"):
                 module.update_bias()
 
-    def consolidate(self) -> None:
-        """Make the replicas hold the same parameters before a checkpoint (they always do, but under local SGD)."""
+    def end_step(self, step: int) -> None:
+        """Called after optimizer step ``step`` (1-based) on every rank, updated or skipped: DiLoCo's outer steps."""
+        if self.outer is not None:
+            self.outer.after_step(step)
+
+    def consolidate(self, step: int) -> None:
+        """Make the replicas hold the same parameters before a checkpoint after step ``step`` (they always do, but
+        under local SGD and DiLoCo)."""
+        if self.outer is not None:
+            self.outer.consolidate(step)
 
     def report(self, out_dir: Path, skip_steps: int) -> dict[str, Any]:
-        """Layout-specific entries of the run's summary (the pipeline's bubble); ``skip_steps`` warm-up steps
-        are left out of timings."""
-        return {}
+        """Layout-specific entries of the run's summary (the pipeline's bubble, DiLoCo's exchanges); ``skip_steps``
+        warm-up steps are left out of timings."""
+        return {} if self.outer is None else {"diloco": self.outer.report()}
 
 
 class ReplicatedModel(ParallelModel):
@@ -154,7 +166,8 @@ class ReplicatedModel(ParallelModel):
         if self.local_sgd is not None:
             self.replicas_equal = self.local_sgd.after_step(self.model.parameters())
 
-    def consolidate(self) -> None:
+    def consolidate(self, step: int) -> None:
+        super().consolidate(step)
         if not self.replicas_equal:  # local SGD between two averages: save the replicas' mean model
             self.local_sgd.average_now(self.model.parameters())
             self.replicas_equal = True
@@ -203,4 +216,5 @@ class PipelineModel(ParallelModel):
                                uncounted=self.pipeline.head_copy())
 
     def report(self, out_dir: Path, skip_steps: int) -> dict[str, Any]:
-        return {"pp": self.dims.pp, "pipeline": self.pipeline.report(out_dir, skip_steps)}
+        return {**super().report(out_dir, skip_steps), "pp": self.dims.pp,
+                "pipeline": self.pipeline.report(out_dir, skip_steps)}

@@ -48,7 +48,8 @@ def local_value(value: torch.Tensor) -> torch.Tensor:
 
 
 def batch_mean(value: torch.Tensor, dims: ParallelDims) -> float:
-    """Mean of a per-rank scalar over the ``"dp_sp"`` ranks (gloo has no AVG, so SUM / (dp*sp)).
+    """Mean of a per-rank scalar over the ``"dp_sp"`` ranks (gloo has no AVG, so SUM / (dp*sp)); with DiLoCo's
+    workers, over this worker's (:func:`worker_mean` then averages over workers).
 
     With pp > 1 only the last stage has a loss: the other stages pass 0 and the value is first summed
     over the pipeline, so that every rank (the logging one included) gets the last stage's."""
@@ -58,6 +59,15 @@ def batch_mean(value: torch.Tensor, dims: ParallelDims) -> float:
     if dims.batch_degree > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(BATCH_MESH).get_group())
     return float(value) / dims.batch_degree
+
+
+def worker_mean(value: float, dims: ParallelDims) -> float:
+    """Mean of a per-worker value over DiLoCo's workers (``value`` itself without them)."""
+    if dims.workers == 1:
+        return value
+    total = torch.tensor(value, dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dims.get_mesh("diloco").get_group())
+    return float(total) / dims.workers
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -37,7 +37,7 @@ from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes
 from meshtrain.models.hf import load_hf_weights
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
-from meshtrain.parallel.reduce import batch_mean
+from meshtrain.parallel.reduce import batch_mean, worker_mean
 from meshtrain.parallel.rng import seed_step
 from meshtrain.profiling import StepProfiler
 from meshtrain.resolved import ResolvedRun, config_of, for_world
@@ -65,8 +65,8 @@ class Trainer:
         self.rank, world = init_distributed(backend, timeout)
         self.resolved = for_world(run, world)
         self.cfg = cfg = self.resolved.config
-        dp = self.resolved.dp
-        self.dims = ParallelDims(**self.resolved.degrees, world_size=world)
+        dp, workers = self.resolved.dp, self.resolved.workers  # dp: every worker's replicas together
+        self.dims = ParallelDims(**{**self.resolved.degrees, "dp": dp // workers}, world_size=world, workers=workers)
         self.dims.build_mesh(self.device.type)
         self.world_ranks = list(range(world))
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
@@ -80,7 +80,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
-        dp_rank = self.dims.rank_of(Axis.DP)
+        dp_rank = self.dims.worker_of(self.rank) * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'
         corpus = self.setup.corpus
         self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
                                       b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
@@ -88,6 +88,8 @@ class Trainer:
                                 dp, dp_rank, cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
+        if self.parallel.outer is not None:
+            self.parallel.outer.start(self.start_step)  # the outer weights: the model as it starts
         c = cfg.checkpoint
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         if self.start_step == 0 and cfg.model.init_from:
@@ -102,7 +104,8 @@ class Trainer:
         if path is None:
             return 0
         meta = ckpt.load(path, self.model, self.optimizer,
-                         aliases={"lm_head.weight": "tok_emb.weight"})  # the tied weight, by its first name
+                         aliases={"lm_head.weight": "tok_emb.weight"},  # the tied weight, by its first name
+                         extra=self.parallel.outer)
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.rank == 0:
@@ -118,8 +121,9 @@ class Trainer:
         return self.parallel.forward_backward(micro_batches)
 
     def evaluate(self) -> float:
-        """Mean val loss over every token of the validation set (all dp and sp ranks)."""
-        return batch_mean(self.parallel.evaluate(self.val) / len(self.val), self.dims)
+        """Mean val loss over every token of the validation set (all dp and sp ranks; DiLoCo: of every worker's
+        model on its share, the mean over workers)."""
+        return worker_mean(batch_mean(self.parallel.evaluate(self.val) / len(self.val), self.dims), self.dims)
 
     def clip_gradients(self) -> float:
         """Clip to ``optim.grad_clip`` by the norm over every rank's gradients; return the norm."""
@@ -134,10 +138,10 @@ class Trainer:
         (``wait``: wait for that write and commit it). A step whose write is in flight is not saved twice."""
         saved = None
         if self.checkpoints.in_flight != step:
-            self.parallel.consolidate()
+            self.parallel.consolidate(step)
             meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
                                    self.sampler.global_batch_size, scheduler=self.scheduler.state_dict())
-            saved = self.checkpoints.save(step, self.model, self.optimizer, meta)
+            saved = self.checkpoints.save(step, self.model, self.optimizer, meta, extra=self.parallel.outer)
         return saved or (self.checkpoints.wait() if wait else None)
 
     def run(self) -> dict[str, Any]:
@@ -175,6 +179,9 @@ class Trainer:
                     self.parallel.after_optimizer_step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
+                if self.parallel.outer is not None:
+                    enter_phase(f"step {step}: DiLoCo's outer step", self.world_ranks)
+                self.parallel.end_step(step)
                 nonfinite = 0 if finite else nonfinite + 1
                 dt = time.perf_counter() - t0
                 if step > self.start_step + TIMING_WARMUP_STEPS:

@@ -1,0 +1,65 @@
+"""Train DiLoCo runs in one process group and record every worker's loss of every inner step:
+``torchrun --nproc-per-node N tests/diloco_worker.py SPEC.json`` (``SPEC.json`` as :mod:`layout_worker`'s).
+
+``meshtrain train`` logs the first worker's loss; this records each worker's (the mean over its dp x sp ranks,
+as the trainer computes it) into ``OUT/worker_losses.json``: ``{worker: [loss of step 1, step 2, ...]}``,
+written by the first rank of each worker. The run itself is :class:`meshtrain.train.loop.Trainer`'s, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.config import load_config
+from meshtrain.parallel.reduce import batch_mean
+from meshtrain.train.loop import Trainer
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
+LOSSES_FILE = "worker_losses.json"
+
+
+class RecordingTrainer(Trainer):
+    """The trainer, keeping this worker's mean loss of every step."""
+
+    def forward_backward(self, micro_batches):
+        local = super().forward_backward(micro_batches)
+        self.losses.append(batch_mean(local, self.dims))  # a collective of this worker's ranks, as the loop's
+        return local
+
+
+def run(entry: dict) -> None:
+    out = Path(entry["out"])
+    cfg = load_config(Path(entry.get("config", CONFIG)), {**entry["overrides"], "train.out_dir": str(out)})
+    trainer = RecordingTrainer(cfg)
+    trainer.losses = []
+    trainer.run()
+    worker, first = trainer.dims.worker_of(trainer.rank), trainer.rank % trainer.dims.worker_size == 0
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, (worker, trainer.losses) if first else None)
+    if trainer.rank == 0:
+        (out / LOSSES_FILE).write_text(json.dumps({w: losses for w, losses in filter(None, records)}))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        for entry in spec:
+            run(entry)
+            dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""DiLoCo and Streaming DiLoCo (``parallel.sync_mode = "diloco"``) equal what their papers say they compute.
+
+- With inner SGD, H = 1, outer lr 1 and no momentum, an outer step is the mean of the workers' SGD steps: one
+  synchronous data-parallel step. Checked against one process (the contract of docs/architecture.md).
+- Otherwise every worker's loss of every inner step, and the outer weights at the end, equal a one-process
+  simulation of the same workers written here from the papers' algorithms (Douillard et al. 2023,
+  arXiv:2311.08105, Algorithm 1; Douillard et al. 2025, arXiv:2501.18512, Algorithm 2), each worker a model copy
+  with its own AdamW on its own samples -- 4 workers x H = 8; the same streamed (F = 2 fragments, tau = 1,
+  alpha = 0.5); dp2 inside each of 2 workers; tp2 inside each of 2 workers.
+- The outer momentum survives a checkpoint: with inner SGD (no inner state) a resumed run is the uninterrupted one.
+- The int8 exchange's error stays within the bound its quantizer promises (property-based).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import CONFIG, TINY, assert_close_losses, assert_close_params, final_params, losses, read_records
+from diloco_worker import LOSSES_FILE
+from layout_worker import launch_layouts, reference_run
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+MODEL = {**TINY, "model.n_head": "4", "model.dropout": "0.0", "batch.micro_batch_size": "2"}
+WORKER = Path(__file__).with_name("diloco_worker.py")
+DILOCO = {"parallel.sync_mode": "diloco", "parallel.diloco_group": "1"}
+RUNS = {  # name: (world size, overrides on MODEL, (workers, dp inside a worker))
+    "w4-h8": (4, {**DILOCO, "parallel.diloco_inner_steps": "8", "train.steps": "16"}, (4, 1)),
+    "w4-h8-streaming": (4, {**DILOCO, "parallel.diloco_inner_steps": "8", "parallel.diloco_fragments": "2",
+                            "parallel.diloco_delay": "1", "parallel.diloco_alpha": "0.5", "train.steps": "16"}, (4, 1)),
+    "w2-dp2-h4": (4, {**DILOCO, "parallel.diloco_group": "2", "parallel.diloco_inner_steps": "4",
+                      "train.steps": "8"}, (2, 2)),
+    "w2-tp2-h4": (4, {**DILOCO, "parallel.diloco_group": "2", "parallel.tp": "2", "parallel.diloco_inner_steps": "4",
+                      "train.steps": "8"}, (2, 1)),
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Every 4-rank run of :data:`RUNS`, in one torchrun launch."""
+    root = tmp_path_factory.mktemp("diloco4")
+    launch_layouts(4, root, {n: {**MODEL, **o} for n, (w, o, _) in RUNS.items() if w == 4}, worker=WORKER,
+                   results=False)
+    return root
+
+
+def worker_losses(out: Path) -> dict[int, dict[int, float]]:
+    """{worker: {step: loss}} recorded by :mod:`diloco_worker`."""
+    recorded = json.loads((out / LOSSES_FILE).read_text())
+    return {int(w): {i + 1: loss for i, loss in enumerate(values)} for w, values in recorded.items()}
+
+
+def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[dict[int, dict[int, float]], dict]:
+    """The run of ``overrides`` as the papers write it, in this process: ``workers`` model copies, each averaging
+    the loss of its ``replicas`` dp ranks' samples (the sampler's streams ``w * replicas + i``), clipping its own
+    gradient, stepping its own AdamW; fragment ``p`` of F takes its outer step after inner steps t with
+    ``t % H == ((p + 1) * H / F) % H`` on the workers' mean pseudo-gradient (outer minus local), by SGD with
+    Nesterov momentum, lands tau steps later and is mixed in with alpha; at the end every fragment not synced at
+    the last step takes one more outer step, unmixed (the checkpoint's consolidation). Returns ({worker: {step:
+    loss}}, the final outer weights by name)."""
+    from meshtrain.config import load_config
+    from meshtrain.data.sampler import ShardedSampler
+    from meshtrain.optim import build_optimizer
+    from meshtrain.train.setup import set_up
+
+    torch.set_num_threads(1)
+    cfg = load_config(CONFIG, {**MODEL, **overrides})
+    p, b, T = cfg.parallel, cfg.batch, cfg.model.block_size
+    run = set_up(cfg, torch.device("cpu"))
+    dp = workers * replicas
+    gbs = b.micro_batch_size * b.gradient_accumulation_steps * dp
+    models = [copy.deepcopy(run.model) for _ in range(workers)]
+    optims = [build_optimizer(m.parameters(), cfg, gbs) for m in models]
+    samplers = [[ShardedSampler(run.corpus.train, T, b.micro_batch_size, b.gradient_accumulation_steps, dp,
+                                w * replicas + i, cfg.train.seed) for i in range(replicas)] for w in range(workers)]
+    H, F, tau, alpha = p.diloco_inner_steps, p.diloco_fragments, p.diloco_delay, p.diloco_alpha
+    names = [n for n, _ in run.model.named_parameters()]
+    L = cfg.model.n_layer  # fragment f: blocks f*L/F .. (f+1)*L/F - 1; the embedding, final norm and head in the first
+    block_of = {n: int(n.split(".")[1]) if n.startswith("blocks.") else 0 for n in names}
+    groups = [[n for n in names if block_of[n] * F // L == f] for f in range(F)]
+    outer = {n: q.detach().clone() for n, q in run.model.named_parameters()}
+    momentum = {"momentum": p.outer_momentum, "nesterov": True} if p.outer_momentum else {}
+    outer_opts = [torch.optim.SGD([outer[n] for n in g], lr=p.outer_lr, **momentum) for g in groups]
+    pending: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+    last_sync = [0] * F
+    positions = torch.arange(T)
+
+    def pseudo_gradient(f: int) -> dict[str, torch.Tensor]:
+        params = [dict(m.named_parameters()) for m in models]
+        return {n: sum(outer[n] - ps[n].detach() for ps in params) / workers for n in groups[f]}
+
+    def land(f: int, delta: dict[str, torch.Tensor], mix: float) -> None:
+        for n in groups[f]:
+            outer[n].grad = delta[n]
+        outer_opts[f].step()
+        outer_opts[f].zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m in models:
+                ps = dict(m.named_parameters())
+                for n in groups[f]:
+                    ps[n].copy_(mix * ps[n] + (1 - mix) * outer[n])
+
+    got: dict[int, dict[int, float]] = {w: {} for w in range(workers)}
+    for step in range(1, cfg.train.steps + 1):
+        for w, (model, (optimizer, scheduler)) in enumerate(zip(models, optims)):
+            total = 0.0
+            for sampler in samplers[w]:
+                micro = sampler.next_step()
+                for x, y in micro:
+                    loss = torch.nn.functional.cross_entropy(model(x, positions).flatten(0, 1), y.flatten())
+                    (loss / (len(micro) * replicas)).backward()
+                    total += loss.item() / (len(micro) * replicas)
+            got[w][step] = total
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        for f in [f for f, (due, _) in pending.items() if due <= step]:
+            land(f, pending.pop(f)[1], alpha)
+        for f in range(F):
+            if step % H == ((f + 1) * H // F) % H:
+                last_sync[f] = step
+                pending[f] = (step + tau, pseudo_gradient(f))
+                if tau == 0:
+                    land(f, pending.pop(f)[1], alpha)
+    for f in range(F):  # the last checkpoint's consolidation
+        if f in pending:
+            land(f, pending.pop(f)[1], 0.0)
+        if last_sync[f] < cfg.train.steps:
+            land(f, pseudo_gradient(f), 0.0)
+    final = copy.deepcopy(run.model)
+    with torch.no_grad():
+        for n, q in final.named_parameters():
+            q.copy_(outer[n])
+    return got, {k: v.detach().clone() for k, v in final.state_dict().items()}  # a tied head listed too
+
+
+def diloco_drift_bound(overrides: dict[str, str]) -> float:
+    """Largest difference of a weight between two DiLoCo runs that agree up to rounding, derived step by step.
+
+    Inside a round a worker's weights drift by at most 2 * lr_t per AdamW step (:func:`conftest.adamw_drift_bound`).
+    An outer step's pseudo-gradient then differs by at most ``e = D + G`` (D: the workers' drift when it is taken,
+    G: the outer weights'), the momentum by ``mu * m + e``, the outer weights by ``outer_lr * (e + mu * m)`` more
+    (Nesterov SGD's update, linear in both), and a worker mixes to at most ``max(D, G)`` when it lands tau steps
+    later. Each fragment's own outer steps, then the final consolidation's; the largest over fragments."""
+    from meshtrain.config import load_config
+    from meshtrain.optim import lr_at
+
+    cfg = load_config(CONFIG, {**MODEL, **overrides})
+    p, steps = cfg.parallel, cfg.train.steps
+    H, F, tau = p.diloco_inner_steps, p.diloco_fragments, p.diloco_delay
+    worst = 0.0
+    for f in range(F):
+        drift = outer = momentum = 0.0
+        taken: dict[int, float] = {}  # step it lands after -> the pseudo-gradient's bound
+
+        def land(e: float) -> None:
+            nonlocal drift, outer, momentum
+            momentum = p.outer_momentum * momentum + e
+            outer += p.outer_lr * (e + p.outer_momentum * momentum)
+            drift = max(drift, outer)
+
+        last = 0
+        for step in range(1, steps + 1):
+            drift += 2 * lr_at(step - 1, cfg.optim, steps)
+            if step in taken:
+                land(taken.pop(step))
+            if step % H == ((f + 1) * H // F) % H:
+                taken[step + tau], last = drift + outer, step
+                if tau == 0:
+                    land(taken.pop(step))
+        for e in taken.values():
+            land(e)
+        if last < steps:
+            land(drift + outer)
+        worst = max(worst, outer)
+    return worst
+
+
+@pytest.mark.parametrize("name", [n for n, (w, _, _) in RUNS.items() if w == 4])
+def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks, name):
+    _, overrides, (workers, replicas) = RUNS[name]
+    want_losses, want_params = simulate(overrides, workers, replicas)
+    got = worker_losses(four_ranks / name)
+    assert sorted(got) == list(range(workers))
+    for w in range(workers):
+        assert_close_losses(got[w], want_losses[w])
+    # the other workers' losses differ from worker 0's: each trained on its own samples
+    assert got[1][2] != pytest.approx(got[0][2], rel=1e-4)
+    assert_close_params(final_params(four_ranks / name), want_params, atol=diloco_drift_bound(overrides))
+
+
+SGD_H1 = {**MODEL, "optim.name": "sgd", "optim.lr": "0.5", "optim.grad_clip": "0", "optim.weight_decay": "0.1",
+          "train.steps": "6", "batch.micro_batch_size": "4"}
+
+
+def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(tmp_path):
+    """Two workers, one rank each: mean(theta - lr * g_w) = theta - lr * mean(g_w), one process's step."""
+    diloco = {**SGD_H1, **DILOCO, "parallel.diloco_inner_steps": "1", "parallel.outer_lr": "1",
+              "parallel.outer_momentum": "0"}
+    launch_layouts(2, tmp_path, {"diloco": diloco}, worker=WORKER, results=False)
+    want_losses, _, want_params = reference_run(tmp_path / "reference", {**SGD_H1, "batch.micro_batch_size": "8"})
+    got = worker_losses(tmp_path / "diloco")
+    mean = {step: (got[0][step] + got[1][step]) / 2 for step in got[0]}  # the global batch's mean loss
+    assert_close_losses(mean, want_losses)
+    # SGD moves a weight by lr_t * g: runs whose gradients agree to rounding differ by far less than lr_t * |g|,
+    # and |g| <= the gradient norm the reference logs each step
+    norms = {r["step"]: r["grad_norm"] for r in read_records(tmp_path / "reference") if "grad_norm" in r}
+    from meshtrain.config import load_config
+    from meshtrain.optim import lr_at
+
+    cfg = load_config(CONFIG, SGD_H1)
+    bound = sum(lr_at(s - 1, cfg.optim, cfg.train.steps) * norms[s] for s in norms)
+    assert_close_params(final_params(tmp_path / "diloco"), want_params, atol=bound)
+
+
+def test_outer_momentum_survives_a_checkpoint(tmp_path):
+    """Inner SGD keeps no state, so with the outer momentum saved a resumed run is the uninterrupted one; a
+    momentum lost on resume would change the steps after the first outer step past it (step 9 on)."""
+    run = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel.diloco_inner_steps": "4",
+           "train.steps": "12", "checkpoint.interval": "4"}
+    whole = tmp_path / "whole"
+    launch_layouts(2, tmp_path, {"whole": {**run, "checkpoint.keep": "5"}}, worker=WORKER, results=False)
+    resumed = {**run, "checkpoint.resume": str(whole / "checkpoints" / "step_000004")}
+    launch_layouts(2, tmp_path, {"resumed": resumed}, worker=WORKER, results=False)
+    want = losses(read_records(whole))
+    got = losses(read_records(tmp_path / "resumed"))
+    assert_close_losses({s: got[s] for s in range(5, 13)}, {s: want[s] for s in range(5, 13)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 2000), st.floats(1e-6, 1e3), st.integers(0, 2**31 - 1))
+def test_int8_exchange_error_is_at_most_half_a_step_of_its_block(n, scale, seed):
+    from meshtrain.parallel.diloco import INT8_BLOCK, dequantize_int8, quantize_int8
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    codes, scales = quantize_int8(x)
+    assert codes.dtype == torch.int8 and codes.numel() == scales.numel() * INT8_BLOCK
+    back = dequantize_int8(codes, scales, n)
+    step = scales.repeat_interleave(INT8_BLOCK)[:n]
+    # round to nearest: |x - q * s| <= s / 2, plus fp32's rounding of x / s and of q * s (a few ulps of |x|)
+    assert torch.all((back - x).abs() <= step / 2 + 4 * torch.finfo(torch.float32).eps * x.abs())
