@@ -93,9 +93,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     if dims.workers > 1:
+        replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
         parallel.outer = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer,
                                 p.diloco_inner_steps, p.outer_lr, p.outer_momentum, p.diloco_fragments, p.diloco_delay,
-                                p.diloco_alpha, p.diloco_precision)
+                                p.diloco_alpha, p.diloco_precision,
+                                dims.get_mesh(BATCH_MESH).get_group() if replicated else None)
     return parallel
 
 

@@ -121,15 +121,22 @@ class DiLoCo:
         inner_steps: H; ``fragments``: F (divides H); ``delay``: tau < H/F; ``alpha``: the mixing in [0, 1);
         outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is > 0);
         precision: "fp32", "bf16" or "int8".
+        replica_group: the ranks of this worker that hold the same parameters (its dp x sp ranks under DDP), or
+            None: each sends 1/n of the pseudo-gradient to the other workers and they all-gather the average
+            inside the worker, so one copy of the model crosses between workers, not n.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, n_layer: int, inner_steps: int, outer_lr: float,
                  outer_momentum: float, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", replica_group: dist.ProcessGroup | None = None) -> None:
         self.group, self.workers = group, dist.get_world_size(group)
+        self.replica_group = replica_group
+        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
+        self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
         self.H, self.delay, self.alpha, self.precision = inner_steps, delay, alpha, precision
         every = inner_steps // fragments
         named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.device = named[0][1].device
         self.fragments = []
         for index in range(fragments):
             mine = [(n, p) for n, p in named if fragment_of(n, n_layer, fragments) == index]
@@ -140,9 +147,9 @@ class DiLoCo:
             self.fragments.append(frag)
         self.outer_steps = 0
         self.sent_bytes = 0
-        """Bytes this rank put into outer exchanges (the payload: the ring all-reduce moves ~2(W-1)/W of it)."""
+        """Bytes this rank put into outer exchanges (the payload: a ring all-reduce moves 2(W-1)/W of it)."""
         self.largest_exchange = 0
-        """The largest payload of one exchange, bytes."""
+        """This rank's largest payload of one exchange, bytes."""
 
     def start(self, step: int) -> None:
         """Set the round to start after inner step ``step`` (a resumed run's first step - 1): every fragment's
@@ -186,6 +193,10 @@ class DiLoCo:
         if not frag.params:
             return
         delta = torch.cat([(outer - _local(p).float()).flatten() for outer, p in zip(frag.outer, frag.params)])
+        if self.replicas > 1:  # replicas inside the worker hold the same delta: each sends its share
+            share = -(-delta.numel() // self.replicas)
+            delta = torch.nn.functional.pad(delta, (0, share * self.replicas - delta.numel()))
+            delta = delta[self.replica_rank * share:(self.replica_rank + 1) * share].clone()
         background = self.delay > 0
         if self.precision == "int8":
             codes, scales = quantize_int8(delta)
@@ -193,7 +204,7 @@ class DiLoCo:
             all_scales = torch.empty(self.workers, scales.numel(), dtype=scales.dtype, device=scales.device)
             work = [dist.all_gather_into_tensor(all_codes, codes, group=self.group, async_op=background),
                     dist.all_gather_into_tensor(all_scales, scales, group=self.group, async_op=background)]
-            buffers: tuple[torch.Tensor, ...] = (all_codes, all_scales, torch.tensor(delta.numel()))
+            buffers: tuple[torch.Tensor, ...] = (all_codes, all_scales, torch.tensor(delta.numel()))  # n: CPU
             payload = codes.numel() + 4 * scales.numel()
         else:
             buffer = delta.bfloat16() if self.precision == "bf16" else delta
@@ -217,6 +228,10 @@ class DiLoCo:
             average = sum(dequantize_int8(c, s, int(n)) for c, s in zip(codes, scales)) / self.workers
         else:
             average = exchange.buffers[0].float() / self.workers
+        if self.replicas > 1:  # every share of the average, from the worker's replicas (inside the node)
+            shares = torch.empty(self.replicas * average.numel(), dtype=average.dtype, device=average.device)
+            dist.all_gather_into_tensor(shares, average.contiguous(), group=self.replica_group)
+            average = shares
         for outer, piece in zip(frag.outer, _split(average, frag.outer)):
             outer.grad = piece
         frag.optimizer.step()
@@ -252,11 +267,15 @@ class DiLoCo:
                         value.to_local() if isinstance(value, DTensor) else value).detach().float().clone()
 
     def report(self) -> dict[str, Any]:
-        """The summary's ``diloco`` entry: workers, outer steps (fragments counted), bytes sent."""
+        """The summary's ``diloco`` entry: workers, H, F, tau, precision, this rank's outer steps (a fragment's
+        count), and the bytes one worker sent to the others: in all (``sent_bytes``) and in its largest exchange
+        (``largest_exchange_bytes``), summed over its ranks. Collective over all ranks (an all-reduce)."""
+        sent = torch.tensor([float(self.sent_bytes), float(self.largest_exchange)], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(sent)  # every worker sends the same: the sum over all ranks / workers
         return {"workers": self.workers, "inner_steps": self.H, "fragments": len(self.fragments),
-                "delay": self.delay, "precision": self.precision, "outer_steps": self.outer_steps,
-                "sent_bytes": self.sent_bytes, "largest_exchange_bytes": self.largest_exchange,
-                "parameters": sum(f.numel() for f in self.fragments)}
+                "delay": self.delay, "alpha": self.alpha, "precision": self.precision, "outer_steps": self.outer_steps,
+                "sent_bytes": int(sent[0]) // self.workers, "largest_exchange_bytes": int(sent[1]) // self.workers}
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtrain.mesh import BATCH_MESH, ParallelDims
+from meshtrain.mesh import BATCH_MESH, WORKER_MESH, ParallelDims
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False) -> torch.Tensor:
@@ -65,8 +65,9 @@ def worker_mean(value: float, dims: ParallelDims) -> float:
     """Mean of a per-worker value over DiLoCo's workers (``value`` itself without them)."""
     if dims.workers == 1:
         return value
-    total = torch.tensor(value, dtype=torch.float64)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dims.get_mesh("diloco").get_group())
+    group = dims.get_mesh(WORKER_MESH)
+    total = torch.tensor(value, dtype=torch.float64, device=group.device_type)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group.get_group())
     return float(total) / dims.workers
 
 
