@@ -247,3 +247,22 @@ def test_int8_exchange_error_is_at_most_half_a_step_of_its_block(n, scale, seed)
     step = scales.repeat_interleave(INT8_BLOCK)[:n]
     # round to nearest: |x - q * s| <= s / 2, plus fp32's rounding of x / s and of q * s (a few ulps of |x|)
     assert torch.all((back - x).abs() <= step / 2 + 4 * torch.finfo(torch.float32).eps * x.abs())
+
+
+def test_a_worker_sends_one_copy_of_its_weights_per_exchange_and_streaming_a_fragment(four_ranks):
+    """The bytes the workers exchange (the summary's, summed over a worker's ranks): H times fewer than DDP's
+    every-step all-reduce of the gradients, however many replicas a worker holds (dp2: each sends half), and with
+    F fragments each exchange is one fragment (its largest: the first, which holds the embeddings too)."""
+    model = json.loads((four_ranks / "w4-h8" / "summary.json").read_text())
+    weights = {n: t.numel() for n, t in final_params(four_ranks / "w4-h8").items() if n != "lm_head.weight"}
+    total = sum(weights.values())
+    for name, padding in (("w4-h8", 0), ("w2-dp2-h4", 1)):  # dp2: the flat share is padded to a multiple of 2
+        run = json.loads((four_ranks / name / "summary.json").read_text())["diloco"]
+        _, overrides, _ = RUNS[name]
+        exchanges = int(overrides["train.steps"]) // int(overrides["parallel.diloco_inner_steps"])
+        assert 4 * exchanges * total <= run["sent_bytes"] <= 4 * exchanges * (total + padding)
+        assert run["largest_exchange_bytes"] in range(4 * total, 4 * (total + padding) + 1)
+    streaming = json.loads((four_ranks / "w4-h8-streaming" / "summary.json").read_text())["diloco"]
+    first = sum(n for name, n in weights.items() if not name.startswith("blocks.1."))  # 2 blocks, F = 2
+    assert streaming["largest_exchange_bytes"] == 4 * first < 4 * total
+    assert model["diloco"]["workers"] == 4

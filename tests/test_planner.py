@@ -295,6 +295,43 @@ def test_local_sgd_all_reduces_the_weights_every_h_steps():
     assert step_time(m, layout, hw, prec, FRAMEWORKS["meshtrain"]).dp_comm == pytest.approx(expected, rel=1e-9)
 
 
+def test_diloco_exchanges_a_workers_share_between_workers_every_h_steps():
+    """2 nodes x 8 over 10 Gbit/s, DiLoCo with one worker per node: every step the worker's own DDP (inside the
+    node), and every H steps each rank's 1/8 of the weights all-reduced with its peer in the other node (a ring
+    of 2 over one NIC), plus the outer SGD step; bf16 halves the exchange, int8 all-gathers codes; F fragments
+    of 1/F each every H/F steps cost the same, and a delay hides what fits behind tau steps of compute."""
+    from dataclasses import replace as changed
+
+    from meshtrain.planner.cost import OUTER_VALUE_BYTES, diloco_time
+
+    m, prec, fw = preset("gpt2-small"), PRECISIONS["bf16"], FRAMEWORKS["meshtrain"]
+    hw = get_hardware("A100-80GB")
+    hw = changed(hw, network=changed(hw.network, inter_node_bandwidth=10e9 / 8, nics_per_node=1))
+    ddp = Layout(dp=16, micro_batch_size=4)
+    diloco = changed(ddp, diloco_group=8, diloco_inner_steps=32)
+    inner = changed(ddp, dp=8)
+    bw, lat = hw.network.link(True, "all-reduce", ranks_per_node=1)
+    share = m.num_params() / 8
+    exchange = ring_time("all-reduce", 2, share * 4, bw, lat) * 8  # the node's 8 ranks share its one NIC
+    outer_step = share * 4 * 7 / hw.device.bandwidth()
+    got = diloco_time(m, diloco, hw, prec, step_compute=0.0)
+    assert got == pytest.approx((exchange + outer_step) / 32, rel=1e-9)
+    inner_dp = step_time(m, inner, hw, prec, fw).dp_comm
+    assert step_time(m, diloco, hw, prec, fw).dp_comm == pytest.approx(inner_dp + got, rel=1e-9)
+    assert step_time(m, diloco, hw, prec, fw).total < step_time(m, ddp, hw, prec, fw).total
+    bf16 = diloco_time(m, changed(diloco, diloco_precision="bf16"), hw, prec, 0.0)
+    assert bf16 == pytest.approx((ring_time("all-reduce", 2, share * 2, bw, lat) * 8 + outer_step) / 32, rel=1e-9)
+    int8 = diloco_time(m, changed(diloco, diloco_precision="int8"), hw, prec, 0.0)
+    gathered = ring_time("all-gather", 2, 2 * share * OUTER_VALUE_BYTES["int8"], bw, lat) * 8
+    assert int8 == pytest.approx((gathered + outer_step) / 32, rel=1e-9)
+    streamed = changed(diloco, diloco_fragments=4)
+    assert diloco_time(m, streamed, hw, prec, 0.0) == pytest.approx(
+        4 * (ring_time("all-reduce", 2, share / 4 * 4, bw, lat) * 8 + outer_step / 4) / 32, rel=1e-9)
+    fragment = ring_time("all-reduce", 2, share, bw, lat) * 8
+    hidden = diloco_time(m, changed(streamed, diloco_delay=1), hw, prec, step_compute=fragment)
+    assert hidden == pytest.approx(outer_step / 32, rel=1e-9)  # the exchange fits behind one step
+
+
 def test_hierarchical_all_reduce_is_reduce_leaders_ring_broadcast():
     """2 nodes x 8: inside the node an all-reduce's and an all-gather's worth of traffic on NVLink, between
     the 2 leaders a ring all-reduce over one NIC each. With one NIC per device the flat ring (8 NICs per

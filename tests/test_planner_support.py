@@ -167,6 +167,9 @@ SHARED_FIELD_CASES = {
     "local_sgd_steps": ({"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "7"}, 2),
     "hierarchical_allreduce": ({"parallel.hierarchical_allreduce": "true"}, 2),
     "ps_servers": ({"parallel.sync_mode": "async", "parallel.ps_servers": "2"}, 4),
+    **{key: ({"parallel.sync_mode": "diloco", "parallel.diloco_group": "2", f"parallel.{key}": value}, 4)
+       for key, value in (("diloco_group", "2"), ("diloco_inner_steps", "6"), ("diloco_fragments", "2"),
+                          ("diloco_delay", "1"), ("diloco_precision", "int8"))},
 }
 
 
@@ -195,12 +198,16 @@ def test_layout_from_config_carries_every_field_it_shares_with_the_config(name):
     assert layout.world_size == world
 
 
-@pytest.mark.parametrize("sync_mode, world", [("sync", 2), ("local-sgd", 2), ("async", 3)])
+@pytest.mark.parametrize("sync_mode, world", [("sync", 2), ("local-sgd", 2), ("async", 3), ("diloco", 2)])
 def test_layout_from_config_keeps_the_sync_mode_fields_of_other_modes_off(sync_mode, world):
-    cfg = load_config(None, {"parallel.sync_mode": sync_mode})
+    cfg = load_config(None, {"parallel.sync_mode": sync_mode, "parallel.diloco_group": "1"})
     layout = Layout.from_config(cfg, world)
     assert layout.local_sgd_steps == (cfg.parallel.local_sgd_steps if sync_mode == "local-sgd" else 0)
     assert layout.ps_servers == (cfg.parallel.ps_servers if sync_mode == "async" else 0)
+    assert layout.diloco_group == (1 if sync_mode == "diloco" else 0)
+    overrides = layout.to_overrides()
+    assert overrides["parallel.sync_mode"] == sync_mode
+    assert any(key.startswith("parallel.diloco_") for key in overrides) == (sync_mode == "diloco")
     assert (layout.dp, layout.recompute) == (world - layout.ps_servers, "none")
     assert layout.global_batch_size == cfg.batch.micro_batch_size * (1 if sync_mode == "async" else world)
 

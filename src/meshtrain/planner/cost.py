@@ -496,7 +496,14 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     H steps, after the optimizer step (nothing to hide it behind), and the gradient norm is each
     replica's own: ``allreduce(weights) / H`` plus the loss mean's and the stop check's latency, in the
     steady state after the synchronous warm-up. Takeaway: dp communication falls by H.
+
+    DiLoCo (``layout.diloco_group``): the dp time of one worker's layout (dp / workers inside it) plus
+    :func:`diloco_time`'s outer exchange per step.
     """
+    if layout.diloco_group:
+        inner = replace(layout, dp=layout.dp // layout.diloco_workers, diloco_group=0)
+        step = layout.gradient_accumulation_steps * (mb.forward + mb.backward)
+        return dp_time(model, inner, hw, prec, fw, mb, memo) + diloco_time(model, layout, hw, prec, step)
     if layout.dp * layout.sp == 1:
         return 0.0
     key = ("dp", *axes.as_dict(layout).values(), layout.zero_stage, layout.hierarchical_allreduce,
@@ -575,6 +582,41 @@ def _dp_collectives(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precis
     return _DpCollectives(scalars, collective("reduce-scatter", grads, count), collective("all-gather", weights, count),
                           host, collective("all-gather", back_weights, back) if z == 3 and back else None,
                           hw.device.fsdp_unit_overhead_s * back)
+
+
+OUTER_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
+"""Bytes per pseudo-gradient value crossing between DiLoCo's workers (int8: a 4-byte scale per 256 values,
+:data:`meshtrain.parallel.diloco.INT8_BLOCK`)."""
+
+
+def diloco_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, step_compute: float) -> float:
+    """Exposed seconds per inner step of DiLoCo's exchanges between its W workers (:mod:`meshtrain.parallel.diloco`).
+
+    Every rank sends its share of the pseudo-gradient: its stage's tp shard of the weights, split over the worker's
+    dp*sp ranks (FSDP's shard, or DDP replicas' slices), in ``diloco_precision``. fp32 and bf16 are a ring all-reduce
+    over the W ranks at its place in each worker; int8 an all-gather of every worker's codes. A worker is a node (or
+    more) in the intended use, so the ring crosses nodes, each rank through its own NIC (``nics_per_node`` NICs
+    shared by a node's ranks, which exchange at once). The outer SGD step reads and writes weights, the outer copy,
+    the momentum and the average (memory-bound). F fragments each exchange 1/F of it every H/F steps, and with a
+    delay tau an exchange is hidden behind tau inner steps of compute (``step_compute`` seconds each; Douillard et al.
+    2025, Sec. 2.3); per step: ``F * (exposed exchange + outer step) / H``. Takeaway: cross-node traffic falls by H
+    against DDP's every-step all-reduce, and its peak by F.
+    """
+    W, F = layout.diloco_workers, layout.diloco_fragments
+    net, dpn = hw.network, hw.network.devices_per_node
+    worker = layout.world_size // W
+    values = stage_params(model, layout) / (layout.dp // W * layout.sp) / F
+    payload = values * OUTER_VALUE_BYTES[layout.diloco_precision]
+    spans = layout.world_size > dpn
+    if layout.diloco_precision == "int8":
+        exchange = collective_time(hw, "all-gather", W, W * payload, spans)
+    else:
+        exchange = collective_time(hw, "all-reduce", W, payload, spans)
+    if spans and net.nics_per_node:
+        exchange *= max(1.0, min(worker, dpn) / net.nics_per_node)  # the node's ranks share its NICs
+    outer_step = values * 4 * 7 / hw.device.bandwidth()  # read weights, outer, momentum, average; write 3
+    exposed = max(0.0, exchange - layout.diloco_delay * step_compute)
+    return F * (exposed + outer_step) / layout.diloco_inner_steps
 
 
 def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_node: int) -> float:

@@ -19,7 +19,7 @@ from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.parallel.pipeline.rules import RULES, schedule_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
-from meshtrain.axes import PP_SCHEDULES, SP_MODES, ZERO_STAGES
+from meshtrain.axes import OUTER_PRECISIONS, PP_SCHEDULES, SP_MODES, ZERO_STAGES
 from meshtrain.axes import RECOMPUTE_MODES as RECOMPUTE
 
 
@@ -53,6 +53,17 @@ class Layout(LayoutDegrees):
     ps_servers: int = 0
     """> 0: an asynchronous parameter-server run (``sync_mode = "async"``): ``dp`` workers plus this many
     server ranks; a "step" is one received gradient of one worker's batch (:func:`cost.async_step_time`)."""
+    diloco_group: int = 0
+    """> 0: DiLoCo (``sync_mode = "diloco"``): workers of this many ranks, data-parallel over ``dp / workers``
+    inside, exchanging pseudo-gradients every ``diloco_inner_steps`` steps (:func:`cost.diloco_time`)."""
+    diloco_inner_steps: int = 8
+    """DiLoCo's H (with ``diloco_group``)."""
+    diloco_fragments: int = 1
+    """Streaming DiLoCo's F: fragments exchanged in turn, each 1/F of the weights every H/F steps."""
+    diloco_delay: int = 0
+    """Streaming DiLoCo's tau: inner steps a fragment's exchange overlaps."""
+    diloco_precision: str = "fp32"
+    """How pseudo-gradients cross: "fp32", "bf16" or "int8" (:data:`meshtrain.axes.OUTER_PRECISIONS`)."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -66,6 +77,7 @@ class Layout(LayoutDegrees):
           config's -1 fills the ranks; with ``sync_mode = "async"``, the number of workers);
         - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
         - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
+        - ``diloco_group``: the config's only with ``sync_mode = "diloco"``, else 0 (no DiLoCo);
         - ``recompute``: the config's ``train.recompute``.
 
         Raises:
@@ -77,15 +89,16 @@ class Layout(LayoutDegrees):
         values = {f.name: getattr(section, f.name) for section in (p, cfg.batch) for f in fields(section)
                   if f.name in names}
         values.update(dp=dp, recompute=cfg.train.recompute, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
-                      ps_servers=p.ps_servers if p.sync_mode == "async" else 0)
+                      ps_servers=p.ps_servers if p.sync_mode == "async" else 0,
+                      diloco_group=p.diloco_group if p.sync_mode == "diloco" else 0)
         return cls(**values)
 
     def to_overrides(self) -> dict[str, str]:
         """The ``meshtrain train`` overrides (``section.key`` -> value text) that run this layout: the inverse
         of :meth:`from_config`. Fields shared by name with :class:`~meshtrain.config.ParallelConfig` or
         :class:`~meshtrain.config.BatchConfig` as they are, ``dp`` as ``parallel.dp``, ``recompute`` as
-        ``train.recompute``; ``local_sgd_steps`` and ``ps_servers`` only when set (with the ``sync_mode`` they
-        imply); otherwise ``sync_mode = "sync"``.
+        ``train.recompute``; ``local_sgd_steps``, ``ps_servers`` and ``diloco_group`` (with DiLoCo's other keys) only
+        when set (with the ``sync_mode`` they imply); otherwise ``sync_mode = "sync"``.
 
         Raises:
             ValueError: a field the trainer has no key for holds another value than its default (a layout of
@@ -95,11 +108,14 @@ class Layout(LayoutDegrees):
 
         sections = {f.name: "parallel" for f in fields(ParallelConfig)} | {f.name: "batch" for f in fields(BatchConfig)}
         sections["recompute"] = "train"
-        sync_mode = "local-sgd" if self.local_sgd_steps else "async" if self.ps_servers else "sync"
+        sync_mode = ("local-sgd" if self.local_sgd_steps else "async" if self.ps_servers else
+                     "diloco" if self.diloco_group else "sync")
         out = {"parallel.sync_mode": sync_mode}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("local_sgd_steps", "ps_servers") and not value:
+            if f.name in ("local_sgd_steps", "ps_servers", "diloco_group") and not value:
+                continue
+            if f.name.startswith("diloco_") and not self.diloco_group:
                 continue
             if f.name in sections:
                 out[f"{sections[f.name]}.{f.name}"] = str(value).lower() if isinstance(value, bool) else str(value)
@@ -110,6 +126,11 @@ class Layout(LayoutDegrees):
     @property
     def world_size(self) -> int:
         return axes.world_size(self) + self.ps_servers
+
+    @property
+    def diloco_workers(self) -> int:
+        """DiLoCo's workers, ``world_size / diloco_group`` (1 without DiLoCo)."""
+        return self.world_size // self.diloco_group if self.diloco_group else 1
 
     @property
     def global_batch_size(self) -> int:
@@ -137,7 +158,8 @@ class Layout(LayoutDegrees):
 
     def label(self) -> str:
         """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention,
-        ``dp8hier`` for a hierarchical all-reduce, ``dp8H4`` for local SGD averaging every 4 steps)."""
+        ``dp8hier`` for a hierarchical all-reduce, ``dp8H4`` for local SGD averaging every 4 steps, ``dp8/W2H32`` for
+        DiLoCo's 2 workers exchanging every 32 steps)."""
         sched = ""
         if self.pp > 1:
             sched = f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
@@ -153,6 +175,9 @@ class Layout(LayoutDegrees):
         if axis == "dp":
             text += ("hier" if self.hierarchical_allreduce else "") + (f"H{self.local_sgd_steps}" if self.local_sgd_steps else "")
             text += f"+{self.ps_servers}ps" if self.ps_servers else ""
+            if self.diloco_group:
+                streaming = f"F{self.diloco_fragments}t{self.diloco_delay}" if self.diloco_fragments > 1 else ""
+                text += f"/W{self.diloco_workers}H{self.diloco_inner_steps}{streaming}"
         elif axis == "tp" and self.tp_sequence_parallel:
             text += "+sp"
         elif axis == "sp" and self.sp > 1 and self.sp_mode == "ring":
@@ -395,9 +420,32 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
         e.append(f"recompute = {L.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if L.zero_stage not in ZERO_STAGES:
         e.append(f"zero_stage = {L.zero_stage} is not one of 0, 1, 2, 3")
+    e += _diloco_errors(L)
     if global_batch_size is not None and L.global_batch_size != global_batch_size:
         e.append(f"micro_batch_size*gradient_accumulation_steps*dp = {L.micro_batch_size}*"
                  f"{L.gradient_accumulation_steps}*{L.dp} = {L.global_batch_size} != global_batch_size = {global_batch_size}")
+    return e
+
+
+def _diloco_errors(L: Layout) -> list[str]:
+    """DiLoCo's rules on a layout (the trainer's: :func:`meshtrain.config.checks.diloco_workers`)."""
+    if not L.diloco_group:
+        return []
+    e, replica = [], L.pp * L.sp * L.tp
+    if L.diloco_group < 0 or L.world_size % L.diloco_group or L.diloco_group % replica:
+        e.append(f"diloco_group = {L.diloco_group} must divide the {L.world_size} ranks and be a multiple of "
+                 f"pp*sp*tp = {replica}")
+    elif L.diloco_workers < 2:
+        e.append(f"diloco_group = {L.diloco_group} leaves 1 worker on {L.world_size} ranks: DiLoCo needs >= 2")
+    if L.diloco_inner_steps < 1 or L.diloco_fragments < 1 or L.diloco_inner_steps % L.diloco_fragments:
+        e.append(f"diloco_inner_steps = {L.diloco_inner_steps} must be a multiple of diloco_fragments = "
+                 f"{L.diloco_fragments} >= 1")
+    elif not 0 <= L.diloco_delay < L.diloco_inner_steps // L.diloco_fragments:
+        e.append(f"diloco_delay = {L.diloco_delay} must be in [0, H/F = {L.diloco_inner_steps // L.diloco_fragments})")
+    if L.diloco_precision not in OUTER_PRECISIONS:
+        e.append(f"diloco_precision = {L.diloco_precision!r} is not one of {', '.join(OUTER_PRECISIONS)}")
+    if L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce:
+        e.append("diloco_group replaces the other sync modes and the hierarchical all-reduce: set only one")
     return e
 
 
@@ -413,7 +461,8 @@ def _expert_errors(framework: Framework, layout: Layout, model: ModelSpec | None
     if L.ep > 1 and (L.dp * L.sp) % L.ep:
         e.append(f"ep = {L.ep} does not divide dp*sp = {L.dp * L.sp} (its ranks are borrowed from them in "
                  f"{framework.name})")
-    if L.ep > 1 and (L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce):
+    if L.ep > 1 and (L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce
+                     or L.diloco_group):
         e.append(f"ep = {L.ep} runs with the synchronous all-reduce and zero_stage 0, 2 or 3 only")
     return e
 

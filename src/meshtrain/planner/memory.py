@@ -352,9 +352,15 @@ class StateMemory:
 
 def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
                  memo: dict | None = None) -> StateMemory:
-    """:class:`StateMemory` of ``layout``. ``memo``: a dict shared by the calls for one model, hardware, precision and
+    """:class:`StateMemory` of ``layout`` (DiLoCo: one worker's, the outer weights and momentum counted with the
+    optimizer's states). ``memo``: a dict shared by the calls for one model, hardware, precision and
     framework (a search's), keyed by the layout fields read here: tp, pp, dp*sp, ep, zero_stage and whether
     gradient_accumulation_steps is 1 (``tests/test_planner_search.py`` checks a search's memory against no memo)."""
+    if layout.diloco_group:  # one worker's layout, plus DiLoCo's fp32 outer weights and momentum of what a rank holds
+        inner = replace(layout, dp=layout.dp // layout.diloco_workers, diloco_group=0)
+        states = state_memory(model, inner, hw, precision, framework, memo)
+        held = stage_params(model, inner) / (inner.dp * inner.sp if inner.zero_stage >= 2 else 1)
+        return replace(states, optimizer=states.optimizer + 8 * held)
     key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,  # one framework a memo
            layout.gradient_accumulation_steps == 1)
     return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)

@@ -139,6 +139,8 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
                      f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
         if best.total_steps:
             lines.append(f"Training: {best.total_steps:,} steps x {best.time.total:.4g} s = {duration(best.total_time_s)}.")
+        if b.diloco_group:
+            lines.append(diloco_trade(b))
     elif smallest is not None:
         lines.append(f"No layout fits: the smallest needs {smallest.memory.total / GiB:.1f} GiB per device "
                      f"({smallest.layout.label()}); add devices, a device with more memory, or a smaller batch.")
@@ -151,6 +153,19 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
         lines.append(f"Wrote {plot}.")
     for line in lines:
         out.print(line, soft_wrap=True)
+
+
+def diloco_trade(layout: Layout) -> str:
+    """What a DiLoCo layout trades, in one line: the traffic it saves is modelled, the quality per step it may cost
+    is not (the papers' results and this project's measurement are named instead)."""
+    L = layout
+    streamed = (f", each exchange 1/{L.diloco_fragments} of the weights (Streaming DiLoCo)" if L.diloco_fragments > 1
+                else "")
+    return (f"DiLoCo: {L.diloco_workers} workers exchange every {L.diloco_inner_steps} steps{streamed}: cross-worker "
+            f"traffic 1/{L.diloco_inner_steps} of DDP's. Not modelled: the loss per step it costs. Douillard et al. 2023 "
+            f"report 8 workers at H = 500 as good as synchronous training on C4 while communicating 500x less "
+            f"(arXiv:2311.08105); Streaming DiLoCo similar quality with two orders of magnitude less bandwidth "
+            f"(arXiv:2501.18512); measured on a small model here: docs/strategies.md, DiLoCo.")
 
 
 def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
@@ -184,6 +199,8 @@ def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
     verdict = "fits" if e.fits else f"does NOT fit: {e.memory.total / GiB:.1f} > {capacity:.0f} GiB"
     out.print(f"{layout.label()} {verdict}; {e.tokens_per_s:,.0f} tokens/s, {ctx.hw.device.mfu_label()} {e.mfu:.1%}, "
                   f"{e.hardware_tflops_per_device:.4g} hardware TFLOP/s per device; {_dominant(e)}.", soft_wrap=True)
+    if layout.diloco_group:
+        out.print(diloco_trade(layout), soft_wrap=True)
     return 0
 
 

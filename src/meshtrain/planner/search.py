@@ -90,6 +90,7 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
     zeros = [z for z in _choices(fixed, "zero_stage", list(framework.zero_stages)) if z in framework.zero_stages]
     tps = _choices(fixed, "tp", degrees if framework.tensor_parallel else [1])
     schedules: dict[tuple[int, int, int], list[tuple[str, int]]] = {}  # by (pp, ga, dp*sp)
+    sync = {k: v for k, v in fixed.items() if k in SYNC_FIELDS}  # pinned only: the search ranks synchronous layouts
     for tp, sp, pp in itertools.product(tps, _choices(fixed, "sp", degrees), _choices(fixed, "pp", degrees)):
         if world % (tp * sp * pp) or pp > model.layers or (pp > 1 and not framework.pp_schedules) or not modes:
             continue
@@ -102,7 +103,7 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         batch = dp * sp * framework.expert_fold(tp)  # the ranks ep borrows: Megatron folds it into tp too
         for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, batch),
                                                      _model_splits(model, framework, fixed, dp, tp, pp, sp)):
-            degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode)
+            degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode, **sync)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
             # rules on DDP and ZeRO-3 (runs_with_data_parallel, below)
             variants = [(zero, hier) for zero in fitting_zeros
@@ -222,6 +223,11 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
            for layout, memory in fits + unfit]
     out.sort(key=lambda e: (not e.fits, e.time.total))
     return out
+
+
+SYNC_FIELDS = ("local_sgd_steps", "diloco_group", "diloco_inner_steps", "diloco_fragments", "diloco_delay",
+               "diloco_precision")
+"""Layout fields of the sync modes the search never chooses but keeps when ``--fix`` pins them."""
 
 
 def _with(layout: Layout, **changes: Any) -> Layout:
