@@ -45,6 +45,17 @@ def test_json_scales_the_learning_rate_with_the_global_batch(rule, factor):
     assert out["lr"] == pytest.approx(1e-3 * factor, rel=1e-12)
 
 
+def test_json_diloco_workers_and_outer_steps():
+    # 16 ranks, tp 2 -> dp 8, 4 * 8 = 32 samples per inner step; groups of 8 ranks -> 2 workers of 16 samples each;
+    # 100 inner steps, H = 32 -> ceil(100 / 32) = 4 exchanges
+    out = batch_json("--world-size", "16", "--tp", "2", "--micro-batch-size", "4", "--steps", "100",
+                     "--diloco-group", "8", "--diloco-inner-steps", "32")
+    assert (out["global_batch_size"], out["diloco_workers"], out["worker_batch_size"]) == (32, 2, 16)
+    assert (out["diloco_inner_steps"], out["outer_steps"]) == (32, 4)
+    refused = meshtrain("batch", "--world-size", "16", "--tp", "2", "--micro-batch-size", "4", "--diloco-group", "3")
+    assert refused.returncode == 2 and "diloco_group = 3 must split world_size = 16" in refused.stderr
+
+
 def test_json_sp_seed_example():
     out = batch_json("--world-size", "8", "--sp", "4", "--micro-batch-size", "1")
     assert (out["dp"], out["global_batch_size"]) == (2, 2)

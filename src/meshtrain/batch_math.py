@@ -49,6 +49,14 @@ class BatchPlan:
     reference_batch_size: int | None = None
     lr: float | None = None
     """Peak learning rate at this global batch (:func:`scaled_lr`)."""
+    diloco_workers: int | None = None
+    """DiLoCo's workers (``world_size / diloco_group``); the fields below only with them."""
+    worker_batch_size: int | None = None
+    """Samples one worker takes per inner step, ``global_batch_size / diloco_workers``."""
+    diloco_inner_steps: int | None = None
+    """H: inner steps between two outer steps."""
+    outer_steps: int | None = None
+    """``ceil(total_steps / H)``: the exchanges between workers (one fragment's, with Streaming DiLoCo)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +144,7 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
                tp: int = 1, pp: int = 1, sp: int = 1, seq_len: int | None = None,
                num_samples: int | None = None, epochs: float | None = None, total_steps: int | None = None,
                time_per_step_s: float | None = None, lr: float | None = None, lr_scaling: str = "none",
-               reference_batch_size: int | None = None) -> BatchPlan:
+               reference_batch_size: int | None = None, diloco_group: int = 0, diloco_inner_steps: int = 1) -> BatchPlan:
     """Derive the whole :class:`BatchPlan` of a layout.
 
     Give ``num_samples`` with ``epochs`` (-> total_steps = ceil(epochs * steps_per_epoch)) or with
@@ -144,9 +152,12 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     ``total_time_s = total_steps * time_per_step_s``. ``micro_steps_per_epoch`` counts the forward/backward
     passes one dp replica runs per epoch (steps_per_epoch * gradient_accumulation_steps). ``lr`` with
     ``lr_scaling`` and ``reference_batch_size`` gives the scaled peak learning rate (:func:`scaled_lr`).
+    ``diloco_group`` > 0 (ranks per DiLoCo worker) with ``diloco_inner_steps`` (H) adds the workers, a worker's
+    samples per inner step and the outer steps (a step here is an inner step: every worker takes one).
 
     Raises:
-        ConfigError: non-divisible world size, non-positive sizes, or epochs and total_steps both given.
+        ConfigError: non-divisible world size, non-positive sizes, epochs and total_steps both given, or a
+            DiLoCo group that does not split the ranks into >= 2 workers of whole replicas.
     """
     dp = data_parallel_size(world_size, tp=tp, pp=pp, sp=sp)
     gbs = global_batch_size(micro_batch_size, gradient_accumulation_steps, dp)
@@ -178,7 +189,18 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     if lr is not None and not (lr > 0 and math.isfinite(lr)):
         raise ConfigError(f"lr = {lr} must be a finite number > 0")
     scaled = scaled_lr(lr, gbs, reference_batch_size or 0, lr_scaling) if lr is not None else None
-    return BatchPlan(world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
+    diloco = {}
+    if diloco_group:
+        replica = tp * pp * sp
+        if diloco_group < 1 or world_size % diloco_group or diloco_group % replica or world_size // diloco_group < 2:
+            raise ConfigError(f"diloco_group = {diloco_group} must split world_size = {world_size} into >= 2 workers "
+                              f"of whole replicas (a multiple of tp*pp*sp = {replica})")
+        if diloco_inner_steps < 1:
+            raise ConfigError(f"diloco_inner_steps = {diloco_inner_steps} must be >= 1")
+        workers = world_size // diloco_group
+        diloco = {"diloco_workers": workers, "worker_batch_size": gbs // workers, "diloco_inner_steps": diloco_inner_steps,
+                  "outer_steps": math.ceil(total_steps / diloco_inner_steps) if total_steps else None}
+    return BatchPlan(**diloco, world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, global_batch_size=gbs,
                      seq_len=seq_len, tokens_per_step=tokens_per_step(gbs, seq_len) if seq_len else None,
                      num_samples=num_samples, steps_per_epoch=spe, micro_steps_per_epoch=mspe,

@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="global batch --lr was tuned at (optim.reference_batch_size)")
     p.add_argument("--loader-batch-size", type=int,
                    help="Open-Sora-Plan's per-rank train_batch_size (b): also show what its log would print")
+    p.add_argument("--diloco-group", type=int, default=0,
+                   help="ranks per DiLoCo worker (parallel.diloco_group): also show the workers and outer steps")
+    p.add_argument("--diloco-inner-steps", type=int, default=8, help="DiLoCo's H (parallel.diloco_inner_steps; 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_batch(args.world_size, args.micro_batch_size, args.grad_accum, **{str(a): getattr(args, a) for a in REPLICA_AXES},
                       seq_len=args.seq_len, num_samples=args.num_samples, epochs=args.epochs,
                       total_steps=args.steps, time_per_step_s=args.time_per_step, lr=args.lr,
-                      lr_scaling=args.lr_scaling, reference_batch_size=args.reference_batch_size)
+                      lr_scaling=args.lr_scaling, reference_batch_size=args.reference_batch_size,
+                      diloco_group=args.diloco_group, diloco_inner_steps=args.diloco_inner_steps)
     osl = None
     if args.loader_batch_size is not None:
         osl = open_sora_log(args.world_size, args.sp, args.micro_batch_size, args.grad_accum,
@@ -82,6 +86,10 @@ def _print_batch_table(plan, osl) -> None:
         ("time_per_step_s", plan.time_per_step_s, "seconds"),
         ("total_time_s", plan.total_time_s, "total_steps * time_per_step_s"),
         ("lr", plan.lr, _lr_how(plan)),
+        ("diloco_workers", plan.diloco_workers, "world_size / diloco_group: DiLoCo's workers"),
+        ("worker_batch_size", plan.worker_batch_size, "global_batch_size / diloco_workers  [samples/inner step]"),
+        ("diloco_inner_steps", plan.diloco_inner_steps, "H: inner steps between two exchanges"),
+        ("outer_steps", plan.outer_steps, "ceil(total_steps / H): exchanges between workers"),
     ]
     for name, value, how in rows:
         if value is not None:

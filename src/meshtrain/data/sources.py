@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError
+from meshtrain.paths import path_problem
 
 TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
 KIND_BY_SUFFIX = {".jsonl": JSONL, ".ndjson": JSONL, ".parquet": PARQUET}
@@ -60,7 +61,8 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     """The files ``--input`` names, in order (see the module docstring), as absolute paths.
 
     Raises:
-        ConfigError: an empty list, a path that does not exist, a folder, or a glob that matches no file.
+        ConfigError: an empty list, a path that is not a regular file (missing, a dangling link, a folder, a FIFO,
+            a device: :func:`meshtrain.paths.path_problem`), or a glob that matches no file.
     """
     if not patterns:
         raise ConfigError("--input names no file: give text, jsonl or parquet files or globs")
@@ -75,8 +77,9 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
             path = Path(expanded)
             if path.is_dir():
                 raise ConfigError(f"--input '{pattern}' is a folder: give its files, e.g. '{pattern}/*.jsonl'")
-            if not path.is_file():
-                raise ConfigError(f"--input '{pattern}' does not exist: give text, jsonl or parquet files or globs")
+            problem = path_problem(path)
+            if problem:
+                raise ConfigError(f"--input '{pattern}' {problem}: give text, jsonl or parquet files or globs")
             matches = [path]
         files.update((m.absolute(), None) for m in matches)
     return list(files)
