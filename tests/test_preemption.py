@@ -11,7 +11,8 @@ parameters must be **bit-identical** to the reference: ``atol=0``, no tolerance 
   exit 128 + N; ``--resume`` continues.
 - SIGKILL of the launcher: its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop the same
   way instead of training on as orphans.
-- SIGKILL of a rank under ``--max-restarts``: all ranks restart from the newest checkpoint.
+- SIGKILL of a rank under ``--max-restarts``: all ranks restart from the newest checkpoint (a DiLoCo worker's too:
+  it rejoins from the last outer state).
 - SIGKILL of a rank in the middle of a checkpoint save: the newest committed checkpoint is complete.
 - A rank that raises or hangs: one line from each other rank naming the step's phase and the ranks,
   the failed rank's own error once, a non-zero exit; a hang ends after ``train.collective_timeout_s``.
@@ -217,12 +218,12 @@ def test_killed_launcher_leaves_no_orphans_and_its_ranks_save(reference, tmp_pat
     assert_close_params(final_params(out), reference, atol=0)
 
 
-def elastic_run(reference, tmp_path, seed: int) -> None:
+def elastic_run(reference, tmp_path, seed: int, *extra: str) -> None:
     """Two SIGKILLs of a random rank at random steps; ``--max-restarts 2`` brings the job back twice."""
     rng = random.Random(seed)
     kills = sorted(rng.sample(range(5, STEPS - 100), 2))
     out = tmp_path / "run"
-    proc = start_train(out, "--max-restarts", "2")
+    proc = start_train(out, "--max-restarts", "2", *extra)
     for kill_at in kills:
         ranks = ranks_of(proc)
         wait_for_step(out, kill_at, proc)
@@ -249,6 +250,21 @@ def test_elastic_restarts_after_killed_ranks_end_bit_identical(reference, tmp_pa
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_elastic_restarts_more_random_kills(reference, tmp_path, seed):
     elastic_run(reference, tmp_path, seed)
+
+
+DILOCO_SGD = {"parallel.sync_mode": "diloco", "parallel.diloco_group": "1", "parallel.diloco_inner_steps": str(INTERVAL),
+              "optim.name": "sgd", "optim.lr": "0.3"}
+"""Two DiLoCo workers of one rank each, an outer step at every checkpoint; inner SGD keeps no state of its own."""
+
+
+@pytest.mark.slow  # ~25 s
+def test_a_killed_diloco_worker_rejoins_from_the_last_outer_state_bit_identical(tmp_path):
+    """A worker's rank killed twice at random steps: every worker restarts from the last checkpoint, which holds
+    the outer weights and the outer momentum (the checkpoint interval is H, so saving changes nothing), and with
+    inner SGD (no inner state to lose) the run ends bit-identical to the uninterrupted one."""
+    reference = tmp_path / "reference"
+    train_cli(reference, 2, **RUN, **DILOCO_SGD)
+    elastic_run(final_params(reference), tmp_path, 4, *override_args(DILOCO_SGD))
 
 
 def fault_run(tmp_path: Path, fault: str, monitor_interval_s: float = 0.1, **overrides: str
