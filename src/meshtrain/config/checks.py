@@ -17,6 +17,8 @@ from meshtrain.models.registry import attention_families, check_model, expert_fa
 from meshtrain.paths import path_problem
 from meshtrain.rules.support import compile_error, recompute_error
 
+CHUNKED_SCHEDULES = ("interleaved-1f1b", "zbv")
+"""Pipeline schedules that run several model chunks per pipeline rank (``virtual_stages`` >= 2): none at pp = 1."""
 MAX_SEED = 2**32 - 1
 """Largest ``train.seed``: per-step seeds ``(seed * 1_000_003 + step) * 1_009 + rank`` stay below torch's 2**64."""
 MAX_TIMEOUT_S = 1e9
@@ -220,6 +222,12 @@ def _validate_support(cfg: Config, schedule: bool = True) -> None:
     _require(p.pp_schedule in S.pp_schedules,
              f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
+    if p.pp == 1 and schedule:  # no pipeline runs: a setting that asks for model chunks says something that is not so
+        _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp > 1 (it is 1): "
+                                        f"set pp >= 2, or virtual_stages = 1")
+        _require(p.pp_schedule not in CHUNKED_SCHEDULES,
+                 f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp > 1 (it is 1): set pp >= 2, or "
+                 f"pp_schedule = '1f1b'")
     if p.pp > 1 and schedule:
         from meshtrain.parallel.pipeline.rules import schedule_error
 
