@@ -40,6 +40,14 @@ def test_two_gpu_nodes_meet_at_the_first_host(tmp_path):
     assert got == [f"launcher: {common} --node-rank 0", f"launcher: {common} --node-rank 1"]
 
 
+def test_the_options_own_nproc_is_kept(tmp_path):
+    """A --nproc among the options is the user's: the script adds none (argparse would let a later one win)."""
+    gpus = {"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "8", "MESHTRAIN_NPROC": "6"}
+    assert run_script(tmp_path, gpus, "c.toml", "--nproc", "2") == ["launcher: train c.toml --nproc 2"]
+    assert run_script(tmp_path, gpus, "c.toml", "--nproc=3") == ["launcher: train c.toml --nproc=3"]
+    assert run_script(tmp_path, gpus, "c.toml") == ["launcher: train c.toml --nproc 6"]
+
+
 def test_ranks_from_tasks_per_node_or_the_config_and_one_node_stays_local(tmp_path):
     got = run_script(tmp_path, {"SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "4"}, "c.toml")
     assert got == ["launcher: train c.toml --nproc 4"]
