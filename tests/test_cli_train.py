@@ -83,8 +83,23 @@ def test_bad_train_commands_fail_fast_with_one_line(tmp_path, args, needle):
 def test_out_dir_with_a_run_is_never_reused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
     proc = run_cli("train", str(CONFIG), "--out", str(tmp_path), timeout=60)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert proc.returncode == 2 and "holds a run that saved no checkpoint" in proc.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_is_no_dead_end(tmp_path):
+    """Run again or --resume: both say there is nothing to resume and how to start afresh; done so, it trains."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)  # what a run that failed in its first steps leaves
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    tiny = override_args({**TINY, "train.steps": "1"})
+    for extra in ([], ["--resume"]):
+        proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *extra, *tiny, timeout=60)
+        assert proc.returncode == 2 and "saved no checkpoint, so there is nothing to resume" in proc.stderr
+        assert f"after removing {out / 'metrics.jsonl'}" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    (out / "metrics.jsonl").unlink()
+    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *tiny, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_ranks_started_without_meshtrain_train_never_reuse_a_run_folder(tmp_path):
@@ -95,7 +110,7 @@ def test_ranks_started_without_meshtrain_train_never_reuse_a_run_folder(tmp_path
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", str(CONFIG), "--train.out_dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "holds a run" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
     assert not (tmp_path / "checkpoints").exists()
 

@@ -58,6 +58,10 @@ def preflight(run: ResolvedRun) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir = '{out}' is a file, not a folder: choose a folder path")
     if (out / METRICS_FILE).exists() and not resuming_here:
+        if not ckpt.list_checkpoints(out):  # a run that stopped before its first checkpoint: nothing to continue
+            raise ConfigError(f"train.out_dir = '{out}' holds a run that saved no checkpoint, so "
+                              f"there is nothing to resume: start it afresh after removing {out / METRICS_FILE}, or "
+                              f"choose another --out")
         raise ConfigError(f"train.out_dir = '{out}' already holds a run ({METRICS_FILE}): choose another --out, "
                           f"or continue it with --resume")
     if ckpt.list_checkpoints(out) and not resuming_here:

@@ -157,6 +157,10 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
             verify_files(p)
         return p
     found = list_checkpoints(p)
+    if not found and (p / "metrics.jsonl").is_file():  # a run that stopped before its first checkpoint
+        raise ConfigError(f"{key} = '{path}' holds a run that saved no checkpoint, so there is nothing to resume: "
+                          f"start it afresh without --resume after removing {p / 'metrics.jsonl'}, or choose another "
+                          f"--out")
     if not found:
         raise ConfigError(f"{key} = '{path}' holds no checkpoint: give a run folder with "
                           "checkpoints/step_* or a step folder with meta.json")
