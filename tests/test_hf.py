@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses
+from conftest import (ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses, override_args,
+                      run_cli)
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.cli.export import export_hf
@@ -460,3 +461,24 @@ def test_an_export_reimports_with_the_config_it_was_trained_with(tmp_path):
     assert again.model.ffn_hidden_size() == cfg.model.ffn_hidden_size() == 352 and again.model.vocab_size == 65
     with pytest.raises(ConfigError, match="model.ffn_hidden = 0 contradicts .* which gives 352"):
         load_config(tiny, {"model.init_from": str(tmp_path / "hf"), "model.multiple_of": "256"})  # the rule: 512
+
+
+def test_an_export_carries_the_source_config_keys_training_does_not_change(tmp_path):
+    """A Llama with a 64-token context, BOS/EOS/PAD ids and its own options, fine-tuned at block_size 16: its
+    export keeps the 64 positions (RoPE has no table to cut), the ids and the options, and transformers loads it
+    with them and every weight."""
+    source = llama(tmp_path / "src", bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
+    out = tmp_path / "run"
+    args = {**model_overrides(source), "model.block_size": "16", "train.steps": "2", "train.out_dir": str(out)}
+    proc = run_cli("train", str(FINETUNE), "--nproc", "1", *override_args(args))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = export_hf(out, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / hf.CONFIG_FILE).read_text())
+    want = json.loads((source / hf.CONFIG_FILE).read_text())
+    assert config["max_position_embeddings"] == 64 and want["max_position_embeddings"] == 64
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+    assert config["initializer_range"] == 0.05 and "rope_parameters" not in config  # meshtrain writes its RoPE keys
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (model.config.max_position_embeddings, model.config.eos_token_id) == (64, 2)
+    assert any(f.suffix == ".safetensors" for f in files)

@@ -63,8 +63,9 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
 }
 """key -> (what it must be, its type check, its range check); every key is required."""
 
-OPTIONAL = {"scheduler": dict, "async": dict}
-"""Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts."""
+OPTIONAL = {"scheduler": dict, "async": dict, "source_hf_config": dict}
+"""Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts; and the
+``config.json`` of the Hugging Face model a run started from (``model.init_from``), which exports carry."""
 BORROWED_DEGREES = {str(s.axis): _int_at_least(1) for s in AXIS_TABLE if not s.in_world}
 """The degrees of axes that borrow their ranks (ep): checkpoints written before the axis existed have none (1)."""
 

@@ -157,7 +157,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DE
     check_writable_dir(folder.parent, "the folder of --out")
     model, meta, _ = load_checkpoint_model(checkpoint)
     return write_hf_folder(folder, model.state_dict(), model.cfg, meta["vocab_size"], meta["tokenizer"],
-                           max_shard_bytes)
+                           max_shard_bytes, meta.get("source_hf_config"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -200,12 +200,54 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
     return groups
 
 
+def source_hf_config(folder: str | Path) -> dict[str, Any] | None:
+    """The ``config.json`` of the Hugging Face folder a run starts from, or None where it cannot be read (the
+    weights were read from it already: this only feeds what an export carries)."""
+    try:
+        return hf.read_json(Path(folder).expanduser() / hf.CONFIG_FILE, "model.init_from's")
+    except hf.HFFormatError:
+        return None
+
+
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""Keys of the source model's ``config.json`` an export keeps even where meshtrain writes its own (None): how the
+model is used, which training does not change."""
+
+
+SUPERSEDED = {"rope_theta": ("rope_parameters",), "rope_scaling": ("rope_parameters",)}
+"""A key meshtrain writes -> the source's keys that say the same another way (transformers 5's ``rope_parameters``
+for the RoPE base and scaling), which an export drops so that the two cannot disagree."""
+
+
+def carried_config(written: dict[str, Any], source: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``config.json`` an export writes: the source model's (``model.init_from``) with meshtrain's keys over it
+    -- the architecture the weights have, the vocabulary, the dtype -- except those training does not change: the
+    BOS, EOS and PAD ids (:data:`CARRIED_KEYS`) and, where positions are computed (RoPE) rather than a table of
+    ``block_size`` rows, the source's ``max_position_embeddings`` when it is longer than the training context (a
+    model fine-tuned at 2k tokens stays a 4k model). Every other source key (generation options, ``use_cache``,
+    ``initializer_range``, ...) is kept as it was."""
+    if not source:
+        return written
+    superseded = {alias for key, aliases in SUPERSEDED.items() if key in written for alias in aliases}
+    out = {**{k: v for k, v in source.items() if k not in superseded}, **written}
+    for key in CARRIED_KEYS:
+        if key in source and written.get(key) is None:
+            out[key] = source[key]
+    longer = source.get("max_position_embeddings")
+    if "max_position_embeddings" in written and isinstance(longer, int) and longer > written["max_position_embeddings"]:
+        out["max_position_embeddings"] = longer
+    return out
+
+
 def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int,
-                    tokenizer: dict[str, Any] | None, max_shard_bytes: int) -> list[Path]:
+                    tokenizer: dict[str, Any] | None, max_shard_bytes: int,
+                    source_config: dict[str, Any] | None = None) -> list[Path]:
     """Write the Hugging Face folder ``out`` (which must not exist) of a whole model's ``state``, no weights
     file larger than ``max_shard_bytes`` but for a single larger tensor: built in
     a fresh temporary folder beside it (:func:`meshtrain.fileio.fresh_temp_dir`) and renamed into place, so a crash
-    leaves no half-written folder and no other folder is touched. Returns the files written.
+    leaves no half-written folder and no other folder is touched. ``source_config``: the ``config.json`` of the
+    model the run started from, whose keys training does not change are carried (:func:`carried_config`).
+    Returns the files written.
 
     Raises:
         ConfigError: ``out`` exists, or the model has no Hugging Face architecture (lstm, gru).
@@ -215,7 +257,7 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
     if out.exists():
         raise ConfigError(f"'{out}' already exists: exports never overwrite; choose another --out")
     try:
-        config = _format(cfg).write(cfg, vocab_size)
+        config = carried_config(_format(cfg).write(cfg, vocab_size), source_config)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     tensors = hf_state_dict(state, cfg)

@@ -34,7 +34,7 @@ from meshtrain.config import Config
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
-from meshtrain.models.hf import load_hf_weights
+from meshtrain.models.hf import load_hf_weights, source_hf_config
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean, worker_mean
@@ -58,6 +58,10 @@ class Trainer:
     ``run``: the launcher's :class:`~meshtrain.resolved.ResolvedRun`, or a :class:`~meshtrain.config.Config`
     (ranks started without the launcher, tests), resolved here for the process group's world.
     """
+
+    source_hf_config: dict | None = None
+    """The ``config.json`` of the Hugging Face model this run started from (``model.init_from``), kept in every
+    checkpoint so that ``export --format hf`` carries what training does not change (:func:`meshtrain.models.hf.carried_config`)."""
 
     def __init__(self, run: ResolvedRun | Config) -> None:
         self.device, backend = device_and_backend()
@@ -94,6 +98,7 @@ class Trainer:
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         if self.start_step == 0 and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
+            self.source_hf_config = source_hf_config(cfg.model.init_from)
 
     @property
     def dtype(self) -> str:
@@ -108,6 +113,7 @@ class Trainer:
                          extra=self.parallel.outer)
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
+        self.source_hf_config = meta.get("source_hf_config")
         if self.rank == 0:
             saved = axes.describe({str(s.axis): meta.get(str(s.axis), 1) for s in axes.AXIS_TABLE})
             print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
@@ -139,8 +145,9 @@ class Trainer:
         saved = None
         if self.checkpoints.in_flight != step:
             self.parallel.consolidate(step)
+            carried = {"source_hf_config": self.source_hf_config} if self.source_hf_config else {}
             meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
-                                   self.sampler.global_batch_size, scheduler=self.scheduler.state_dict())
+                                   self.sampler.global_batch_size, scheduler=self.scheduler.state_dict(), **carried)
             saved = self.checkpoints.save(step, self.model, self.optimizer, meta, extra=self.parallel.outer)
         return saved or (self.checkpoints.wait() if wait else None)
 
