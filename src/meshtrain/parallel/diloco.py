@@ -107,9 +107,6 @@ class Fragment:
     """The inner step of its last outer step (or of the start)."""
     pending: _Exchange | None = None
 
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
 
 class DiLoCo:
     """The outer loop of DiLoCo on this rank; call :meth:`after_step` after every inner step.
