@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import REPO, write_results  # noqa: E402
+from common import REPO, machine, write_results  # noqa: E402
 from netns import IFNAME, Host, two_hosts  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
@@ -161,14 +161,18 @@ def summarize(results: list[dict], seeds: list[int]) -> list[list]:
         runs = [r for r in results if r["name"] == name]
         if not runs:
             continue
-        times = [time_to(r["evals"], TARGET * ddp[r["seed"]]["evals"][-1]["val_loss"]) for r in runs]
+        targets = [TARGET * ddp[r["seed"]]["evals"][-1]["val_loss"] for r in runs]
+        times = [time_to(r["evals"], target) for r, target in zip(runs, targets)]
         ddp_times = [ddp[r["seed"]]["evals"][-1]["elapsed_s"] for r in runs]
+        ddp_band = [time_to(ddp[r["seed"]]["evals"], target) for r, target in zip(runs, targets)]
         reached = [t for t in times if t is not None]
         speedup = [d / t for t, d in zip(times, ddp_times) if t is not None]
+        band = [d / t for t, d in zip(times, ddp_band) if t is not None]
         mean_sd = lambda xs, f: (f"{f(statistics.mean(xs))} ± {f(statistics.stdev(xs))}" if len(xs) > 1  # noqa: E731
                                  else f(xs[0]) if xs else "-")
         rows.append([name, runs[0]["steps"], f"{len(reached)}/{len(runs)}",
                      mean_sd(reached, lambda x: f"{x:.0f}"), mean_sd(speedup, lambda x: f"{x:.1f}x"),
+                     mean_sd(band, lambda x: f"{x:.1f}x"),
                      mean_sd([loss_at(r["evals"], horizon) for r in runs], lambda x: f"{x:.4f}"),
                      mean_sd([r["evals"][-1]["val_loss"] for r in runs], lambda x: f"{x:.4f}"),
                      mean_sd([r["evals"][-1]["elapsed_s"] for r in runs], lambda x: f"{x:.0f}"),
@@ -185,7 +189,13 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay", default="10ms")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--table-only", action="store_true",
+                        help="rewrite the table and plot from bench/results/diloco.json, running nothing")
     args = parser.parse_args()
+    if args.table_only:
+        saved = json.loads((REPO / "bench" / "results" / "diloco.json").read_text())
+        report(saved["runs"], argparse.Namespace(**saved["args"]), saved["shaping"], saved["measured"])
+        return
     results, shaping = [], ""
     with two_hosts(f"dl{os.getpid() % 10000}") as pair, tempfile.TemporaryDirectory(prefix="meshtrain-diloco-") as tmp:
         shaping = shape(pair, args.rate, args.delay)
@@ -197,6 +207,15 @@ def main() -> None:
                 r = results[-1]
                 print(f"{name} seed {seed}: val {r['evals'][-1]['val_loss']:.4f} at {r['evals'][-1]['elapsed_s']:.0f} s, "
                       f"{r['link_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+    report(results, args, shaping)
+
+
+def report(results: list[dict], args: argparse.Namespace, shaping: str, measured: str = "") -> None:
+    """The table (``bench/results/diloco.md``/``.json``) and the plot (``docs/diloco.png``) of ``results``;
+    ``measured``: when and at which revision the runs were taken (default: now, this one)."""
+    if not measured:
+        m = machine()
+        measured = f"Runs measured at git {m['git']}, {m['date']}."
     plot(results, REPO / "docs" / "diloco.png")
     rows = summarize(results, args.seeds)
     notes = [f"Two network-namespace hosts on this machine, 2 ranks each (4 processes on its cores), joined by a veth "
@@ -204,17 +223,19 @@ def main() -> None:
              f"micro-batch 12 per rank, global batch 48 per (inner) step, lr 1e-3 with its warmup and cosine decay.",
              f"Seeds {', '.join(map(str, args.seeds))}; mean ± standard deviation over seeds. 'reached': runs whose val "
              f"loss came within 2% of that seed's DDP final val loss; 'time to DDP's loss' and 'speed-up' (DDP's "
-             f"total wall time / that time) over those runs.",
+             f"total wall time, when it reached that loss, / that time) over those runs; 'vs DDP at the same band': "
+             f"DDP's own time to come within the same 2% / that time.",
              "'val loss at equal wall time': each run's last evaluation before the fastest run's end. Wall times "
              "include evaluations (every run evaluates at the same steps).",
              "link MB / step: bytes the veth pair carried (both directions, every protocol) / steps.",
-             "Plot: docs/diloco.png.",
+             "Plot: docs/diloco.png.", measured,
              f"Command: python bench/bench_diloco.py --steps {args.steps} --low-comm-factor {args.low_comm_factor} "
              f"--seeds {' '.join(map(str, args.seeds))} --rate {args.rate} --delay {args.delay}"]
     path = write_results("diloco", "DiLoCo across a slow link: time to DDP's val loss",
                          ["mode", "steps", "reached", "time to DDP's loss (s)", "speed-up vs DDP",
+                          "vs DDP at the same band",
                           "val loss at equal wall time", "final val loss", "wall s", "link MB / step"],
-                         rows, notes, {"runs": results, "args": vars(args), "shaping": shaping})
+                         rows, notes, {"runs": results, "args": vars(args), "shaping": shaping, "measured": measured})
     print(path.read_text())
 
 
