@@ -157,7 +157,8 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
             verify_files(p)
         return p
     found = list_checkpoints(p)
-    if not found and (p / "metrics.jsonl").is_file():  # a run that stopped before its first checkpoint
+    stopped_early = (p / "metrics.jsonl").is_file() and not any((p / "checkpoints").glob("step_*"))
+    if not found and stopped_early and key == "checkpoint.resume":  # a run that stopped before its first checkpoint
         raise ConfigError(f"{key} = '{path}' holds a run that saved no checkpoint, so there is nothing to resume: "
                           f"start it afresh without --resume after removing {p / 'metrics.jsonl'}, or choose another "
                           f"--out")
