@@ -199,15 +199,25 @@ def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks,
 
 SGD_H1 = {**MODEL, "optim.name": "sgd", "optim.lr": "0.5", "optim.grad_clip": "0", "optim.weight_decay": "0.1",
           "train.steps": "6", "batch.micro_batch_size": "4"}
+MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel.diloco_inner_steps": "4",
+            "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "5"}
 
 
-def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank runs, in one torchrun launch, in order: DiLoCo as synchronous data parallelism; a 12-step run
+    with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint."""
+    root = tmp_path_factory.mktemp("diloco2")
+    h1 = {**SGD_H1, **DILOCO, "parallel.diloco_inner_steps": "1", "parallel.outer_lr": "1", "parallel.outer_momentum": "0"}
+    resumed = {**MOMENTUM, "checkpoint.resume": str(root / "whole" / "checkpoints" / "step_000004")}
+    launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed}, worker=WORKER, results=False)
+    return root
+
+
+def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(two_ranks, tmp_path):
     """Two workers, one rank each: mean(theta - lr * g_w) = theta - lr * mean(g_w), one process's step."""
-    diloco = {**SGD_H1, **DILOCO, "parallel.diloco_inner_steps": "1", "parallel.outer_lr": "1",
-              "parallel.outer_momentum": "0"}
-    launch_layouts(2, tmp_path, {"diloco": diloco}, worker=WORKER, results=False)
     want_losses, _, want_params = reference_run(tmp_path / "reference", {**SGD_H1, "batch.micro_batch_size": "8"})
-    got = worker_losses(tmp_path / "diloco")
+    got = worker_losses(two_ranks / "sgd-h1")
     mean = {step: (got[0][step] + got[1][step]) / 2 for step in got[0]}  # the global batch's mean loss
     assert_close_losses(mean, want_losses)
     # SGD moves a weight by lr_t * g: runs whose gradients agree to rounding differ by far less than lr_t * |g|,
@@ -218,20 +228,14 @@ def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(tmp_
 
     cfg = load_config(CONFIG, SGD_H1)
     bound = sum(lr_at(s - 1, cfg.optim, cfg.train.steps) * norms[s] for s in norms)
-    assert_close_params(final_params(tmp_path / "diloco"), want_params, atol=bound)
+    assert_close_params(final_params(two_ranks / "sgd-h1"), want_params, atol=bound)
 
 
-def test_outer_momentum_survives_a_checkpoint(tmp_path):
+def test_outer_momentum_survives_a_checkpoint(two_ranks):
     """Inner SGD keeps no state, so with the outer momentum saved a resumed run is the uninterrupted one; a
     momentum lost on resume would change the steps after the first outer step past it (step 9 on)."""
-    run = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel.diloco_inner_steps": "4",
-           "train.steps": "12", "checkpoint.interval": "4"}
-    whole = tmp_path / "whole"
-    launch_layouts(2, tmp_path, {"whole": {**run, "checkpoint.keep": "5"}}, worker=WORKER, results=False)
-    resumed = {**run, "checkpoint.resume": str(whole / "checkpoints" / "step_000004")}
-    launch_layouts(2, tmp_path, {"resumed": resumed}, worker=WORKER, results=False)
-    want = losses(read_records(whole))
-    got = losses(read_records(tmp_path / "resumed"))
+    want = losses(read_records(two_ranks / "whole"))
+    got = losses(read_records(two_ranks / "resumed"))
     assert_close_losses({s: got[s] for s in range(5, 13)}, {s: want[s] for s in range(5, 13)})
 
 
