@@ -181,4 +181,23 @@ def check_layout(got: tuple, want: tuple, overrides: dict[str, str]) -> None:
     assert_close_params(got[2], want[2], atol=adamw_drift_bound(overrides))
 
 
+def _json_values():
+    from hypothesis import strategies as st
+
+    return st.recursive(
+        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=5)
+
+
+JSON_VALUES = _json_values()
+"""Any JSON value (NaN and infinities too: Python's json writes and reads them), for property tests of readers."""
+
+
+def json_paths(value, prefix: tuple = ()) -> list[tuple]:
+    """Every key path into a JSON object (list items by index)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    return [p for key, item in items for p in [(*prefix, key), *json_paths(item, (*prefix, key))]]
+
+
 from artefacts import artefacts  # noqa: E402,F401 (a session fixture: one of each artefact, built once)

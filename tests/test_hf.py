@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
-from conftest import (ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses, override_args,
-                      run_cli)
+from conftest import (JSON_VALUES, ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses,
+                      json_paths, override_args, run_cli)
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.cli.export import export_hf
@@ -482,3 +484,42 @@ def test_an_export_carries_the_source_config_keys_training_does_not_change(tmp_p
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (model.config.max_position_embeddings, model.config.eos_token_id) == (64, 2)
     assert any(f.suffix == ".safetensors" for f in files)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    """A tiny saved model of two families: a Llama (GQA, Llama 3.1 RoPE scaling) and a GPT-2."""
+    root = tmp_path_factory.mktemp("families")
+    return {"llama": llama(root / "llama"), "gpt2": gpt2(root / "gpt2")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_in_any_config_json_field_is_one_config_error(families, tmp_path, data):
+    """``model.init_from`` at a folder whose config.json has any JSON value at any key path (or the key removed):
+    the config and the launcher's check of the weights raise ConfigError with one line, or accept a model they can
+    build; never another exception."""
+    import shutil
+    import tempfile
+
+    from meshtrain.config import ConfigError, load_config
+    from meshtrain.preflight import check_init_from
+
+    source = families[data.draw(st.sampled_from(sorted(families)))]
+    config = json.loads((source / hf.CONFIG_FILE).read_text())
+    path = data.draw(st.sampled_from(json_paths(config)))
+    folder = Path(tempfile.mkdtemp(dir=tmp_path)) / "m"
+    shutil.copytree(source, folder)
+    target = config
+    for key in path[:-1]:
+        target = target[key]
+    if data.draw(st.booleans()) and isinstance(target, dict):
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(JSON_VALUES)
+    (folder / hf.CONFIG_FILE).write_text(json.dumps(config))
+    try:
+        cfg = load_config(None, {"model.init_from": str(folder), "model.block_size": "16"})
+        check_init_from(cfg, 65)
+    except ConfigError as e:
+        assert "\n" not in str(e)

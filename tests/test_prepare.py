@@ -15,13 +15,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from conftest import ROOT, run_cli
+from conftest import JSON_VALUES, ROOT, json_paths, run_cli
 from meshtrain.cli.main import main
 from meshtrain.config import ConfigError
 from meshtrain.data import preprocess as prep
@@ -412,3 +415,26 @@ def test_a_vocabulary_past_uint16_gives_uint32_shards(tmp_path, docs, monkeypatc
     train = [d for i, d in enumerate(docs) if not math.floor((i + 1) * VAL) > math.floor(i * VAL)]
     want = [t for d in train for t in BigVocab().encode(d) + [BigVocab.eos_id]]
     assert data.tokens("train").window(0, data.num_tokens("train")).tolist() == want
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_in_any_field_of_a_prepared_meta_is_one_config_error(sharded, tmp_path, data):
+    """Opening a prepared folder whose meta.json has any JSON value at any key path (or the key removed) raises
+    ConfigError or opens a valid folder: never another exception."""
+    meta = json.loads((sharded.folder / "meta.json").read_text())
+    path = data.draw(st.sampled_from(json_paths(meta)))
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    shutil.copytree(sharded.folder, folder / "p")
+    target = meta = json.loads(json.dumps(meta))
+    for key in path[:-1]:
+        target = target[key]
+    if data.draw(st.booleans()) and isinstance(target, dict):
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(JSON_VALUES)
+    (folder / "p" / "meta.json").write_text(json.dumps(meta))
+    try:
+        PreparedData.open(folder / "p")
+    except ConfigError as e:
+        assert "\n" not in str(e)

@@ -149,7 +149,10 @@ def read(hf: dict[str, Any], where: Path, kind: str = "llama") -> dict[str, Any]
     heads, embd = number(hf, "num_attention_heads", where, int), number(hf, "hidden_size", where, int)
     refuse(hf, "hidden_act", ("silu",), where, "Llama's SwiGLU")
     refuse(hf, "mlp_bias", (False,), where, "Llama's projections have no biases")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5 / 4 spelling
+    spelled = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4 spelling
+    rope = hf.get(spelled) or {}
+    if not isinstance(rope, dict):
+        raise HFFormatError(f"'{where}': {spelled} = {rope!r:.60} must be an object (rope_type, factor, ...) or null")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     dim = hf.get("head_dim")
