@@ -200,4 +200,27 @@ def json_paths(value, prefix: tuple = ()) -> list[tuple]:
     return [p for key, item in items for p in [(*prefix, key), *json_paths(item, (*prefix, key))]]
 
 
+def damaged_json_copy(data, source: Path, name: str, tmp_path: Path) -> Path:
+    """A fresh copy of the folder ``source`` whose JSON file ``name`` has, at a key path ``data`` (hypothesis's
+    ``st.data()``) draws, any JSON value it draws, or (in an object) that key removed; returns the copy."""
+    import shutil
+    import tempfile
+
+    from hypothesis import strategies as st
+
+    content = json.loads((source / name).read_text())
+    path = data.draw(st.sampled_from(json_paths(content)))
+    folder = Path(tempfile.mkdtemp(dir=tmp_path)) / source.name
+    shutil.copytree(source, folder)
+    target = content
+    for key in path[:-1]:
+        target = target[key]
+    if data.draw(st.booleans()) and isinstance(target, dict):
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(JSON_VALUES)
+    (folder / name).write_text(json.dumps(content))
+    return folder
+
+
 from artefacts import artefacts  # noqa: E402,F401 (a session fixture: one of each artefact, built once)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import JSON_VALUES, ROOT, json_paths, run_cli
+from conftest import ROOT, damaged_json_copy, run_cli
 from meshtrain.cli.main import main
 from meshtrain.config import ConfigError
 from meshtrain.data import preprocess as prep
@@ -422,19 +421,8 @@ def test_a_vocabulary_past_uint16_gives_uint32_shards(tmp_path, docs, monkeypatc
 def test_any_value_in_any_field_of_a_prepared_meta_is_one_config_error(sharded, tmp_path, data):
     """Opening a prepared folder whose meta.json has any JSON value at any key path (or the key removed) raises
     ConfigError or opens a valid folder: never another exception."""
-    meta = json.loads((sharded.folder / "meta.json").read_text())
-    path = data.draw(st.sampled_from(json_paths(meta)))
-    folder = Path(tempfile.mkdtemp(dir=tmp_path))
-    shutil.copytree(sharded.folder, folder / "p")
-    target = meta = json.loads(json.dumps(meta))
-    for key in path[:-1]:
-        target = target[key]
-    if data.draw(st.booleans()) and isinstance(target, dict):
-        del target[path[-1]]
-    else:
-        target[path[-1]] = data.draw(JSON_VALUES)
-    (folder / "p" / "meta.json").write_text(json.dumps(meta))
+    folder = damaged_json_copy(data, sharded.folder, "meta.json", tmp_path)
     try:
-        PreparedData.open(folder / "p")
+        PreparedData.open(folder)
     except ConfigError as e:
         assert "\n" not in str(e)

@@ -157,12 +157,12 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
             verify_files(p)
         return p
     found = list_checkpoints(p)
-    stopped_early = (p / "metrics.jsonl").is_file() and not any((p / "checkpoints").glob("step_*"))
-    if not found and stopped_early and key == "checkpoint.resume":  # a run that stopped before its first checkpoint
-        raise ConfigError(f"{key} = '{path}' holds a run that saved no checkpoint, so there is nothing to resume: "
-                          f"start it afresh without --resume after removing {p / 'metrics.jsonl'}, or choose another "
-                          f"--out")
     if not found:
+        stopped_early = (p / "metrics.jsonl").is_file() and not any((p / "checkpoints").glob("step_*"))
+        if stopped_early and key == "checkpoint.resume":  # a run that stopped before its first checkpoint
+            raise ConfigError(f"{key} = '{path}' holds a run that saved no checkpoint, so there is nothing to resume: "
+                              f"start it afresh without --resume after removing {p / 'metrics.jsonl'}, or choose "
+                              f"another --out")
         raise ConfigError(f"{key} = '{path}' holds no checkpoint: give a run folder with "
                           "checkpoints/step_* or a step folder with meta.json")
     if not verify:
@@ -324,10 +324,10 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
         if extra is not None:
-            stored = set(read_metadata(ckpt).state_dict_metadata)
-            wanted = {k: k if f"{EXTRA}.{k}" in stored else (aliases or {}).get(k) for k in extra.state_dict()}
+            stored, held = set(read_metadata(ckpt).state_dict_metadata), extra.state_dict()
+            wanted = {k: k if f"{EXTRA}.{k}" in stored else (aliases or {}).get(k) for k in held}
             wanted = {k: stored_as for k, stored_as in wanted.items() if f"{EXTRA}.{stored_as}" in stored}
-            state[EXTRA] = {stored_as: extra.state_dict()[k] for k, stored_as in wanted.items()}
+            state[EXTRA] = {stored_as: held[k] for k, stored_as in wanted.items()}
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
         if extra is not None:
             extra.load_state_dict({k: state[EXTRA][stored_as] for k, stored_as in wanted.items()})
