@@ -57,6 +57,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--framework", choices=tuple(FRAMEWORKS), default=None,
                    help="software whose overlaps, features and memory to model (default meshtrain; docs/planner.md, "
                         "\"Frameworks\")")
+    g.add_argument("--stack", metavar="FRAMEWORK[+OPTION...]",
+                   help="the software stack: a --framework with options (compile, flash, materialized, tp-comm-overlap, "
+                        "no-tp-comm-overlap, fused-ce), e.g. torchtitan+compile; its speed factor and range are fitted "
+                        "on published runs (docs/planner.md, \"Stacks and calibration\")")
+    c = p.add_argument_group("calibration (one measured run fits the stack's speed; docs/planner.md)")
+    c.add_argument("--measured", metavar="LAYOUT,KEY=VALUE",
+                   help="a run you measured on this cluster: its layout fields as --fix takes them and one of "
+                        "step_time_s, tokens_per_s, tokens_per_s_per_gpu, mfu_percent, e.g. tp=8,pp=4,step_time_s=12.9")
+    c.add_argument("--calibrate-from", type=Path, metavar="RUN_DIR",
+                   help="the --out folder of a finished meshtrain train run (its plan_vs_actual.json)")
     j = p.add_argument_group("job")
     j.add_argument("--num-gpus", type=positive_int, help="devices in the job (world_size)")
     j.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step")
@@ -76,7 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--validate", type=Path, nargs="?", const=PUBLISHED_RUNS, metavar="FILE",
                    help="predict published runs and report the errors (default: the runs shipped with meshtrain, "
                         "planner/data/published_runs.toml)")
-    o.add_argument("--calibrate", action="store_true", help="measure this machine and save a cpu profile")
+    o.add_argument("--calibrate", nargs="?", const="machine", choices=("machine", "one-per-source"),
+                   help="alone: measure this machine and save a cpu profile; with --validate, one-per-source: "
+                        "calibrate on each source's first run and report the error on its others")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -86,14 +98,16 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     from meshtrain.planner import report
 
     args.overrides = _config_overrides(args.config, extra or [])
-    if args.calibrate:
+    if args.calibrate == "one-per-source" and args.validate is None:
+        raise ConfigError("--calibrate one-per-source goes with --validate [FILE]; --calibrate alone measures this machine")
+    if args.calibrate == "machine":
         from meshtrain.planner.calibrate import calibrate
         path = calibrate(args.profile)
         print(json.dumps({"profile": str(path)}) if args.json else f"saved hardware profile to {path}")
         return 0
     if args.validate is not None:
         from meshtrain.planner.validate import validate_file
-        result = validate_file(args.validate, args.profile)
+        result = validate_file(args.validate, args.profile, calibrate=args.calibrate == "one-per-source")
         if args.json:
             print(json.dumps(result, indent=1))
         elif args.markdown:
@@ -124,7 +138,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         from meshtrain.planner.plot import plot_breakdowns
         plot_breakdowns(fitting[: args.top] or [smallest], args.plot, ctx.hw.device.memory_bytes)
     if args.json:
-        print(json.dumps([r.to_dict() for r in fitting[: args.top]], indent=1))
+        from meshtrain.planner.stack import estimate_ranges
+        print(json.dumps([r.to_dict() | estimate_ranges(r, ctx.speed) | ctx.speed.to_dict()
+                          for r in fitting[: args.top]], indent=1))
     else:
         report.print_search(ctx, fitting, smallest, args.top, args.plot)
     return 0
@@ -181,7 +197,7 @@ def build_context(args: argparse.Namespace):
     from meshtrain.planner.estimate import Job
     from meshtrain.planner.hardware import get_hardware
     from meshtrain.batch_math import global_batch_size
-    from meshtrain.planner.layout import FRAMEWORKS, Layout, meshtrain_framework
+    from meshtrain.planner.layout import Layout, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config, load_model
 
@@ -198,7 +214,7 @@ def build_context(args: argparse.Namespace):
             raise ConfigError("--seq-len cannot change a config's model: set model.block_size in the config")
     else:
         raise ConfigError("give --model (a preset or a TOML file) or a training config")
-    framework = FRAMEWORKS[args.framework or "meshtrain"]
+    stack_name, framework = _stack(args)
     gpu = args.gpu or ("cpu" if cfg is not None else None)
     if cfg is not None and framework.name == "meshtrain":  # the config's FSDP2 unit size, compiled blocks or not
         framework = meshtrain_framework(cfg, "cpu" if gpu == "cpu" else "cuda")
@@ -244,4 +260,48 @@ def build_context(args: argparse.Namespace):
                               f"{model.seq_len} tokens: give at least {model.seq_len}")
     steps = cfg.train.steps if cfg is not None and not (samples or args.token_budget) else None
     job = Job(world, gbs, num_samples=samples, epochs=args.epochs, token_budget=args.token_budget, total_steps=steps)
-    return Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)
+    ctx = Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)
+    return _calibrated(ctx, args, stack_name)
+
+
+def _stack(args: argparse.Namespace):
+    """(stack name, framework) of ``--stack`` or ``--framework`` (default meshtrain). Raises ConfigError for both."""
+    from meshtrain.planner.stack import parse_stack
+
+    if args.stack and args.framework:
+        raise ConfigError(f"give --stack {args.stack} or --framework {args.framework}, not both (a stack is a framework "
+                          f"with options)")
+    return parse_stack(args.stack or args.framework or "meshtrain")
+
+
+def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
+    """``ctx`` at the speed of its stack (:func:`meshtrain.planner.stack.speed_for`), or of the run given by
+    ``--measured`` or ``--calibrate-from`` (:func:`meshtrain.planner.stack.fit_speed`), with the range that goes
+    with it. Raises ConfigError for both, or a measurement no layout of this job reaches."""
+    from dataclasses import replace
+
+    from meshtrain.planner import stack
+
+    if args.measured and args.calibrate_from:
+        raise ConfigError("give --measured or --calibrate-from, not both: one run calibrates the plan")
+    if args.calibrate_from:
+        factor, what = stack.run_dir_speed(args.calibrate_from)
+        speed = stack.calibrated_speed(factor, what, ctx.hw.device.name)
+    elif args.measured:
+        from meshtrain.planner.cost import step_time
+        from meshtrain.planner.search import search
+
+        fixed, key, value = stack.parse_measured(args.measured)
+        found = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
+        if not found:
+            raise ConfigError(f"--measured {args.measured!r}: no valid layout of {ctx.model.name} on "
+                              f"{ctx.job.num_devices} devices with global_batch_size {ctx.job.global_batch_size} "
+                              f"has those fields")
+        best = ([e for e in found if e.fits] or found)[0]
+        seconds = stack.measured_step_time(key, value, best)
+        factor = stack.fit_speed(lambda hw: step_time(ctx.model, best.layout, hw, ctx.precision, ctx.framework).total,
+                                 ctx.hw, seconds)
+        speed = stack.calibrated_speed(factor, f"{best.layout.label()} at {seconds:.4g} s/step", ctx.hw.device.name)
+    else:
+        speed = stack.speed_for(stack_name, ctx.hw.device.name, peak_source=ctx.hw.device.peak_source)
+    return replace(ctx, hw=stack.scaled(ctx.hw, speed.factor), speed=speed)

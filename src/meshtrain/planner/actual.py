@@ -27,6 +27,7 @@ from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
 from meshtrain.planner.layout import Layout, meshtrain_framework
 from meshtrain.planner.memory import PRECISIONS, memory_breakdown
 from meshtrain.planner.model_specs import from_config
+from meshtrain.planner.stack import memory_spread, speed_for
 
 CORPUS_BYTES_PER_CHAR = 18.0
 """RSS the trainer's corpus loading adds per character when no profile measured it: the text (1 byte),
@@ -97,7 +98,12 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     memory = memory_breakdown(model, layout, hw, precision, framework)
     time = step_time(model, layout, hw, precision, framework)
     peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)
-    return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description,
+    speed = speed_for(framework.name, hw.device.name, peak_source=hw.device.peak_source)
+    low, high = memory_spread()
+    ranges = {"step_time_s": [None if math.isnan(x) else x for x in speed.step_time_range(time.total)],
+              "peak_memory_bytes": [peak / (1 + high), peak / (1 + low)]}
+    return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description, "ranges": ranges,
+            "range_basis": speed.basis,
             "threads_per_rank": threads, "layout": layout.label(),
             "memory_breakdown_bytes": {k: int(v) for k, v in memory.to_dict().items()},
             "time_breakdown_s": time.to_dict()}
@@ -107,18 +113,29 @@ def write_plan_vs_actual(predicted: dict[str, Any], measured: dict[str, Any], ou
     """Write ``out_dir/plan_vs_actual.json`` atomically (:func:`meshtrain.fileio.write_json_atomic`) and return it.
 
     ``relative_error[k] = (predicted[k] - measured[k]) / measured[k]`` for every numeric key both have
-    (a signed fraction: +0.1 means the plan predicted 10% more than measured).
+    (a signed fraction: +0.1 means the plan predicted 10% more than measured), and ``inside_range[k]``: whether the
+    measurement lies in the prediction's range (``predicted["ranges"][k]``, :mod:`meshtrain.planner.stack`; null
+    where the prediction has none, as on an uncalibrated CPU).
     """
     errors = {}
     for key, value in measured.items():
         p = predicted.get(key)
         if isinstance(p, (int, float)) and isinstance(value, (int, float)) and value and not math.isnan(p):
             errors[key] = (p - value) / value
-    result = {"predicted": predicted, "measured": measured, "relative_error": errors}
+    ranges = predicted.get("ranges", {})
+    inside = {k: (None if None in ranges.get(k, [None]) else ranges[k][0] <= v <= ranges[k][1])
+              for k, v in measured.items() if isinstance(v, (int, float))}
+    result = {"predicted": predicted, "measured": measured, "relative_error": errors, "inside_range": inside}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "plan_vs_actual.json", result)
     return result
+
+
+def _inside(result: dict[str, Any]) -> str:
+    """``"; step time inside its predicted range"`` (or outside), nothing without a range."""
+    inside = result.get("inside_range", {}).get("step_time_s")
+    return "" if inside is None else f"; step time {'inside' if inside else 'outside'} its predicted range"
 
 
 def report_run(cfg: Config, summary: dict[str, Any], threads: int,
@@ -137,5 +154,6 @@ def report_run(cfg: Config, summary: dict[str, Any], threads: int,
           f"{measured['step_time_s']:.4f} s ({err.get('step_time_s', math.nan):+.1%}); peak memory/rank "
           f"predicted {predicted['peak_memory_bytes'] / 2**20:.0f} MiB, measured "
           f"{measured['peak_memory_bytes'] / 2**20:.0f} MiB ({err.get('peak_memory_bytes', math.nan):+.1%}); "
-          f"hardware: {predicted['profile']}", file=sys.stderr)
+          f"hardware: {predicted['profile']}{_inside(result)}; to plan other layouts from this run: meshtrain plan "
+          f"CONFIG --calibrate-from {cfg.train.out_dir}", file=sys.stderr)
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision
 from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.planner.stack import Speed, estimate_ranges
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Context:
     framework: Framework
     job: Job
     config_layout: Layout | None = None
+    speed: Speed = Speed()
+    """The stack's speed factor (already applied to ``hw``) and its step-time range (:mod:`meshtrain.planner.stack`)."""
 
     def headline(self) -> str:
         m, d = self.model, self.hw.device
@@ -87,18 +91,20 @@ def _shown_axes(model: ModelSpec) -> list[str]:
     return [a for a in SHORT_FLAGS if SPECS[a].in_world or model.experts]
 
 
-def _row(rank: str, e: Estimate, shown: list[str]) -> list[str]:
+def _row(rank: str, e: Estimate, shown: list[str], speed: Speed) -> list[str]:
     b = e.layout
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
+    low, high = speed.step_time_range(e.time.total)
     return [rank, *(_axis_cell(b, axis) for axis in shown), str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
-            f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
-            duration(e.total_time_s)]
+            f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", "-" if math.isnan(low) else f"{low:.3g}-{high:.3g}",
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.mfu:.1%}", duration(e.total_time_s)]
 
 
 def _table(mfu: str, shown: list[str]) -> Table:
     t = Table()
     for name in ("#", *shown, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
-                 "s/step", "tokens/s", mfu, "total"):
+                 "s/step", "range", "tokens/s", mfu, "total"):
         t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule") else "left")
     return t
 
@@ -118,14 +124,14 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
     shown = _shown_axes(ctx.model)
     table = _table(ctx.hw.device.mfu_label(), shown)
     for i, e in enumerate(fitting[:top], 1):
-        table.add_row(*_row(str(i), e, shown))
+        table.add_row(*_row(str(i), e, shown, ctx.speed))
     mine = None
     config = ctx.config_layout
     if config is not None and not (divisibility_errors(ctx.model, config)
                                    + framework_errors(ctx.framework, config, ctx.model)):
         job = replace(ctx.job, global_batch_size=config.global_batch_size) if config.ps_servers else ctx.job
         mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, job)
-        table.add_row(*_row("config", mine, shown), style="bold")
+        table.add_row(*_row("config", mine, shown, ctx.speed), style="bold")
     out.print(table)
     lines = [f"{len(fitting)} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
              "(each with the cheapest recompute mode that fits)."]
@@ -137,8 +143,12 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
         lines.append(f"Batch: global_batch_size = micro_batch_size * gradient_accumulation_steps * dp = "
                      f"{b.micro_batch_size} * {b.gradient_accumulation_steps} * {b.dp} = {b.global_batch_size} "
                      f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
+        lines.append(_range_line(ctx, best, fitting[:top]))
         if best.total_steps:
-            lines.append(f"Training: {best.total_steps:,} steps x {best.time.total:.4g} s = {duration(best.total_time_s)}.")
+            low, high = estimate_ranges(best, ctx.speed)["total_time_range_s"]
+            within = "" if low is None else f" (range {duration(low)} - {duration(high)})"
+            lines.append(f"Training: {best.total_steps:,} steps x {best.time.total:.4g} s = {duration(best.total_time_s)}"
+                         f"{within}.")
         if b.diloco_group:
             lines.append(diloco_trade(b))
     elif smallest is not None:
@@ -153,6 +163,19 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
         lines.append(f"Wrote {plot}.")
     for line in lines:
         out.print(line, soft_wrap=True)
+
+
+def _range_line(ctx: Context, best: Estimate, shown: list[Estimate]) -> str:
+    """The range's basis, and how many of the shown layouts predict a step time inside the best's range."""
+    s, (low, high) = ctx.speed, ctx.speed.step_time_range(best.time.total)
+    if math.isnan(low):
+        return f"Range: none ({s.basis})."
+    inside = sum(low <= e.time.total <= high for e in shown[1:])
+    overlap = (f"; {inside} of the other {len(shown) - 1} shown layouts predict a step time inside it (the ranking "
+               f"among them is within the model's error, though errors of one stack move layouts together)"
+               if len(shown) > 1 else "")
+    return (f"Range: the measured step time of the best layout should lie in {low:.4g}-{high:.4g} s "
+            f"(speed factor {s.factor:.3g}, {s.basis}; signed step-time errors {s.low:+.1%} to {s.high:+.1%}){overlap}.")
 
 
 def diloco_trade(layout: Layout) -> str:
@@ -292,6 +315,8 @@ def print_validation(result: dict) -> None:
     fits = _fits_line(result)
     if fits:
         out.print(fits)
+    if "calibrated" in result:
+        out.print(_calibrated_line(result["calibrated"]), soft_wrap=True)
 
 
 def validation_markdown(result: dict) -> str:
@@ -317,4 +342,18 @@ def validation_markdown(result: dict) -> str:
     fits = _fits_line(result)
     if fits:
         lines += ["", "F" + fits[1:] + "."]
+    if "calibrated" in result:
+        lines += ["", _calibrated_line(result["calibrated"]).replace("|error|", "\\|error\\|")]
     return "\n".join(lines)
+
+
+def _calibrated_line(cal: dict) -> str:
+    """One line on ``plan --validate --calibrate one-per-source``: the calibrated errors and the ranges' coverage."""
+    moe = cal["moe"]
+    low, high = cal["range"]["calibrated"]
+    bounds = "" if low is None else f" (signed errors {low:+.1%} to {high:+.1%})"
+    return (f"Calibrated on each source's first timed run, its other runs' step time: median |error| "
+            f"{_pct(cal['median_abs_error'])}, max {_pct(cal['max_abs_error'])} over {cal['runs']} dense runs{bounds}; "
+            f"mixtures of experts apart: median {_pct(moe['median_abs_error'])}, max {_pct(moe['max_abs_error'])} "
+            f"({moe['runs']} runs). Interval coverage (each source's errors inside the range the other sources' "
+            f"span): {cal['coverage']['uncalibrated']:.0%} uncalibrated, {cal['coverage']['calibrated']:.0%} calibrated.")

@@ -28,19 +28,22 @@ Uniform rules for what a run does not state (docs/planner.md, "Validation"):
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError, read_toml
+from meshtrain.planner.cost import step_time
 from meshtrain.planner.estimate import Estimate, Job
-from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, get_hardware
+from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 from meshtrain.axes import SHORT_FLAGS
-from meshtrain.planner.memory import PRECISIONS
-from meshtrain.planner.model_specs import from_table
+from meshtrain.planner.memory import PRECISIONS, Precision
+from meshtrain.planner.model_specs import ModelSpec, from_table
 from meshtrain.planner.search import search
+from meshtrain.planner.stack import fit_speed, scaled
 
 PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
 """Measured runs from papers and framework tables, with their sources, shipped inside the package."""
@@ -122,11 +125,22 @@ def measured_fields(run: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in fields.items()}
 
 
-def predict_run(run: dict[str, Any], profile: Path | None = None,
-                matmul_efficiency: float | None = None) -> tuple[Estimate, dict[str, float]]:
-    """The estimate for one run and the predicted value of each measured field it has.
+@dataclass(frozen=True)
+class RunContext:
+    """What a published run is about, resolved: model, hardware, precision, framework, job and stated layout fields."""
 
-    ``matmul_efficiency`` replaces the catalog's constant for the run's device (for cross-validation).
+    model: ModelSpec
+    hw: Hardware
+    precision: Precision
+    framework: Framework
+    job: Job
+    fixed: dict[str, Any]
+
+
+def run_context(run: dict[str, Any], profile: Path | None = None, matmul_efficiency: float | None = None,
+                speed: float = 1.0) -> RunContext:
+    """Resolve ``run``; ``matmul_efficiency`` replaces the catalog's constant for its device (cross-validation),
+    ``speed`` scales its device's compute (:func:`meshtrain.planner.stack.scaled`, a stack's or a calibration's factor).
 
     Raises:
         ConfigError: a run without model/layout/gpu, an unknown gpu, or a bad ``measured`` table
@@ -135,11 +149,13 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
     for key in ("name", "gpu", "num_gpus", "model", "layout", "measured"):
         if key not in run:
             raise ConfigError(f"validation run {run.get('name', '?')!r} lacks '{key}'")
-    measured = measured_fields(run)
+    measured_fields(run)
     model = from_table(dict(run["model"]), name=run["name"])
     hw = get_hardware(run["gpu"], profile=profile)
     if matmul_efficiency is not None:
         hw = replace(hw, device=replace(hw.device, matmul_efficiency=matmul_efficiency))
+    if speed != 1.0:
+        hw = scaled(hw, speed)
     lay = dict(run["layout"])
     gbs = int(lay.pop("global_batch_size"))
     fixed = {k: v for k, v in lay.items() if k in FIXABLE}
@@ -147,7 +163,16 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
         fixed.pop("pp_schedule")
     job = Job(num_devices=int(run["num_gpus"]), global_batch_size=gbs)
     fw = framework_for(run)
-    prec = PRECISIONS[fw.mixed_precision]
+    return RunContext(model, hw, PRECISIONS[fw.mixed_precision], fw, job, fixed)
+
+
+def predict_run(run: dict[str, Any], profile: Path | None = None,
+                matmul_efficiency: float | None = None, speed: float = 1.0) -> tuple[Estimate, dict[str, float]]:
+    """The estimate for one run and the predicted value of each measured field it has (:func:`run_context` for the
+    arguments and errors)."""
+    ctx = run_context(run, profile, matmul_efficiency, speed)
+    model, hw, prec, fw, job, fixed = ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, ctx.fixed
+    measured = measured_fields(run)
     ranked = search(model, hw, prec, fw, job, fixed=fixed, keep_unfit=True)
     if not ranked:
         raise ConfigError(f"run {run['name']!r}: no valid layout matches its stated fields {fixed}")
@@ -302,7 +327,7 @@ def fit_verdicts(runs: list[dict[str, Any]], results: list[RunResult]) -> dict[s
     return {"runs": len(results), "agree": len(results) - len(disagree), "disagree": disagree}
 
 
-def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -> dict[str, Any]:
+def validate_file(path: Path, profile: Path | None = None, cross: bool = True, calibrate: bool = False) -> dict[str, Any]:
     """Predict every run of ``path``; return ``{"runs": [...], "median_abs_error", "max_abs_error"}``.
 
     Errors are signed fractions ``(predicted - measured) / measured``; the median and max are over the
@@ -341,5 +366,142 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True) -
                                   if k not in MEMORY_FIELDS])
         out["leave_one_source_out"] = {"median_abs_error": median, "max_abs_error": worst,
                                        **_source_summary(out["runs"], loso)}
+    if calibrate:
+        out["calibrated"] = _calibrated_summary(runs, out["runs"], profile)
     return out
 
+
+def _calibrated_summary(runs: list[dict[str, Any]], records: list[dict[str, Any]], profile: Path | None) -> dict[str, Any]:
+    """``validate_file``'s ``calibrated`` entry: :func:`calibrate_one_per_source`'s step-time errors (dense runs in the
+    headline, mixtures of experts apart), each run's ``calibrated_step_time_error``, and the interval coverage of
+    :func:`fit_stacks` (pooled: uncalibrated, held out by source; calibrated)."""
+    cal = calibrate_one_per_source(runs, profile)
+    for record in records:
+        if record["name"] in cal["errors"]:
+            record["calibrated_step_time_error"] = cal["errors"][record["name"]]
+    dense = [abs(e) for n, e in cal["errors"].items() if n not in cal["moe"]]
+    moe = [abs(e) for n, e in cal["errors"].items() if n in cal["moe"]]
+    median, worst = _summary(dense)
+    fit = fit_stacks(runs, profile, cal)
+    return {"median_abs_error": median, "max_abs_error": worst, "runs": len(dense),
+            "moe": dict(zip(("median_abs_error", "max_abs_error"), _summary(moe)), runs=len(moe)),
+            "calibrated_on": cal["calibrated_on"],
+            "coverage": {"uncalibrated": fit["pooled"]["coverage"], "calibrated": fit["calibrated"]["coverage"]},
+            "range": {"uncalibrated": _finite([fit["pooled"]["low"], fit["pooled"]["high"]]),
+                      "calibrated": _finite([fit["calibrated"]["low"], fit["calibrated"]["high"]])},
+            "step_time": "signed (predicted - measured) / measured of the step time (time and throughput fields)"}
+
+
+
+def stack_of(run: dict[str, Any]) -> str:
+    """A run's software stack (:mod:`meshtrain.planner.stack`): its ``stack`` key, else its framework's name."""
+    return str(run.get("stack") or framework_for(run).name)
+
+
+def _step_error(run: dict[str, Any], predicted: dict[str, float]) -> float:
+    measured = measured_fields(run)
+    return _run_step_error({k: (v - measured[k]) / measured[k] for k, v in predicted.items()})
+
+
+def run_speed(run: dict[str, Any], profile: Path | None = None) -> float:
+    """The speed factor (:func:`meshtrain.planner.stack.fit_speed`) at which ``run``'s predicted step time equals the
+    one it measured (its time and throughput fields' mean step-time error, :func:`step_time_error`), on the layout the
+    search picks at the catalog constants."""
+    ctx = run_context(run, profile)
+    best, predicted = predict_run(run, profile)
+    measured_s = best.time.total / (1 + _step_error(run, predicted))
+    return fit_speed(lambda hw: step_time(ctx.model, best.layout, hw, ctx.precision, ctx.framework).total,
+                     ctx.hw, measured_s)
+
+
+def _has_time(run: dict[str, Any]) -> bool:
+    return any(k not in MEMORY_FIELDS for k in measured_fields(run))
+
+
+def calibrate_one_per_source(runs: list[dict[str, Any]], profile: Path | None = None) -> dict[str, Any]:
+    """Calibrate on one run per source and predict the source's other runs: the first run of each source
+    (:func:`source_key`) that measured a time fits the speed factor (:func:`run_speed`); every other timed run of the
+    source is predicted at that factor (what ``meshtrain plan --measured`` does for a user with one run of their
+    stack). ``{"errors": {name: step-time error}, "moe": [names of mixture-of-experts runs], "calibrated_on":
+    {source: {"run": name, "speed_factor": s}}}``; a source with one timed run has nothing to predict."""
+    errors: dict[str, float] = {}
+    on: dict[str, dict[str, Any]] = {}
+    timed = [r for r in runs if _has_time(r)]
+    for source in dict.fromkeys(source_key(r) for r in timed):
+        first, *rest = [r for r in timed if source_key(r) == source]
+        factor = run_speed(first, profile)
+        on[source] = {"run": first["name"], "speed_factor": factor}
+        for run in rest:
+            _, predicted = predict_run(run, profile, speed=factor)
+            errors[run["name"]] = _step_error(run, predicted)
+    moe = [r["name"] for r in timed if isinstance(r.get("model"), dict) and r["model"].get("experts")]
+    return {"errors": errors, "moe": moe, "calibrated_on": on}
+
+
+def _spread(errors: list[float]) -> dict[str, float]:
+    """The [low, high] of signed errors (NaN for none)."""
+    return {"low": min(errors), "high": max(errors)} if errors else {"low": math.nan, "high": math.nan}
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def fit_stacks(runs: list[dict[str, Any]], profile: Path | None = None,
+               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each stack's speed factor per device type, and the step-time ranges, from the dense timed runs (:func:`_timed`).
+
+    - ``stack[name][device]``: the median :func:`run_speed` of the stack's runs on that device type (its
+      :func:`efficiency_group`), with ``runs`` and ``sources`` counted; its ``low``/``high`` are the signed
+      step-time errors of the held-out predictions of runs whose stack another source also ran (so that the factor
+      was fitted without them), else the pooled ones.
+    - ``pooled``: every run predicted leave-one-source-out, at the stack factor fitted on the other sources when
+      they ran the stack on that device, else at the pooled factor of the other sources' runs on that device (the
+      held-out refit of the device constant): ``low``/``high`` over all of them, and their ``coverage`` (the
+      share of each source's errors inside the range the other sources' errors span).
+    - ``calibrated``: the range of :func:`calibrate_one_per_source`'s dense errors, and its coverage the same way.
+
+    Everything is relative to the catalog's constants (a factor of 1 is the catalog): see :mod:`meshtrain.planner.stack`.
+    """
+    timed = _timed(runs)
+    keyed = [(source_key(r), stack_of(r), efficiency_group(r, profile), r) for r in timed]
+    speeds = {r["name"]: run_speed(r, profile) for r in timed}
+    held: dict[str, tuple[float, str, str, bool]] = {}
+    for source in dict.fromkeys(k for k, _, _, _ in keyed):
+        others = [(st, g, r) for k, st, g, r in keyed if k != source]
+        for _, st, g, run in ((k, st, g, r) for k, st, g, r in keyed if k == source):
+            same = [speeds[r["name"]] for s2, g2, r in others if s2 == st and g2 == g]
+            pooled = [speeds[r["name"]] for _, g2, r in others if g2 == g]
+            if not (same or pooled):
+                continue
+            factor = statistics.median(same or pooled)
+            _, predicted = predict_run(run, profile, speed=factor)
+            held[run["name"]] = (_step_error(run, predicted), st, g, bool(same))
+    stacks: dict[str, dict[str, Any]] = {}
+    all_errors = [e for e, _, _, _ in held.values()]
+    for st, g in dict.fromkeys((st, g) for _, st, g, _ in keyed):
+        mine = [(k, r) for k, s2, g2, r in keyed if s2 == st and g2 == g]
+        fitted = [held[r["name"]][0] for _, r in mine if r["name"] in held and held[r["name"]][3]]
+        stacks[f"{st}/{g}"] = {"factor": statistics.median(speeds[r["name"]] for _, r in mine),
+                               **_spread(fitted or all_errors), "runs": len(mine),
+                               "sources": len({k for k, _ in mine})}
+    calibrated = calibrated or calibrate_one_per_source(runs, profile)
+    dense = {n: e for n, e in calibrated["errors"].items() if n not in calibrated["moe"]}
+    by_source = {r["name"]: source_key(r) for r in runs}
+    memory = [predict_run(r, profile)[1]["peak_memory_gib"] / float(r["measured"]["peak_memory_gib"]) - 1
+              for r in runs if "peak_memory_gib" in r.get("measured", {})]
+    return {"stack": stacks, "memory": {**_spread(memory or [0.0]), "runs": len(memory)},
+            "pooled": {**_spread(all_errors), "coverage": _coverage({n: e for n, (e, *_) in held.items()}, by_source),
+                       "runs": len(all_errors)},
+            "calibrated": {**_spread(list(dense.values())), "coverage": _coverage(dense, by_source), "runs": len(dense)}}
+
+
+def _coverage(errors: dict[str, float], source: dict[str, str]) -> float:
+    """The share of errors inside the [min, max] of the errors of every *other* source (a range a run's own source
+    did not shape)."""
+    inside = []
+    for name, e in errors.items():
+        rest = [x for n, x in errors.items() if source[n] != source[name]]
+        if rest:
+            inside.append(min(rest) <= e <= max(rest))
+    return sum(inside) / len(inside) if inside else 0.0

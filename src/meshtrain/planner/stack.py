@@ -1,0 +1,317 @@
+"""Software stacks, calibration from one measured run, and the ranges the validation residuals give.
+
+The same device runs the same layout at different speeds under different software (fused kernels, the attention
+implementation, overlap options, library generation): the efficiency a published H100 run implies spans 0.36-0.74 of
+peak (docs/planner.md, "Stacks and calibration"). The planner models that with one number per stack, a **speed
+factor** ``s`` on everything a device computes (:func:`scaled`: the GEMM rate, the element-wise bandwidth and the host
+time; communication is left alone): ``s = 1.2`` runs every kernel 1.2x faster than the catalog's constants say.
+
+- A stack is a framework of :data:`meshtrain.planner.layout.FRAMEWORKS` with options (:func:`parse_stack`:
+  ``torchtitan+compile``, ``megatron-core+no-tp-comm-overlap``); its factor and its step-time range come from the
+  shipped table ``data/stacks.toml`` (:func:`speed_for`), which :mod:`meshtrain.planner.validate` fits
+  leave-one-source-out on the published runs (:func:`meshtrain.planner.validate.fit_stacks`; ``python -m
+  meshtrain.planner.stack`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
+- One measured run fits ``s`` to itself (:func:`fit_speed`; ``meshtrain plan --measured`` / ``--calibrate-from``),
+  and the range narrows to the spread of calibrated predictions on the published runs.
+
+A range is the signed relative step-time errors ``r = (predicted - measured) / measured`` the held-out predictions
+made, ``[r_low, r_high]``: a predicted step time ``t`` says the measured one lies in ``[t / (1 + r_high),
+t / (1 + r_low)]`` (:meth:`Speed.step_time_range`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.hardware import EFFICIENCY_FROM, HOST_KEYS, Hardware
+from meshtrain.planner.layout import FRAMEWORKS, Framework
+
+STACKS_FILE = Path(__file__).parent / "data" / "stacks.toml"
+"""Fitted speed factors and step-time ranges per stack (written by ``python -m meshtrain.planner.stack``)."""
+STACK_OPTIONS: dict[str, dict[str, Any]] = {
+    "compile": {"eager_elementwise": None},
+    "flash": {"attention": "flash"},
+    "materialized": {"attention": "materialized"},
+    "tp-comm-overlap": {"tp_comm_overlap": True},
+    "no-tp-comm-overlap": {"tp_comm_overlap": False},
+    "fused-ce": {"cross_entropy_bytes": 24.0},
+}
+"""Options a stack adds to its framework, and what each changes in :class:`~meshtrain.planner.layout.Framework`:
+``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``materialized`` the attention kernel,
+``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
+fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`)."""
+SPEED_BOUNDS = (1 / 20, 20.0)
+"""The speed factors :func:`fit_speed` searches: a run 20x off the model is a wrong input, not a stack."""
+_TIME_KEYS = tuple(k for k in HOST_KEYS if k.endswith("_s"))
+
+
+def scaled(hw: Hardware, factor: float) -> Hardware:
+    """``hw`` whose device computes ``factor`` times faster: matmul and memory efficiency (and a calibrated CPU's
+    measured GEMM and attention tables) times ``factor``, host times divided by it; peaks (MFU's denominator), memory
+    and the network unchanged. ``factor`` > 0."""
+    d = hw.device
+
+    def table(t: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+        return {dtype: [(k, f * factor) for k, f in rows] for dtype, rows in t.items()}
+
+    host = {k: getattr(d, k) / factor for k in _TIME_KEYS}
+    return replace(hw, device=replace(d, matmul_efficiency=d.matmul_efficiency * factor,
+                                      memory_efficiency=d.memory_efficiency * factor,
+                                      matmul_table=table(d.matmul_table), attention_table=table(d.attention_table),
+                                      **host))
+
+
+def fit_speed(step_time: Callable[[Hardware], float], hw: Hardware, measured_s: float) -> float:
+    """The speed factor ``s`` at which ``step_time(scaled(hw, s))`` equals ``measured_s`` (seconds per step).
+
+    Step time falls monotonically with ``s`` (every compute term is divided by it, communication stays), so a bisection
+    on ``log s`` over :data:`SPEED_BOUNDS` finds it to 1e-4 relative.
+
+    Raises:
+        ConfigError: ``measured_s`` is not reachable at any factor in the bounds (a run more than 20x faster or
+            slower than its layout's compute allows, or faster than its communication alone).
+    """
+    lo, hi = (math.log(b) for b in SPEED_BOUNDS)
+    fast, slow = step_time(scaled(hw, SPEED_BOUNDS[1])), step_time(scaled(hw, SPEED_BOUNDS[0]))
+    if not fast <= measured_s <= slow:
+        raise ConfigError(f"a measured step time of {measured_s:.4g} s is outside what this layout can take on "
+                          f"{hw.device.name} at any speed factor in {SPEED_BOUNDS[0]:g}-{SPEED_BOUNDS[1]:g} "
+                          f"({fast:.4g}-{slow:.4g} s): check the layout, the model and the measurement")
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        if step_time(scaled(hw, math.exp(mid))) > measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A stack's speed factor and the signed step-time errors its held-out predictions made (fractions)."""
+
+    factor: float = 1.0
+    low: float = 0.0
+    high: float = 0.0
+    basis: str = "catalog constants"
+
+    def step_time_range(self, t: float) -> tuple[float, float]:
+        """Where a measured step time lies for a predicted ``t`` (seconds): ``(t / (1 + high), t / (1 + low))``."""
+        return t / (1 + self.high), t / (1 + self.low)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON fields (NaN bounds, the uncalibrated CPU's, as null)."""
+        bounds = [None if math.isnan(x) else x for x in (self.low, self.high)]
+        return {"speed_factor": self.factor, "step_time_error_range": bounds, "basis": self.basis}
+
+
+def parse_stack(text: str) -> tuple[str, Framework]:
+    """``--stack FRAMEWORK[+OPTION...]`` -> (canonical name, framework with the options applied).
+
+    Raises:
+        ConfigError: an unknown framework or option (with the valid ones).
+    """
+    base, *options = [p.strip() for p in text.strip().split("+")]
+    if base not in FRAMEWORKS:
+        raise ConfigError(f"--stack {text!r}: unknown framework {base!r}: valid are {', '.join(FRAMEWORKS)}")
+    fw = FRAMEWORKS[base]
+    for option in options:
+        if option not in STACK_OPTIONS:
+            raise ConfigError(f"--stack {text!r}: unknown option {option!r}: valid are {', '.join(STACK_OPTIONS)}")
+        fw = replace(fw, **STACK_OPTIONS[option])
+    name = "+".join([base, *sorted(set(options))])
+    return name, replace(fw, name=name) if options else fw
+
+
+def load_stacks(path: Path = STACKS_FILE) -> dict[str, Any]:
+    """The fitted table: ``{"stack": {name: {factor, low, high, runs, sources}}, "pooled": {...}, "calibrated": {...}}``."""
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak_source: str = "datasheet") -> Speed:
+    """The fitted speed of ``stack`` on ``device`` (a device type or the one whose constants it shares,
+    :data:`meshtrain.planner.hardware.EFFICIENCY_FROM`): its exact name, else its framework's; else the pooled one (a
+    stack no published run used on that device: factor 1, the range of every held-out prediction).
+
+    A CPU (``device`` "cpu..."): factor 1 and, for a calibrated profile (``peak_source`` not "assumed"), the range
+    ``bench/plan_vs_actual.py`` measured on this project's machine (table ``cpu``); the uncalibrated defaults have no
+    range (NaN: their error is unknown, up to ~20x)."""
+    table = load_stacks() if table is None else table
+    if device.startswith("cpu"):
+        if peak_source == "assumed":
+            return Speed(1.0, math.nan, math.nan, "uncalibrated cpu defaults, no range: run meshtrain plan "
+                                                   "--calibrate, or --calibrate-from a run of this machine")
+        cpu = table.get("cpu", {"low": math.nan, "high": math.nan})
+        return Speed(1.0, cpu["low"], cpu["high"], "calibrated cpu profile: the errors bench/plan_vs_actual.py measured")
+    fitted = table.get("stack", {})
+    group = EFFICIENCY_FROM.get(device, device)
+    for key in (f"{stack}/{group}", f"{stack.split('+')[0]}/{group}"):
+        if key in fitted:
+            s = fitted[key]
+            return Speed(s["factor"], s["low"], s["high"],
+                         f"stack {key}: {s['runs']} published runs from {s['sources']} source(s), held out by source")
+    pooled = table.get("pooled", {"low": 0.0, "high": 0.0})
+    return Speed(1.0, pooled["low"], pooled["high"], f"stack {stack} has no published run on {group}: pooled range")
+
+
+def calibrated_speed(factor: float, what: str, device: str = "", table: dict[str, Any] | None = None) -> Speed:
+    """The speed fitted to one measured run (``what`` names it), with the calibrated range of the published runs
+    (each source calibrated on its first run, its other runs predicted); on a CPU the range of
+    ``bench/plan_vs_actual.py`` (its layouts' errors, each against the same calibrated profile)."""
+    table = load_stacks() if table is None else table
+    spread = table.get("cpu" if device.startswith("cpu") else "calibrated", {"low": math.nan, "high": math.nan})
+    return Speed(factor, spread["low"], spread["high"], f"calibrated on {what}")
+
+
+def write_stacks(fit: dict[str, Any], path: Path = STACKS_FILE) -> None:
+    """Write ``fit`` (:func:`meshtrain.planner.validate.fit_stacks`) as the TOML of :func:`load_stacks`."""
+    lines = ["# Written by `python -m meshtrain.planner.stack` from planner/data/published_runs.toml:",
+             "# per stack the median speed factor of its runs and the [low, high] signed step-time errors of its",
+             "# runs predicted leave-one-source-out (docs/planner.md, \"Stacks and calibration\").", ""]
+    for section in ("pooled", "calibrated", "memory", "cpu"):
+        if section not in fit:
+            continue
+        lines += [f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in fit[section].items()] + [""]
+    for name, s in fit["stack"].items():
+        lines += [f'[stack."{name}"]'] + [f"{k} = {_toml(v)}" for k, v in s.items()] + [""]
+    path.write_text("\n".join(lines))
+
+
+def _toml(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def cpu_spread(path: Path) -> dict[str, Any]:
+    """The signed step-time errors of ``bench/plan_vs_actual.py``'s results (``path``): each layout's median
+    prediction against its median measurement, as its table reports them; ``low``/``high`` and how many layouts."""
+    import json
+    import statistics
+
+    errors = []
+    for layout in json.loads(path.read_text())["layouts"]:
+        runs = [r for r in layout["runs"] if "step_time_s" in r.get("measured", {})]
+        if runs:
+            predicted = statistics.median(r["predicted"]["step_time_s"] for r in runs)
+            errors.append(predicted / statistics.median(r["measured"]["step_time_s"] for r in runs) - 1)
+    return {"low": min(errors), "high": max(errors), "runs": len(errors)}
+
+
+def main() -> int:
+    """Refit the shipped stacks table on the shipped published runs and write it."""
+    from meshtrain.config import read_toml
+    from meshtrain.planner.validate import PUBLISHED_RUNS, fit_stacks
+
+    fit = fit_stacks(read_toml(PUBLISHED_RUNS, "validation file")["run"])
+    bench = Path(__file__).resolve().parents[3] / "bench" / "results" / "plan_vs_actual.json"
+    if bench.is_file():
+        fit["cpu"] = cpu_spread(bench)
+    else:
+        fit["cpu"] = load_stacks().get("cpu", {"low": math.nan, "high": math.nan})
+    write_stacks(fit)
+    print(f"wrote {STACKS_FILE}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def memory_spread(table: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(low, high): the signed errors of the planner's peak memory on the published runs that report one."""
+    table = load_stacks() if table is None else table
+    m = table.get("memory", {"low": 0.0, "high": 0.0})
+    return m["low"], m["high"]
+
+
+def estimate_ranges(e: Any, speed: Speed, table: dict[str, Any] | None = None) -> dict[str, list[float]]:
+    """Ranges of an :class:`~meshtrain.planner.estimate.Estimate`'s step time, tokens/s, MFU, total time (seconds)
+    and peak memory per device (bytes), from ``speed``'s step-time errors and the published memory errors: each
+    ``[low, high]`` where the measured value would lie if this prediction errs as the held-out ones did."""
+    lo, hi = speed.step_time_range(e.time.total)
+    m_low, m_high = memory_spread(table)
+    out = {"step_time_range_s": [lo, hi], "tokens_per_s_range": [e.tokens_per_step / hi, e.tokens_per_step / lo],
+           "mfu_range": [e.mfu * e.time.total / hi, e.mfu * e.time.total / lo],
+           "memory_range_bytes": [e.memory.total / (1 + m_high), e.memory.total / (1 + m_low)]}
+    if e.total_steps:
+        out["total_time_range_s"] = [e.total_steps * lo, e.total_steps * hi]
+    return {k: [None if math.isnan(x) else x for x in v] for k, v in out.items()}
+
+
+def parse_measured(text: str) -> tuple[dict[str, Any], str, float]:
+    """``--measured "tp=8,pp=4,micro_batch_size=1,step_time_s=12.9"`` -> (layout fields, measurement key, value).
+
+    The measurement is one of :data:`MEASURED_KEYS`; the other items are layout fields as ``--fix`` takes them.
+
+    Raises:
+        ConfigError: no measurement, two of them, or a value that is not a number > 0 (the layout fields are checked
+            by :func:`meshtrain.planner.layout.parse_fix`).
+    """
+    from meshtrain.planner.layout import parse_fix
+
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    found = [p for p in items if p.split("=")[0].strip() in MEASURED_KEYS]
+    if len(found) != 1:
+        raise ConfigError(f"--measured {text!r} needs exactly one of {', '.join(MEASURED_KEYS)} "
+                          f"(e.g. --measured tp=8,pp=4,step_time_s=12.9)")
+    key, _, value = found[0].partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise ConfigError(f"--measured {key.strip()} = {value.strip()!r} must be a number > 0")
+    return parse_fix(",".join(p for p in items if p is not found[0])), key.strip(), number
+
+
+MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu_percent")
+"""What ``--measured`` takes: seconds per optimizer step, tokens per second of the whole job or per device, or MFU
+in percent (against the device's datasheet peak, model FLOPs as :func:`meshtrain.planner.cost.model_flops`)."""
+
+
+def measured_step_time(key: str, value: float, e: Any) -> float:
+    """The step time (seconds) a measurement of ``key`` implies for the layout of estimate ``e`` (same batch)."""
+    if key == "step_time_s":
+        return value
+    if key == "tokens_per_s":
+        return e.tokens_per_step / value
+    if key == "tokens_per_s_per_gpu":
+        return e.tokens_per_step / (value * e.layout.world_size)
+    return e.time.total * e.mfu / (value / 100)  # mfu_percent
+
+
+def run_dir_speed(run_dir: Path) -> tuple[float, str]:
+    """The speed factor a finished meshtrain run implies: from its ``plan_vs_actual.json`` (the prediction for its own
+    layout and the step time it measured), the ``s`` at which the predicted compute, bubble and optimizer times
+    divided by ``s`` plus the predicted communication equal the measured step time (the communication a CPU rank
+    cannot overlap is kept as predicted). Returns (factor, description).
+
+    Raises:
+        ConfigError: no readable ``plan_vs_actual.json`` with a step time, or a measured time shorter than the
+            predicted communication alone.
+    """
+    import json
+
+    path = Path(run_dir) / "plan_vs_actual.json"
+    try:
+        data = json.loads(path.read_text())
+        parts = data["predicted"]["time_breakdown_s"]
+        measured = float(data["measured"]["step_time_s"])
+        work = sum(float(parts[k]) for k in ("compute", "bubble", "optimizer"))
+        comm = float(parts["total"]) - work
+    except FileNotFoundError:
+        raise ConfigError(f"--calibrate-from {run_dir}: no plan_vs_actual.json there: give the --out folder of a "
+                          f"finished meshtrain train run") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--calibrate-from {run_dir}: {path} is not a plan-vs-actual record ({e.__class__.__name__}"
+                          f": {e}): re-run the training to write it again") from None
+    if not (measured > comm and work > 0 and math.isfinite(measured)):
+        raise ConfigError(f"--calibrate-from {run_dir}: its measured step time {measured:.4g} s is not above the "
+                          f"predicted communication {comm:.4g} s: nothing to calibrate the compute with")
+    layout = data["predicted"].get("layout", "?")
+    return work / (measured - comm), f"{run_dir} ({layout}, {measured:.4g} s/step measured)"
