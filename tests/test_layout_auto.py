@@ -97,3 +97,27 @@ def test_a_4_rank_auto_run_with_a_pinned_tp_trains_the_chosen_layout(tmp_path):
     proc, predicted = _auto_run(tmp_path, 4, "--tp", "2")
     # the config's global batch with the command line's tp: 12 x dp = 12 x 4 / 2
     assert " tp2" in predicted["layout"] and "global batch 24" in proc.stderr
+
+
+def test_a_calibration_run_scales_the_ranked_layouts(tmp_path, capsys):
+    """``--calibrate-from RUN_DIR``: every layout is ranked at the run's measured speed (a run whose compute took half
+    its predicted time, no communication: factor 2), named in the first line; without ``--layout auto`` it is one
+    line, before any rank starts."""
+    from meshtrain.cli.main import main
+    from meshtrain.launch.auto import choose_layout
+    from meshtrain.planner.actual import write_plan_vs_actual
+
+    run = tmp_path / "run"
+    write_plan_vs_actual({"step_time_s": 2.0, "layout": "dp1", "time_breakdown_s": {"compute": 2.0, "bubble": 0.0, "optimizer": 0.0,
+                                                                         "total": 2.0}},
+                         {"step_time_s": 1.0}, run)
+    cfg = load_config(CONFIG, MODEL, schedule=False)
+    plain, fast = choose_layout(cfg, 2, 2, 1, {}), choose_layout(cfg, 2, 2, 1, {}, run)
+    assert "speed x2 calibrated on" in fast.lines()[0]
+    # compute and the optimizer halve; on this CPU (no overlap) the collectives stay: the step is faster, not 2x
+    assert plain.best.time.compute == pytest.approx(2 * fast.best.time.compute) or plain.best.layout != fast.best.layout
+    assert fast.best.time.total < plain.best.time.total
+    code = main(["train", str(CONFIG), "--calibrate-from", str(run), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "goes with --layout auto" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

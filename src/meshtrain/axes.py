@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -109,19 +110,40 @@ def degree(degrees: Any, axis: Axis | str) -> int:
     return degrees[str(axis)] if isinstance(degrees, Mapping) else getattr(degrees, str(axis))
 
 
+def _getter(axes: tuple[Axis, ...]) -> Any:
+    """A function of a mapping or object to the tuple of its degrees of ``axes`` (attrgetter's speed for the
+    objects the planner builds by the thousand)."""
+    names = [str(a) for a in axes]
+    attributes = operator.attrgetter(*names)
+
+    def get(degrees: Any) -> tuple[int, ...]:
+        if isinstance(degrees, dict):
+            return tuple(degrees[n] for n in names)
+        values = attributes(degrees)
+        return values if isinstance(values, tuple) else (values,)
+
+    return get
+
+
+degrees_of = _getter(tuple(s.axis for s in AXIS_TABLE))
+"""``degrees_of(layout)``: the degree of every axis in table order, as :func:`as_dict`'s values (a tuple: a cheap
+cache key)."""
+_world_degrees, _replica_degrees, _batch_degrees = _getter(AXES), _getter(REPLICA_AXES), _getter(BATCH_AXES)
+
+
 def world_size(degrees: Any) -> int:
     """``pp * dp * sp * tp``: the product of the degrees of the axes that multiply the world."""
-    return math.prod(degree(degrees, a) for a in AXES)
+    return math.prod(_world_degrees(degrees))
 
 
 def replica_size(degrees: Any) -> int:
     """Ranks of one data-parallel replica, ``pp * sp * tp`` (:data:`REPLICA_AXES`)."""
-    return math.prod(degree(degrees, a) for a in REPLICA_AXES)
+    return math.prod(_replica_degrees(degrees))
 
 
 def batch_degree(degrees: Any) -> int:
     """``dp * sp``: ranks that hold different tokens of the global batch (:data:`BATCH_AXES`)."""
-    return math.prod(degree(degrees, a) for a in BATCH_AXES)
+    return math.prod(_batch_degrees(degrees))
 
 
 def stride(degrees: Any, axis: Axis | str) -> int:

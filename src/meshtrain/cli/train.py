@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="config: the config's layout (default); auto: the planner picks dp/tp/pp/sp, zero stage, "
                         "micro-batch size, gradient accumulation, recompute and pipeline schedule for these ranks, "
                         "keeping the config's global batch (layout keys given here are pinned; docs/planner.md)")
+    p.add_argument("--calibrate-from", type=Path, metavar="RUN_DIR",
+                   help="with --layout auto: rank the layouts at the speed a finished run on this machine measured "
+                        "(its --out folder's plan_vs_actual.json; docs/planner.md, \"Stacks and calibration\")")
     p.add_argument("--out", help="output folder (short for --train.out_dir); must not hold another run")
     p.add_argument("--resume", nargs="?", const="@out", metavar="PATH",
                    help="continue from a checkpoint: a step folder or a run folder (its latest); "
@@ -145,10 +148,14 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
     if cfg.parallel.sync_mode == "diloco" and cfg.parallel.diloco_group == 0:
         cfg.parallel.diloco_group = nproc  # one worker per node
+    if args.calibrate_from is not None and args.layout != "auto":
+        raise ConfigError(f"--calibrate-from {args.calibrate_from} goes with --layout auto (it ranks the layouts); "
+                          f"the config's layout is run as it is")
     if args.layout == "auto":
         from meshtrain.launch import auto
 
-        chosen = auto.apply(cfg, _command_line_overrides(args, extra), nproc * nnodes, nproc, rank_threads(nproc))
+        chosen = auto.apply(cfg, _command_line_overrides(args, extra), nproc * nnodes, nproc, rank_threads(nproc),
+                            args.calibrate_from)
         for key, value in chosen.items():
             set_key(cfg, key, value)
         validate(cfg)

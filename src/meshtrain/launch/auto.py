@@ -16,6 +16,7 @@ the trainer runs (the planner and config validation read the same rules, :mod:`m
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from dataclasses import dataclass, replace
 
 from meshtrain.axes import SHORT_FLAGS
@@ -108,13 +109,15 @@ def pinned(overrides: dict[str, str]) -> dict:
     return parse_fix(",".join(f"{PINNABLE[k]}={v}" for k, v in overrides.items() if k in PINNABLE))
 
 
-def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict) -> Choice:
+def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict,
+                  calibrate_from: Path | None = None) -> Choice:
     """The fastest layout for ``cfg`` on ``world`` ranks (``nproc`` per node) that fits the devices' memory.
 
     On CUDA the planner's catalog entry of the GPU (:func:`meshtrain.planner.actual.hardware_for_run`) and its
     memory; on the CPU the calibrated profile for ``threads`` torch threads per rank and the node's available
     memory (:func:`meshtrain.launch.checks.available_memory`) shared by ``nproc`` ranks, less the corpus each
-    rank loads. The precision is the config's ``train.dtype`` on that device.
+    rank loads. The precision is the config's ``train.dtype`` on that device. ``calibrate_from``: a finished run's
+    folder whose measured speed scales the device's compute (:func:`meshtrain.planner.stack.run_dir_speed`).
 
     Raises:
         ConfigError: a model or sync mode the planner does not model, a global batch no layout can split, or
@@ -140,6 +143,11 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     what, available = available_memory()
     device = "cuda" if what == "GPU" else "cpu"
     hw, description = hardware_for_run(device, DEFAULT_PROFILE, threads)
+    if calibrate_from is not None:
+        from meshtrain.planner.stack import run_dir_speed, scaled
+
+        factor, what = run_dir_speed(calibrate_from)
+        hw, description = scaled(hw, factor), f"{description}, speed x{factor:.3g} calibrated on {what}"
     per_rank = available if device == "cuda" else available / nproc - corpus_rss_bytes(cfg, DEFAULT_PROFILE)
     hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
     model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
@@ -161,10 +169,11 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(fitting), gbs, per_rank, description)
 
 
-def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int) -> dict[str, str]:
+def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int,
+          calibrate_from: Path | None = None) -> dict[str, str]:
     """Choose the layout (:func:`choose_layout`, the command line's layout keys in ``overrides`` pinned),
     print the choice to stderr, and return the overrides that run it."""
-    choice = choose_layout(cfg, world, nproc, threads, pinned(overrides))
+    choice = choose_layout(cfg, world, nproc, threads, pinned(overrides), calibrate_from)
     print("\n".join(choice.lines()), file=sys.stderr)
     return choice.overrides()
 

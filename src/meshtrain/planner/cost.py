@@ -345,7 +345,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
     # one, per chunk) also costs its measured host time.
     p2p = 0.0
     if layout.pp > 1:
-        key = ("p2p", *axes.as_dict(layout).values(), layout.micro_batch_size)
+        key = ("p2p", *axes.degrees_of(layout), layout.micro_batch_size)
         send = memoized(memo, key, _stage_send_time, model, layout, hw, prec)
         actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
         p2p = layout.virtual_stages * (2 * send + actions * hw.device.pipeline_action_host_s)
@@ -506,7 +506,7 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
         return dp_time(model, inner, hw, prec, fw, mb, memo) + diloco_time(model, layout, hw, prec, step)
     if layout.dp * layout.sp == 1:
         return 0.0
-    key = ("dp", *axes.as_dict(layout).values(), layout.zero_stage, layout.hierarchical_allreduce,
+    key = ("dp", *axes.degrees_of(layout), layout.zero_stage, layout.hierarchical_allreduce,
            layout.local_sgd_steps, stage_params(model, layout), fsdp_unit_shape(model, layout, fw))
     c = memoized(memo, key, _dp_collectives, model, layout, hw, prec, fw)
     if c.whole is not None:
