@@ -114,10 +114,12 @@ def _getter(axes: tuple[Axis, ...]) -> Any:
     """A function of a mapping or object to the tuple of its degrees of ``axes`` (attrgetter's speed for the
     objects the planner builds by the thousand)."""
     names = [str(a) for a in axes]
+    if not names:
+        return lambda degrees: ()
     attributes = operator.attrgetter(*names)
 
     def get(degrees: Any) -> tuple[int, ...]:
-        if isinstance(degrees, dict):
+        if isinstance(degrees, Mapping):
             return tuple(degrees[n] for n in names)
         values = attributes(degrees)
         return values if isinstance(values, tuple) else (values,)
@@ -150,10 +152,15 @@ def stride(degrees: Any, axis: Axis | str) -> int:
     """Rank distance between neighbours along ``axis``: the product of the degrees of the axes inside it
     (mesh order outer to inner, :data:`AXES`); a borrowed axis (ep: consecutive ranks of the flattened batch mesh)
     has the innermost batch axis's."""
-    if not SPECS[str(axis)].in_world:
-        axis = BATCH_AXES[-1]
-    inner = AXES[AXES.index(Axis(str(axis))) + 1:]
-    return math.prod(degree(degrees, a) for a in inner)
+    return math.prod(_inner_degrees[str(axis)](degrees))
+
+
+def _inside(axis: AxisSpec) -> tuple[Axis, ...]:
+    within = axis.axis if axis.in_world else BATCH_AXES[-1]
+    return AXES[AXES.index(within) + 1:]
+
+
+_inner_degrees = {str(s.axis): _getter(_inside(s)) for s in AXIS_TABLE}
 
 
 def product_text(axes: tuple[Axis, ...], degrees: Any = None) -> str:

@@ -17,23 +17,25 @@ DESCRIPTION = ("Train PyTorch models on an N-dimensional device mesh (dp, tp, pp
                "costs before launch: memory per device, time per step, MFU, total training time.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from meshtrain.cli import batch, export, generate, plan, prepare, tokenizer, train
+SUBCOMMANDS = ("train", "plan", "batch", "generate", "export", "tokenizer", "prepare")
+"""The subcommands, each the module ``meshtrain.cli.<name>`` with an ``add_parser(subparsers)``."""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line parser; ``only``: register that subcommand alone (its module is the only one imported, so
+    ``meshtrain plan`` does not import what ``prepare`` needs: parsing its arguments is the same)."""
+    import importlib
 
     parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,batch,generate,export,tokenizer,prepare}")
-    train.add_parser(sub)
-    plan.add_parser(sub)
-    batch.add_parser(sub)
-    generate.add_parser(sub)
-    export.add_parser(sub)
-    tokenizer.add_parser(sub)
-    prepare.add_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name in SUBCOMMANDS if only is None else (only,):
+        importlib.import_module(f"meshtrain.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args, extra = parser.parse_known_args(argv)
     try:
         if getattr(args, "accepts_overrides", False):

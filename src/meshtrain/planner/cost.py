@@ -304,7 +304,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
 def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
     """Ranks of one ep group on a node (fewer than ``ep``: the group crosses nodes): its ``ep`` ranks sit at sp's
     stride (tp ranks apart) in meshtrain, consecutively when folded into tp (``Framework.expert_folding``)."""
-    if fw.expert_folding:
+    if layout.ep == 1 or fw.expert_folding:
         return min(layout.ep, devices_per_node)
     return layout.ranks_per_node("ep", devices_per_node)
 
