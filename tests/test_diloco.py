@@ -237,6 +237,11 @@ def test_outer_momentum_survives_a_checkpoint(two_ranks):
     want = losses(read_records(two_ranks / "whole"))
     got = losses(read_records(two_ranks / "resumed"))
     assert_close_losses({s: got[s] for s in range(5, 13)}, {s: want[s] for s in range(5, 13)})
+    # the checkpoint and the summary record the run's dp over both workers (one rank each), and the workers
+    meta = json.loads((two_ranks / "whole" / "checkpoints" / "step_000004" / "meta.json").read_text())
+    summary = json.loads((two_ranks / "resumed" / "summary.json").read_text())
+    for record in (meta, summary):
+        assert (record["dp"], record["diloco_workers"], record["world_size"]) == (2, 2, 2)
 
 
 @settings(max_examples=60, deadline=None)
@@ -266,6 +271,8 @@ def test_a_worker_sends_one_copy_of_its_weights_per_exchange_and_streaming_a_fra
         exchanges = int(overrides["train.steps"]) // int(overrides["parallel.diloco_inner_steps"])
         assert 4 * exchanges * total <= run["sent_bytes"] <= 4 * exchanges * (total + padding)
         assert run["largest_exchange_bytes"] in range(4 * total, 4 * (total + padding) + 1)
+    whole = json.loads((four_ranks / "w2-dp2-h4" / "summary.json").read_text())
+    assert (whole["dp"], whole["diloco_workers"]) == (4, 2)  # dp over both workers, each a dp2 replica pair
     streaming = json.loads((four_ranks / "w4-h8-streaming" / "summary.json").read_text())["diloco"]
     first = sum(n for name, n in weights.items() if not name.startswith("blocks.1."))  # 2 blocks, F = 2
     assert streaming["largest_exchange_bytes"] == 4 * first < 4 * total

@@ -63,9 +63,10 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
 }
 """key -> (what it must be, its type check, its range check); every key is required."""
 
-OPTIONAL = {"scheduler": dict, "async": dict, "source_hf_config": dict}
-"""Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts; and the
-``config.json`` of the Hugging Face model a run started from (``model.init_from``), which exports carry."""
+OPTIONAL = {"scheduler": dict, "async": dict, "source_hf_config": dict, "diloco_workers": int}
+"""Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts; the
+``config.json`` of the Hugging Face model a run started from (``model.init_from``), which exports carry; and a DiLoCo
+run's workers (its ``dp`` counts every worker's replicas)."""
 BORROWED_DEGREES = {str(s.axis): _int_at_least(1) for s in AXIS_TABLE if not s.in_world}
 """The degrees of axes that borrow their ranks (ep): checkpoints written before the axis existed have none (1)."""
 
@@ -94,7 +95,8 @@ def check_meta(meta: Any, path: Path) -> dict[str, Any]:
                               f"is damaged or was edited; resume from another one")
     for key, kind in OPTIONAL.items():
         if key in meta and not isinstance(meta[key], kind):
-            raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be an object: the "
+            what = "an integer" if kind is int else "an object"
+            raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be {what}: the "
                               f"checkpoint is damaged or was edited; resume from another one")
     return meta
 

@@ -116,8 +116,11 @@ class Trainer:
         self.source_hf_config = meta.get("source_hf_config")
         if self.rank == 0:
             saved = axes.describe({str(s.axis): meta.get(str(s.axis), 1) for s in axes.AXIS_TABLE})
+            saved += f" in {meta['diloco_workers']} DiLoCo workers" if meta.get("diloco_workers", 1) > 1 else ""
+            now = axes.describe(self._layout())
+            now += f" in {self.dims.workers} DiLoCo workers" if self.dims.workers > 1 else ""
             print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
-                  f"{meta.get('global_batch_size')}; now {axes.describe(self.dims)}, global batch "
+                  f"{meta.get('global_batch_size')}; now {now}, global batch "
                   f"{self.sampler.global_batch_size})", file=sys.stderr, flush=True)
         return int(meta["step"])
 
@@ -136,7 +139,11 @@ class Trainer:
         return self.parallel.clip_gradients(self.cfg.optim.grad_clip)
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": self.dims.world_size, **axes.as_dict(self.dims)}
+        """The run's layout as the config states it: ``dp`` over every replica (DiLoCo: its workers' dp together,
+        ``diloco_workers`` beside it; ``dims.dp`` is one worker's)."""
+        workers = {"diloco_workers": self.dims.workers} if self.dims.workers > 1 else {}
+        return {"world_size": self.dims.world_size, **axes.as_dict(self.dims), "dp": self.dims.dp * self.dims.workers,
+                **workers}
 
     def save(self, step: int, wait: bool = False) -> Path | None:
         """Checkpoint this step (local SGD: the replicas' average; it is also an averaging point); return
