@@ -229,3 +229,33 @@ def test_the_shipped_stack_table_is_the_fit_of_the_shipped_runs():
         assert shipped["cpu"]["low"] == pytest.approx(stack.cpu_spread(bench)["low"], abs=5e-5)
     # the held-out ranges cover what they claim on the runs they came from
     assert 0.5 < fit["pooled"]["coverage"] <= 1 and 0.5 < fit["calibrated"]["coverage"] <= 1
+
+
+def test_a_runs_stack_sets_its_framework(tmp_path):
+    """A validation run's ``stack`` is its framework with the options applied (compiled: fused element-wise kernels,
+    so a shorter step than the eager count); with ``framework`` too it is one line."""
+    llama = {**SINGLE["model"], "activation": "swiglu", "kv_heads": 4, "learned_positions": False}
+    eager = {**SINGLE, "model": llama, "name": "eager", "stack": "torchtitan", "measured": {"iteration_time_s": 1.0}}
+    compiled = {**eager, "name": "compiled", "stack": "torchtitan+compile"}
+    assert predict_run(compiled)[1]["iteration_time_s"] < predict_run(eager)[1]["iteration_time_s"]
+    with pytest.raises(ConfigError, match="not both"):
+        predict_run({**eager, "framework": "fsdp"})
+
+
+@pytest.mark.slow
+def test_the_gpu_sweep_writes_runs_the_validation_reads(tmp_path):
+    """``bench/gpu_sweep.py --smoke`` (tiny shapes on this CPU, ~20 s): its runs file is valid validation input whose
+    measured step times are the runs' own summaries."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_sweep.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    runs = read_toml(tmp_path / "gpu_runs.toml", "runs")["run"]
+    summaries = {r["name"]: r["summary"] for r in json.loads((tmp_path / "gpu_runs.json").read_text())["runs"]}
+    assert len(runs) == 2 and {r["name"] for r in runs} == set(summaries)
+    for run in runs:
+        assert run["measured"]["iteration_time_s"] == summaries[run["name"]]["step_time_s"]
+    result = validate_file(tmp_path / "gpu_runs.toml", cross=False)
+    assert all(r["fits"] and r["predicted"]["iteration_time_s"] > 0 for r in result["runs"])
+    assert len(json.loads((tmp_path / "gpu_gemm.json").read_text())["gemm"]) == 2 * 2 * 2

@@ -43,7 +43,7 @@ from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS, Precision
 from meshtrain.planner.model_specs import ModelSpec, from_table
 from meshtrain.planner.search import search
-from meshtrain.planner.stack import fit_speed, scaled
+from meshtrain.planner.stack import fit_speed, parse_stack, scaled
 
 PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
 """Measured runs from papers and framework tables, with their sources, shipped inside the package."""
@@ -85,7 +85,16 @@ class RunResult:
 
 
 def framework_for(run: dict[str, Any]) -> Framework:
-    """The software stack of ``run``: its ``framework`` key, else the first keyword of its source."""
+    """The software of ``run``: its ``stack`` (a framework with options, :func:`meshtrain.planner.stack.parse_stack`)
+    or ``framework`` key, else the first keyword of its source.
+
+    Raises:
+        ConfigError: both keys, or an unknown framework or option."""
+    if "stack" in run:
+        if "framework" in run:
+            raise ConfigError(f"run {run.get('name')!r}: give stack or framework, not both (a stack is a framework "
+                              f"with options)")
+        return parse_stack(str(run["stack"]))[1]
     name = run.get("framework")
     if name is None:
         source = str(run.get("source", "")).lower()
