@@ -295,6 +295,9 @@ def damage(kind: str, folder: Path) -> None:
     elif kind == "truncated-shard":
         shard = sorted(folder.glob("model-*.safetensors"))[-1]
         shard.write_bytes(shard.read_bytes()[:-100])
+    elif kind == "padded-shard":  # a traceback in generate before: the binary property test found it
+        shard = sorted(folder.glob("model-*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes() + b"\0")
     elif kind == "wrong-shape":
         data = json.loads((folder / hf.CONFIG_FILE).read_text())
         data["intermediate_size"] = 64
@@ -311,7 +314,8 @@ def damage(kind: str, folder: Path) -> None:
 DAMAGES = {"no-config": "config.json' does not exist", "architecture": "which meshtrain does not build: supported are GPT2LMHeadModel, LlamaForCausalLM",
            "missing-shard": "does not exist: copy every shard", "truncated-shard": "is truncated",
            "wrong-shape": "needs (64, 32)", "no-weights": "has neither model.safetensors nor",
-           "rope-not-object": "rope_parameters = 'llama3' must be an object"}
+           "rope-not-object": "rope_parameters = 'llama3' must be an object",
+           "padded-shard": "has 1 byte after its last tensor"}
 
 
 @pytest.fixture(scope="module")

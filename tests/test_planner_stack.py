@@ -11,7 +11,7 @@ import pytest
 
 from meshtrain.cli.main import main
 from meshtrain.config import ConfigError, read_toml
-from meshtrain.planner import stack
+from meshtrain.planner import refit, stack
 from meshtrain.planner.actual import write_plan_vs_actual
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import get_hardware
@@ -214,7 +214,7 @@ def test_one_run_calibrates_its_sources_other_runs(tmp_path):
 
 
 def test_the_shipped_stack_table_is_the_fit_of_the_shipped_runs():
-    """``data/stacks.toml`` is what ``python -m meshtrain.planner.stack`` writes from the shipped runs (4 decimals)."""
+    """``data/stacks.toml`` is what ``python -m meshtrain.planner.refit`` writes from the shipped runs (4 decimals)."""
     runs = read_toml(PUBLISHED_RUNS, "validation file")["run"]
     fit, shipped = fit_stacks(runs, calibrated=calibrate_one_per_source(runs)), stack.load_stacks()
     assert shipped["stack"].keys() == fit["stack"].keys()
@@ -226,7 +226,7 @@ def test_the_shipped_stack_table_is_the_fit_of_the_shipped_runs():
             assert shipped[section][key] == pytest.approx(fit[section][key], abs=5e-5), (section, key)
     bench = ROOT / "bench" / "results" / "plan_vs_actual.json"
     if bench.is_file():
-        assert shipped["cpu"]["low"] == pytest.approx(stack.cpu_spread(bench)["low"], abs=5e-5)
+        assert shipped["cpu"]["low"] == pytest.approx(refit.cpu_spread(bench)["low"], abs=5e-5)
     # the held-out ranges cover what they claim on the runs they came from
     assert 0.5 < fit["pooled"]["coverage"] <= 1 and 0.5 < fit["calibrated"]["coverage"] <= 1
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.config import ConfigError
+from meshtrain.errors import DataError
 from meshtrain.data.shards import TokenView
 from meshtrain.data.sampler import Tokens
 from meshtrain.data.tokenizers import TOKENIZER_KIND, CharTokenizer, Tokenizer, load_tokenizer
@@ -40,17 +41,29 @@ class Corpus:
 class PreparedTokens:
     """One split of a prepared dataset as a :class:`meshtrain.data.sampler.TokenSource`: ``gather`` reads the
     ``n * length`` tokens it returns (:meth:`meshtrain.data.shards.TokenView.windows`, ``os.pread``), never
-    the whole split."""
+    the whole split, and checks them against the vocabulary (a shard of garbage bytes of the right size passes
+    every check before launch)."""
 
-    def __init__(self, view: TokenView) -> None:
-        self.view = view
+    def __init__(self, view: TokenView, vocab_size: int, where: str = "prepared data") -> None:
+        self.view, self.vocab_size, self.where = view, vocab_size, where
 
     def __len__(self) -> int:
         return len(self.view)
 
     def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """(n, length) int64 windows at ``starts`` (n,) int64, each inside ``[0, len(self))``."""
-        return torch.from_numpy(self.view.windows(starts.numpy(), length))
+        """(n, length) int64 windows at ``starts`` (n,) int64, each inside ``[0, len(self))``.
+
+        Raises:
+            DataError: a token id outside ``[0, vocab_size)`` (a damaged shard), naming its position.
+        """
+        windows = self.view.windows(starts.numpy(), length)
+        if windows.size and (windows.min() < 0 or windows.max() >= self.vocab_size):
+            row, col = divmod(int(((windows < 0) | (windows >= self.vocab_size)).argmax()), length)
+            position = int(starts[row]) + col
+            raise DataError(f"{self.where} holds token id {int(windows[row, col])} at token {position}, outside its "
+                            f"vocabulary of {self.vocab_size} (meta.json): a shard is damaged; run meshtrain prepare "
+                            f"again")
+        return torch.from_numpy(windows)
 
 
 def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
@@ -71,7 +84,8 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
         raise ConfigError(f"data.tokenizer = '{tokenizer}' is not the tokenizer data.path = '{folder}' was prepared "
                           f"with ({data.meta['tokenizer'].get('path')}): leave data.tokenizer as \"char\" (the "
                           f"folder names its own) or prepare the data again")
-    train, val = PreparedTokens(data.tokens("train")), PreparedTokens(data.tokens("val"))
+    train, val = (PreparedTokens(data.tokens(split), data.vocab_size, f"prepared data '{folder}' ({split} split)")
+                  for split in ("train", "val"))
     for name, split in (("train", train), ("val", val)):
         if len(split) < block_size + 1:
             raise ConfigError(f"data.path = '{folder}' has a {name} split of {len(split)} tokens; model.block_size = "

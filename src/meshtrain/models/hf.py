@@ -107,7 +107,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
         ConfigError: a weights file that is missing or truncated, or a parameter of ``model`` the checkpoint
             does not hold (:func:`meshtrain.models.registry.check_hf_weights` finds these before launch).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     folder = Path(folder).expanduser()
@@ -123,7 +123,11 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
         def part(name: str) -> Any:
             file = files[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+                try:
+                    hf.safetensors_header(folder / file)  # whole, and covered to its last byte
+                    handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+                except (hf.HFFormatError, SafetensorError) as e:
+                    raise ConfigError(f"'{folder / file}' cannot be read: {e}") from None
             return handles[file].get_slice(name)
 
         for name, param in get_model_state_dict(model).items():

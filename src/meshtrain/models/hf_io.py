@@ -81,8 +81,8 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     """``{tensor name: {"dtype", "shape", "data_offsets"}}`` of a safetensors file (``__metadata__`` left out).
 
     Raises:
-        HFFormatError: missing file, a header that is not safetensors JSON, or a file shorter than its
-            header says (truncated).
+        HFFormatError: missing file, a header that is not safetensors JSON, or a file shorter (truncated) or
+            longer than its header says (safetensors refuses bytes after the last tensor).
     """
     problem = path_problem(path)
     if problem:
@@ -101,8 +101,10 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     header.pop("__metadata__", None)
     end = 8 + n + max((int(t.get("data_offsets", [0, 0])[1]) for t in header.values() if isinstance(t, dict)),
                       default=0)
-    if size < end:
-        raise HFFormatError(f"weights file '{path}' is truncated: {size} bytes, its header needs {end}; "
+    if size != end:  # safetensors reads a file only when its tensors cover it to the last byte
+        extra = size - end
+        what = "is truncated" if extra < 0 else f"has {extra} byte{'s' if extra > 1 else ''} after its last tensor"
+        raise HFFormatError(f"weights file '{path}' {what}: {size} bytes, its header describes {end}; "
                             f"download or copy it again")
     return header
 

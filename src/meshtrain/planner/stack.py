@@ -22,7 +22,6 @@ t / (1 + r_low)]`` (:meth:`Speed.step_time_range`).
 from __future__ import annotations
 
 import math
-import sys
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +32,7 @@ from meshtrain.planner.hardware import EFFICIENCY_FROM, HOST_KEYS, Hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 
 STACKS_FILE = Path(__file__).parent / "data" / "stacks.toml"
-"""Fitted speed factors and step-time ranges per stack (written by ``python -m meshtrain.planner.stack``)."""
+"""Fitted speed factors and step-time ranges per stack (written by ``python -m meshtrain.planner.refit``)."""
 STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "compile": {"eager_elementwise": None},
     "flash": {"attention": "flash"},
@@ -171,7 +170,7 @@ def calibrated_speed(factor: float, what: str, device: str = "", table: dict[str
 
 def write_stacks(fit: dict[str, Any], path: Path = STACKS_FILE) -> None:
     """Write ``fit`` (:func:`meshtrain.planner.validate.fit_stacks`) as the TOML of :func:`load_stacks`."""
-    lines = ["# Written by `python -m meshtrain.planner.stack` from planner/data/published_runs.toml:",
+    lines = ["# Written by `python -m meshtrain.planner.refit` from planner/data/published_runs.toml:",
              "# per stack the median speed factor of its runs and the [low, high] signed step-time errors of its",
              "# runs predicted leave-one-source-out (docs/planner.md, \"Stacks and calibration\").", ""]
     for section in ("pooled", "calibrated", "memory", "cpu"):
@@ -187,39 +186,6 @@ def _toml(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def cpu_spread(path: Path) -> dict[str, Any]:
-    """The signed step-time errors of ``bench/plan_vs_actual.py``'s results (``path``): each layout's median
-    prediction against its median measurement, as its table reports them; ``low``/``high`` and how many layouts."""
-    import json
-    import statistics
-
-    errors = []
-    for layout in json.loads(path.read_text())["layouts"]:
-        runs = [r for r in layout["runs"] if "step_time_s" in r.get("measured", {})]
-        if runs:
-            predicted = statistics.median(r["predicted"]["step_time_s"] for r in runs)
-            errors.append(predicted / statistics.median(r["measured"]["step_time_s"] for r in runs) - 1)
-    return {"low": min(errors), "high": max(errors), "runs": len(errors)}
-
-
-def main() -> int:
-    """Refit the shipped stacks table on the shipped published runs and write it."""
-    from meshtrain.config import read_toml
-    from meshtrain.planner.validate import PUBLISHED_RUNS, fit_stacks
-
-    fit = fit_stacks(read_toml(PUBLISHED_RUNS, "validation file")["run"])
-    bench = Path(__file__).resolve().parents[3] / "bench" / "results" / "plan_vs_actual.json"
-    if bench.is_file():
-        fit["cpu"] = cpu_spread(bench)
-    else:
-        fit["cpu"] = load_stacks().get("cpu", {"low": math.nan, "high": math.nan})
-    write_stacks(fit)
-    print(f"wrote {STACKS_FILE}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def memory_spread(table: dict[str, Any] | None = None) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.checkpoint import elastic_restart, resume_hint
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides
+from meshtrain.errors import DataError
 from meshtrain.resolved import ResolvedRun, config_of
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock
@@ -129,6 +130,9 @@ def _run(run: ResolvedRun, rank: int) -> int:
         if rank == 0:  # every rank stops at the same step; one says why
             print(f"meshtrain train: error: {e}", file=sys.stderr)
         return 3
+    except DataError as e:  # damaged data only this rank read: it says so, the others stop at the next collective
+        print(f"meshtrain train: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
     except ConfigError as e:  # found while setting up (a file that changed since the checks): every rank
         if rank == 0:  # reads the same files, so every rank stops here; one says why
             print(f"meshtrain train: error: {e}", file=sys.stderr)

@@ -1,0 +1,156 @@
+"""Property tests over the readers of binary files users bring and pass on (issue 37, Sec. 2): an export's
+safetensors file, a Hugging Face folder's weights and tokenizer.json, a prepared folder's shards and a tokenizer
+file, each damaged by hypothesis (cut short at any byte, any bytes written at any offset, any bytes appended, or
+all of it garbage of the same length), read by what the subcommands read before a rank starts. Each gives one
+ConfigError line or accepts the file (data-only damage: a weight's bytes are any float, a shard's any token id
+that the rank then checks); never another exception.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshtrain.config import ConfigError
+
+DAMAGES = st.one_of(
+    st.tuples(st.just("cut"), st.floats(0, 1)),
+    st.tuples(st.just("write"), st.floats(0, 1), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("append"), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("garbage"), st.integers(0, 2**32 - 1)),
+)
+"""How a file is damaged: cut at a fraction of its length, bytes written at a fraction of it, bytes appended, or
+replaced by random bytes of the same length (the seed)."""
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def damage(path: Path, how: tuple) -> None:
+    """Apply one of :data:`DAMAGES` to the file at ``path`` in place."""
+    import random
+
+    data = path.read_bytes()
+    kind = how[0]
+    if kind == "cut":
+        data = data[: int(how[1] * len(data))]
+    elif kind == "write":
+        at = int(how[1] * len(data))
+        data = data[:at] + how[2] + data[at + len(how[2]):]
+    elif kind == "append":
+        data += how[1]
+    else:
+        data = random.Random(how[1]).randbytes(len(data))
+    path.write_bytes(data)
+
+
+def damaged_copy(source: Path, relative: str, how: tuple) -> Path:
+    """A fresh copy of the folder (or file) ``source`` with its file ``relative`` damaged; returns the copy."""
+    root = Path(tempfile.mkdtemp(prefix="damaged_"))
+    copy = root / source.name
+    (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+    damage(copy / relative if relative else copy, how)
+    return copy
+
+
+def one_line_or_accepted(read) -> None:
+    try:
+        read()
+    except ConfigError as e:
+        assert "\n" not in str(e).strip(), str(e)
+
+
+@SETTINGS
+@given(how=DAMAGES)
+def test_a_damaged_export_is_one_line_for_generate(artefacts, how):
+    """``meshtrain generate --checkpoint model.safetensors``'s reader (the header's config, then the weights)."""
+    from meshtrain.cli.generate import _load
+
+    copy = damaged_copy(artefacts / "export" / "model.safetensors", "", how)
+    one_line_or_accepted(lambda: _load(copy))
+
+
+def _hf_files(artefacts: Path) -> list[str]:
+    return sorted(p.name for p in (artefacts / "hf").iterdir() if p.suffix in (".safetensors", ".json"))
+
+
+@SETTINGS
+@given(data=st.data(), how=DAMAGES)
+def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(artefacts, data, how):
+    """Any file of a Hugging Face folder (a weights shard, the index, config.json, tokenizer.json): what ``generate``
+    loads, and what ``train`` with ``model.init_from`` checks before launch (headers only)."""
+    from meshtrain.cli.generate import _load
+    from meshtrain.config import load_config
+    from meshtrain.preflight import check_init_from
+
+    name = data.draw(st.sampled_from(_hf_files(artefacts)))
+    copy = damaged_copy(artefacts / "hf", name, how)
+    one_line_or_accepted(lambda: _load(copy))
+
+    def check() -> None:
+        cfg = load_config(None, {"model.init_from": str(copy), "model.block_size": "16"})
+        check_init_from(cfg, 65)
+
+    one_line_or_accepted(check)
+
+
+@SETTINGS
+@given(how=DAMAGES)
+def test_a_damaged_tokenizer_file_is_one_line(artefacts, how):
+    """``data.tokenizer`` / ``prepare --tokenizer`` at a damaged tokenizer.json."""
+    from meshtrain.data.tokenizers import load_tokenizer
+
+    copy = damaged_copy(artefacts / "bpe" / "tokenizer.json", "", how)
+    one_line_or_accepted(lambda: load_tokenizer(str(copy)))
+
+
+@SETTINGS
+@given(data=st.data(), how=DAMAGES)
+def test_a_damaged_prepared_folder_is_one_line_before_launch_or_from_the_rank(artefacts, data, how):
+    """Any file of a prepared folder (meta.json, a shard, a document index): opening it as the launcher and each
+    rank do (``data.path`` at the folder), then the rank's reads of windows covering every token of each split,
+    where a shard of garbage bytes of the right size shows (an id outside the vocabulary: a DataError line)."""
+    import torch
+
+    from meshtrain.data.corpus import load_prepared
+
+    folder = artefacts / "prepared"
+    name = data.draw(st.sampled_from(sorted(p.name for p in folder.iterdir() if p.is_file())))
+    copy = damaged_copy(folder, name, how)
+
+    def read() -> None:
+        corpus = load_prepared(copy, 16)
+        for split in (corpus.train, corpus.val):
+            split.gather(torch.arange(0, len(split) - 16, 16), 17)
+
+    one_line_or_accepted(read)
+
+
+def test_a_shard_of_garbage_is_named_by_the_rank_that_reads_it(artefacts):
+    """Random bytes of a shard's exact size pass every check before launch (sizes match meta.json); the rank's read
+    names the split, the position and the vocabulary (uint16 ids of random bytes: most are >= the 300 of this
+    tokenizer)."""
+    import torch
+
+    from meshtrain.data.corpus import load_prepared
+    from meshtrain.errors import DataError
+
+    folder = artefacts / "prepared"
+    shard = sorted(p.name for p in folder.iterdir() if p.name.startswith("train") and p.suffix == ".bin")[0]
+    corpus = load_prepared(damaged_copy(folder, shard, ("garbage", 3)), 16)
+    with pytest.raises(DataError, match=r"\(train split\) holds token id \d+ at token \d+, outside its vocabulary"):
+        corpus.train.gather(torch.arange(0, len(corpus.train) - 16, 16), 17)
+
+
+@pytest.mark.parametrize("kind", ["cut", "garbage"])
+def test_the_damages_are_drawn(artefacts, kind):
+    """The strategies do damage: a cut file is shorter, a garbage one differs at the same length."""
+    source = artefacts / "export" / "model.safetensors"
+    copy = damaged_copy(source, "", ("cut", 0.5) if kind == "cut" else ("garbage", 7))
+    if kind == "cut":
+        assert copy.stat().st_size == source.stat().st_size // 2
+    else:
+        assert copy.stat().st_size == source.stat().st_size and copy.read_bytes() != source.read_bytes()
