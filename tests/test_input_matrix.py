@@ -96,8 +96,8 @@ FILES = [
 ]
 ACCEPTED = "accepted: still a valid input of this command"
 """The doc's line for a damage that leaves a valid input (:attr:`InputFile.valid`)."""
-DATA_ONLY = ("passes every check before launch (sizes and headers are right): the rank that reads it stops with "
-             "one line, e.g. prepared data '~/work/prepared' (train split) holds token id 51234 at token 17, outside "
+DATA_ONLY = ("accepted: passes every check before launch (sizes and headers are right), and the rank that reads it "
+             "stops with one line, e.g. prepared data '~/work/prepared' (train split) holds token id 51234 at token 17, outside "
              "its vocabulary of 300 (meta.json): a shard is damaged; run meshtrain prepare again")
 """The doc's line for a damage only the data shows (:attr:`InputFile.data_only`)."""
 
