@@ -26,7 +26,7 @@ DAMAGES = st.one_of(
 )
 """How a file is damaged: cut at a fraction of its length, bytes written at a fraction of it, bytes appended, or
 replaced by random bytes of the same length (the seed)."""
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def damage(path: Path, how: tuple) -> None:

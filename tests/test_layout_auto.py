@@ -121,3 +121,21 @@ def test_a_calibration_run_scales_the_ranked_layouts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "goes with --layout auto" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_why_line_says_when_the_runner_up_is_within_the_planners_range():
+    """``--layout auto`` ranks by the predicted step time and says when the runner-up lies inside the chosen layout's
+    range (the spread of the planner's measured errors: the two may swap in practice), and nothing when it lies
+    outside."""
+    from dataclasses import replace
+
+    from meshtrain.planner.stack import Speed
+
+    choice = choose(2)
+    best, other = choice.best.time.total, choice.runner_up.time.total
+    # a range reaches up to best / (1 + low) seconds: just above the runner-up's step, then just below it
+    wide = replace(choice, speed=Speed(1.0, best / other - 1 - 0.01, 0.5, "test range"))
+    assert "so the two may swap in practice" in wide.lines()[3] and "test range" in wide.lines()[3]
+    narrow = replace(choice, speed=Speed(1.0, best / other - 1 + 1e-6, 0.5, "test range"))
+    assert "may swap" not in narrow.lines()[3]
+    assert "may swap" not in replace(choice, speed=None).lines()[3]

@@ -15,6 +15,7 @@ the trainer runs (the planner and config validation read the same rules, :mod:`m
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from meshtrain.axes import SHORT_FLAGS
 from meshtrain.batch_math import global_batch_size
 from meshtrain.config import Config, ConfigError, resolve_world
 from meshtrain.planner.estimate import Estimate
+from meshtrain.planner.stack import Speed
 
 PINNABLE = {**{key: axis for axis, key in SHORT_FLAGS.items()},
             "parallel.zero_stage": "zero_stage", "batch.micro_batch_size": "micro_batch_size",
@@ -43,6 +45,8 @@ class Choice:
     global_batch_size: int
     memory_per_rank_bytes: float
     hardware: str
+    speed: Speed | None = None
+    """The speed factor the layouts were ranked at and its step-time range (:mod:`meshtrain.planner.stack`)."""
 
     def overrides(self) -> dict[str, str]:
         """The ``section.key`` -> value overrides that run :attr:`best` (``parallel.dp`` included)."""
@@ -57,10 +61,22 @@ class Choice:
         out = [head, f"  chosen:    {_summary(b)}"]
         if self.runner_up is not None:
             out.append(f"  runner-up: {_summary(self.runner_up)}")
-            out.append(f"  why: {reason(b, self.runner_up)}")
+            out.append(f"  why: {reason(b, self.runner_up)}{self._overlap()}")
         else:
             out.append("  why: the only layout that fits")
         return out
+
+
+    def _overlap(self) -> str:
+        """``"; within the chosen one's range ..."`` when the runner-up's predicted step time lies inside the range
+        of the chosen one's (the ranking is then within the planner's measured error), else nothing."""
+        if self.speed is None or self.runner_up is None:
+            return ""
+        low, high = self.speed.step_time_range(self.best.time.total)
+        if math.isnan(high) or self.runner_up.time.total > high:
+            return ""
+        return (f"; within the chosen one's range ({low:.4g}-{high:.4g} s/step, {self.speed.basis}), so the two "
+                f"may swap in practice")
 
 
 def _summary(e: Estimate) -> str:
@@ -143,11 +159,13 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     what, available = available_memory()
     device = "cuda" if what == "GPU" else "cpu"
     hw, description = hardware_for_run(device, DEFAULT_PROFILE, threads)
-    if calibrate_from is not None:
-        from meshtrain.planner.stack import run_dir_speed, scaled
+    from meshtrain.planner.stack import calibrated_speed, run_dir_speed, scaled, speed_for
 
+    speed = speed_for("meshtrain", hw.device.name, peak_source=hw.device.peak_source)
+    if calibrate_from is not None:
         factor, what = run_dir_speed(calibrate_from)
         hw, description = scaled(hw, factor), f"{description}, speed x{factor:.3g} calibrated on {what}"
+        speed = calibrated_speed(factor, what, hw.device.name)
     per_rank = available if device == "cuda" else available / nproc - corpus_rss_bytes(cfg, DEFAULT_PROFILE)
     hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
     model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
@@ -166,7 +184,7 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
         raise ConfigError(f"--layout auto: no layout on {world} ranks{pins} fits in {per_rank / 2**30:,.2f} GiB per "
                           f"rank; the smallest ({smallest.layout.label()}) needs {smallest.memory.total / 2**30:,.2f} "
                           f"GiB: add ranks, shrink the model or the batch")
-    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(fitting), gbs, per_rank, description)
+    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(fitting), gbs, per_rank, description, speed)
 
 
 def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int,
