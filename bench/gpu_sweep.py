@@ -17,7 +17,7 @@ need; docs/planner.md, "Stacks and calibration").
    Runs that would pass ``--budget-s`` are left out and listed.
 
 Commit what a GPU measured; append the runs to ``published_runs.toml`` (and refit: ``python -m
-meshtrain.planner.stack``) to make them part of the validation.
+meshtrain.planner.refit``) to make them part of the validation.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ time; communication is left alone): ``s = 1.2`` runs every kernel 1.2x faster th
   ``torchtitan+compile``, ``megatron-core+no-tp-comm-overlap``); its factor and its step-time range come from the
   shipped table ``data/stacks.toml`` (:func:`speed_for`), which :mod:`meshtrain.planner.validate` fits
   leave-one-source-out on the published runs (:func:`meshtrain.planner.validate.fit_stacks`; ``python -m
-  meshtrain.planner.stack`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
+  meshtrain.planner.refit`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
 - One measured run fits ``s`` to itself (:func:`fit_speed`; ``meshtrain plan --measured`` / ``--calibrate-from``),
   and the range narrows to the spread of calibrated predictions on the published runs.
 
