@@ -154,3 +154,24 @@ def test_the_damages_are_drawn(artefacts, kind):
         assert copy.stat().st_size == source.stat().st_size // 2
     else:
         assert copy.stat().st_size == source.stat().st_size and copy.read_bytes() != source.read_bytes()
+
+
+@pytest.mark.slow  # a real 1-rank launch, ~15 s
+def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(artefacts, tmp_path):
+    """End to end: ``meshtrain train --data.path`` at a folder whose train shard is garbage of the right size starts
+    (nothing before launch can see it), and the rank's first read stops the run: exit code 2, the rank's one line,
+    no traceback."""
+    from conftest import run_cli
+
+    folder = artefacts / "prepared"
+    shard = sorted(p.name for p in folder.iterdir() if p.name.startswith("train") and p.suffix == ".bin")[0]
+    copy = damaged_copy(folder, shard, ("garbage", 3))
+    # every shard garbage, so that the first window drawn shows it wherever it falls
+    for other in sorted(copy.glob("*.bin")):
+        damage(other, ("garbage", 5))
+    proc = run_cli("train", str(artefacts / "config.toml"), "--nproc", "1", "--out", str(tmp_path / "out"),
+                   "--data.path", str(copy), "--train.steps", "2", timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert any(line.startswith("meshtrain train: error: rank 0: prepared data ") and "outside its vocabulary" in line
+               for line in lines), proc.stderr[-3000:]
