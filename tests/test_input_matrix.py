@@ -40,6 +40,8 @@ HF_READERS = {"train": (*TRAIN, *HF), "plan": (*PLAN, *HF), "generate": (*GENERA
 PREPARED = ("--data.path", "{w}/prepared")
 CORPUS = ("--data.path", "{w}/corpus.txt")
 BPE = ("--data.tokenizer", "{w}/bpe/tokenizer.json")
+PREPARE = ("prepare", "--tokenizer", "{w}/bpe/tokenizer.json", "--input", "{w}/corpus.txt", "--out", "{w}/prepared_new",
+           "--workers", "1", "--doc-split", "blank-line", "--val-fraction", "0.1")
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,9 @@ class InputFile:
 FILES = [
     InputFile("config.toml", "toml", {"train": TRAIN, "train --resume": RESUME, "plan": PLAN}),
     InputFile("corpus.txt", "text", {"train": (*TRAIN, *CORPUS), "train --resume": (*RESUME, *CORPUS),
-                                     "plan": (*PLAN, *CORPUS)}, valid={"truncated": ("train", "plan")}),
-    InputFile("bpe/tokenizer.json", "json", {"train": (*TRAIN, *BPE), "plan": (*PLAN, *BPE)},
+                                     "plan": (*PLAN, *CORPUS), "prepare": PREPARE},
+              valid={"truncated": ("train", "plan", "prepare")}),
+    InputFile("bpe/tokenizer.json", "json", {"train": (*TRAIN, *BPE), "plan": (*PLAN, *BPE), "prepare": PREPARE},
               {"model": None, "model.vocab": None, "model.merges": None, "added_tokens": None}),
     InputFile("prepared/meta.json", "json", {"train": (*TRAIN, *PREPARED), "plan": (*PLAN, *PREPARED)},
               {"format": "meshtrain-other", "format_version": 99, "vocab_size": 0, "dtype": "float64",

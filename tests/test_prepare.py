@@ -337,7 +337,7 @@ SUFFIX = {"text": "txt", "jsonl": "jsonl", "parquet": "parquet"}
 for _kind, _suffix in SUFFIX.items():
     DAMAGES[_kind]["missing"] = (lambda d, s=_suffix: d / f"nope.{s}", "does not exist")
     DAMAGES[_kind]["glob-matches-nothing"] = (lambda d, s=_suffix: f"{d}/*.{s}", "matches no file")
-    DAMAGES[_kind]["empty"] = (lambda d, s=_suffix: _empty(d / f"in.{s}"), "hold no document")
+    DAMAGES[_kind]["empty"] = (lambda d, s=_suffix: _empty(d / f"in.{s}"), "no document (empty")
     DAMAGES[_kind]["fifo"] = (lambda d, s=_suffix: (os.mkfifo(d / f"in.{s}"), d / f"in.{s}")[1], "is a FIFO, not a file")
     DAMAGES[_kind]["dangling-link"] = (lambda d, s=_suffix: ((d / f"in.{s}").symlink_to(d / "gone"), d / f"in.{s}")[1],
                                        "is a symbolic link to")

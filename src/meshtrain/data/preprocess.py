@@ -193,7 +193,10 @@ def _write(tmp: Path, tok, sources: list[InputFile], recipe: dict[str, Any], wor
     for writer in writers.values():
         writer.close()
     if docs == 0:
-        raise ConfigError(f"the {len(sources)} input file(s) hold no document: check --input and --text-field")
+        named = ", ".join(f"'{s.path}'" for s in sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+        verb = "holds" if len(sources) == 1 else "hold"
+        raise ConfigError(f"--input {named} {verb} no document (empty, or no text in --text-field): check --input "
+                          f"and --text-field")
     if writers["val"].documents == 0:
         raise ConfigError(f"the val split is empty: {docs} document(s) at --val-fraction {opts['val_fraction']} give "
                           f"none (one in every {1 / opts['val_fraction']:g}): give more documents (--doc-split "
