@@ -288,7 +288,6 @@ def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
         factor, what = stack.run_dir_speed(args.calibrate_from)
         speed = stack.calibrated_speed(factor, what, ctx.hw.device.name)
     elif args.measured:
-        from meshtrain.planner.cost import step_time
         from meshtrain.planner.search import search
 
         fixed, key, value = stack.parse_measured(args.measured)
@@ -299,8 +298,7 @@ def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
                               f"has those fields")
         best = ([e for e in found if e.fits] or found)[0]
         seconds = stack.measured_step_time(key, value, best)
-        factor = stack.fit_speed(lambda hw: step_time(ctx.model, best.layout, hw, ctx.precision, ctx.framework).total,
-                                 ctx.hw, seconds)
+        factor = stack.layout_speed(ctx.model, best.layout, ctx.hw, ctx.precision, ctx.framework, seconds)
         speed = stack.calibrated_speed(factor, f"{best.layout.label()} at {seconds:.4g} s/step", ctx.hw.device.name)
     else:
         speed = stack.speed_for(stack_name, ctx.hw.device.name, peak_source=ctx.hw.device.peak_source)

@@ -27,7 +27,7 @@ from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
 from meshtrain.planner.layout import Layout, meshtrain_framework
 from meshtrain.planner.memory import PRECISIONS, memory_breakdown
 from meshtrain.planner.model_specs import from_config
-from meshtrain.planner.stack import memory_spread, speed_for
+from meshtrain.planner.stack import memory_range, nulls, speed_for
 
 CORPUS_BYTES_PER_CHAR = 18.0
 """RSS the trainer's corpus loading adds per character when no profile measured it: the text (1 byte),
@@ -99,9 +99,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     time = step_time(model, layout, hw, precision, framework)
     peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)
     speed = speed_for(framework.name, hw.device.name, peak_source=hw.device.peak_source)
-    low, high = memory_spread()
-    ranges = {"step_time_s": [None if math.isnan(x) else x for x in speed.step_time_range(time.total)],
-              "peak_memory_bytes": [peak / (1 + high), peak / (1 + low)]}
+    ranges = {"step_time_s": nulls(speed.step_time_range(time.total)), "peak_memory_bytes": list(memory_range(peak))}
     return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description, "ranges": ranges,
             "range_basis": speed.basis,
             "threads_per_rank": threads, "layout": layout.label(),

@@ -106,8 +106,7 @@ class Speed:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON fields (NaN bounds, the uncalibrated CPU's, as null)."""
-        bounds = [None if math.isnan(x) else x for x in (self.low, self.high)]
-        return {"speed_factor": self.factor, "step_time_error_range": bounds, "basis": self.basis}
+        return {"speed_factor": self.factor, "step_time_error_range": nulls((self.low, self.high)), "basis": self.basis}
 
 
 def parse_stack(text: str) -> tuple[str, Framework]:
@@ -186,13 +185,24 @@ def _toml(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
+def nulls(values: Any) -> list[float | None]:
+    """``values`` as a JSON list, a NaN or infinite bound (no range: the uncalibrated CPU's) as null."""
+    return [x if math.isfinite(x) else None for x in values]
 
 
-def memory_spread(table: dict[str, Any] | None = None) -> tuple[float, float]:
-    """(low, high): the signed errors of the planner's peak memory on the published runs that report one."""
+def memory_range(nbytes: float, table: dict[str, Any] | None = None) -> tuple[float, float]:
+    """Where a measured peak lies for a predicted ``nbytes`` (bytes), from the signed errors of the planner's peak
+    memory on the published runs that report one: ``(nbytes / (1 + high), nbytes / (1 + low))``."""
     table = load_stacks() if table is None else table
     m = table.get("memory", {"low": 0.0, "high": 0.0})
-    return m["low"], m["high"]
+    return nbytes / (1 + m["high"]), nbytes / (1 + m["low"])
+
+
+def layout_speed(model: Any, layout: Any, hw: Hardware, precision: Any, framework: Framework, measured_s: float) -> float:
+    """:func:`fit_speed` of one layout's step time (:func:`meshtrain.planner.cost.step_time`) to ``measured_s``."""
+    from meshtrain.planner.cost import step_time
+
+    return fit_speed(lambda h: step_time(model, layout, h, precision, framework).total, hw, measured_s)
 
 
 def estimate_ranges(e: Any, speed: Speed, table: dict[str, Any] | None = None) -> dict[str, list[float]]:
@@ -200,13 +210,12 @@ def estimate_ranges(e: Any, speed: Speed, table: dict[str, Any] | None = None) -
     and peak memory per device (bytes), from ``speed``'s step-time errors and the published memory errors: each
     ``[low, high]`` where the measured value would lie if this prediction errs as the held-out ones did."""
     lo, hi = speed.step_time_range(e.time.total)
-    m_low, m_high = memory_spread(table)
     out = {"step_time_range_s": [lo, hi], "tokens_per_s_range": [e.tokens_per_step / hi, e.tokens_per_step / lo],
            "mfu_range": [e.mfu * e.time.total / hi, e.mfu * e.time.total / lo],
-           "memory_range_bytes": [e.memory.total / (1 + m_high), e.memory.total / (1 + m_low)]}
+           "memory_range_bytes": memory_range(e.memory.total, table)}
     if e.total_steps:
         out["total_time_range_s"] = [e.total_steps * lo, e.total_steps * hi]
-    return {k: [None if math.isnan(x) else x for x in v] for k, v in out.items()}
+    return {k: nulls(v) for k, v in out.items()}
 
 
 def parse_measured(text: str) -> tuple[dict[str, Any], str, float]:

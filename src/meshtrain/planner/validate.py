@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError, read_toml
-from meshtrain.planner.cost import step_time
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
@@ -43,7 +42,7 @@ from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS, Precision
 from meshtrain.planner.model_specs import ModelSpec, from_table
 from meshtrain.planner.search import search
-from meshtrain.planner.stack import fit_speed, parse_stack, scaled
+from meshtrain.planner.stack import layout_speed, nulls, parse_stack, scaled
 
 PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
 """Measured runs from papers and framework tables, with their sources, shipped inside the package."""
@@ -396,8 +395,8 @@ def _calibrated_summary(runs: list[dict[str, Any]], records: list[dict[str, Any]
             "moe": dict(zip(("median_abs_error", "max_abs_error"), _summary(moe)), runs=len(moe)),
             "calibrated_on": cal["calibrated_on"],
             "coverage": {"uncalibrated": fit["pooled"]["coverage"], "calibrated": fit["calibrated"]["coverage"]},
-            "range": {"uncalibrated": _finite([fit["pooled"]["low"], fit["pooled"]["high"]]),
-                      "calibrated": _finite([fit["calibrated"]["low"], fit["calibrated"]["high"]])},
+            "range": {"uncalibrated": nulls([fit["pooled"]["low"], fit["pooled"]["high"]]),
+                      "calibrated": nulls([fit["calibrated"]["low"], fit["calibrated"]["high"]])},
             "step_time": "signed (predicted - measured) / measured of the step time (time and throughput fields)"}
 
 
@@ -419,8 +418,7 @@ def run_speed(run: dict[str, Any], profile: Path | None = None) -> float:
     ctx = run_context(run, profile)
     best, predicted = predict_run(run, profile)
     measured_s = best.time.total / (1 + _step_error(run, predicted))
-    return fit_speed(lambda hw: step_time(ctx.model, best.layout, hw, ctx.precision, ctx.framework).total,
-                     ctx.hw, measured_s)
+    return layout_speed(ctx.model, best.layout, ctx.hw, ctx.precision, ctx.framework, measured_s)
 
 
 def _has_time(run: dict[str, Any]) -> bool:
@@ -450,10 +448,6 @@ def calibrate_one_per_source(runs: list[dict[str, Any]], profile: Path | None = 
 def _spread(errors: list[float]) -> dict[str, float]:
     """The [low, high] of signed errors (NaN for none)."""
     return {"low": min(errors), "high": max(errors)} if errors else {"low": math.nan, "high": math.nan}
-
-
-def _finite(values: list[float]) -> list[float | None]:
-    return [v if math.isfinite(v) else None for v in values]
 
 
 def fit_stacks(runs: list[dict[str, Any]], profile: Path | None = None,
