@@ -47,10 +47,17 @@ def damage(path: Path, how: tuple) -> None:
     path.write_bytes(data)
 
 
-def damaged_copy(source: Path, relative: str, how: tuple) -> Path:
-    """A fresh copy of the folder (or file) ``source`` with its file ``relative`` damaged; returns the copy."""
-    root = Path(tempfile.mkdtemp(prefix="damaged_"))
-    copy = root / source.name
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """Where the damaged copies go: one folder for the module (hypothesis draws many examples per test function, so
+    the per-function tmp_path cannot hold them apart); pytest removes it with its other old temporary folders."""
+    return tmp_path_factory.mktemp("damaged")
+
+
+def damaged_copy(scratch: Path, source: Path, relative: str, how: tuple) -> Path:
+    """A fresh copy under ``scratch`` of the folder (or file) ``source`` with its file ``relative`` damaged; returns
+    the copy."""
+    copy = Path(tempfile.mkdtemp(prefix="damaged_", dir=scratch)) / source.name
     (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
     damage(copy / relative if relative else copy, how)
     return copy
@@ -65,11 +72,11 @@ def one_line_or_accepted(read) -> None:
 
 @SETTINGS
 @given(how=DAMAGES)
-def test_a_damaged_export_is_one_line_for_generate(artefacts, how):
+def test_a_damaged_export_is_one_line_for_generate(scratch, artefacts, how):
     """``meshtrain generate --checkpoint model.safetensors``'s reader (the header's config, then the weights)."""
     from meshtrain.cli.generate import _load
 
-    copy = damaged_copy(artefacts / "export" / "model.safetensors", "", how)
+    copy = damaged_copy(scratch, artefacts / "export" / "model.safetensors", "", how)
     one_line_or_accepted(lambda: _load(copy))
 
 
@@ -79,7 +86,7 @@ def _hf_files(artefacts: Path) -> list[str]:
 
 @SETTINGS
 @given(data=st.data(), how=DAMAGES)
-def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(artefacts, data, how):
+def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(scratch, artefacts, data, how):
     """Any file of a Hugging Face folder (a weights shard, the index, config.json, tokenizer.json): what ``generate``
     loads, and what ``train`` with ``model.init_from`` checks before launch (headers only)."""
     from meshtrain.cli.generate import _load
@@ -87,7 +94,7 @@ def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(artefa
     from meshtrain.preflight import check_init_from
 
     name = data.draw(st.sampled_from(_hf_files(artefacts)))
-    copy = damaged_copy(artefacts / "hf", name, how)
+    copy = damaged_copy(scratch, artefacts / "hf", name, how)
     one_line_or_accepted(lambda: _load(copy))
 
     def check() -> None:
@@ -99,17 +106,17 @@ def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(artefa
 
 @SETTINGS
 @given(how=DAMAGES)
-def test_a_damaged_tokenizer_file_is_one_line(artefacts, how):
+def test_a_damaged_tokenizer_file_is_one_line(scratch, artefacts, how):
     """``data.tokenizer`` / ``prepare --tokenizer`` at a damaged tokenizer.json."""
     from meshtrain.data.tokenizers import load_tokenizer
 
-    copy = damaged_copy(artefacts / "bpe" / "tokenizer.json", "", how)
+    copy = damaged_copy(scratch, artefacts / "bpe" / "tokenizer.json", "", how)
     one_line_or_accepted(lambda: load_tokenizer(str(copy)))
 
 
 @SETTINGS
 @given(data=st.data(), how=DAMAGES)
-def test_a_damaged_prepared_folder_is_one_line_before_launch_or_from_the_rank(artefacts, data, how):
+def test_a_damaged_prepared_folder_is_one_line_before_launch_or_from_the_rank(scratch, artefacts, data, how):
     """Any file of a prepared folder (meta.json, a shard, a document index): opening it as the launcher and each
     rank do (``data.path`` at the folder), then the rank's reads of windows covering every token of each split,
     where a shard of garbage bytes of the right size shows (an id outside the vocabulary: a DataError line)."""
@@ -119,7 +126,7 @@ def test_a_damaged_prepared_folder_is_one_line_before_launch_or_from_the_rank(ar
 
     folder = artefacts / "prepared"
     name = data.draw(st.sampled_from(sorted(p.name for p in folder.iterdir() if p.is_file())))
-    copy = damaged_copy(folder, name, how)
+    copy = damaged_copy(scratch, folder, name, how)
 
     def read() -> None:
         corpus = load_prepared(copy, 16)
@@ -129,7 +136,7 @@ def test_a_damaged_prepared_folder_is_one_line_before_launch_or_from_the_rank(ar
     one_line_or_accepted(read)
 
 
-def test_a_shard_of_garbage_is_named_by_the_rank_that_reads_it(artefacts):
+def test_a_shard_of_garbage_is_named_by_the_rank_that_reads_it(scratch, artefacts):
     """Random bytes of a shard's exact size pass every check before launch (sizes match meta.json); the rank's read
     names the split, the position and the vocabulary (uint16 ids of random bytes: most are >= the 300 of this
     tokenizer)."""
@@ -140,16 +147,16 @@ def test_a_shard_of_garbage_is_named_by_the_rank_that_reads_it(artefacts):
 
     folder = artefacts / "prepared"
     shard = sorted(p.name for p in folder.iterdir() if p.name.startswith("train") and p.suffix == ".bin")[0]
-    corpus = load_prepared(damaged_copy(folder, shard, ("garbage", 3)), 16)
+    corpus = load_prepared(damaged_copy(scratch, folder, shard, ("garbage", 3)), 16)
     with pytest.raises(DataError, match=r"\(train split\) holds token id \d+ at token \d+, outside its vocabulary"):
         corpus.train.gather(torch.arange(0, len(corpus.train) - 16, 16), 17)
 
 
 @pytest.mark.parametrize("kind", ["cut", "garbage"])
-def test_the_damages_are_drawn(artefacts, kind):
+def test_the_damages_are_drawn(scratch, artefacts, kind):
     """The strategies do damage: a cut file is shorter, a garbage one differs at the same length."""
     source = artefacts / "export" / "model.safetensors"
-    copy = damaged_copy(source, "", ("cut", 0.5) if kind == "cut" else ("garbage", 7))
+    copy = damaged_copy(scratch, source, "", ("cut", 0.5) if kind == "cut" else ("garbage", 7))
     if kind == "cut":
         assert copy.stat().st_size == source.stat().st_size // 2
     else:
@@ -157,7 +164,7 @@ def test_the_damages_are_drawn(artefacts, kind):
 
 
 @pytest.mark.slow  # a real 1-rank launch, ~15 s
-def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(artefacts, tmp_path):
+def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(scratch, artefacts, tmp_path):
     """End to end: ``meshtrain train --data.path`` at a folder whose train shard is garbage of the right size starts
     (nothing before launch can see it), and the rank's first read stops the run: exit code 2, the rank's one line,
     no traceback."""
@@ -165,7 +172,7 @@ def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(artefacts, t
 
     folder = artefacts / "prepared"
     shard = sorted(p.name for p in folder.iterdir() if p.name.startswith("train") and p.suffix == ".bin")[0]
-    copy = damaged_copy(folder, shard, ("garbage", 3))
+    copy = damaged_copy(scratch, folder, shard, ("garbage", 3))
     # every shard garbage, so that the first window drawn shows it wherever it falls
     for other in sorted(copy.glob("*.bin")):
         damage(other, ("garbage", 5))
