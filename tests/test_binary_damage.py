@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from meshtrain.config import ConfigError
@@ -72,8 +72,11 @@ def one_line_or_accepted(read) -> None:
 
 @SETTINGS
 @given(how=DAMAGES)
+@example(how=("write", 0.005015196448476812, b"!"))  # the header's JSON broken: json.loads' traceback before
+@example(how=("write", 0.005859375, b" "))  # a model key renamed: ModelConfig's TypeError before
 def test_a_damaged_export_is_one_line_for_generate(scratch, artefacts, how):
-    """``meshtrain generate --checkpoint model.safetensors``'s reader (the header's config, then the weights)."""
+    """``meshtrain generate --checkpoint model.safetensors``'s reader (the header's config, then the weights). The two
+    examples are what hypothesis found in CI: the header entry is checked as a checkpoint's meta.json is."""
     from meshtrain.cli.generate import _load
 
     copy = damaged_copy(scratch, artefacts / "export" / "model.safetensors", "", how)

@@ -109,12 +109,18 @@ def load_checkpoint_model(checkpoint: str | Path):
 
 
 def read_export(path: Path) -> dict[str, Any]:
-    """The JSON of an export's header (model config, vocab_size, tokenizer, step).
+    """The JSON of an export's header (model config, vocab_size, tokenizer, step), checked as a checkpoint's
+    meta.json is: the model config key by key (:func:`meshtrain.config.check_saved_config`), the vocabulary size and
+    the tokenizer record by :data:`meshtrain.checkpoint.schema.META_SCHEMA`'s rules.
 
     Raises:
-        ConfigError: not a safetensors file, or one without meshtrain's header entry.
+        ConfigError: not a safetensors file, one without meshtrain's header entry, or an entry that is not that
+            JSON (damaged or edited), naming the first wrong key.
     """
     from safetensors import SafetensorError, safe_open
+
+    from meshtrain.checkpoint.schema import META_SCHEMA
+    from meshtrain.config import check_saved_config
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -123,19 +129,44 @@ def read_export(path: Path) -> dict[str, Any]:
         raise ConfigError(f"'{path}' is not a readable safetensors file: {e}") from None
     if METADATA_KEY not in header:
         raise ConfigError(f"'{path}' has no '{METADATA_KEY}' entry in its header: export it with meshtrain export")
-    return json.loads(header[METADATA_KEY])
+    damaged = f"'{path}' has a damaged '{METADATA_KEY}' header entry"
+    try:
+        info = json.loads(header[METADATA_KEY])
+    except ValueError as e:
+        raise ConfigError(f"{damaged} (not JSON: {e}): export the checkpoint again") from None
+    if not isinstance(info, dict) or not isinstance(info.get("model"), dict):
+        raise ConfigError(f"{damaged} (no 'model' object): export the checkpoint again")
+    for key in ("vocab_size", "tokenizer"):
+        want, typed, in_range = META_SCHEMA[key]
+        if key not in info or not typed(info[key]) or not in_range(info[key]):
+            raise ConfigError(f"{damaged}: '{key}' must be {want}: export the checkpoint again")
+    try:
+        check_saved_config({"model": info["model"]})
+    except ConfigError as e:
+        raise ConfigError(f"{damaged}: in its model config, {e}: export the checkpoint again") from None
+    return info
 
 
 def load_export(path: Path):
-    """(model, info) from an export: the model built from the header's config, weights from the file."""
+    """(model, info) from an export: the model built from the header's config, weights from the file.
+
+    Raises:
+        ConfigError: :func:`read_export`'s, or tensors that do not match the header's model (missing, extra or of
+            another shape).
+    """
     from safetensors.torch import load_model
 
-    from meshtrain.config import ModelConfig
+    from meshtrain.config import check_saved_config
     from meshtrain.models import build_model
 
     info = read_export(path)
-    model = build_model(ModelConfig(**info["model"]), info["vocab_size"])
-    load_model(model, str(path))
+    model = build_model(check_saved_config({"model": info["model"]}), info["vocab_size"])
+    try:
+        load_model(model, str(path))
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"'{path}': its tensors do not match the model its header describes ({reason}): export the "
+                          f"checkpoint again") from None
     return model, info
 
 
