@@ -64,9 +64,46 @@ def layer_times(rounds: int) -> list[list]:
                     layer(x.requires_grad_()).square().mean().backward()
                 times[name].append((time.perf_counter() - t0) / 5 * 1e3)
         g, lp = statistics.median(times["grouped"]), statistics.median(times["loop"])
-        rows.append([f"MoE layer fwd+bwd, F = {ffn}", f"{g:.2f}", f"{lp:.2f}", f"{lp / g:.2f}x",
+        rows.append([f"MoE layer fwd+bwd, F = {ffn} (a: grouped GEMM, b: per-expert loop)", f"{g:.2f}", f"{lp:.2f}", f"{lp / g:.2f}x",
                      " / ".join(f"{a:.1f}:{b:.1f}" for a, b in zip(times["grouped"], times["loop"]))])
     return rows
+
+
+def bucketed_times(rounds: int) -> list[list]:
+    """Median ms of the experts alone (:class:`GroupedExperts`, C = 128, F = 176, E = 8) in bf16, forward + backward,
+    with a new routing each call (12 x 128 x 2 rows split over the experts at random, as a router's draw changes from
+    step to step): rows padded to buckets (``pad_rows``, the default on a CPU) vs exact rows."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(ModelConfig(type="mixtral", n_embd=128, ffn_hidden=DENSE_F // 2, num_experts=EXPERTS))
+    for w, _ in experts.expert_weights():
+        torch.nn.init.normal_(w, std=0.02)
+    gen = torch.Generator().manual_seed(1)
+    rows = 12 * 128 * TOP_K
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for pad in times:  # interleaved
+            experts.pad_rows = pad
+            t0 = time.perf_counter()
+            for _ in range(5):
+                counts = torch.bincount(torch.randint(0, EXPERTS, (rows,), generator=gen), minlength=EXPERTS)
+                x = torch.randn(rows, 128, generator=gen).requires_grad_()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = experts(x, counts)
+                y.float().square().mean().backward()
+            times[pad].append((time.perf_counter() - t0) / 5 * 1e3)
+    padded, exact = statistics.median(times[True]), statistics.median(times[False])
+    return [["experts fwd+bwd, bf16, new routing each call (a: rows padded to buckets, b: exact rows)", f"{padded:.2f}", f"{exact:.2f}",
+             f"{exact / padded:.2f}x", " / ".join(f"{a:.1f}:{b:.1f}" for a, b in zip(times[True], times[False]))]]
+
+
+def compute_dtype_is_bf16() -> bool:
+    """Whether this CPU computes in bf16 by default (``dtype = "auto"``): the padded rows matter only there."""
+    from meshtrain.runtime.device import compute_dtype
+
+    return compute_dtype("auto", "cpu") == "bfloat16"
 
 
 def train(out: Path, steps: int, extra: list[str]) -> dict:
@@ -146,17 +183,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     layers = layer_times(args.rounds)
+    if compute_dtype_is_bf16():
+        layers += bucketed_times(args.rounds)
     with tempfile.TemporaryDirectory() as work:
         models = model_rows(args.steps, Path(work))
     vs = versus_transformers(args.rounds)
-    rows = ([["**expert compute**", "grouped ms", "loop ms", "loop / grouped", "per round (grouped:loop)"]] + layers
+    rows = ([["**expert compute**", "a ms", "b ms", "b / a", "per round (a:b)"]] + layers
             + [["**model**", "tokens/s", f"val loss after {args.steps} steps", "tokens/s vs dense", ""]]
             + [r + [""] for r in models]
             + [["**one training step**", "tokens/s", "vs transformers", f"loss after {5 * args.rounds} steps", ""]]
             + [r + [""] for r in vs])
     notes = [f"CPU flags: {cpu_flags()}; torch threads: {torch.get_num_threads()}; fp32 but for the bf16 training-step rows.",
              "Expert compute: one MoE layer alone, 12 x 128 tokens, C = 128, E = 8, k = 2; forward + backward of "
-             "mean(y^2), 5 per round, rounds interleaved; the ratio is of the medians.",
+             "mean(y^2), 5 per round, rounds interleaved; the ratio is of the medians. The padded row (where the CPU "
+             "has bf16 matmul): the experts alone, grouped GEMM both, with a new random routing each call (oneDNN "
+             "builds a bf16 kernel per GEMM shape; buckets keep the shapes few).",
              f"Models: configs/llama_tiny.toml (4 layers, C = 128, block 128, batch 12), {args.steps} steps, one "
              "process, `meshtrain train`; tokens/s the median over logged steps past the 10th; val loss on the "
              "val split at the last step.",

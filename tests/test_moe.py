@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -167,6 +169,60 @@ def test_grouped_gemm_equals_the_per_expert_loop():
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=rel * float(gb[name].abs().max()) + 1e-30,
                                    msg=name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=16))
+def test_bucketed_rows_keep_each_expert_in_its_own_padded_rows(sizes):
+    """:func:`bucket_rows`: every expert's count rounded up by less than ``max(16, m / 8)`` rows (the padding's
+    bound), its rows in order at the start of its own padded segment, and at most 8 + 1 padded sizes between any
+    power of two and the next (few GEMM shapes to cache)."""
+    from meshtrain.models.moe.layer import bucket_rows
+
+    counts = torch.tensor(sizes)
+    padded, pos = bucket_rows(counts)
+    assert pos.shape == (sum(sizes),)
+    ends, row = padded.cumsum(0).tolist(), 0
+    for m, p, end in zip(sizes, padded.tolist(), ends):
+        assert m <= p < m + max(16, m / 8), (m, p)
+        assert pos[row:row + m].tolist() == list(range(end - p, end - p + m))  # its rows, in order, from its start
+        row += m
+    for low in range(4, 13):  # sizes in [2^low, 2^(low+1)]
+        assert len({bucket_rows(torch.tensor([m]))[0].item() for m in range(2 ** low, 2 ** (low + 1) + 1)}) <= 9
+
+
+def test_bucketed_bf16_experts_equal_the_unpadded_grouped_gemm():
+    """On a CPU in bf16 the experts run on rows padded to buckets (:func:`bucket_rows`); each real row's output and
+    every gradient equal the unpadded grouped GEMM's within three bf16 roundings of their scale (the gate/up GEMM's
+    output, the SwiGLU product and the down GEMM's output may each round one ulp, 2^-8 relative, the other way when
+    the padded GEMM sums in another order), and the padding rows add nothing."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.models.moe.layer import GroupedExperts, grouped_swiglu
+
+    cfg = ModelConfig(type="mixtral", n_embd=32, ffn_hidden=48, num_experts=4)
+    torch.manual_seed(0)
+    experts = GroupedExperts(cfg)
+    for w, _ in experts.expert_weights():
+        torch.nn.init.normal_(w, std=0.2)
+    counts = torch.tensor([0, 37, 5, 130])
+    x = torch.randn(int(counts.sum()), 32)
+    results = []
+    for padded in (True, False):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if padded:
+                y = experts(xi, counts)
+            else:
+                y = grouped_swiglu(xi.bfloat16(), *(w.bfloat16() for w, _ in experts.expert_weights()),
+                                   torch.cumsum(counts, 0).to(torch.int32))
+        y.float().square().sum().backward()
+        results.append((y.detach().float(), xi.grad, [w.grad.clone() for w, _ in experts.expert_weights()]))
+        experts.zero_grad()
+    (a, ga, wa), (b, gb, wb) = results
+    bound = 3 * 2.0 ** -8
+    torch.testing.assert_close(a, b, rtol=0, atol=bound * float(b.abs().max()))
+    for got, want in zip([ga, *wa], [gb, *wb]):
+        torch.testing.assert_close(got, want, rtol=0, atol=bound * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("model", [{"type": "mixtral"}, {"type": "qwen3_moe", "head_dim": 16, "norm_topk_prob": False}])

@@ -74,6 +74,26 @@ def grouped_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
         return grouped_mm(hidden, w_down, offs)  # (M, C)
 
 
+def bucket_rows(counts: torch.Tensor, min_step: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's row count ``counts`` (E,) rounded up to a bucket -> (padded counts (E,), ``pos`` (M,) the row in
+    the padded layout of each of the M = sum(counts) rows, experts still in order).
+
+    A count m is rounded up to a multiple of ``max(min_step, 2**floor(log2 m) / 8)``: at most 12.5% more rows (or
+    ``min_step``), and about 8 sizes per doubling of m, so a run's expert GEMMs take a few dozen shapes instead of a
+    new one at almost every step. On a CPU in bf16, oneDNN builds a kernel for each new GEMM shape and keeps the last
+    1024: a (m, 128) x (128, 176) GEMM took 0.69 ms with a new m and 0.06 ms with a cached one on the 2-core EPYC of
+    bench/results/moe.md (fp32, served by another path, gains nothing: 0.11 ms either way), so the padding pays
+    for itself many times over there. Zero rows change no real row's output and add nothing to a weight's gradient.
+    """
+    sizes = counts.tolist()
+    steps = [max(min_step, (1 << max(m.bit_length() - 1, 0)) // 8) for m in sizes]
+    padded = [-(-m // step) * step for m, step in zip(sizes, steps)]
+    extra = torch.tensor([p - m for p, m in zip(padded, sizes)], device=counts.device)  # (E,) padding rows of each
+    shift = extra.cumsum(0) - extra  # (E,) padding rows before each expert's rows
+    pos = torch.arange(sum(sizes), device=counts.device) + torch.repeat_interleave(shift, counts)
+    return torch.tensor(padded, dtype=counts.dtype, device=counts.device), pos
+
+
 _grouped_swiglu_eager = torch.compiler.disable(grouped_swiglu)
 """:func:`grouped_swiglu` run eagerly inside a compiled block: torch 2.13's fake-tensor kernel of ``_grouped_mm``
 (which ``torch.compile`` traces with) takes bf16 only, the eager CPU kernel fp32 too."""
@@ -111,6 +131,8 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, C, hidden))
         self.grad_scale = 1.0
         """Factor on the stacks' gradients (expert parallelism sets 1/ep: :mod:`meshtrain.parallel.expert`)."""
+        self.pad_rows = True
+        """On a CPU in bf16, run the grouped GEMM on rows padded to buckets (:func:`bucket_rows`); False: exact rows."""
 
     def expert_weights(self) -> list[tuple[nn.Parameter, bool]]:
         """The stacks and whether each projects into the residual stream (the down projections):
@@ -126,8 +148,13 @@ class GroupedExperts(nn.Module):
         w_gate, w_up, w_down = ((_local(w) if scale == 1.0 else _ScaleGrad.apply(_local(w), scale)).to(dtype)
                                 for w in (self.w_gate, self.w_up, self.w_down))
         if self.grouped:
-            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
             run = grouped_swiglu if dtype == torch.bfloat16 else _grouped_swiglu_eager
+            if self.pad_rows and x.device.type == "cpu" and dtype != torch.float32:  # oneDNN: a kernel per shape
+                padded, pos = bucket_rows(counts)
+                offs = torch.cumsum(padded, dim=0).to(torch.int32)
+                x_pad = x.new_zeros(int(offs[-1]) if len(offs) else 0, x.shape[1]).index_copy(0, pos, x)
+                return run(x_pad, w_gate, w_up, w_down, offs)[pos]  # a zero row adds nothing to any gradient
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
             return run(x, w_gate, w_up, w_down, offs)
         outs = [F.linear(F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e]), w_down[e])
                 for e, rows in enumerate(x.split(counts.tolist()))]  # each (rows_e, C)
