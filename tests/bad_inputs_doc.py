@@ -66,10 +66,12 @@ MATRIX_HEADER = """
 `export` as safetensors and as a Hugging Face folder, a BPE `tokenizer.json`, a `prepare`d folder, a config
 and a corpus), then for each file below and each damage copies them into a fresh folder (`~/work`), damages
 that one file and runs each subcommand that reads it (`~/work/config.toml` holds the tiny model of the tests).
-The damages: missing, empty, truncated to half, a byte that is not UTF-8 (text files), binary garbage, a
-folder, a FIFO, a dangling symlink and `/dev/null` in its place, and for JSON files each field meshtrain reads
-with a value of the wrong type and one out of range. A damage that leaves a valid input (half a text is a
-text) is said so, and the test checks that the command accepts it.
+The damages: missing, empty, truncated to half, a byte that is not UTF-8 (text files), a byte appended (binary
+files), binary garbage, garbage of the file's own size (data shards), a folder, a FIFO, a dangling symlink and
+`/dev/null` in its place, and for JSON files each field meshtrain reads with a value of the wrong type, one out of
+range and the field missing, and one extra top-level key. `train` runs at 1 and at 2 ranks (`--nproc 2`). A damage
+that leaves a valid input (half a text is a text; a key a newer tool added; a key older checkpoints lack, which
+takes its default) is said so, and the test checks that the command accepts it.
 """
 
 

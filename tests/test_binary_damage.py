@@ -101,10 +101,95 @@ def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(scratc
     one_line_or_accepted(lambda: _load(copy))
 
     def check() -> None:
-        cfg = load_config(None, {"model.init_from": str(copy), "model.block_size": "16"})
+        cfg = load_config(None, {"model.init_from": str(copy)})
         check_init_from(cfg, 65)
 
     one_line_or_accepted(check)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6)
+"""Any JSON value: what an edited or damaged header may hold in a field."""
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Rewrite the JSON header of the safetensors file at ``path`` as ``edit(header)`` returns it, its length
+    field updated and the tensor bytes kept: a well-formed file whose header says something else."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_an_edited_safetensors_header_is_refused_before_launch_or_loads(scratch, artefacts, data):
+    """A Hugging Face shard whose header is valid JSON but lies: one tensor's ``dtype``, ``shape`` or
+    ``data_offsets`` (or its whole entry) set to any JSON value, or the tensors' byte ranges dealt out again among
+    them (the file's total size right). The check ``train`` runs before launch (headers only) refuses it in one line,
+    or it is a file ``generate`` then loads whole: no header damage is left for a rank to find."""
+    from meshtrain.cli.generate import _load
+    from meshtrain.config import load_config
+    from meshtrain.preflight import check_init_from
+
+    shard = data.draw(st.sampled_from([n for n in _hf_files(artefacts) if n.endswith(".safetensors")]))
+    copy = damaged_copy(scratch, artefacts / "hf", shard, ("append", b""))
+    if data.draw(st.booleans(), label="deal the byte ranges out again"):
+        def edit(header):
+            names = sorted(k for k in header if k != "__metadata__")
+            ranges = [header[k]["data_offsets"] for k in names]
+            for name, offsets in zip(names, data.draw(st.permutations(ranges), label="ranges")):
+                header[name]["data_offsets"] = offsets
+            return header
+    else:
+        def edit(header):
+            name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")), label="tensor")
+            key = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", None]), label="field")
+            value = data.draw(JSON_VALUES, label="value")
+            if key is None:
+                header[name] = value
+            else:
+                header[name][key] = value
+            return header
+    rewrite_header(copy / shard, edit)
+    cfg = load_config(None, {"model.init_from": str(copy)})
+    try:
+        check_init_from(cfg, 65)
+    except ConfigError as e:
+        assert "\n" not in str(e).strip(), str(e)
+        return
+    _load(copy)  # passed the check before launch: it must load
+
+
+def test_byte_ranges_swapped_between_tensors_of_two_sizes_are_refused_before_launch(scratch, artefacts):
+    """The lie a byte-level check cannot see: two tensors of different sizes trade their byte ranges, each range
+    shifted so that the ranges still tile the file (its size is right). Before launch the header check names the
+    tensor whose range does not hold its shape."""
+    from meshtrain.config import load_config
+    from meshtrain.preflight import check_init_from
+
+    shard = [n for n in _hf_files(artefacts) if n.endswith(".safetensors")][0]
+    copy = damaged_copy(scratch, artefacts / "hf", shard, ("append", b""))
+
+    def edit(header):
+        (a, first), (b, second) = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                                         key=lambda kv: kv[1]["data_offsets"])[:2]
+        size_a = first["data_offsets"][1] - first["data_offsets"][0]
+        size_b = second["data_offsets"][1] - second["data_offsets"][0]
+        assert size_a != size_b, "the test needs the shard's first two tensors to differ in size"
+        start = first["data_offsets"][0]
+        first["data_offsets"], second["data_offsets"] = [start, start + size_b], [start + size_b, start + size_a + size_b]
+        return header
+
+    rewrite_header(copy / shard, edit)
+    cfg = load_config(None, {"model.init_from": str(copy)})
+    with pytest.raises(ConfigError, match="its header lies"):
+        check_init_from(cfg, 65)
 
 
 @SETTINGS
@@ -166,11 +251,14 @@ def test_the_damages_are_drawn(scratch, artefacts, kind):
         assert copy.stat().st_size == source.stat().st_size and copy.read_bytes() != source.read_bytes()
 
 
-@pytest.mark.slow  # a real 1-rank launch, ~15 s
-def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(scratch, artefacts, tmp_path):
+@pytest.mark.slow  # a real launch, ~15 s a rank count
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(scratch, artefacts, tmp_path, nproc):
     """End to end: ``meshtrain train --data.path`` at a folder whose train shard is garbage of the right size starts
-    (nothing before launch can see it), and the rank's first read stops the run: exit code 2, the rank's one line,
-    no traceback."""
+    (nothing before launch can see it), and the first read of a rank that meets it stops the run: exit code 2, that
+    rank's one line, no traceback (at 2 ranks the other stops with it). The output folder can be re-run as it is:
+    with the shards prepared again, the same command passes every check before launch."""
+    from artefacts import run_cli_here
     from conftest import run_cli
 
     folder = artefacts / "prepared"
@@ -179,9 +267,14 @@ def test_a_run_on_a_garbage_shard_stops_with_one_line_from_the_rank(scratch, art
     # every shard garbage, so that the first window drawn shows it wherever it falls
     for other in sorted(copy.glob("*.bin")):
         damage(other, ("garbage", 5))
-    proc = run_cli("train", str(artefacts / "config.toml"), "--nproc", "1", "--out", str(tmp_path / "out"),
-                   "--data.path", str(copy), "--train.steps", "2", timeout=120)
+    argv = ["train", str(artefacts / "config.toml"), "--nproc", str(nproc), "--out", str(tmp_path / "out"),
+            "--data.path", str(copy), "--train.steps", "2"]
+    proc = run_cli(*argv, timeout=180)
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert any(line.startswith("meshtrain train: error: rank 0: prepared data ") and "outside its vocabulary" in line
-               for line in lines), proc.stderr[-3000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines and all(line.startswith("meshtrain train: error: rank ") and "outside its vocabulary" in line
+                         for line in lines), proc.stderr[-3000:]
+    shutil.rmtree(copy)
+    shutil.copytree(folder, copy)  # prepared again
+    code, err, _ = run_cli_here(argv)
+    assert code == "launched", err[-2000:]

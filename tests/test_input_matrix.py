@@ -28,6 +28,7 @@ from bad_inputs_doc import check, doc_writer  # noqa: F401 (a fixture)
 
 STEP = "run/checkpoints/step_000002"
 TRAIN = ("train", "{w}/config.toml", "--nproc", "1", "--out", "{w}/out")
+TRAIN2 = ("train", "{w}/config.toml", "--nproc", "2", "--out", "{w}/out")
 RESUME = ("train", "{w}/config.toml", "--nproc", "1", "--out", "{w}/run", "--resume", "--steps", "4")
 PLAN = ("plan", "{w}/config.toml", "--num-gpus", "1")
 GENERATE = ("generate", "--max-new-tokens", "2", "--checkpoint")
@@ -36,7 +37,8 @@ EXPORT_HF = ("export", "--format", "hf", "--out", "{w}/exported", "--checkpoint"
 CHECKPOINT_READERS = {"train --resume": RESUME, "generate": (*GENERATE, "{w}/run"), "export": (*EXPORT, "{w}/run"),
                       "export --format hf": (*EXPORT_HF, "{w}/run")}
 HF = ("--model.init_from", "{w}/hf")
-HF_READERS = {"train": (*TRAIN, *HF), "plan": (*PLAN, *HF), "generate": (*GENERATE, "{w}/hf")}
+HF_READERS = {"train": (*TRAIN, *HF), "train --nproc 2": (*TRAIN2, *HF), "plan": (*PLAN, *HF),
+              "generate": (*GENERATE, "{w}/hf")}
 PREPARED = ("--data.path", "{w}/prepared")
 CORPUS = ("--data.path", "{w}/corpus.txt")
 BPE = ("--data.tokenizer", "{w}/bpe/tokenizer.json")
@@ -61,38 +63,51 @@ class InputFile:
     reads the data stops with one line (``tests/test_binary_damage.py`` checks that line)."""
 
 
+EXTRA_KEY = "written_by_a_newer_tool"
+EXTRA = f"an extra key ({EXTRA_KEY})"
+ALL = ("train", "train --nproc 2", "train --resume", "plan", "prepare", "generate", "export", "export --format hf")
+"""Every reader (:attr:`InputFile.valid` ``damage -> readers``; a file's own readers are those it lists)."""
+
 FILES = [
-    InputFile("config.toml", "toml", {"train": TRAIN, "train --resume": RESUME, "plan": PLAN}),
-    InputFile("corpus.txt", "text", {"train": (*TRAIN, *CORPUS), "train --resume": (*RESUME, *CORPUS),
-                                     "plan": (*PLAN, *CORPUS), "prepare": PREPARE},
-              valid={"truncated": ("train", "plan", "prepare")}),
-    InputFile("bpe/tokenizer.json", "json", {"train": (*TRAIN, *BPE), "plan": (*PLAN, *BPE), "prepare": PREPARE},
-              {"model": None, "model.vocab": None, "model.merges": None, "added_tokens": None}),
-    InputFile("prepared/meta.json", "json", {"train": (*TRAIN, *PREPARED), "plan": (*PLAN, *PREPARED)},
+    InputFile("config.toml", "toml", {"train": TRAIN, "train --nproc 2": TRAIN2, "train --resume": RESUME, "plan": PLAN}),
+    InputFile("corpus.txt", "text", {"train": (*TRAIN, *CORPUS), "train --nproc 2": (*TRAIN2, *CORPUS),
+                                     "train --resume": (*RESUME, *CORPUS), "plan": (*PLAN, *CORPUS), "prepare": PREPARE},
+              valid={"truncated": ("train", "train --nproc 2", "plan", "prepare")}),
+    InputFile("bpe/tokenizer.json", "json", {"train": (*TRAIN, *BPE), "train --nproc 2": (*TRAIN2, *BPE),
+                                            "plan": (*PLAN, *BPE), "prepare": PREPARE},
+              {"model": None, "model.vocab": None, "model.merges": None, "added_tokens": None},
+              valid={"added_tokens: missing": ALL}),
+    InputFile("prepared/meta.json", "json", {"train": (*TRAIN, *PREPARED), "train --nproc 2": (*TRAIN2, *PREPARED),
+                                            "plan": (*PLAN, *PREPARED)},
               {"format": "meshtrain-other", "format_version": 99, "vocab_size": 0, "dtype": "float64",
                "tokenizer": None, "tokenizer.kind": "bogus", "splits": None, "splits.train": None,
                "splits.train.tokens": -1, "splits.train.documents": -1, "splits.train.shards": None,
-               "splits.val.tokens": 10**30}),
-    InputFile("prepared/train_00000.bin", "binary", {"train": (*TRAIN, *PREPARED)},
-              data_only={"garbage of its size": ("train",)}),
-    InputFile("prepared/val_00000.bin", "binary", {"train": (*TRAIN, *PREPARED)},
-              data_only={"garbage of its size": ("train",)}),
+               "splits.val.tokens": 10**30}, valid={EXTRA: ALL}),
+    InputFile("prepared/train_00000.bin", "binary", {"train": (*TRAIN, *PREPARED), "train --nproc 2": (*TRAIN2, *PREPARED)},
+              data_only={"garbage of its size": ("train", "train --nproc 2")}),
+    InputFile("prepared/val_00000.bin", "binary", {"train": (*TRAIN, *PREPARED), "train --nproc 2": (*TRAIN2, *PREPARED)},
+              data_only={"garbage of its size": ("train", "train --nproc 2")}),
     InputFile(f"{STEP}/meta.json", "json", CHECKPOINT_READERS,
               {"step": 0, "vocab_size": 0, "files": {}, "tokenizer": None, "tokenizer.kind": "bogus",
                "tokenizer.chars": "", "sampler.samples_seen": -1, "global_batch_size": 0, "config": None,
                "config.model": None, "config.model.type": "rnn", "config.model.n_layer": 0,
                "config.model.n_head": 0, "config.model.n_embd": 0, "config.model.block_size": 0,
                "config.model.dropout": 1.5, "config.model.norm_eps": -1.0, "config.model.bias": None,
-               "config.model.activation": "relu", "config.data.val_fraction": 2.0, "config.train.seed": -1}),
+               "config.model.activation": "relu", "config.data.val_fraction": 2.0, "config.train.seed": -1},
+              valid={EXTRA: ALL, **{f"config.model.{key}: missing": ALL  # keys added since the first checkpoints
+                                    for key in ("dropout", "norm_eps", "bias", "activation")}}),
     InputFile(f"{STEP}/.metadata", "binary", CHECKPOINT_READERS),
     InputFile(f"{STEP}/__0_0.distcp", "binary", CHECKPOINT_READERS),
     InputFile("hf/config.json", "json", HF_READERS,
               {"architectures": ["MistralForCausalLM"], "n_layer": 0, "n_head": 0, "n_embd": 0, "n_positions": 0,
-               "vocab_size": 0, "layer_norm_epsilon": -1.0, "activation_function": "relu"}),
-    InputFile("hf/model.safetensors.index.json", "json", {"train": (*TRAIN, *HF), "generate": (*GENERATE, "{w}/hf")},
-              {"weight_map": {}}),
+               "vocab_size": 0, "layer_norm_epsilon": -1.0, "activation_function": "relu"},
+              valid={EXTRA: ALL, **{f"{key}: missing": ALL  # transformers' defaults; the family from model_type
+                                    for key in ("architectures", "layer_norm_epsilon", "activation_function")}}),
+    InputFile("hf/model.safetensors.index.json", "json", {"train": (*TRAIN, *HF), "train --nproc 2": (*TRAIN2, *HF),
+                                                          "generate": (*GENERATE, "{w}/hf")},
+              {"weight_map": {}}, valid={EXTRA: ALL}),
     InputFile("hf/model-00001-of-00003.safetensors", "binary",
-              {"train": (*TRAIN, *HF), "generate": (*GENERATE, "{w}/hf")}),
+              {"train": (*TRAIN, *HF), "train --nproc 2": (*TRAIN2, *HF), "generate": (*GENERATE, "{w}/hf")}),
     InputFile("hf/tokenizer.json", "json", {"generate": (*GENERATE, "{w}/hf")},
               {"model": None, "model.vocab": None}),
     InputFile("export/model.safetensors", "binary", {"generate": (*GENERATE, "{w}/export/model.safetensors")}),
@@ -151,8 +166,25 @@ def _set_field(path: Path, dotted: str, value: Any) -> None:
     path.write_text(json.dumps(data))
 
 
+def _drop_field(path: Path, dotted: str) -> None:
+    data = json.loads(path.read_text())
+    *parents, last = dotted.split(".")
+    target = data
+    for key in parents:
+        target = target[key]
+    del target[last]
+    path.write_text(json.dumps(data))
+
+
+def _add_key(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data[EXTRA_KEY] = 1
+    path.write_text(json.dumps(data))
+
+
 def damages(f: InputFile) -> dict[str, Any]:
-    """The damages of ``f``: name -> a function of the file's path."""
+    """The damages of ``f``: name -> a function of the file's path. A JSON file also gets, per field it lists, the
+    field of a wrong type, out of range (its listed value), and missing, and one extra top-level key."""
     only = {"not UTF-8": f.kind != "binary", "a byte appended": f.kind == "binary",
             "garbage of its size": "garbage of its size" in f.data_only}
     out = {name: hurt for name, hurt in DAMAGES.items() if only.get(name, True)}
@@ -160,6 +192,9 @@ def damages(f: InputFile) -> dict[str, Any]:
         out[f"{dotted}: wrong type"] = lambda p, d=dotted: _set_field(p, d, _wrong_type)
         if bad is not None:
             out[f"{dotted}: {json.dumps(bad)}"] = lambda p, d=dotted, v=bad: _set_field(p, d, v)
+        out[f"{dotted}: missing"] = lambda p, d=dotted: _drop_field(p, d)
+    if f.kind == "json":
+        out[EXTRA] = _add_key
     return out
 
 

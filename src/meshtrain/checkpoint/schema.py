@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshtrain.axes import AXIS_TABLE
-from meshtrain.config import ConfigError, check_saved_config
+from meshtrain.config import SAVED_KEYS, ConfigError, check_saved_config
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -85,7 +85,7 @@ def check_meta(meta: Any, path: Path) -> dict[str, Any]:
             raise ConfigError(f"checkpoint file {path}: '{key}' = {_short(meta[key])} must be {want}: the checkpoint "
                               f"is damaged or was edited; resume from another one")
     try:
-        check_saved_config(meta["config"])
+        check_saved_config(meta["config"], required=SAVED_KEYS)
     except ConfigError as e:
         raise ConfigError(f"checkpoint file {path}: in its saved config, {e}: the checkpoint is damaged or was edited; "
                           f"resume from another one") from None
@@ -102,5 +102,8 @@ def check_meta(meta: Any, path: Path) -> dict[str, Any]:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, dict):  # its keys: the values may hold this machine's paths
+        keys = sorted(map(str, value))
+        return f"an object with keys {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}" if keys else "{}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

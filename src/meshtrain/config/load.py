@@ -147,14 +147,25 @@ SAVED_KEYS = ("data.val_fraction", "train.seed")
 """Keys of a saved config besides ``[model]`` that a resume compares with the run's (:mod:`meshtrain.preflight`)."""
 
 
-def check_saved_config(saved: dict[str, Any]) -> ModelConfig:
+CORE_MODEL_KEYS = ("type", "n_layer", "n_head", "n_embd", "block_size")
+"""``[model]`` keys every checkpoint and export meshtrain ever wrote holds: a saved config without one was damaged or
+edited (the keys added since take their defaults in older checkpoints)."""
+
+
+def check_saved_config(saved: dict[str, Any], required: tuple[str, ...] = ()) -> ModelConfig:
     """The model of a config a checkpoint saved (``meta.json["config"]``): each ``[model]`` key present, typed
     and in range as :func:`validate` checks a config (the other sections at their defaults), and
-    :data:`SAVED_KEYS` too; keys it lacks (older checkpoints) take their defaults.
+    :data:`SAVED_KEYS` too; keys it lacks (older checkpoints) take their defaults, but :data:`CORE_MODEL_KEYS`
+    and the dotted keys ``required`` must be there.
 
     Raises:
-        ConfigError: the first wrong key, e.g. "model.n_layer = 0 must be >= 1".
+        ConfigError: the first missing or wrong key, e.g. "model.n_layer = 0 must be >= 1".
     """
+    for dotted in [f"model.{key}" for key in CORE_MODEL_KEYS] + list(required):
+        section, key = dotted.split(".")
+        table = saved.get(section)
+        if not isinstance(table, dict) or key not in table:
+            raise ConfigError(f"{dotted} is missing (every meshtrain checkpoint records it)")
     cfg = Config()
     for dotted in [f"model.{key}" for key in saved["model"]] + list(SAVED_KEYS):
         section, key = dotted.split(".")

@@ -14,6 +14,7 @@ process starts (:func:`check_weights`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -28,6 +29,10 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 """safetensors dtypes a weight may be stored in (bytes per element); each loads into fp32 parameters."""
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+              "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+"""Bits per element of every dtype safetensors 0.8 reads (its ``Dtype``): a header's other names are refused."""
 
 
 class HFFormatError(ValueError):
@@ -99,14 +104,50 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise HFFormatError(f"weights file '{path}' is not a safetensors file: its header is not a JSON object")
     header.pop("__metadata__", None)
-    end = 8 + n + max((int(t.get("data_offsets", [0, 0])[1]) for t in header.values() if isinstance(t, dict)),
-                      default=0)
+    end = 8 + n + _tensor_bytes(header, path)
     if size != end:  # safetensors reads a file only when its tensors cover it to the last byte
         extra = size - end
         what = "is truncated" if extra < 0 else f"has {extra} byte{'s' if extra > 1 else ''} after its last tensor"
         raise HFFormatError(f"weights file '{path}' {what}: {size} bytes, its header describes {end}; "
                             f"download or copy it again")
     return header
+
+
+def _tensor_bytes(header: dict[str, Any], path: Path) -> int:
+    """The bytes of tensor data ``header`` (a safetensors header less ``__metadata__``) describes, after checking
+    it as safetensors does before it reads a byte: each entry ``{"dtype", "shape", "data_offsets": [begin, end]}``
+    with a dtype of :data:`DTYPE_BITS`, a shape of non-negative ints, ``end - begin`` the shape's elements times the
+    dtype's size, and the byte ranges, in order, one after the other from 0 with no gap and no overlap.
+
+    Raises:
+        HFFormatError: the first entry that breaks a rule, named with its values.
+    """
+    ranges = []
+    for name, entry in header.items():
+        where = f"weights file '{path}' is not a safetensors file: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise HFFormatError(f"{where} is described by {entry!r}, not an object")
+        shape, offsets, dtype = entry.get("shape"), entry.get("data_offsets"), entry.get("dtype")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise HFFormatError(f"{where} has shape {shape!r}, not a list of sizes >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise HFFormatError(f"{where} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            raise HFFormatError(f"{where} has dtype {dtype!r}, not one of safetensors' {', '.join(DTYPE_BITS)}")
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if offsets[1] - offsets[0] != bits / 8:
+            raise HFFormatError(f"{where} has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes) for shape "
+                                f"{shape} of {dtype} ({bits / 8:g} bytes): its header lies; download or copy it again")
+        ranges.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(ranges):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves {begin - end} bytes unused before it"
+            raise HFFormatError(f"weights file '{path}' is not a safetensors file: tensor {name!r} at bytes "
+                                f"[{begin}, {stop}) {what}; download or copy it again")
+        end = stop
+    return end
 
 
 def weight_map(folder: Path) -> dict[str, str]:
