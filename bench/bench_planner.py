@@ -4,7 +4,7 @@
     python bench/bench_planner.py [--repeats 3]      # ~20 s
 
 Each job is one real command line ``meshtrain plan --model M --gpu H100-SXM-80GB --num-gpus N
---global-batch-size B --seq-len S --json``, timed end to end (interpreter start-up included), and the
+--global-batch-size B --seq-len S --top 1 --json``, timed end to end (interpreter start-up included), and the
 same search timed in-process (``meshtrain.planner.search.search``). Writes ``bench/results/planner.md``
 and ``planner.json``.
 """
@@ -44,8 +44,9 @@ def time_cli(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, float, d
     return wall, cpu, json.loads(proc.stdout)[0]
 
 
-def time_search(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, int]:
-    """Seconds of the in-process search and the number of layouts it ranked."""
+def time_search(model: str, gpus: int, gbs: int, seq: int, top: int | None = 1) -> tuple[float, int, int]:
+    """CPU seconds of the in-process search (``top`` as the command's ``--top 1``; None: every layout predicted in
+    full), the number of layouts that fit, and the number it predicted in full."""
     from dataclasses import replace
 
     from meshtrain.planner.estimate import Job
@@ -57,8 +58,9 @@ def time_search(model: str, gpus: int, gbs: int, seq: int) -> tuple[float, int]:
 
     m = replace(preset(model), seq_len=seq)
     t0 = time.process_time()
-    ranked = search(m, get_hardware("H100-SXM-80GB"), PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], Job(gpus, gbs))
-    return time.process_time() - t0, len(ranked)
+    ranked = search(m, get_hardware("H100-SXM-80GB"), PRECISIONS["bf16"], FRAMEWORKS["meshtrain"], Job(gpus, gbs),
+                    top=top)
+    return time.process_time() - t0, ranked.count, len(ranked)
 
 
 def main() -> None:
@@ -69,23 +71,29 @@ def main() -> None:
     for model, gpus, gbs, seq in JOBS:
         cli = [time_cli(model, gpus, gbs, seq) for _ in range(args.repeats)]
         inproc = [time_search(model, gpus, gbs, seq) for _ in range(args.repeats)]
+        whole = [time_search(model, gpus, gbs, seq, None) for _ in range(args.repeats)]
         best = cli[0][2]
         record = {"model": model, "num_gpus": gpus, "global_batch_size": gbs, "seq_len": seq,
                   "cli_s": [c[0] for c in cli], "cli_cpu_s": [c[1] for c in cli], "search_cpu_s": [s[0] for s in inproc],
-                  "layouts": inproc[0][1], "best": best}
+                  "whole_search_cpu_s": [s[0] for s in whole], "layouts": inproc[0][1], "predicted": inproc[0][2],
+                  "best": best}
         data.append(record)
         label = (f"dp{best['dp']} tp{best['tp']} pp{best['pp']} sp{best['sp']} z{best['zero_stage']} "
                  f"mbs{best['micro_batch_size']} ga{best['gradient_accumulation_steps']}")
-        rows.append([model, f"{gpus:,}", gbs, seq, f"{record['layouts']:,}",
+        rows.append([model, f"{gpus:,}", gbs, seq, f"{record['layouts']:,}", f"{record['predicted']:,}",
+                     f"{statistics.median(record['whole_search_cpu_s']):.2f}",
                      f"{statistics.median(record['search_cpu_s']):.2f}",
                      f"{statistics.median(record['cli_cpu_s']):.2f}",
                      f"{statistics.median(record['cli_s']):.2f} ({', '.join(f'{t:.2f}' for t in record['cli_s'])})",
                      label, f"{best['mfu']:.1%}"])
     path = write_results("planner", "meshtrain plan: search time", [
-        "model", "GPUs", "global batch", "seq_len", "layouts that fit", "search CPU s (median)",
+        "model", "GPUs", "global batch", "seq_len", "layouts that fit", "predicted in full (top 1)",
+        "search CPU s, every layout in full (median)", "search CPU s, top 1 (median)",
         "whole CLI CPU s (median)", "whole CLI wall s (median; each run)", "best layout", "MFU"], rows,
         ["`whole CLI` is the command line including interpreter start-up and imports; `search` is the "
-         "enumeration, memory check and ranking alone, in-process (``search.search``, as the command calls it). CPU "
+         "enumeration, memory check and ranking alone, in-process (``search.search``): with ``top=1`` as the command "
+         "calls it (a layout is predicted in full only when its lower bound, the micro-batches' compute and "
+         "communication plus the bubble, could reach the best step time), and with every layout predicted. CPU "
          "seconds (user + system) are what the machine spends whatever else runs on it; the wall time grows when "
          "other processes share the 2 cores.",
          "layouts that fit: every valid layout that fits, each with the cheapest recompute mode that fits, but the "

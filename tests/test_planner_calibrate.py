@@ -85,7 +85,7 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
 
     import torch.distributed as dist
 
-    from meshtrain.planner.cost import _micro_batch, dp_time
+    from meshtrain.planner.cost import micro_batch, dp_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
@@ -100,7 +100,7 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
                   for s in (0.0, 0.01))
     model, prec = from_config(load_config(CONFIG), 65), PRECISIONS["fp32"]
     layout = Layout(dp=2, micro_batch_size=12)
-    micro = _micro_batch(model, layout, hw, prec, fw)
+    micro = micro_batch(model, layout, hw, prec, fw)
     buckets = fw.grad_buckets(4 * model.num_params())  # fp32 gradients, ~3.2 MB
     extra = dp_time(model, layout, costly, prec, fw, micro) - dp_time(model, layout, hw, prec, fw, micro)
     assert buckets == 2 and extra == pytest.approx(0.01 * buckets)
@@ -157,7 +157,7 @@ def test_tp_and_sp_are_charged_at_the_measured_rate_of_each_collective():
     """A calibrated CPU charges tp's all-reduce, or its all-gather + reduce-scatter with tp_sequence_parallel,
     Ulysses' all-to-all and ring attention's send-recv each at its own measured numbers; without measurements
     (the GPU catalog) all-gather + reduce-scatter cost exactly one all-reduce, as before."""
-    from meshtrain.planner.cost import _micro_batch, collective_time
+    from meshtrain.planner.cost import micro_batch, collective_time
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
@@ -170,7 +170,7 @@ def test_tp_and_sp_are_charged_at_the_measured_rate_of_each_collective():
 
     def comm(collectives: dict) -> dict[str, float]:
         hw = _cpu_with(collectives)
-        return {name: (lambda mb: mb.tp + mb.sp)(_micro_batch(model, layout, hw, prec, fw))
+        return {name: (lambda mb: mb.tp + mb.sp)(micro_batch(model, layout, hw, prec, fw))
                 for name, layout in layouts.items()}
 
     before = comm(base)
@@ -186,7 +186,7 @@ def test_tp_and_sp_are_charged_at_the_measured_rate_of_each_collective():
     seqp = Layout(dp=1, tp=8, tp_sequence_parallel=True)
     pair = sum(collective_time(h100, k, 8, act, False) for k in ("all-gather", "reduce-scatter"))
     assert pair == pytest.approx(collective_time(h100, "all-reduce", 8, act, False))
-    assert _micro_batch(model, seqp, h100, prec, FRAMEWORKS["fsdp"]).tp == pytest.approx(16 * pair)
+    assert micro_batch(model, seqp, h100, prec, FRAMEWORKS["fsdp"]).tp == pytest.approx(16 * pair)
 
 
 def _summary(**overrides) -> dict:

@@ -50,6 +50,34 @@ def test_pruned_degrees_never_fit_and_pruning_changes_nothing(name, world, gbs):
     assert len(pruned) < len(everything)  # the case prunes something
 
 
+@pytest.mark.parametrize("name, world, gbs, gpu, framework", [("llama3-8b", 64, 512, "H100-SXM-80GB", "meshtrain"),
+                                                               ("gpt2-xl", 16, 64, "A100-40GB", "megatron-core"),
+                                                               ("mixtral-8x7b", 64, 256, "H100-SXM-80GB", "meshtrain")])
+@pytest.mark.parametrize("top", [1, 5])
+def test_a_top_search_ranks_its_first_layouts_as_the_whole_search(name, world, gbs, gpu, framework, top):
+    """``search(top=K)`` predicts a layout in full only when its lower bound (``search.lower_bound``) could reach the
+    K-th step time: its first K are the whole search's first K, number for number; every layout it leaves out is
+    slower than them (the bound is at most every layout's step time); ``count`` is the whole search's length; and
+    with ``through`` it keeps every layout at most that fast, so a config's layout finds its rank."""
+    from meshtrain.planner.search import lower_bound
+
+    m, hw, fw, prec = preset(name), get_hardware(gpu), FRAMEWORKS[framework], PRECISIONS["bf16"]
+    job = Job(num_devices=world, global_batch_size=gbs)
+    whole = search(m, hw, prec, fw, job)
+    for e in whole:
+        assert lower_bound(m, e.layout, hw, prec, fw) <= e.time.total * (1 + 1e-12)
+    ranked = search(m, hw, prec, fw, job, top=top)
+    assert ranked.count == whole.count == len(whole)
+    assert [(e.layout, e.time.total, e.memory.total) for e in ranked[:top]] == \
+        [(e.layout, e.time.total, e.memory.total) for e in whole[:top]]
+    assert len(ranked) < len(whole)  # it leaves some out
+    kept = {e.layout for e in ranked}
+    assert all(e.time.total >= ranked[top - 1].time.total for e in whole if e.layout not in kept)
+    middle = whole[len(whole) // 2]
+    through = {e.layout for e in search(m, hw, prec, fw, job, top=top, through=middle.time.total)}
+    assert {e.layout for e in whole if e.time.total <= middle.time.total} <= through
+
+
 @pytest.mark.parametrize("name, gpu", [("gpt2-xl", "cpu"), ("llama3-8b", "H100")])
 def test_the_search_memo_changes_no_number(name, gpu):
     """A search shares one memo of the cost model's parts between its layouts (``cost.step_time``): every

@@ -125,7 +125,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         return report.explain(ctx, layout, as_json=args.json)
     from meshtrain.planner.search import search
     fixed = parse_fix(args.fix)
-    fitting = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed)
+    mine = report.config_estimate(ctx)  # ranked among all: the search predicts every layout that may be faster
+    fitting = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, top=args.top,
+                     through=mine.time.total if mine is not None else None)
     smallest = None
     if not fitting:
         unfit = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         print(json.dumps([r.to_dict() | estimate_ranges(r, ctx.speed) | ctx.speed.to_dict()
                           for r in fitting[: args.top]], indent=1))
     else:
-        report.print_search(ctx, fitting, smallest, args.top, args.plot)
+        report.print_search(ctx, fitting, smallest, args.top, args.plot, mine)
     return 0
 
 

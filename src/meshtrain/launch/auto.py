@@ -172,7 +172,7 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
     framework = meshtrain_framework(cfg, device)
     job = Job(world, gbs, total_steps=cfg.train.steps)
-    fitting = search(model, hw, precision, framework, job, fixed=fixed)
+    fitting = search(model, hw, precision, framework, job, fixed=fixed, top=2)  # the choice and its runner-up
     if not fitting:
         unfit = search(model, hw, precision, framework, job, fixed=fixed, keep_unfit=True)
         pins = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} pinned" if fixed else ""
@@ -184,7 +184,8 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
         raise ConfigError(f"--layout auto: no layout on {world} ranks{pins} fits in {per_rank / 2**30:,.2f} GiB per "
                           f"rank; the smallest ({smallest.layout.label()}) needs {smallest.memory.total / 2**30:,.2f} "
                           f"GiB: add ranks, shrink the model or the batch")
-    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(fitting), gbs, per_rank, description, speed)
+    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, fitting.count, gbs, per_rank, description,
+                  speed)
 
 
 def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int,

@@ -207,7 +207,10 @@ class StepTime:
 
 
 @dataclass
-class _MicroBatch:
+class MicroBatch:
+    """Seconds of one micro-batch on the busiest stage (:func:`micro_batch`): its compute forward and backward
+    (recomputation included) and its tp, sp, pipeline (p2p) and ep communication."""
+
     forward: float
     backward: float  # includes recomputation
     tp: float
@@ -330,9 +333,9 @@ def _layer_host_s(dev, layout: Layout) -> float:
     return dev.layer_host_s + extra
 
 
-def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
-                 memo: dict | None = None) -> _MicroBatch:
-    """Compute and the tp/sp/pp communication of one micro-batch on the busiest stage."""
+def micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
+                memo: dict | None = None) -> MicroBatch:
+    """:class:`MicroBatch`: compute and the tp/sp/pp/ep communication of one micro-batch on the busiest stage."""
     key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
            ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
@@ -349,7 +352,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision
         send = memoized(memo, key, _stage_send_time, model, layout, hw, prec)
         actions = 3 if layout.pp_schedule in ("zero-bubble", "zbv") else 2
         p2p = layout.virtual_stages * (2 * send + actions * hw.device.pipeline_action_host_s)
-    return _MicroBatch(forward, backward, tp, sp, p2p, ep)
+    return MicroBatch(forward, backward, tp, sp, p2p, ep)
 
 
 def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
@@ -360,7 +363,7 @@ def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Preci
 
 def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
                 fw: Framework) -> tuple[float, float, float, float, float]:
-    """(forward, backward, tp, sp, ep) of :class:`_MicroBatch` before the pipeline's share: the busiest stage's
+    """(forward, backward, tp, sp, ep) of :class:`MicroBatch` before the pipeline's share: the busiest stage's
     layers and head (:func:`_compute`) and their tp, sp and ep collectives."""
     forward, backward, gemm = _compute(model, layout, hw, prec, fw)
     net, n = hw.network, stage_layers(model, layout)
@@ -456,7 +459,7 @@ def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) ->
     return []
 
 
-def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
+def bubble_time(layout: Layout, mb: MicroBatch) -> float:
     """Idle time of the busiest stage per step: a bubble fraction ``f`` of the step
     (:func:`meshtrain.parallel.pipeline.rules.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
     busy time idle. Busy time is ``m`` micro-batch times (compute, tp/sp and p2p): ``(p-1)/v`` micro-batch
@@ -470,7 +473,7 @@ def bubble_time(layout: Layout, mb: _MicroBatch) -> float:
     return f / (1.0 - f) * m * whole
 
 
-def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: _MicroBatch,
+def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, mb: MicroBatch,
             memo: dict | None = None) -> float:
     """Exposed seconds of data-parallel communication per step, over the dp*sp ranks holding a replica.
 
@@ -689,7 +692,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
     numbers, a few times faster over a search's layouts."""
     if layout.ps_servers:
         return async_step_time(model, layout, hw, prec, fw)
-    mb = _micro_batch(model, layout, hw, prec, fw, memo)
+    mb = micro_batch(model, layout, hw, prec, fw, memo)
     m = layout.gradient_accumulation_steps
     tp_step = memoized(memo, ("tp step", stage_layers(model, layout), layout.tp, layout.tp_sequence_parallel),
                        _step_collectives_time, model, layout, hw, prec)

@@ -166,7 +166,7 @@ class Network:
         of the group's ranks work in parallel (nccl-tests: the bus bandwidth of a multi-node all-reduce
         on DGX A100 / H100 is about the node's NIC total, 8 x 25 / 8 x 50 GB/s, not one NIC's). All-to-all
         and p2p send each rank's own data through its own NIC: ``inter``. The cost model passes g for
-        data-parallel rings only (tp's reason: ``cost._micro_batch``). Takeaway: data parallelism over
+        data-parallel rings only (tp's reason: ``cost.micro_batch``). Takeaway: data parallelism over
         whole nodes (tp = 1) reduces gradients ~8x faster than one NIC per rank would suggest. With
         ``nics_per_node`` = n NICs per node a ring uses ``min(g, n)`` of them.
         """

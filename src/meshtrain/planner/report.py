@@ -18,6 +18,7 @@ from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.memory import Precision
 from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.planner.search import Ranked
 from meshtrain.planner.stack import Speed, estimate_ranges
 
 
@@ -115,25 +116,21 @@ def _dominant(e: Estimate) -> str:
     return f"after compute ({e.time.compute / e.time.total:.0%}), the largest cost is {name} ({value / e.time.total:.0%})"
 
 
-def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | None, top: int,
-                 plot: Path | None) -> None:
-    """Print the ranked table of fitting layouts and the takeaways (``smallest``: the least-memory
-    layout when none fits)."""
+def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: int, plot: Path | None,
+                 mine: Estimate | None = None) -> None:
+    """Print the ranked table of fitting layouts (a :func:`meshtrain.planner.search.search` result) and the takeaways
+    (``smallest``: the least-memory layout when none fits; ``mine``: :func:`config_estimate`, ranked among them)."""
     out = console()
     out.print(ctx.headline(), soft_wrap=True)
     shown = _shown_axes(ctx.model)
     table = _table(ctx.hw.device.mfu_label(), shown)
     for i, e in enumerate(fitting[:top], 1):
         table.add_row(*_row(str(i), e, shown, ctx.speed))
-    mine = None
-    config = ctx.config_layout
-    if config is not None and not (divisibility_errors(ctx.model, config)
-                                   + framework_errors(ctx.framework, config, ctx.model)):
-        job = replace(ctx.job, global_batch_size=config.global_batch_size) if config.ps_servers else ctx.job
-        mine = estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, job)
+    if mine is not None:
         table.add_row(*_row("config", mine, shown, ctx.speed), style="bold")
     out.print(table)
-    lines = [f"{len(fitting)} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
+    count = fitting.count  # a search's top leaves out layouts that fit
+    lines = [f"{count} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
              "(each with the cheapest recompute mode that fits)."]
     if fitting:
         best = fitting[0]
@@ -156,13 +153,23 @@ def print_search(ctx: Context, fitting: list[Estimate], smallest: Estimate | Non
                      f"({smallest.layout.label()}); add devices, a device with more memory, or a smaller batch.")
     if mine is not None:
         rank = next((i for i, r in enumerate(fitting, 1) if r.layout == mine.layout), None)
-        where = f"rank {rank} of {len(fitting)}" if rank else ("does not fit" if not mine.fits else "not ranked")
+        where = f"rank {rank} of {count}" if rank else ("does not fit" if not mine.fits else "not ranked")
         lines.append(f"Your config's layout: {mine.layout.label()} -> {mine.time.total:.4g} s/step, "
                      f"{mine.memory.total / GiB:.2f} GiB/device ({where}).")
     if plot is not None:
         lines.append(f"Wrote {plot}.")
     for line in lines:
         out.print(line, soft_wrap=True)
+
+
+def config_estimate(ctx: Context) -> Estimate | None:
+    """The estimate of the layout the training config sets (``ctx.config_layout``), or None without a config or when
+    that layout breaks a rule."""
+    config = ctx.config_layout
+    if config is None or divisibility_errors(ctx.model, config) + framework_errors(ctx.framework, config, ctx.model):
+        return None
+    job = replace(ctx.job, global_batch_size=config.global_batch_size) if config.ps_servers else ctx.job
+    return estimate(ctx.model, config, ctx.hw, ctx.precision, ctx.framework, job)
 
 
 def _range_line(ctx: Context, best: Estimate, shown: list[Estimate]) -> str:

@@ -17,6 +17,7 @@ dominated by construction are skipped, since they only ever add time: for a give
 
 from __future__ import annotations
 
+import bisect
 import gc
 import itertools
 import math
@@ -25,13 +26,15 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
-from meshtrain.planner.estimate import Estimate, Job, estimate
+from meshtrain.planner.cost import bubble_time, micro_batch
+from meshtrain.planner.estimate import Job, estimate
 from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.rules import runs_with_data_parallel, schedule_error
 from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
-from meshtrain.planner.memory import ActivationMemory, Precision, RecomputeMemory, composite_norms, stage_params
+from meshtrain.planner.memory import (ActivationMemory, MemoryBreakdown, Precision, RecomputeMemory, composite_norms,
+                                     stage_params)
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -168,17 +171,31 @@ def _model_splits(model: ModelSpec, framework: Framework, fixed: dict[str, Any],
                 break  # tp without sequence parallelism only where it is impossible
 
 
+class Ranked(list):
+    """Estimates, fastest first (a ``list[Estimate]``), and ``count``: how many layouts fit, ranked or not
+    (:func:`search` with ``top`` leaves out those that cannot be among the first ``top``)."""
+
+    count: int
+
+
 def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
-           fixed: dict[str, Any] | None = None, keep_unfit: bool = False) -> list[Estimate]:
+           fixed: dict[str, Any] | None = None, keep_unfit: bool = False, top: int | None = None,
+           through: float | None = None) -> Ranked:
     """Predict every candidate; return them fastest first (fitting ones first when ``keep_unfit``).
 
     For each candidate the first recompute mode that fits is kept (later ones are slower by
     construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged. Degrees and
     zero stages whose model states alone exceed the memory (:func:`states_lower_bound`) are not generated
     (unless ``keep_unfit``), and each fitting layout's memory is predicted once.
+
+    ``top`` (fitting layouts only): the result holds the ``top`` fastest layouts, exactly as without it, and every
+    other layout whose step time could be at most the ``top``-th's or ``through`` seconds (so a given layout of that
+    time finds its rank), but not the rest: a layout is predicted in full only when its lower bound -- its
+    micro-batches' compute and tp/sp/pp/ep communication plus the pipeline bubble, every part of the step time but
+    the dp, optimizer and per-step terms (:func:`lower_bound`) -- is below those. ``count`` is every fitting layout.
     """
     with _gc_paused():
-        return _search(model, hw, precision, framework, job, fixed, keep_unfit)
+        return _search(model, hw, precision, framework, job, fixed, keep_unfit, top, through)
 
 
 @contextmanager
@@ -195,7 +212,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
-            fixed: dict[str, Any] | None, keep_unfit: bool) -> list[Estimate]:
+            fixed: dict[str, Any] | None, keep_unfit: bool, top: int | None, through: float | None) -> Ranked:
     """:func:`search`, the garbage collector paused."""
     budget = hw.device.memory_bytes
 
@@ -219,10 +236,46 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
             elif keep_unfit:
                 unfit.append((base if modes[-1] == base.recompute else _with(base, recompute=modes[-1]),
                               memory_of(modes[-1])))
-    out = [estimate(model, layout, hw, precision, framework, job, memory, checked=True, memo=memo)
-           for layout, memory in fits + unfit]
+    if top is not None and not keep_unfit:
+        out = _top(model, hw, precision, framework, job, fits, memo, top, through)
+    else:
+        out = Ranked(estimate(model, layout, hw, precision, framework, job, memory, checked=True, memo=memo)
+                     for layout, memory in fits + unfit)
     out.sort(key=lambda e: (not e.fits, e.time.total))
+    out.count = len(fits)
     return out
+
+
+def _top(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
+         fits: list[tuple[Layout, MemoryBreakdown]], memo: dict, top: int, through: float | None) -> Ranked:
+    """The estimates of ``fits`` that :func:`search`'s ``top`` keeps: in the order of their lower bounds, until the
+    next bound exceeds both the ``top``-th fastest step time so far (which only falls) and ``through``."""
+    bounds = sorted(((lower_bound(model, layout, hw, precision, framework, memo), i) for i, (layout, _) in enumerate(fits)),
+                    key=lambda b: b[0])
+    out, fastest = Ranked(), []  # fastest: the step times of the first ``top``, sorted
+    margin = 1 + 1e-9  # the bound and the step time add the same parts in other orders
+    for bound, i in bounds:
+        if len(fastest) == top and bound > fastest[-1] * margin and (through is None or bound > through * margin):
+            break
+        layout, memory = fits[i]
+        e = estimate(model, layout, hw, precision, framework, job, memory, checked=True, memo=memo)
+        out.append(e)
+        if len(fastest) < top or e.time.total < fastest[-1]:
+            bisect.insort(fastest, e.time.total)
+            del fastest[top:]
+    return out
+
+
+def lower_bound(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, framework: Framework,
+                memo: dict | None = None) -> float:
+    """Seconds that ``layout``'s step takes at least: the parts of :func:`meshtrain.planner.cost.step_time` that come
+    from its micro-batches (compute, tp/sp/ep collectives and pipeline sends, times gradient accumulation) and the
+    bubble they leave; the dp communication, the optimizer step and the per-step collectives only add to it."""
+    if layout.ps_servers:
+        return 0.0
+    mb = micro_batch(model, layout, hw, precision, framework, memo)
+    m = layout.gradient_accumulation_steps
+    return m * (mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p + mb.ep) + bubble_time(layout, mb)
 
 
 SYNC_FIELDS = ("local_sgd_steps", "diloco_group", "diloco_inner_steps", "diloco_fragments", "diloco_delay",
