@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import JSON_VALUES, json_paths
 from meshtrain.config import ConfigError
 
 DAMAGES = st.one_of(
@@ -107,13 +108,6 @@ def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(scratc
     one_line_or_accepted(check)
 
 
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=6)
-"""Any JSON value: what an edited or damaged header may hold in a field."""
-
-
 def rewrite_header(path: Path, edit) -> None:
     """Rewrite the JSON header of the safetensors file at ``path`` as ``edit(header)`` returns it, its length
     field updated and the tensor bytes kept: a well-formed file whose header says something else."""
@@ -164,6 +158,36 @@ def test_an_edited_safetensors_header_is_refused_before_launch_or_loads(scratch,
         assert "\n" not in str(e).strip(), str(e)
         return
     _load(copy)  # passed the check before launch: it must load
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_value_in_any_field_of_an_exports_header_entry_is_one_line_for_generate(scratch, artefacts, data):
+    """An export's ``meshtrain`` header entry (its model config, vocabulary, tokenizer, step) with any JSON value at
+    any key path, or that key removed: ``generate`` loads it or refuses it in one line (:func:`read_export`)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from meshtrain.cli.export import METADATA_KEY
+    from meshtrain.cli.generate import _load
+
+    source = artefacts / "export" / "model.safetensors"
+    with safe_open(str(source), "pt") as f:
+        metadata = f.metadata()
+    entry = json.loads(metadata[METADATA_KEY])
+    path = data.draw(st.sampled_from(json_paths(entry)), label="key path")
+    target = entry
+    for key in path[:-1]:
+        target = target[key]
+    if isinstance(target, dict) and data.draw(st.booleans(), label="remove it"):
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(JSON_VALUES, label="value")
+    copy = Path(tempfile.mkdtemp(prefix="header_", dir=scratch)) / "model.safetensors"
+    save_file(load_file(str(source)), str(copy), metadata={**metadata, METADATA_KEY: json.dumps(entry)})
+    one_line_or_accepted(lambda: _load(copy))
 
 
 def test_byte_ranges_swapped_between_tensors_of_two_sizes_are_refused_before_launch(scratch, artefacts):

@@ -233,6 +233,25 @@ def test_resume_compares_tokenizer_contents_not_paths(files, tmp_path):
     assert f"--data.tokenizer '{moved}'" in message
 
 
+def test_a_tokenizer_file_changed_in_place_is_named_as_changed(files, tmp_path):
+    """The checkpoint's tokenizer file was replaced at the same path by another tokenizer: the line says the file
+    changed (both digests) and to put the old one back, not to pass the path it already has."""
+    from meshtrain.preflight import check_same_model
+
+    path = tmp_path / "tokenizer.json"
+    shutil.copy(files["hf"], path)
+    cfg = load_config(None, {"data.tokenizer": str(path)})
+    meta = {"config": cfg.to_dict(), "vocab_size": 512, "tokenizer": load_tokenizer(str(path)).to_dict()}
+    data = json.loads(path.read_text())
+    data["added_tokens"] = data.get("added_tokens", []) + [
+        {"id": 10**5, "content": "<|new|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}]
+    path.write_text(json.dumps(data))  # another tokenizer at the same path
+    message = one_line_error(check_same_model, cfg, meta, load_tokenizer(str(path)).to_dict(), tmp_path)
+    assert f"tokenizer '{path}', whose file has changed since" in message and "put back the file" in message
+    assert "--data.tokenizer" not in message
+
+
 def test_cli_train_writes_a_loadable_tokenizer(tmp_path, capsys):
     import tokenizers
 

@@ -22,18 +22,43 @@ def test_a_name_the_file_system_refuses_is_one_line_before_launch(tmp_path):
     assert len(lines) == 1 and "File name too long" in lines[0]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1.2 MB tmpfs: room for the run's first checkpoint (~0.4 MB per save of this model), not its second."""
-    mount = tmp_path / "disk"
+def _tmpfs(mount, size: str):
+    """A tmpfs of ``size`` mounted at ``mount`` for the test, unmounted after (skipped where mounting is not allowed)."""
     mount.mkdir()
-    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)],
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                                                        capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
     try:
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs: room for the run's first checkpoint (~0.4 MB per save of this model), not its second."""
+    yield from _tmpfs(tmp_path / "disk", "1200k")
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KB tmpfs: too small for an export of the tests' model (~0.2 MB)."""
+    yield from _tmpfs(tmp_path / "full", "64k")
+
+
+@pytest.mark.parametrize("form", ["safetensors", "hf"])
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(artefacts, full_disk, form):
+    """``export`` whose write runs out of space (safetensors' own error, or an OSError): exit 2, one line naming the
+    output and the reason, and no file left on that disk (the temporary ones removed)."""
+    from artefacts import run_cli_here
+
+    out = full_disk / ("model.safetensors" if form == "safetensors" else "exported")
+    argv = ["export", "--checkpoint", str(artefacts / "run"), "--out", str(out)]
+    code, err, _ = run_cli_here(argv + (["--format", "hf"] if form == "hf" else []))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith(f"meshtrain export: error: could not write '{out}'") and "No space left" in lines[0]
+    assert list(full_disk.iterdir()) == []
 
 
 @pytest.mark.slow  # two 2-rank launches, ~40 s

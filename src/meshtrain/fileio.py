@@ -75,3 +75,10 @@ def check_new_file(path: str | Path, what: str) -> Path:
         raise ConfigError(f"{what} = '{path}' is a folder: give a file name, e.g. {Path(path) / 'plan.png'}")
     check_writable_dir(p.parent if str(p.parent) else Path("."), f"the folder of {what}")
     return p
+
+
+def unwritten(out: Path, error: BaseException) -> str:
+    """The line for an export that could not be written (``error`` from the write: a full disk, a quota)."""
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
+              if str(error).strip() else type(error).__name__)
+    return f"could not write '{out}': {reason}; nothing was written: free space there or choose another --out"

@@ -157,6 +157,12 @@ def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> N
     if saved_tok.get("kind") != tokenizer.get("kind") or (saved_tok.get("kind") != "char" and
                                                           not same_tokenizer(saved_tok, tokenizer)):
         was = saved_tok.get("path", saved_tok.get("kind"))
+        same_path = was and tokenizer.get("path") and (Path(str(was)).expanduser().resolve()
+                                                        == Path(tokenizer["path"]).expanduser().resolve())
+        if saved_tok.get("kind") == tokenizer.get("kind") and same_path:  # one path, new bytes
+            raise ConfigError(f"checkpoint {found} was trained with the {saved_tok.get('kind')} tokenizer '{was}', "
+                              f"whose file has changed since (SHA-256 {str(saved_tok.get('sha256'))[:12]}... then, "
+                              f"{str(tokenizer.get('sha256'))[:12]}... now): put back the file it was trained with")
         raise ConfigError(f"checkpoint {found} was trained with data.tokenizer = '{was}', this config has "
                           f"'{cfg.data.tokenizer}' (other kind or file contents): resume it with --data.tokenizer "
                           f"'{was}'")

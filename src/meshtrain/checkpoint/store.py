@@ -155,6 +155,7 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
     if os.path.lexists(p / META):
         if verify:
             verify_files(p)
+            check_model_tensors(p)
         return p
     found = list_checkpoints(p)
     if not found:
@@ -171,6 +172,7 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
     for candidate in reversed(found):
         try:
             verify_files(candidate)
+            check_model_tensors(candidate)
         except ConfigError as e:
             damaged.append(str(e))
             continue
@@ -210,6 +212,38 @@ def verify_files(ckpt: Path) -> None:
             if hashlib.file_digest(stream, "sha256").hexdigest() != want["sha256"]:
                 raise ConfigError(f"checkpoint {ckpt} is damaged: the bytes of {name} changed since it was saved "
                                   f"(SHA-256 differs)")
+
+
+def check_model_tensors(ckpt: Path) -> None:
+    """The model ``meta.json``'s config and vocabulary describe is the one whose weights the checkpoint holds: each
+    of its parameters and buffers is a ``model.*`` tensor of DCP's ``.metadata`` with its shape, and ``.metadata``
+    holds no other. (The digests of :func:`verify_files` cover every file but ``meta.json``, whose config an edit
+    can change: a model of another depth or vocabulary would fail inside DCP's load, or load part of the weights.)
+    Builds the model on the meta device: no memory, no weights read.
+
+    Raises:
+        ConfigError: the first tensor missing, left over or of another shape, naming the meta.json.
+    """
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    meta = read_meta(ckpt)
+    stored = {k[len("model."):]: tuple(v.size) for k, v in read_metadata(ckpt).state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    with torch.device("meta"):
+        model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    needed = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problem = next((f"{name} is not in its weights" for name in needed if name not in stored), None)
+    problem = problem or next((f"{name} has shape {stored[name]} in its weights, {shape} in its config"
+                               for name, shape in needed.items() if stored[name] != shape), None)
+    problem = problem or next((f"its weights hold {name}, which its config has no place for"
+                               for name in stored if name not in needed), None)
+    if problem:
+        m = meta["config"]["model"]
+        raise ConfigError(f"checkpoint file {Path(ckpt) / META} describes another model than the checkpoint holds "
+                          f"(model.type = {m.get('type')!r}, n_layer = {m.get('n_layer')}, n_embd = {m.get('n_embd')}, "
+                          f"vocab_size = {meta['vocab_size']}: {problem}): the checkpoint was edited or damaged; "
+                          f"resume from another one")
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:

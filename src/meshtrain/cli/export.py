@@ -27,7 +27,7 @@ from typing import Any
 
 from meshtrain.argtypes import positive_float
 from meshtrain.config import ConfigError
-from meshtrain.fileio import check_writable_dir, fresh_temp_file
+from meshtrain.fileio import check_writable_dir, fresh_temp_file, unwritten
 
 SUFFIX = ".safetensors"
 FORMATS = ("safetensors", "hf")
@@ -71,6 +71,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     Raises:
         ConfigError: no checkpoint there, an unsafe or broken one, or an output that exists or cannot be written.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_model
 
     path, sidecar = _outputs(out)
@@ -84,6 +85,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         tmp_sidecar.write_text(json.dumps(info, indent=1) + "\n")
         os.replace(tmp, path)
         os.replace(tmp_sidecar, sidecar)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: nothing is left behind
+        raise ConfigError(unwritten(path, e)) from None
     finally:
         for leftover in (tmp, tmp_sidecar):
             leftover.unlink(missing_ok=True)
@@ -162,11 +165,17 @@ def load_export(path: Path):
     info = read_export(path)
     model = build_model(check_saved_config({"model": info["model"]}), info["vocab_size"])
     try:
-        load_model(model, str(path))
-    except RuntimeError as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except RuntimeError as e:  # a tensor of another shape: torch's line names it
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        missing, unexpected = [], [next((line for line in lines if not line.startswith("Error(s)")),
+                                        lines[0] if lines else type(e).__name__)]
+    missing, unexpected = sorted(missing), sorted(unexpected)  # safetensors gives sets
+    if missing or unexpected:
+        reason = f"{missing[0]} is missing" if missing else (
+            unexpected[0] if " " in unexpected[0] else f"it holds {unexpected[0]}, which that model has no place for")
         raise ConfigError(f"'{path}': its tensors do not match the model its header describes ({reason}): export the "
-                          f"checkpoint again") from None
+                          f"checkpoint again")
     return model, info
 
 

@@ -347,8 +347,10 @@ def _validate_packing(cfg: Config) -> None:
     _require(d.packing in PACKINGS, f"data.packing = {d.packing!r} is not valid: use one of {', '.join(PACKINGS)}")
     if d.packing != "document":
         return
-    _require(d.tokenizer != "char", "data.packing = 'document' needs an end-of-document (EOS) token and "
-                                    "data.tokenizer = 'char' has none: use a tokenizer file with one or 'concat'")
+    prepared = d.resolved_path().is_dir()  # a prepared folder's own tokenizer, which prepare requires to have an EOS
+    _require(d.tokenizer != "char" or prepared, "data.packing = 'document' needs an end-of-document (EOS) token and "
+                                                "data.tokenizer = 'char' has none: use a tokenizer file with one or "
+                                                "'concat'")
     _require(family(m.type).attention, f"data.packing = 'document' masks attention, which model.type = "
                                        f"{m.type!r} has none: use an attention model ({attention_families()}), or "
                                        f"data.packing = 'concat'")

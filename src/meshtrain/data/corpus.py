@@ -80,6 +80,10 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
 
     data = PreparedData.open(folder)
     tok = tokenizer_from_dict(data.meta["tokenizer"])
+    if tok.vocab_size != data.vocab_size:  # prepare writes the tokenizer's own
+        raise ConfigError(f"'{Path(folder) / META_FILE}': 'vocab_size' = {data.vocab_size} is not the "
+                          f"{tok.vocab_size} tokens of its tokenizer '{data.meta['tokenizer'].get('path')}': the "
+                          f"prepared data is damaged or was edited; run meshtrain prepare again")
     if tokenizer != TOKENIZER_KIND and not same_tokenizer(load_tokenizer(tokenizer).to_dict(), tok.to_dict()):
         raise ConfigError(f"data.tokenizer = '{tokenizer}' is not the tokenizer data.path = '{folder}' was prepared "
                           f"with ({data.meta['tokenizer'].get('path')}): leave data.tokenizer as \"char\" (the "

@@ -248,6 +248,11 @@ def read_prepared_meta(folder: Path) -> dict[str, Any]:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise ConfigError(f"'{path}': '{key}' = {shown} must be {want}: the prepared data is damaged or was "
                               f"edited; run meshtrain prepare again")
+    largest = np.iinfo(TOKEN_DTYPES[meta["dtype"]]).max
+    if meta["vocab_size"] > largest + 1:  # prepare picks uint32 above 65,536 tokens
+        raise ConfigError(f"'{path}': 'vocab_size' = {meta['vocab_size']} does not fit its shards' dtype "
+                          f"{meta['dtype']} (ids up to {largest}): the prepared data is damaged or was edited; run "
+                          f"meshtrain prepare again")
     for split in SPLITS:
         info = meta["splits"][split]
         total = sum(s["tokens"] for s in info["shards"])

@@ -256,7 +256,10 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
     Raises:
         ConfigError: ``out`` exists, or the model has no Hugging Face architecture (lstm, gru).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
+
+    from meshtrain.fileio import unwritten
 
     if out.exists():
         raise ConfigError(f"'{out}' already exists: exports never overwrite; choose another --out")
@@ -279,6 +282,8 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
         (tmp / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         _write_tokenizer(tmp, tokenizer)
         os.replace(tmp, out)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: nothing is left behind
+        raise ConfigError(unwritten(out, e)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(out.iterdir())
