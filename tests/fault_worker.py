@@ -57,7 +57,7 @@ def kill_in_save(rank: int, point: str) -> None:
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as fs
 
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt  # the module whose globals the writer and save call
 
     import torch.distributed.checkpoint.state_dict_saver as saver
 
