@@ -122,3 +122,17 @@ def test_ranks_started_without_meshtrain_train_never_reuse_a_run_folder(tmp_path
 def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
     proc = run_cli("generate", "--checkpoint", str(tmp_path), "--prompt", "x", timeout=60)
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("codes, config_error", [
+    ([2, 2], True),  # every rank said its line
+    ([2, -15], True),  # one said it, torchrun's SIGTERM stopped the other first (the race a 2-rank data error hit)
+    ([-9, 2], True),
+    ([1, -15], False),  # a crash: the launcher's own line with the resume hint
+    ([-15, -15], False),  # stopped from outside
+    ([2, 1], False),  # a rank crashed beside the one that said its error
+])
+def test_the_launcher_exits_2_when_a_rank_said_a_config_or_data_error(codes, config_error):
+    from meshtrain.cli.train import said_in_one_line
+
+    assert said_in_one_line(codes) is config_error

@@ -216,7 +216,7 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     except SignalException as e:  # Ctrl-C, SIGTERM or SIGHUP here: torchrun forwarded it; rank 0 said where it stopped
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        if all(f.exitcode == 2 for f in e.failures.values()):  # a config error a rank said in one line
+        if said_in_one_line([f.exitcode for f in e.failures.values()]):
             return 2
         from meshtrain.checkpoint import resume_hint
 
@@ -234,6 +234,13 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
         report_plan_vs_actual(cfg, threads)
         print(describe_run_folder(Path(cfg.train.out_dir)), file=sys.stderr)
     return 0
+
+
+def said_in_one_line(exit_codes: list[int]) -> bool:
+    """Whether failed ranks' exit codes (negative: the signal that ended a rank) are a config or data error that a rank
+    said in one line: one rank at least exited 2, and each other one exited 2 too or was stopped by a signal (torchrun
+    terminates the others once one fails, often before they say their own line)."""
+    return 2 in exit_codes and all(code == 2 or code < 0 for code in exit_codes)
 
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
