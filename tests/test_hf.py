@@ -7,9 +7,10 @@
   sharded safetensors with an index; GPT-2's Conv1D transposes and fused ``c_attn``);
 - import -> export is bit-identical, and ``transformers`` loads the export with no missing or unexpected keys;
 - the first training step's loss from imported weights equals ``transformers``' loss on the same batch, at one
-  process and under tp=2, pp=2, Ulysses and ring sp=2, FSDP2 dp=2 (every later step equal to one process);
+  process and under tp=2, pp=2, Ulysses and ring sp=2, FSDP2 dp=2 (every later step equal to one process), and
+  at tp=2 x pp=2 (``make test-slow``, a 4-rank launch);
 - a model trained at tp=2 x pp=2 and exported continues a prompt greedily in ``transformers`` exactly as
-  ``meshtrain generate --temperature 0`` does on the run;
+  ``meshtrain generate --temperature 0`` does on the run (``make test-slow``);
 - bad inputs: one line, exit code 2, before any rank starts, nothing written.
 """
 
@@ -172,6 +173,8 @@ LAYOUTS = {
     "tp2-pp2": (4, {"parallel.tp": "2", **PIPE, "checkpoint.interval": "0"}),
 }
 """Each layout's global batch is the reference's 4 samples; the model keys come from the folder alone."""
+FOUR_RANKS = [n for n, (world, _) in LAYOUTS.items() if world == 4]
+"""The 4-rank layouts, launched in ``make test-slow`` (:func:`trained_four`); the 2-rank ones in ``make test``."""
 
 
 def model_overrides(folder: Path) -> dict[str, str]:
@@ -186,8 +189,9 @@ GPT2_LAYOUT = {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}
 def trained(tmp_path_factory):
     """(folders {"llama", "gpt2"}, {layout: (losses, step-1 grads, final params)}, one-process result, root).
 
-    One process first (checkpoints at steps 2 and 3), then one launch per world size; the 2-rank launch also
-    resumes the one-process step-2 checkpoint at tp = 2 and trains an imported GPT-2 at tp = 2 with Megatron-SP."""
+    One process first (checkpoints at steps 2 and 3), then one 2-rank launch, which also resumes the one-process
+    step-2 checkpoint at tp = 2 and trains an imported GPT-2 at tp = 2 with Megatron-SP (the 4-rank layouts:
+    :func:`trained_four`)."""
     from meshtrain import checkpoint as ckpt
 
     root = tmp_path_factory.mktemp("hf_layouts")
@@ -196,13 +200,20 @@ def trained(tmp_path_factory):
     one = reference_run(root / "one", {**base, "checkpoint.interval": "2"}, config=FINETUNE)
     extra = {"resume-tp2": (2, {"parallel.tp": "2", "checkpoint.resume": str(ckpt.step_dir(root / "one", 2))}),
              "gpt2-tp2-seqpar": (2, {**model_overrides(folders["gpt2"]), **GPT2_LAYOUT})}
-    results = {}
-    for world in (2, 4):
-        (root / f"w{world}").mkdir()
-        results |= launch_layouts(world, root / f"w{world}", {n: {**base, **o} for n, (w, o) in
-                                                              {**LAYOUTS, **extra}.items() if w == world},
-                                  config=FINETUNE)
+    (root / "w2").mkdir()
+    results = launch_layouts(2, root / "w2", {n: {**base, **o} for n, (w, o) in {**LAYOUTS, **extra}.items() if w == 2},
+                             config=FINETUNE)
     return folders, results, one, root
+
+
+@pytest.fixture(scope="module")
+def trained_four(trained):
+    """``trained``'s tuple with the 4-rank layouts' results too (one 4-rank launch, ~20 s: ``make test-slow``)."""
+    folders, results, one, root = trained
+    (root / "w4").mkdir(exist_ok=True)
+    four = launch_layouts(4, root / "w4", {n: {**model_overrides(folders["llama"]), **LAYOUTS[n][1]} for n in FOUR_RANKS},
+                          config=FINETUNE)
+    return folders, {**results, **four}, one, root
 
 
 def first_batch_loss(folder: Path) -> tuple[float, float]:
@@ -231,18 +242,30 @@ def first_batch_loss(folder: Path) -> tuple[float, float]:
 def test_first_step_loss_equals_transformers_under_every_layout(trained):
     folders, results, one, _ = trained
     want, tol = first_batch_loss(folders["llama"])
-    for name, (losses, _, _) in {"one process": one, **{n: results[n] for n in LAYOUTS}}.items():
+    for name, (losses, _, _) in {"one process": one, **{n: results[n] for n in LAYOUTS if n not in FOUR_RANKS}}.items():
         assert abs(losses[1] - want) <= tol, f"{name}: step-1 loss {losses[1]} vs transformers' {want} (tol {tol:.2e})"
     want, tol = first_batch_loss(folders["gpt2"])
     got = results["gpt2-tp2-seqpar"][0][1]
     assert abs(got - want) <= tol, f"GPT-2 at tp=2: step-1 loss {got} vs transformers' {want} (tol {tol:.2e})"
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in FOUR_RANKS])
 def test_training_from_imported_weights_equals_one_process(trained, name):
     """Every layout loaded the slices it holds: the step-1 gradients (all weights) and every step's loss equal
     one process's (conftest's tolerances)."""
     _, results, one, _ = trained
+    assert_close_losses(results[name][0], one[0])
+    assert_close_grads(results[name][1], one[1])
+
+
+@pytest.mark.slow  # a 4-rank launch
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_rank_training_from_imported_weights_equals_one_process_and_transformers(trained_four, name):
+    """The 4-rank layouts as the 2-rank ones: step-1 loss equal to ``transformers``', every loss and the step-1
+    gradients equal to one process's."""
+    folders, results, one, _ = trained_four
+    want, tol = first_batch_loss(folders["llama"])
+    assert abs(results[name][0][1] - want) <= tol, f"{name}: step-1 loss {results[name][0][1]} vs {want}"
     assert_close_losses(results[name][0], one[0])
     assert_close_grads(results[name][1], one[1])
 
@@ -254,14 +277,15 @@ def test_imported_llama_resumes_at_another_layout(trained):
     assert_resumed_losses(results["resume-tp2"][0], {3: one[0][3]})
 
 
-def test_tp2_pp2_run_exported_generates_as_transformers(trained, tmp_path):
+@pytest.mark.slow  # the 4-rank launch
+def test_tp2_pp2_run_exported_generates_as_transformers(trained_four, tmp_path):
     """Train at tp=2 x pp=2 from the import, export to Hugging Face: ``transformers``' greedy continuation of a
     prompt is meshtrain's ``generate --temperature 0`` on the run, token for token."""
     from meshtrain import checkpoint as ckpt
     from meshtrain.cli.generate import sample
     from meshtrain.data.corpus import CharTokenizer
 
-    _, _, _, root = trained
+    _, _, _, root = trained_four
     run = root / "w4" / "tp2-pp2"
     files = export_hf(run, tmp_path / "export")
     assert {f.name for f in files} >= {hf.CONFIG_FILE, hf.SINGLE_FILE, hf.TOKENIZER_FILE}
