@@ -125,6 +125,7 @@ def _loss_parallel_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned ranks, several profiled runs each: ~17 s
 def test_loss_parallel_bytes_per_logit(tmp_path):
     """Under tp = 2, torch's ``loss_parallel`` on vocab-sharded logits holds ``loss_parallel_bytes`` per logit of
     the rank's slice at its peak, besides the logits themselves (2 gloo ranks, :data:`LOSS_PARALLEL_RUNS` runs each,
