@@ -65,7 +65,8 @@ def _wait_for_metrics(out: Path, proc: subprocess.Popen, timeout: float = 120) -
 
 
 # the torchrun variant in `make test-slow`: a second 200-step run, ~20 s, keeps `make test` under 15 min
-@pytest.mark.parametrize("first", ["meshtrain-train", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two real runs side by side, ~25 s; the lock itself is tested above in make test
+@pytest.mark.parametrize("first", ["meshtrain-train", "torchrun"])
 def test_a_second_run_on_the_same_out_is_refused_and_the_first_finishes_intact(tmp_path, first):
     """The first run holds the folder, from ``meshtrain train`` (its launcher's pid) or from ``torchrun``
     directly (rank 0's pid); the second, ``meshtrain train`` with the same ``--out``, stops in one line."""
