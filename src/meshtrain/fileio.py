@@ -79,6 +79,9 @@ def check_new_file(path: str | Path, what: str) -> Path:
 
 def unwritten(out: Path, error: BaseException) -> str:
     """The line for an export that could not be written (``error`` from the write: a full disk, a quota)."""
-    reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
-              if str(error).strip() else type(error).__name__)
+    text = str(error).strip()
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:
+        reason = text.splitlines()[-1] if text else type(error).__name__
     return f"could not write '{out}': {reason}; nothing was written: free space there or choose another --out"

@@ -141,8 +141,8 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify: bool = False) -> Path:
     """A committed step folder from a step folder or a run folder (its latest checkpoint).
 
-    With ``verify``, the checkpoint's files are checked against the sizes and SHA-256 digests recorded
-    when it was saved (:func:`verify`). A run folder then yields its newest intact checkpoint, with one
+    With ``verify``, the checkpoint is checked (:func:`verify_checkpoint`): its files against the sizes and SHA-256
+    digests recorded when it was saved, its meta.json's model against the weights. A run folder then yields its newest intact checkpoint, with one
     warning line on stderr naming each newer damaged one and why.
 
     Raises:
@@ -154,8 +154,7 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
                           f"cut short): give its run folder, which resumes from the newest committed step")
     if os.path.lexists(p / META):
         if verify:
-            verify_files(p)
-            check_model_tensors(p)
+            verify_checkpoint(p)
         return p
     found = list_checkpoints(p)
     if not found:
@@ -171,8 +170,7 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.resume", verify:
     damaged = []
     for candidate in reversed(found):
         try:
-            verify_files(candidate)
-            check_model_tensors(candidate)
+            verify_checkpoint(candidate)
         except ConfigError as e:
             damaged.append(str(e))
             continue
@@ -212,6 +210,12 @@ def verify_files(ckpt: Path) -> None:
             if hashlib.file_digest(stream, "sha256").hexdigest() != want["sha256"]:
                 raise ConfigError(f"checkpoint {ckpt} is damaged: the bytes of {name} changed since it was saved "
                                   f"(SHA-256 differs)")
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """:func:`verify_files`, then :func:`check_model_tensors`. Raises ConfigError: the first problem, in one line."""
+    verify_files(ckpt)
+    check_model_tensors(ckpt)
 
 
 def check_model_tensors(ckpt: Path) -> None:

@@ -165,15 +165,14 @@ def load_export(path: Path):
     info = read_export(path)
     model = build_model(check_saved_config({"model": info["model"]}), info["vocab_size"])
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        missing, unexpected = load_model(model, str(path), strict=False)  # sets of names
     except RuntimeError as e:  # a tensor of another shape: torch's line names it
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        missing, unexpected = [], [next((line for line in lines if not line.startswith("Error(s)")),
-                                        lines[0] if lines else type(e).__name__)]
-    missing, unexpected = sorted(missing), sorted(unexpected)  # safetensors gives sets
-    if missing or unexpected:
-        reason = f"{missing[0]} is missing" if missing else (
-            unexpected[0] if " " in unexpected[0] else f"it holds {unexpected[0]}, which that model has no place for")
+        reason = next((line for line in lines if not line.startswith("Error(s)")), lines[0] if lines else type(e).__name__)
+    else:
+        reason = (f"{min(missing)} is missing" if missing else
+                  f"it holds {min(unexpected)}, which that model has no place for" if unexpected else None)
+    if reason:
         raise ConfigError(f"'{path}': its tensors do not match the model its header describes ({reason}): export the "
                           f"checkpoint again")
     return model, info

@@ -152,7 +152,7 @@ class GroupedExperts(nn.Module):
             if self.pad_rows and x.device.type == "cpu" and dtype != torch.float32:  # oneDNN: a kernel per shape
                 padded, pos = bucket_rows(counts)
                 offs = torch.cumsum(padded, dim=0).to(torch.int32)
-                x_pad = x.new_zeros(int(offs[-1]) if len(offs) else 0, x.shape[1]).index_copy(0, pos, x)
+                x_pad = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, pos, x)
                 return run(x_pad, w_gate, w_up, w_down, offs)[pos]  # a zero row adds nothing to any gradient
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E_local,) end row of each expert
             return run(x, w_gate, w_up, w_down, offs)
