@@ -2,8 +2,9 @@
 
     sudo python bench/bench_diloco.py [--steps 600] [--seeds 1337 1 2] [--rate 100mbit --delay 10ms]
 
-Two hosts on this machine (``tests/netns.py``: two network namespaces joined by a veth pair), the pair shaped
-with ``tc netem`` on both ends (``--rate`` each way, ``--delay`` one way), 2 ranks per host (4 in all, dp = 4),
+Two hosts on this machine (``tests/netns.py``: two network namespaces), joined by a veth pair shaped with ``tc netem``
+on both ends (``--rate`` each way, ``--delay`` one way), or where the kernel has no netem by ``tests/linkem.py``'s
+link emulated in user space with the same rate and delay; 2 ranks per host (4 in all, dp = 4),
 ``GLOO_SOCKET_IFNAME`` on the pair. The main job's GPT (``configs/shakespeare_char.toml``, micro-batch 12, the
 same learning rate and schedule) in every mode:
 
@@ -16,7 +17,7 @@ same learning rate and schedule) in every mode:
 DDP and the hierarchical all-reduce train ``--steps`` steps; the others ``--low-comm-factor`` times as many (their
 steps are cheap; more of them is how a low-communication method buys back quality). Val loss every
 ``--eval-every`` steps with its wall time (``elapsed_s``, evaluations included), the bytes that crossed the link
-(the veth pair's tx counters, both directions). Reports per mode over seeds: the wall time to reach DDP's final
+(the link devices' tx counters, both directions). Reports per mode over seeds: the wall time to reach DDP's final
 val loss within 2% (that seed's DDP run), the val loss at the wall time of the fastest run's end, the final val
 loss, and bytes per step. Writes ``bench/results/diloco.md``/``.json`` and ``docs/diloco.png``.
 
@@ -26,6 +27,7 @@ Needs root (network namespaces, ``tc``); ~40 min at the defaults on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import REPO, machine, write_results  # noqa: E402
-from netns import IFNAME, Host, two_hosts  # noqa: E402
+from netns import EMULATED_MTU, IFNAME, Host, two_hosts  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
 PORT = 29500
@@ -56,22 +58,30 @@ MODES = {  # name: (overrides, low-communication: runs --low-comm-factor times t
 }
 
 
-def shape(pair: list[Host], rate: str, delay: str) -> str:
-    """Shape the pair's end in each namespace, each direction: ``tc netem`` with ``rate`` and ``delay`` one way, or
-    where the kernel has no netem (``sch_netem`` neither built in nor loadable) ``tc tbf`` at ``rate`` with no added
-    delay. Returns what was set, for the notes."""
-    def qdisc(*spec: str) -> str:
-        errors = [subprocess.run(["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", IFNAME, "root",
-                                  *spec], capture_output=True, text=True).stderr.strip() for host in pair]
-        return next((e for e in errors if e), "")
+def netem(pair: list[Host], rate: str, delay: str) -> str:
+    """Shape the veth pair's end in each namespace with ``tc netem rate RATE delay DELAY`` (each way; the delay one
+    way). Returns "" when it did, else tc's error (a kernel without ``sch_netem``)."""
+    errors = [subprocess.run(["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", IFNAME, "root", "netem",
+                              "rate", rate, "delay", delay, "limit", "100000"], capture_output=True, text=True
+                             ).stderr.strip() for host in pair]
+    return next((e for e in errors if e), "")
 
-    netem_error = qdisc("netem", "rate", rate, "delay", delay, "limit", "100000")
-    if not netem_error:
-        return f"tc netem rate {rate} delay {delay}"
-    tbf_error = qdisc("tbf", "rate", rate, "burst", "128kb", "latency", "200ms")
-    if tbf_error:
-        raise SystemExit(f"tc cannot shape the link here: netem: {netem_error}; tbf: {tbf_error}")
-    return f"tc tbf rate {rate} with no added delay (tc netem failed here: {netem_error})"
+
+@contextlib.contextmanager
+def shaped_hosts(tag: str, rate: str, delay: str):
+    """Two hosts joined by a link of ``rate`` each way and ``delay`` one way: a veth pair under ``tc netem``, or where
+    the kernel has no netem, ``tests/linkem.py``'s user-space link (the same rate and delay, MTU 9,000). Yields the
+    hosts and a sentence saying which, for the notes."""
+    with contextlib.ExitStack() as stack:
+        pair = stack.enter_context(two_hosts(tag))
+        error = netem(pair, rate, delay)
+        if not error:
+            yield pair, f"a veth pair under tc netem rate {rate} delay {delay}"
+            return
+        stack.close()
+        pair = stack.enter_context(two_hosts(tag, emulate=(rate, delay)))
+        yield pair, (f"a link emulated in user space (tests/linkem.py: two TUN devices, rate {rate} each way, "
+                     f"delay {delay} one way, MTU {EMULATED_MTU}; tc netem failed here: {error})")
 
 
 def tx_bytes(pair: list[Host]) -> int:
@@ -196,9 +206,9 @@ def main() -> None:
         saved = json.loads((REPO / "bench" / "results" / "diloco.json").read_text())
         report(saved["runs"], argparse.Namespace(**saved["args"]), saved["shaping"], saved["measured"])
         return
-    results, shaping = [], ""
-    with two_hosts(f"dl{os.getpid() % 10000}") as pair, tempfile.TemporaryDirectory(prefix="meshtrain-diloco-") as tmp:
-        shaping = shape(pair, args.rate, args.delay)
+    results = []
+    with shaped_hosts(f"dl{os.getpid() % 10000}", args.rate, args.delay) as (pair, shaping), \
+            tempfile.TemporaryDirectory(prefix="meshtrain-diloco-") as tmp:
         for seed in args.seeds:
             for name in args.modes:
                 overrides, low_comm = MODES[name]
@@ -218,8 +228,8 @@ def report(results: list[dict], args: argparse.Namespace, shaping: str, measured
         measured = f"Runs measured at git {m['git']}, {m['date']}."
     plot(results, REPO / "docs" / "diloco.png")
     rows = summarize(results, args.seeds)
-    notes = [f"Two network-namespace hosts on this machine, 2 ranks each (4 processes on its cores), joined by a veth "
-             f"pair shaped each way with {shaping}. The main job's GPT, fp32, "
+    notes = [f"Two network-namespace hosts on this machine, 2 ranks each (4 processes on its cores), joined by "
+             f"{shaping}. The main job's GPT, fp32, "
              f"micro-batch 12 per rank, global batch 48 per (inner) step, lr 1e-3 with its warmup and cosine decay.",
              f"Seeds {', '.join(map(str, args.seeds))}; mean ± standard deviation over seeds. 'reached': runs whose val "
              f"loss came within 2% of that seed's DDP final val loss; 'time to DDP's loss' and 'speed-up' (DDP's "
@@ -227,7 +237,7 @@ def report(results: list[dict], args: argparse.Namespace, shaping: str, measured
              f"DDP's own time to come within the same 2% / that time.",
              "'val loss at equal wall time': each run's last evaluation before the fastest run's end. Wall times "
              "include evaluations (every run evaluates at the same steps).",
-             "link MB / step: bytes the veth pair carried (both directions, every protocol) / steps.",
+             "link MB / step: bytes the link carried (both directions, every protocol) / steps.",
              "Plot: docs/diloco.png.", measured,
              f"Command: python bench/bench_diloco.py --steps {args.steps} --low-comm-factor {args.low_comm_factor} "
              f"--seeds {' '.join(map(str, args.seeds))} --rate {args.rate} --delay {args.delay}"]
