@@ -74,7 +74,8 @@ def test_fit_speed_refuses_what_no_factor_reaches():
 @pytest.mark.parametrize("text, name", [("torchtitan", "torchtitan"), ("torchtitan+compile", "torchtitan+compile"),
                                         ("megatron-core+fused-ce+no-tp-comm-overlap",
                                          "megatron-core+fused-ce+no-tp-comm-overlap"),
-                                        (" fsdp + flash + compile ", "fsdp+compile+flash")])
+                                        (" fsdp + flash + compile ", "fsdp+compile+flash"),
+                                        ("torchtitan+flash2", "torchtitan+flash2")])
 def test_a_stack_is_a_framework_with_options(text, name):
     got, fw = stack.parse_stack(text)
     assert got == name and fw.name == name
@@ -259,3 +260,55 @@ def test_the_gpu_sweep_writes_runs_the_validation_reads(tmp_path):
     result = validate_file(tmp_path / "gpu_runs.toml", cross=False)
     assert all(r["fits"] and r["predicted"]["iteration_time_s"] > 0 for r in result["runs"])
     assert len(json.loads((tmp_path / "gpu_gemm.json").read_text())["gemm"]) == 2 * 2 * 2
+
+
+def test_flash_attention_2_runs_at_its_hopper_rate_and_at_the_gemm_rate_elsewhere():
+    """FlashAttention-2 reaches 35% of an H100's peak (FlashAttention-3 paper, abstract), under the H100's GEMM rate;
+    on the A100 (no ``flash2_efficiency``) it is the GEMM rate, and a measured attention table wins over both."""
+    from meshtrain.planner.hardware import FLASH2_HOPPER
+
+    peak, gemm = H100.device.peak("bfloat16"), H100.device.matmul_flops("bfloat16", 4096)
+    assert FLASH2_HOPPER * peak < gemm
+    assert H100.device.attention_flops("bfloat16", 8192, 4096, "flash2") == FLASH2_HOPPER * peak
+    assert H100.device.attention_flops("bfloat16", 8192, 4096, "flash") == gemm
+    a100 = get_hardware("A100-SXM-80GB").device
+    assert a100.attention_flops("bfloat16", 8192, 4096, "flash2") == a100.matmul_flops("bfloat16", 4096)
+    measured = replace(H100.device, attention_table={"bfloat16": [(1024, 1e14), (8192, 2e14)]})
+    assert measured.attention_flops("bfloat16", 8192, 4096, "flash2") == 2e14
+    assert stack.scaled(H100, 2.0).device.attention_flops("bfloat16", 8192, 4096, "flash2") == 2 * FLASH2_HOPPER * peak
+
+
+def test_only_the_attention_time_follows_the_flash2_rate():
+    """One GPU, no communication: the step with FlashAttention-2 at utilization u minus the step at the GEMM rate g is
+    A * (1/u - 1/g) for the step's attention FLOPs A (over peak). Two utilizations give that ratio exactly, which holds
+    only if the attention kernel's time, and nothing else, moved with the rate."""
+    model = load_model("llama3-8b")
+    layout = Layout(dp=1, micro_batch_size=1, gradient_accumulation_steps=2, recompute="full")
+    fw = FRAMEWORKS["fsdp"]
+    assert fw.attention == "flash2"
+    g = H100.device.matmul_efficiency
+
+    def compute(u):
+        hw = replace(H100, device=replace(H100.device, flash2_efficiency=u))
+        return step_time(model, layout, hw, BF16, fw).compute
+
+    at_gemm = step_time(model, layout, H100, BF16, replace(fw, attention="flash")).compute
+    ratio = (compute(0.35) - at_gemm) / (compute(g / 2) - at_gemm)
+    # sums of ~10 float terms: rounding far below 1e-9
+    assert ratio == pytest.approx((1 / 0.35 - 1 / g) / (2 / g - 1 / g), rel=1e-9)
+    assert compute(0.35) > at_gemm
+
+
+def test_a_runs_attention_kernel_changes_its_framework_not_its_stack(tmp_path):
+    """A validation run's ``attention`` is what its software version ran: FlashAttention-2 on the H100 is slower than
+    the GEMM-rate kernel; the run's stack (and so the factor fitted for it) is unchanged; a kernel the model does not
+    know is one line naming it."""
+    from meshtrain.planner.validate import stack_of
+
+    long = {**SINGLE, "model": {**SINGLE["model"], "seq_len": 8192}, "name": "long", "stack": "torchtitan",
+            "measured": {"iteration_time_s": 1.0}}
+    flash2 = {**long, "attention": "flash2"}
+    assert predict_run(flash2)[1]["iteration_time_s"] > predict_run(long)[1]["iteration_time_s"]
+    assert stack_of(flash2) == stack_of(long) == "torchtitan"
+    with pytest.raises(ConfigError, match="attention 'flash3' is not one of flash, flash2, materialized"):
+        predict_run({**long, "attention": "flash3"})

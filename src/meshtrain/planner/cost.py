@@ -287,7 +287,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
         attn = max(attn_flops / attn_rate, score_io / bw)
     else:
         length = model.seq_len // (2 * layout.sp) if ring_fused else model.seq_len
-        attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k)
+        attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k, fw.attention)
     elementwise = tokens * n * layer_bytes / bw
     # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
     head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))

@@ -7,6 +7,8 @@ type and link type (see docs/planner.md, "Constants"):
 - ``matmul_efficiency``: fraction of peak FLOP/s that large training GEMMs reach on that device (the
   compute term of a GEMM; each GEMM also pays its operand traffic, ``cost.gemm_traffic_bytes``);
 - ``memory_efficiency``: fraction of the HBM bandwidth that fused element-wise kernels reach;
+- ``flash2_efficiency``: fraction of peak FLOP/s that FlashAttention-2 reaches where it falls below the GEMM rate
+  (Hopper, :data:`FLASH2_HOPPER`); elsewhere fused attention runs at the GEMM rate;
 - ``Network.intra_node_efficiency`` / ``inter_node_efficiency``: NCCL bus bandwidth / link bandwidth
   (nccl-tests' "busbw": about 0.8 on NVLink, 0.9 on InfiniBand).
 
@@ -43,6 +45,11 @@ class Device:
     memory_bandwidth: float
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    flash2_efficiency: float | None = None
+    """Fraction of peak FLOP/s that FlashAttention-2 (forward + backward) reaches on this device when that is below
+    the GEMM rate, for stacks whose attention kernel is FlashAttention-2 (``Framework.attention = "flash2"``); None:
+    it runs at the GEMM rate (on the A100, FlashAttention-2 reaches 50-73% of peak, Dao 2023, arXiv 2307.08691,
+    abstract: the GEMMs' rate)."""
     framework_overhead_bytes: float = 3 * GiB
     """Memory the runtime takes before any tensor: CUDA context, NCCL buffers, allocator slack."""
     layer_host_s: float = 0.0
@@ -109,10 +116,16 @@ class Device:
         table = self.matmul_table.get(dtype)
         return _interpolate(table, k) if table else self.peak(dtype) * self.matmul_efficiency
 
-    def attention_flops(self, dtype: str, seq_len: int, k: int) -> float:
-        """Achievable FLOP/s of fused attention at ``seq_len``: measured table, else the GEMM rate at ``k``."""
+    def attention_flops(self, dtype: str, seq_len: int, k: int, kernel: str = "flash") -> float:
+        """Achievable FLOP/s of fused attention at ``seq_len``: the measured table, else the GEMM rate at ``k``;
+        for ``kernel = "flash2"`` (FlashAttention-2) at most ``peak * flash2_efficiency`` where the device lists one."""
         table = self.attention_table.get(dtype)
-        return _interpolate(table, seq_len) if table else self.matmul_flops(dtype, k)
+        if table:
+            return _interpolate(table, seq_len)
+        rate = self.matmul_flops(dtype, k)
+        if kernel == "flash2" and self.flash2_efficiency is not None:
+            rate = min(rate, self.peak(dtype) * self.flash2_efficiency)
+        return rate
 
     def bandwidth(self) -> float:
         """Achievable memory bandwidth for element-wise kernels, bytes/s."""
@@ -215,6 +228,12 @@ _CATALOG: dict[str, tuple[float, float, float, float, float, Network]] = {
     "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.51, _DGX_B200),
     "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.35, _MI300X),
 }
+FLASH2_HOPPER = 0.35
+"""FlashAttention-2 on Hopper: "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024,
+"FlashAttention-3", arXiv 2407.08608, abstract), where GEMMs and FlashAttention-3 reach 75% (same). PyTorch's SDPA
+ran this kernel on the H100 until cuDNN attention became its default there (cuDNN SDPA was opt-in after torch 2.5,
+pytorch/pytorch#138522; #142132 measures SDPA at 329 TFLOP/s against cuDNN's 631 on an H100, 2024-12)."""
+HOPPER = ("H100-SXM-80GB", "H100-PCIe-80GB", "H200-SXM-141GB", "H100-HBM2e-96GB")
 EFFICIENCY_FROM = {"A100-SXM-40GB": "A100-SXM-80GB", "H100-PCIe-80GB": "H100-SXM-80GB",
                    "H200-SXM-141GB": "H100-SXM-80GB", "H100-HBM2e-96GB": "H100-SXM-80GB"}
 """Device types that reuse another's ``matmul_efficiency`` (the same chip): one fit moves them together
@@ -236,7 +255,8 @@ CPU_DEFAULT = Hardware(
 
 def catalog() -> dict[str, Hardware]:
     """Every built-in device type with its default node network (``cpu`` is the uncalibrated default)."""
-    out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32}, mem, bw, eff), net)
+    out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32}, mem, bw, eff,
+                                 flash2_efficiency=FLASH2_HOPPER if name in HOPPER else None), net)
            for name, (bf16, fp32, mem, bw, eff, net) in _CATALOG.items()}
     out["cpu"] = CPU_DEFAULT
     return out
@@ -295,8 +315,8 @@ def _device_from_table(t: dict[str, Any], where: str) -> Device:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name must be a non-empty string")
     peaks = {"bfloat16": _number(t, "peak_bf16_flops", where), "float32": _number(t, "peak_fp32_flops", where)}
-    kw = {k: _number(t, k, where) for k in ("matmul_efficiency", "memory_efficiency", "framework_overhead_bytes")
-          if k in t}
+    kw = {k: _number(t, k, where) for k in ("matmul_efficiency", "memory_efficiency", "flash2_efficiency",
+                                            "framework_overhead_bytes") if k in t}
     for key in HOST_KEYS:
         if key in t:
             kw[key] = float(t[key])
@@ -323,7 +343,7 @@ def load_hardware_file(path: Path) -> dict[str, Hardware]:
     """Devices of a user file or of a calibrated profile.
 
     Format: ``[[device]]`` tables (name, peak_bf16_flops, peak_fp32_flops, memory_bytes, memory_bandwidth,
-    optional matmul_efficiency, memory_efficiency, framework_overhead_bytes, the host times of
+    optional matmul_efficiency, memory_efficiency, flash2_efficiency, framework_overhead_bytes, the host times of
     :data:`HOST_KEYS`, comm_overlap, peak_source,
     matmul_table, attention_table)
     and one ``[network]`` table shared by them (devices_per_node, intra_node_bandwidth,

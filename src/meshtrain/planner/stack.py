@@ -36,13 +36,15 @@ STACKS_FILE = Path(__file__).parent / "data" / "stacks.toml"
 STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "compile": {"eager_elementwise": None},
     "flash": {"attention": "flash"},
+    "flash2": {"attention": "flash2"},
     "materialized": {"attention": "materialized"},
     "tp-comm-overlap": {"tp_comm_overlap": True},
     "no-tp-comm-overlap": {"tp_comm_overlap": False},
     "fused-ce": {"cross_entropy_bytes": 24.0},
 }
 """Options a stack adds to its framework, and what each changes in :class:`~meshtrain.planner.layout.Framework`:
-``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``materialized`` the attention kernel,
+``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``flash2``/``materialized`` the attention kernel
+(``flash2``: FlashAttention-2, below the GEMM rate on Hopper, :data:`~meshtrain.planner.hardware.FLASH2_HOPPER`),
 ``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
 fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`)."""
 SPEED_BOUNDS = (1 / 20, 20.0)
@@ -60,8 +62,9 @@ def scaled(hw: Hardware, factor: float) -> Hardware:
         return {dtype: [(k, f * factor) for k, f in rows] for dtype, rows in t.items()}
 
     host = {k: getattr(d, k) / factor for k in _TIME_KEYS}
+    flash2 = None if d.flash2_efficiency is None else d.flash2_efficiency * factor
     return replace(hw, device=replace(d, matmul_efficiency=d.matmul_efficiency * factor,
-                                      memory_efficiency=d.memory_efficiency * factor,
+                                      memory_efficiency=d.memory_efficiency * factor, flash2_efficiency=flash2,
                                       matmul_table=table(d.matmul_table), attention_table=table(d.attention_table),
                                       **host))
 

@@ -21,7 +21,8 @@ Uniform rules for what a run does not state (docs/planner.md, "Validation"):
 - ``tflops_per_gpu`` without a kind is model FLOPs (Megatron-LM's ``num_floating_point_operations``
   counts no recomputation); ``percent_of_peak`` uses the same kind as ``tflops_per_gpu``;
 - the software stack is read from the source: Narayanan et al. 2021 -> ``megatron-2021``,
-  Megatron-Core -> ``megatron-core``, llm-foundry (FSDP) -> ``fsdp``; a run may name ``framework``;
+  Megatron-Core -> ``megatron-core``, llm-foundry (FSDP) -> ``fsdp``; a run may name ``framework`` (or ``stack``)
+  and ``attention``, the kernel its software version ran (``"flash2"``: FlashAttention-2);
 - mixed precision is the framework's: fp16 with fp16 gradients for ``megatron-2021`` (Narayanan et al.
   trained in fp16), bf16 with fp32 gradients otherwise; Adam states in fp32.
 """
@@ -37,7 +38,7 @@ from typing import Any
 from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware
-from meshtrain.planner.layout import FRAMEWORKS, Framework
+from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, Framework
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS, Precision
 from meshtrain.planner.model_specs import ModelSpec, from_table
@@ -85,10 +86,21 @@ class RunResult:
 
 def framework_for(run: dict[str, Any]) -> Framework:
     """The software of ``run``: its ``stack`` (a framework with options, :func:`meshtrain.planner.stack.parse_stack`)
-    or ``framework`` key, else the first keyword of its source.
+    or ``framework`` key, else the first keyword of its source; then its ``attention`` key, the kernel that run's
+    software version ran (:class:`~meshtrain.planner.layout.Framework` ``attention``), a fact of the run that leaves
+    its stack (and so the stack's fitted factor) as it is.
 
     Raises:
-        ConfigError: both keys, or an unknown framework or option."""
+        ConfigError: both keys, an unknown framework or option, or an unknown attention kernel."""
+    fw = _framework_named(run)
+    attention = run.get("attention", fw.attention)
+    if attention not in ATTENTION_KERNELS:
+        raise ConfigError(f"run {run.get('name')!r}: attention {attention!r} is not one of "
+                          f"{', '.join(ATTENTION_KERNELS)}")
+    return replace(fw, attention=attention)
+
+
+def _framework_named(run: dict[str, Any]) -> Framework:
     if "stack" in run:
         if "framework" in run:
             raise ConfigError(f"run {run.get('name')!r}: give stack or framework, not both (a stack is a framework "
