@@ -372,6 +372,11 @@ FRAMEWORKS = {f.name: f for f in (
     # what the default count models
     Framework("torchtitan-compile", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",),
               repeats_kv=True, swiglu_keeps_activation=True),
+    # OLMo-core (allenai/OLMo-core at e27ba74, 2024-11): FSDP2 one unit per block (Transformer.apply_fsdp), compiled
+    # blocks, K/V repeated to the query heads (nn/attention.py), and gradients reduce-scattered after every
+    # micro-batch (train/trainer.py skips the sync of non-final micro-batches only under DDP)
+    Framework("olmo-core", zero_stages=(0, 3), repeats_kv=True, swiglu_keeps_activation=True,
+              grad_sync_every_microstep=True),
 )}
 
 
