@@ -95,6 +95,32 @@ def test_loss_bytes_per_logit(dtype):
     assert FRAMEWORKS["torchtitan"].loss_backward_bytes == want
 
 
+def test_a_compiled_loss_holds_only_the_logits_gradient():
+    """OLMo-core's loss (``compile_loss = True``: ``torch.compile`` of cross-entropy on ``logits.float()`` plus its
+    z-loss, ``olmo_core/nn/functional/cross_entropy_loss.py`` at e27ba74) holds ``FRAMEWORKS["olmo-core"]
+    .loss_backward_bytes`` per logit at its peak besides the logits: the 16-bit gradient. Which tensors backward keeps
+    is the compiler's partition of the graph, the same on every device; eager, the same function holds 20."""
+    torch.manual_seed(0)
+    logits = torch.randn(TOKENS, VOCAB, dtype=torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+
+    def olmo_loss(x, y):
+        x = x.float()
+        return F.cross_entropy(x, y) + 1e-5 * x.logsumexp(-1).pow(2).mean()
+
+    compiled = torch.compile(olmo_loss)
+
+    def step(fn):
+        leaf = logits.clone().requires_grad_()
+        fn(leaf, targets).backward()
+
+    step(compiled)  # compiles outside the measurement
+    want = FRAMEWORKS["olmo-core"].loss_backward_bytes
+    per_logit = allocated_peak(lambda: step(compiled)) / (TOKENS * VOCAB) - logits.element_size()
+    assert want <= per_logit <= want + PER_TOKEN_EXTRA / VOCAB
+    assert allocated_peak(lambda: step(olmo_loss)) / (TOKENS * VOCAB) - logits.element_size() > 10 * want
+
+
 LOSS_PARALLEL_RUNS = 8
 
 

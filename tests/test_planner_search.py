@@ -320,9 +320,9 @@ def test_validation_cli_on_the_shipped_runs(capsys, tmp_path):
     # Memory (nothing fitted): 17 published peaks, and whether each run fit (one ran out of memory)
     memory = result["leave_one_source_out"]["memory"]["in_sample"]
     assert memory["runs"] == 17 and memory["median_abs_error"] < 0.10
-    # llm-foundry's MPT runs without recomputation at 24k-49k tokens per GPU (7 of them) and two of OLMo-core's (its
-    # compiled loss) trained, though predicted out of memory by up to 11% (docs/planner.md): a guard on the others
-    assert result["fits"]["runs"] == 82 and result["fits"]["agree"] >= 73
+    # llm-foundry's MPT runs without recomputation at 24k-49k tokens per GPU (7 of them) trained, though predicted out
+    # of memory by up to 9% (docs/planner.md): a regression guard on the others
+    assert result["fits"]["runs"] == 82 and result["fits"]["agree"] >= 75
     assert {d["name"] for d in result["fits"]["disagree"]} <= later
     # The six mixture-of-experts runs (Megatron-Core and NeMo AutoModel, docs/planner.md): a regression guard on
     # their median step-time error, 38% when they were added (expert imbalance 1, no all-to-all overlap modelled)

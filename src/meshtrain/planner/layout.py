@@ -373,10 +373,12 @@ FRAMEWORKS = {f.name: f for f in (
     Framework("torchtitan-compile", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",),
               repeats_kv=True, swiglu_keeps_activation=True),
     # OLMo-core (allenai/OLMo-core at e27ba74, 2024-11): FSDP2 one unit per block (Transformer.apply_fsdp), compiled
-    # blocks, K/V repeated to the query heads (nn/attention.py), and gradients reduce-scattered after every
-    # micro-batch (train/trainer.py skips the sync of non-final micro-batches only under DDP)
+    # blocks, K/V repeated to the query heads (nn/attention.py), gradients reduce-scattered after every micro-batch
+    # (train/trainer.py skips the sync of non-final micro-batches only under DDP), and a compiled loss
+    # (compile_loss = True), which holds only the 16-bit gradient of the logits for backward (measured:
+    # tests/test_planner_memory_mechanisms.py)
     Framework("olmo-core", zero_stages=(0, 3), repeats_kv=True, swiglu_keeps_activation=True,
-              grad_sync_every_microstep=True),
+              grad_sync_every_microstep=True, loss_backward_bytes=2.0),
 )}
 
 
