@@ -118,14 +118,15 @@ class Device:
 
     def attention_flops(self, dtype: str, seq_len: int, k: int, kernel: str = "flash") -> float:
         """Achievable FLOP/s of fused attention at ``seq_len``: the measured table, else the GEMM rate at ``k``;
-        for ``kernel = "flash2"`` (FlashAttention-2) at most ``peak * flash2_efficiency`` where the device lists one."""
+        for ``kernel = "flash2"`` (FlashAttention-2) at most ``peak * flash2_efficiency`` where the device lists one;
+        for ``"flash-triton"`` (FlashAttention in Triton) FlashAttention-2's rate / :data:`FLASH_TRITON_SLOWDOWN`."""
         table = self.attention_table.get(dtype)
         if table:
             return _interpolate(table, seq_len)
         rate = self.matmul_flops(dtype, k)
-        if kernel == "flash2" and self.flash2_efficiency is not None:
+        if kernel in ("flash2", "flash-triton") and self.flash2_efficiency is not None:
             rate = min(rate, self.peak(dtype) * self.flash2_efficiency)
-        return rate
+        return rate / FLASH_TRITON_SLOWDOWN if kernel == "flash-triton" else rate
 
     def bandwidth(self) -> float:
         """Achievable memory bandwidth for element-wise kernels, bytes/s."""
@@ -233,6 +234,10 @@ FLASH2_HOPPER = 0.35
 "FlashAttention-3", arXiv 2407.08608, abstract), where GEMMs and FlashAttention-3 reach 75% (same). PyTorch's SDPA
 ran this kernel on the H100 until cuDNN attention became its default there (cuDNN SDPA was opt-in after torch 2.5,
 pytorch/pytorch#138522; #142132 measures SDPA at 329 TFLOP/s against cuDNN's 631 on an H100, 2024-12)."""
+FLASH_TRITON_SLOWDOWN = 1.8
+"""FlashAttention in Triton (``flash_attn_triton``, MPT's ``attn_impl: triton``) against FlashAttention-2: "around
+1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the backward pass" (Dao 2023,
+arXiv 2307.08691, Sec. 4.1, A100): (1.4 + 2 * 2) / 3 with backward twice the forward's FLOPs."""
 HOPPER = ("H100-SXM-80GB", "H100-PCIe-80GB", "H200-SXM-141GB", "H100-HBM2e-96GB")
 EFFICIENCY_FROM = {"A100-SXM-40GB": "A100-SXM-80GB", "H100-PCIe-80GB": "H100-SXM-80GB",
                    "H200-SXM-141GB": "H100-SXM-80GB", "H100-HBM2e-96GB": "H100-SXM-80GB"}

@@ -185,7 +185,7 @@ class Layout(LayoutDegrees):
         return text
 
 
-ATTENTION_KERNELS = ("flash", "flash2", "materialized")
+ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "materialized")
 """The attention kernels the cost model tells apart (``Framework.attention``)."""
 
 
@@ -195,8 +195,9 @@ class Framework:
 
     - ``attention``: "flash" (scores never reach HBM; Dao et al. 2022; at the GEMM rate: FlashAttention-3, cuDNN),
       "flash2" (FlashAttention-2, Dao 2023, or PyTorch SDPA's flash backend: below the GEMM rate on Hopper,
-      ``Device.flash2_efficiency``) or "materialized" (the s x s scores are written, soft-maxed and read back:
-      Megatron-LM's fused softmax, 2021).
+      ``Device.flash2_efficiency``), "flash-triton" (FlashAttention in Triton, slower than FlashAttention-2 by
+      ``hardware.FLASH_TRITON_SLOWDOWN``) or "materialized" (the s x s scores are written, soft-maxed and read
+      back: Megatron-LM's fused softmax, 2021).
     - ``tp_comm_overlap``: tp collectives hidden behind the GEMMs they feed (Megatron-Core
       ``--tp-comm-overlap``; Wang et al. 2023, "Overlap communication with dependent computation").
     - ``dp_comm_overlap``: gradient reduction overlapped with backward and weight gathers with compute
@@ -359,9 +360,9 @@ FRAMEWORKS = {f.name: f for f in (
     Framework("megatron-2022", attention="materialized", dp_comm_overlap=False, zero_stages=(0,),
               pp_schedules=("1f1b", "interleaved-1f1b"), grad_bucket_bytes=float("inf"),
               cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
-    # llm-foundry's MPT benchmarks (Composer's FSDP): scripts/train/benchmarking/submit_benchmarks.py (commit 51652ea)
-    # installs '.[gpu-flash2]' and sets attn_impl 'flash', FlashAttention-2
-    Framework("fsdp", attention="flash2", zero_stages=(0, 2, 3), pp_schedules=("1f1b",),
+    # llm-foundry's MPT benchmarks (Composer's FSDP) of 2023: scripts/train/benchmarking/submit_benchmarks.py at
+    # 061f2c7c (the tables' commit) sets attn_impl 'triton' by default, MPT's FlashAttention in Triton
+    Framework("fsdp", attention="flash-triton", zero_stages=(0, 2, 3), pp_schedules=("1f1b",),
               grad_sync_every_microstep=True),
     # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
     # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and

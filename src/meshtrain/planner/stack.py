@@ -37,14 +37,16 @@ STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "compile": {"eager_elementwise": None},
     "flash": {"attention": "flash"},
     "flash2": {"attention": "flash2"},
+    "flash-triton": {"attention": "flash-triton"},
     "materialized": {"attention": "materialized"},
     "tp-comm-overlap": {"tp_comm_overlap": True},
     "no-tp-comm-overlap": {"tp_comm_overlap": False},
     "fused-ce": {"cross_entropy_bytes": 24.0},
 }
 """Options a stack adds to its framework, and what each changes in :class:`~meshtrain.planner.layout.Framework`:
-``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``flash2``/``materialized`` the attention kernel
-(``flash2``: FlashAttention-2, below the GEMM rate on Hopper, :data:`~meshtrain.planner.hardware.FLASH2_HOPPER`),
+``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``flash2``/``flash-triton``/``materialized`` the
+attention kernel (``flash2``: FlashAttention-2, below the GEMM rate on Hopper,
+:data:`~meshtrain.planner.hardware.FLASH2_HOPPER`; ``flash-triton`` slower still),
 ``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
 fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`)."""
 SPEED_BOUNDS = (1 / 20, 20.0)
