@@ -11,8 +11,9 @@ check (``test_hierarchical.py``, ``test_resume.py``) through the real command li
   ``test_hierarchical.py`` also compares, are not written by ``meshtrain train``;
 - a resume across them, from the checkpoint both hosts wrote at step 5: step 6 within 1e-6 of the
   uninterrupted run, later steps within 1e-5;
-- DiLoCo with one worker per host over the pair shaped to 100 Mbit/s (``tc tbf``): the loopback run's losses, and
-  at least 3x fewer bytes over the pair than DDP's (the veth counters);
+- DiLoCo with one worker per host over the pair shaped to 100 Mbit/s (``tc tbf``), and again over a link that also
+  delays 10 ms each way (``tests/linkem.py``, netem's arithmetic in user space): the loopback run's losses, and at
+  least 3x fewer bytes over the link than DDP's (the devices' counters);
 - nothing listens beyond the two hosts' addresses: every listening socket seen while the run goes on
   (``ss -ltnp`` in each namespace, polled) is on that host's veth address or its loopback, except
   torchrun's rendezvous store on node 0, which torch binds to every address of that host (inside the
@@ -137,7 +138,8 @@ def test_resume_across_two_hosts(across, hosts, tmp_path):
 
 
 def link_bytes(pair: list[Host]) -> int:
-    """Bytes sent so far over the veth pair, both ends together (the kernel's counters)."""
+    """Bytes sent so far over the link (the veth pair or the emulated link's TUN devices), both ends together (the
+    kernel's counters)."""
     total = 0
     for host in pair:
         out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", IFNAME], check=True, capture_output=True,
@@ -182,10 +184,34 @@ def test_diloco_across_two_hosts_over_a_shaped_link(hosts, tmp_path):
         before = link_bytes(hosts)
         train_two_hosts(hosts, tmp_path / "ddp", ddp, tmp_path / "log-ddp")
         ddp_bytes = link_bytes(hosts) - before
+    check_diloco_against_ddp(tmp_path, diloco_bytes, ddp_bytes)
+
+
+def check_diloco_against_ddp(tmp_path: Path, diloco_bytes: int, ddp_bytes: int) -> None:
+    """The two-host DiLoCo run's losses are the loopback run's, it had 2 workers, and the link carried > 3x more for
+    DDP (the theory of :func:`test_diloco_across_two_hosts_over_a_shaped_link`)."""
     here = train_cli(tmp_path / "here", 4, **{**DILOCO, "parallel.diloco_group": "2"})
     assert_close_losses(losses(read_records(tmp_path / "diloco")), losses(here))
     assert json.loads((tmp_path / "diloco" / "summary.json").read_text())["diloco"]["workers"] == 2
     assert ddp_bytes > 3 * diloco_bytes, (ddp_bytes, diloco_bytes)
+
+
+def test_diloco_across_two_hosts_over_a_delayed_link(tmp_path):
+    """The same over a link with netem's delay too: 100 Mbit/s and 10 ms each way, emulated in user space
+    (``tests/linkem.py``, for kernels without netem) between two TUN devices. Gloo's connections, the rendezvous and
+    every collective cross a 20 ms round trip; the losses and the byte ratio hold as on the undelayed pair."""
+    try:
+        with two_hosts(f"md{os.getpid() % 10000}", emulate=("100mbit", "10ms")) as pair:
+            before = link_bytes(pair)
+            train_two_hosts(pair, tmp_path / "diloco", DILOCO, tmp_path / "log-diloco")
+            diloco_bytes = link_bytes(pair) - before
+            before = link_bytes(pair)
+            train_two_hosts(pair, tmp_path / "ddp", {k: v for k, v in DILOCO.items() if not k.startswith("parallel.")},
+                            tmp_path / "log-ddp")
+            ddp_bytes = link_bytes(pair) - before
+    except Unavailable as e:
+        pytest.skip(str(e))
+    check_diloco_against_ddp(tmp_path, diloco_bytes, ddp_bytes)
 
 
 SBATCH = ROOT / "scripts" / "slurm" / "meshtrain.sbatch"

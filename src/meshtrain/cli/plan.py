@@ -58,8 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="software whose overlaps, features and memory to model (default meshtrain; docs/planner.md, "
                         "\"Frameworks\")")
     g.add_argument("--stack", metavar="FRAMEWORK[+OPTION...]",
-                   help="the software stack: a --framework with options (compile, flash, materialized, tp-comm-overlap, "
-                        "no-tp-comm-overlap, fused-ce), e.g. torchtitan+compile; its speed factor and range are fitted "
+                   help="the software stack: a --framework with options (compile, flash, flash2, flash-triton, "
+                        "materialized, tp-comm-overlap, no-tp-comm-overlap, fused-ce), e.g. torchtitan+compile or "
+                        "torchtitan+flash2 (FlashAttention-2, slower on Hopper); its speed factor and range are fitted "
                         "on published runs (docs/planner.md, \"Stacks and calibration\")")
     c = p.add_argument_group("calibration (one measured run fits the stack's speed; docs/planner.md)")
     c.add_argument("--measured", metavar="LAYOUT,KEY=VALUE",
