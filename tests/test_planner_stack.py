@@ -75,17 +75,23 @@ def test_fit_speed_refuses_what_no_factor_reaches():
                                         ("megatron-core+fused-ce+no-tp-comm-overlap",
                                          "megatron-core+fused-ce+no-tp-comm-overlap"),
                                         (" fsdp + flash + compile ", "fsdp+compile+flash"),
-                                        ("torchtitan+flash2", "torchtitan+flash2")])
+                                        ("torchtitan+flash2", "torchtitan+flash2"),
+                                        ("megatron-core@nemo-24.09+fused-ce", "megatron-core@nemo-24.09+fused-ce"),
+                                        (" megatron-core @ r0.8 ", "megatron-core@r0.8")])
 def test_a_stack_is_a_framework_with_options(text, name):
+    """A version changes no fact of the framework, only the stack's name (and so its fitted speed)."""
     got, fw = stack.parse_stack(text)
     assert got == name and fw.name == name
     options = name.split("+")[1:]
-    base = FRAMEWORKS[name.split("+")[0]]
+    base = FRAMEWORKS[name.split("+")[0].split("@")[0]]
     assert fw == replace(base, name=fw.name, **{k: v for o in options for k, v in stack.STACK_OPTIONS[o].items()})
 
 
 @pytest.mark.parametrize("text, message", [("torchtitn", "unknown framework 'torchtitn'"),
-                                           ("torchtitan+compiled", "unknown option 'compiled'")])
+                                           ("torchtitan+compiled", "unknown option 'compiled'"),
+                                           ("megatron-core@", "version '' must be"),
+                                           ("megatron-core@24 09", "version '24 09' must be"),
+                                           ("megatronn@nemo-24.09", "unknown framework 'megatronn'")])
 def test_a_bad_stack_is_named(text, message):
     with pytest.raises(ConfigError, match=message):
         stack.parse_stack(text)
@@ -318,3 +324,18 @@ def test_a_runs_attention_kernel_changes_its_framework_not_its_stack(tmp_path):
     assert stack_of(flash2) == stack_of(long) == "torchtitan"
     with pytest.raises(ConfigError, match="attention 'flash3' is not one of flash, flash2, flash-triton, materialized"):
         predict_run({**long, "attention": "flash3"})
+
+
+def test_a_version_has_its_own_speed_and_an_unknown_one_falls_back_to_its_framework():
+    """A versioned stack with published runs gets their factor; an unknown version, or the framework without one, the
+    framework's own; options on top do not change which (they have no runs of their own)."""
+    table = {"stack": {"megatron-core/H100-SXM-80GB": {"factor": 0.99, "low": -0.1, "high": 0.1, "runs": 3,
+                                                      "sources": 1},
+                       "megatron-core@nemo-24.09/H100-SXM-80GB": {"factor": 1.31, "low": -0.05, "high": 0.08, "runs": 6,
+                                                                 "sources": 1}},
+             "pooled": {"low": -0.2, "high": 0.3}}
+    assert stack.speed_for("megatron-core@nemo-24.09", "H100-SXM-80GB", table).factor == 1.31
+    assert stack.speed_for("megatron-core@nemo-24.09+fused-ce", "H200-SXM-141GB", table).factor == 1.31
+    assert stack.speed_for("megatron-core@nemo-25.04", "H100-SXM-80GB", table).factor == 0.99
+    assert stack.speed_for("megatron-core+fused-ce", "H100-SXM-80GB", table).factor == 0.99
+    assert stack.speed_for("torchtitan@x", "H100-SXM-80GB", table).basis.endswith("pooled range")

@@ -57,8 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--framework", choices=tuple(FRAMEWORKS), default=None,
                    help="software whose overlaps, features and memory to model (default meshtrain; docs/planner.md, "
                         "\"Frameworks\")")
-    g.add_argument("--stack", metavar="FRAMEWORK[+OPTION...]",
-                   help="the software stack: a --framework with options (compile, flash, flash2, flash-triton, "
+    g.add_argument("--stack", metavar="FRAMEWORK[@VERSION][+OPTION...]",
+                   help="the software stack: a --framework, optionally at a version (megatron-core@nemo-24.09: its own "
+                        "fitted speed), with options (compile, flash, flash2, flash-triton, "
                         "materialized, tp-comm-overlap, no-tp-comm-overlap, fused-ce), e.g. torchtitan+compile or "
                         "torchtitan+flash2 (FlashAttention-2, slower on Hopper); its speed factor and range are fitted "
                         "on published runs (docs/planner.md, \"Stacks and calibration\")")

@@ -349,8 +349,9 @@ def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
 
 FRAMEWORKS = {f.name: f for f in (
     MESHTRAIN,
+    # context parallelism: Transformer Engine's attention with K/V passed around a ring (cp_comm_type "p2p", the default)
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
-              expert_folding=True, grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
+              sp_modes=("ulysses", "ring"), expert_folding=True, grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),

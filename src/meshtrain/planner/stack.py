@@ -6,8 +6,8 @@ peak (docs/planner.md, "Stacks and calibration"). The planner models that with o
 factor** ``s`` on everything a device computes (:func:`scaled`: the GEMM rate, the element-wise bandwidth and the host
 time; communication is left alone): ``s = 1.2`` runs every kernel 1.2x faster than the catalog's constants say.
 
-- A stack is a framework of :data:`meshtrain.planner.layout.FRAMEWORKS` with options (:func:`parse_stack`:
-  ``torchtitan+compile``, ``megatron-core+no-tp-comm-overlap``); its factor and its step-time range come from the
+- A stack is a framework of :data:`meshtrain.planner.layout.FRAMEWORKS`, optionally a version of it, with options
+  (:func:`parse_stack`: ``torchtitan+compile``, ``megatron-core@nemo-24.09+no-tp-comm-overlap``); its factor and its step-time range come from the
   shipped table ``data/stacks.toml`` (:func:`speed_for`), which :mod:`meshtrain.planner.validate` fits
   leave-one-source-out on the published runs (:func:`meshtrain.planner.validate.fit_stacks`; ``python -m
   meshtrain.planner.refit`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
@@ -22,6 +22,7 @@ t / (1 + r_low)]`` (:meth:`Speed.step_time_range`).
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -115,21 +116,28 @@ class Speed:
 
 
 def parse_stack(text: str) -> tuple[str, Framework]:
-    """``--stack FRAMEWORK[+OPTION...]`` -> (canonical name, framework with the options applied).
+    """``--stack FRAMEWORK[@VERSION][+OPTION...]`` -> (canonical name, framework with the options applied).
+
+    A version (``megatron-core@nemo-24.09``) changes no fact of the framework, only which fitted speed the stack
+    gets: the same framework ran 1.3x apart in two releases (docs/planner.md, "Stacks and calibration").
 
     Raises:
-        ConfigError: an unknown framework or option (with the valid ones).
+        ConfigError: an unknown framework or option (with the valid ones), or a malformed version.
     """
-    base, *options = [p.strip() for p in text.strip().split("+")]
+    head, *options = [p.strip() for p in text.strip().split("+")]
+    base, at, version = (part.strip() for part in head.partition("@"))
     if base not in FRAMEWORKS:
         raise ConfigError(f"--stack {text!r}: unknown framework {base!r}: valid are {', '.join(FRAMEWORKS)}")
+    if at and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", version):
+        raise ConfigError(f"--stack {text!r}: version {version!r} must be letters, digits, '.', '_' or '-' after the "
+                          f"'@', e.g. megatron-core@nemo-24.09")
     fw = FRAMEWORKS[base]
     for option in options:
         if option not in STACK_OPTIONS:
             raise ConfigError(f"--stack {text!r}: unknown option {option!r}: valid are {', '.join(STACK_OPTIONS)}")
         fw = replace(fw, **STACK_OPTIONS[option])
-    name = "+".join([base, *sorted(set(options))])
-    return name, replace(fw, name=name) if options else fw
+    name = "+".join([f"{base}@{version}" if at else base, *sorted(set(options))])
+    return name, replace(fw, name=name) if name != base else fw
 
 
 def load_stacks(path: Path = STACKS_FILE) -> dict[str, Any]:
@@ -139,8 +147,9 @@ def load_stacks(path: Path = STACKS_FILE) -> dict[str, Any]:
 
 def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak_source: str = "datasheet") -> Speed:
     """The fitted speed of ``stack`` on ``device`` (a device type or the one whose constants it shares,
-    :data:`meshtrain.planner.hardware.EFFICIENCY_FROM`): its exact name, else its framework's; else the pooled one (a
-    stack no published run used on that device: factor 1, the range of every held-out prediction).
+    :data:`meshtrain.planner.hardware.EFFICIENCY_FROM`): its exact name, else without its options, else its framework's
+    without a version; else the pooled one (a stack no published run used on that device: factor 1, the range of every
+    held-out prediction).
 
     A CPU (``device`` "cpu..."): factor 1 and, for a calibrated profile (``peak_source`` not "assumed"), the range
     ``bench/plan_vs_actual.py`` measured on this project's machine (table ``cpu``); the uncalibrated defaults have no
@@ -154,7 +163,8 @@ def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak
         return Speed(1.0, cpu["low"], cpu["high"], "calibrated cpu profile: the errors bench/plan_vs_actual.py measured")
     fitted = table.get("stack", {})
     group = EFFICIENCY_FROM.get(device, device)
-    for key in (f"{stack}/{group}", f"{stack.split('+')[0]}/{group}"):
+    versioned = stack.split("+")[0]
+    for key in dict.fromkeys((f"{stack}/{group}", f"{versioned}/{group}", f"{versioned.split('@')[0]}/{group}")):
         if key in fitted:
             s = fitted[key]
             return Speed(s["factor"], s["low"], s["high"],

@@ -414,8 +414,9 @@ def _calibrated_summary(runs: list[dict[str, Any]], records: list[dict[str, Any]
 
 
 def stack_of(run: dict[str, Any]) -> str:
-    """A run's software stack (:mod:`meshtrain.planner.stack`): its ``stack`` key, else its framework's name."""
-    return str(run.get("stack") or framework_for(run).name)
+    """A run's software stack (:mod:`meshtrain.planner.stack`): its ``stack`` key (canonical: options sorted, a version
+    kept), else its framework's name."""
+    return parse_stack(str(run["stack"]))[0] if "stack" in run else framework_for(run).name
 
 
 def _step_error(run: dict[str, Any], predicted: dict[str, float]) -> float:
