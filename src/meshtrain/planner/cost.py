@@ -262,10 +262,11 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
     # Ring attention runs one (c x c) chunk pair at a time (c = s/(2sp)), only the pairs not entirely in
     # the future: (2sp+1)/(4sp) of all, each without a causal half except the diagonal ones (counted in
-    # that fraction). On a CPU each pair is PyTorch's fused flash kernel at length c (the trainer's
-    # RingAttention); elsewhere plain GEMMs and softmax with the scores materialized, never kept.
+    # that fraction). Each pair is the fused attention kernel at length c on a CPU (the trainer's RingAttention)
+    # and in frameworks whose context parallelism calls it per chunk (Framework.ring_fused); else plain GEMMs and
+    # softmax with the scores materialized, never kept (the trainer's RingAttention on a GPU).
     ring = layout.sp > 1 and layout.sp_mode == "ring"
-    ring_fused = ring and dev.name.startswith("cpu")
+    ring_fused = ring and (dev.name.startswith("cpu") or fw.ring_fused)
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate

@@ -281,6 +281,11 @@ class Framework:
       (multiplies, negation, concatenation), ``repeat_kv``, SwiGLU: ``(218, 52, 28, 24)``.
 
     Both counts are exactly linear in h, kv and f (residual 0 over ten widths), up to a few per-token scalars."""
+    ring_fused: bool = False
+    """Context parallelism (``sp_mode = "ring"``) runs each chunk pair through the fused attention kernel on GPUs too:
+    Megatron-Core's (Transformer Engine's attention with K/V passed around the ring, one fused call per step) and
+    torchtitan's (torch's ``context_parallel``, SDPA per chunk). False: the trainer's ``RingAttention``, which on a GPU
+    runs each pair as plain GEMMs and a softmax (fused only on a CPU)."""
     repeats_kv: bool = False
     """Grouped-query attention's K and V are repeated to the query heads before the attention kernel, which then
     keeps them at the query width (meshtrain's ``models.gpt.repeat_kv``, torchtitan's ``repeat_kv`` in its Llama);
@@ -351,7 +356,7 @@ FRAMEWORKS = {f.name: f for f in (
     MESHTRAIN,
     # context parallelism: Transformer Engine's attention with K/V passed around a ring (cp_comm_type "p2p", the default)
     Framework("megatron-core", tp_comm_overlap=True, zero_stages=(0, 1), pp_schedules=("1f1b", "interleaved-1f1b"),
-              sp_modes=("ulysses", "ring"), expert_folding=True, grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
+              sp_modes=("ulysses", "ring"), ring_fused=True, expert_folding=True, grad_bucket_bytes=40e6 * 4, cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     Framework("megatron-2021", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
               mixed_precision="fp16", zero_stages=(0,), pp_schedules=("1f1b", "interleaved-1f1b"),
               grad_bucket_bytes=float("inf"), cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
@@ -368,12 +373,13 @@ FRAMEWORKS = {f.name: f for f in (
     # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
     # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and
     # recomputes the rest (op-level-alternate); context parallelism is ring attention.
-    Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",), repeats_kv=True,
+    Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",), ring_fused=True,
+              repeats_kv=True,
               swiglu_keeps_activation=True, eager_elementwise=(358.0, 44.0, 28.0, 16.0)),
     # the same under torch.compile (train.compile / --training.compile), whose fused element-wise kernels are
     # what the default count models
     Framework("torchtitan-compile", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",),
-              repeats_kv=True, swiglu_keeps_activation=True),
+              ring_fused=True, repeats_kv=True, swiglu_keeps_activation=True),
     # OLMo-core (allenai/OLMo-core at e27ba74, 2024-11): FSDP2 one unit per block (Transformer.apply_fsdp), compiled
     # blocks, K/V repeated to the query heads (nn/attention.py), gradients reduce-scattered after every micro-batch
     # (train/trainer.py skips the sync of non-final micro-batches only under DDP), and a compiled loss
