@@ -95,6 +95,7 @@ def test_loss_bytes_per_logit(dtype):
     assert FRAMEWORKS["torchtitan"].loss_backward_bytes == want
 
 
+@pytest.mark.slow  # torch.compile's C++ code generation on the CPU: ~30 s
 def test_a_compiled_loss_holds_only_the_logits_gradient():
     """OLMo-core's loss (``compile_loss = True``: ``torch.compile`` of cross-entropy on ``logits.float()`` plus its
     z-loss, ``olmo_core/nn/functional/cross_entropy_loss.py`` at e27ba74) holds ``FRAMEWORKS["olmo-core"]
