@@ -7,10 +7,10 @@ factor** ``s`` on everything a device computes (:func:`scaled`: the GEMM rate, t
 time; communication is left alone): ``s = 1.2`` runs every kernel 1.2x faster than the catalog's constants say.
 
 - A stack is a framework of :data:`meshtrain.planner.layout.FRAMEWORKS`, optionally a version of it, with options
-  (:func:`parse_stack`: ``torchtitan+compile``, ``megatron-core@nemo-24.09+no-tp-comm-overlap``); its factor and its step-time range come from the
-  shipped table ``data/stacks.toml`` (:func:`speed_for`), which :mod:`meshtrain.planner.validate` fits
-  leave-one-source-out on the published runs (:func:`meshtrain.planner.validate.fit_stacks`; ``python -m
-  meshtrain.planner.refit`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
+  (:func:`parse_stack`: ``torchtitan+compile``, ``megatron-core@nemo-24.09+no-tp-comm-overlap``); its factor and its
+  step-time range come from the shipped table ``data/stacks.toml`` (:func:`speed_for`), which
+  :mod:`meshtrain.planner.validate` fits leave-one-source-out on the published runs
+  (:func:`meshtrain.planner.validate.fit_stacks`; ``python -m meshtrain.planner.refit`` rewrites it). A stack without runs gets the pooled factor and the pooled, wider range.
 - One measured run fits ``s`` to itself (:func:`fit_speed`; ``meshtrain plan --measured`` / ``--calibrate-from``),
   and the range narrows to the spread of calibrated predictions on the published runs.
 
