@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import REPO, machine, write_results  # noqa: E402
-from netns import EMULATED_MTU, IFNAME, Host, two_hosts  # noqa: E402
+from netns import EMULATED_MTU, IFNAME, Host, link_bytes, two_hosts  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
 PORT = 29500
@@ -84,16 +84,6 @@ def shaped_hosts(tag: str, rate: str, delay: str):
                      f"delay {delay} one way, MTU {EMULATED_MTU}; tc netem failed here: {error})")
 
 
-def tx_bytes(pair: list[Host]) -> int:
-    """Bytes sent so far on the pair, both ends together."""
-    total = 0
-    for host in pair:
-        out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", IFNAME], check=True,
-                             capture_output=True, text=True).stdout
-        total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
-    return total
-
-
 def train(pair: list[Host], overrides: dict[str, str], out: Path, log: Path) -> None:
     """``meshtrain train`` on both hosts, 2 ranks each, node 0 hosting the rendezvous."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME}
@@ -115,11 +105,11 @@ def run_mode(pair: list[Host], name: str, overrides: dict[str, str], steps: int,
             "train.eval_interval": str(eval_every), "train.log_interval": "10", "train.dtype": "float32",
             "checkpoint.interval": "0", "checkpoint.keep": "1", "train.check_memory": "false"}
     out = tmp / f"{name.replace(' ', '_')}-{seed}"
-    before = tx_bytes(pair)
+    before = link_bytes(pair)
     start = time.perf_counter()
     train(pair, args, out, tmp / f"log-{out.name}")
     wall = time.perf_counter() - start
-    sent = tx_bytes(pair) - before
+    sent = link_bytes(pair) - before
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [{"step": r["step"], "val_loss": r["val_loss"], "elapsed_s": r["elapsed_s"]} for r in records
              if "val_loss" in r]

@@ -89,7 +89,7 @@ class Direction:
             packet = self.queue.popleft()[1]
             try:
                 os.write(self.dst, packet)
-            except (BlockingIOError, OSError):  # the receiving device is down or full: the packet is lost
+            except OSError:  # the receiving device is down or full: the packet is lost
                 pass
         return self.queue[0][0] if self.queue else None
 

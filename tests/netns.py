@@ -12,6 +12,7 @@ namespaces and the pair (or stops the emulator, whose devices go with it) on exi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -138,3 +139,14 @@ def descendants(roots: set[int]) -> set[int]:
                 found.add(pid)
                 grew = True
     return found
+
+
+def link_bytes(pair: list[Host]) -> int:
+    """Bytes sent so far over the link (the veth pair or the emulated link's TUN devices), both ends together (the
+    kernel's counters)."""
+    total = 0
+    for host in pair:
+        out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", IFNAME], check=True, capture_output=True,
+                             text=True).stdout
+        total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
+    return total

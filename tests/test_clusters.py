@@ -41,7 +41,7 @@ import pytest
 
 from conftest import (CONFIG, ROOT, TINY, adamw_drift_bound, assert_close_losses, assert_close_params,
                       assert_resumed_losses, final_params, losses, override_args, read_records, train_cli, train_here)
-from netns import IFNAME, Host, Unavailable, descendants, listeners, two_hosts
+from netns import IFNAME, Host, Unavailable, descendants, link_bytes, listeners, two_hosts
 from slurm_cluster import slurm_cluster
 
 pytestmark = pytest.mark.slow
@@ -137,17 +137,6 @@ def test_resume_across_two_hosts(across, hosts, tmp_path):
     assert_close_params(final_params(resumed), final_params(out), atol=adamw_drift_bound(HIER))
 
 
-def link_bytes(pair: list[Host]) -> int:
-    """Bytes sent so far over the link (the veth pair or the emulated link's TUN devices), both ends together (the
-    kernel's counters)."""
-    total = 0
-    for host in pair:
-        out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", IFNAME], check=True, capture_output=True,
-                             text=True).stdout
-        total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
-    return total
-
-
 @contextlib.contextmanager
 def shaped(pair: list[Host], rate: str = "100mbit"):
     """The pair limited to ``rate`` each way (``tc tbf``: a token bucket; netem, which also delays, is not in every
@@ -177,14 +166,19 @@ def test_diloco_across_two_hosts_over_a_shaped_link(hosts, tmp_path):
     workers exchange S each way every H = 4 steps, 0.5 S per step: 6x; the per-step scalars (the stop check, the
     loss) are a few hundred bytes."""
     with shaped(hosts):
-        before = link_bytes(hosts)
-        train_two_hosts(hosts, tmp_path / "diloco", DILOCO, tmp_path / "log-diloco")
-        diloco_bytes = link_bytes(hosts) - before
-        ddp = {k: v for k, v in DILOCO.items() if not k.startswith("parallel.")}
-        before = link_bytes(hosts)
-        train_two_hosts(hosts, tmp_path / "ddp", ddp, tmp_path / "log-ddp")
-        ddp_bytes = link_bytes(hosts) - before
+        diloco_bytes, ddp_bytes = diloco_and_ddp_bytes(hosts, tmp_path)
     check_diloco_against_ddp(tmp_path, diloco_bytes, ddp_bytes)
+
+
+def diloco_and_ddp_bytes(pair: list[Host], tmp_path: Path) -> tuple[int, int]:
+    """:data:`DILOCO` and then the same run as DDP across ``pair``: the bytes the link carried for each."""
+    sent = []
+    for name, overrides in (("diloco", DILOCO), ("ddp", {k: v for k, v in DILOCO.items()
+                                                         if not k.startswith("parallel.")})):
+        before = link_bytes(pair)
+        train_two_hosts(pair, tmp_path / name, overrides, tmp_path / f"log-{name}")
+        sent.append(link_bytes(pair) - before)
+    return sent[0], sent[1]
 
 
 def check_diloco_against_ddp(tmp_path: Path, diloco_bytes: int, ddp_bytes: int) -> None:
@@ -202,13 +196,7 @@ def test_diloco_across_two_hosts_over_a_delayed_link(tmp_path):
     every collective cross a 20 ms round trip; the losses and the byte ratio hold as on the undelayed pair."""
     try:
         with two_hosts(f"md{os.getpid() % 10000}", emulate=("100mbit", "10ms")) as pair:
-            before = link_bytes(pair)
-            train_two_hosts(pair, tmp_path / "diloco", DILOCO, tmp_path / "log-diloco")
-            diloco_bytes = link_bytes(pair) - before
-            before = link_bytes(pair)
-            train_two_hosts(pair, tmp_path / "ddp", {k: v for k, v in DILOCO.items() if not k.startswith("parallel.")},
-                            tmp_path / "log-ddp")
-            ddp_bytes = link_bytes(pair) - before
+            diloco_bytes, ddp_bytes = diloco_and_ddp_bytes(pair, tmp_path)
     except Unavailable as e:
         pytest.skip(str(e))
     check_diloco_against_ddp(tmp_path, diloco_bytes, ddp_bytes)
