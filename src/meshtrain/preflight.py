@@ -7,6 +7,7 @@ Every failed check raises :class:`meshtrain.config.ConfigError` with one actiona
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
@@ -22,6 +23,10 @@ def preflight(run: ResolvedRun) -> None:
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
+    p = cfg.parallel
+    if p.sync_mode == "diloco" and p.diloco_lighthouse and importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
+                          f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume

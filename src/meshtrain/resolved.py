@@ -78,9 +78,10 @@ class ResolvedRun:
 
     @property
     def workers(self) -> int:
-        """DiLoCo's workers (``sync_mode = "diloco"``: ``world_size / parallel.diloco_group``), else 1."""
+        """DiLoCo's workers in this job (``sync_mode = "diloco"``: ``world_size / parallel.diloco_group``; 1 for an
+        elastic worker, whose peers are other jobs), else 1."""
         p = self.config.parallel
-        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" else 1
+        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" and not p.diloco_lighthouse else 1
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -90,10 +91,12 @@ class ResolvedRun:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, ``micro_batch_size * gradient_accumulation_steps * dp``
-        (:func:`meshtrain.batch_math.global_batch_size`; an async run's step is one worker's batch)."""
-        b = self.config.batch
+        (:func:`meshtrain.batch_math.global_batch_size`; an async run's step is one worker's batch; an elastic
+        DiLoCo worker's run counts every worker's, ``dp * parallel.diloco_workers``)."""
+        b, p = self.config.batch, self.config.parallel
+        elastic = p.diloco_workers if p.sync_mode == "diloco" and p.diloco_lighthouse else 1
         return global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps,
-                                 1 if self.config.parallel.sync_mode == "async" else self.dp)
+                                 1 if p.sync_mode == "async" else self.dp * elastic)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "layout": self.layout, "world_size": self.world_size,

@@ -4,6 +4,7 @@ a family checks its own keys, :func:`meshtrain.models.registry.check_model`) and
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from meshtrain import axes
@@ -91,6 +92,12 @@ def validate(cfg: Config, schedule: bool = True) -> Config:
     c = cfg.checkpoint
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
+    p = cfg.parallel
+    if p.sync_mode == "diloco" and p.diloco_lighthouse:  # elastic workers save at outer steps only
+        H = p.diloco_inner_steps
+        for key, value in (("checkpoint.interval", c.interval), ("train.steps", cfg.train.steps)):
+            _require(value % H == 0, f"{key} = {value} is not a multiple of parallel.diloco_inner_steps = {H}: "
+                                     f"elastic workers end and save at outer steps; use a multiple of {H}")
     _require(not c.async_save or cfg.parallel.sync_mode != "async",
              "checkpoint.async_save = true needs a synchronous parallel.sync_mode: the parameter server (sync_mode "
              "= 'async') saves from inside its gradient handling, with no step the ranks share; use false")
@@ -317,6 +324,32 @@ def _validate_diloco(p: ParallelConfig) -> None:
                                            "parallel.sync_mode = 'diloco' (its outer step is the cross-node exchange): "
                                            "use false")
     _require(p.ep == 1, f"parallel.ep = {p.ep} cannot be combined with parallel.sync_mode = 'diloco': use ep = 1")
+    if p.diloco_lighthouse:
+        _validate_elastic(p)
+    else:
+        _require(p.diloco_workers == 0, f"parallel.diloco_workers = {p.diloco_workers} is for elastic workers (separate "
+                                         f"jobs): set parallel.diloco_lighthouse too, or use 0")
+
+
+def _validate_elastic(p: ParallelConfig) -> None:
+    """Elastic DiLoCo workers (:mod:`meshtrain.parallel.elastic`): the lighthouse's address, the worker's index, and
+    what the elastic exchange does not do (it syncs the whole model at once, applied at once, in fp32 or bf16)."""
+    url = re.fullmatch(r"https?://[^\s/:]+:(\d{1,5})/?", p.diloco_lighthouse)
+    _require(url is not None and 0 < int(url.group(1)) < 65536,
+             f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} is not an address: use http://HOST:PORT "
+             f"(where torchft_lighthouse --bind listens)")
+    _require(p.diloco_workers >= 2, f"parallel.diloco_workers = {p.diloco_workers} must be >= 2 with a lighthouse: "
+                                    f"the workers (jobs) of the run, whose shares of the data they read")
+    _require(0 <= p.diloco_worker < p.diloco_workers,
+             f"parallel.diloco_worker = {p.diloco_worker} must be in [0, {p.diloco_workers}) (diloco_workers)")
+    for key, value, plain in (("diloco_fragments", p.diloco_fragments, 1), ("diloco_delay", p.diloco_delay, 0),
+                              ("diloco_alpha", p.diloco_alpha, 0.0)):
+        _require(value == plain, f"parallel.{key} = {value} is not supported by elastic workers "
+                                 f"(parallel.diloco_lighthouse): they sync the whole model at once; use {plain}")
+    _require(p.diloco_precision in ("fp32", "bf16"), f"parallel.diloco_precision = {p.diloco_precision!r} is not "
+                                                     f"supported by elastic workers: use 'fp32' or 'bf16'")
+    _require(p.zero_stage != 1, "parallel.zero_stage = 1 is not supported by elastic workers (a rejoining worker "
+                                "takes a peer's whole optimizer state): use 0, 2 or 3")
 
 
 def diloco_workers(p: ParallelConfig, world_size: int) -> int:
@@ -388,7 +421,7 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
         return _resolve_async_world(p, nproc)
     inner, names = axes.replica_size(p), axes.product_text(REPLICA_AXES)
     if nproc is None and p.sync_mode == "diloco" and p.dp == -1 and p.diloco_group >= 1:
-        nproc = 2 * p.diloco_group  # two workers
+        nproc = p.diloco_group * (1 if p.diloco_lighthouse else 2)  # two workers; elastic: a job is one
     if nproc is None:
         dp = 1 if p.dp == -1 else p.dp
         if p.sync_mode == "local-sgd":
@@ -416,7 +449,11 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
     if p.sync_mode == "diloco":
         _require(p.diloco_group >= 1, "parallel.diloco_group = 0 (one node per worker) is resolved by meshtrain "
                                       "train from --nproc; set it to the ranks of one worker")
-        diloco_workers(p, nproc)
+        if p.diloco_lighthouse:  # elastic: this job is one worker
+            _require(p.diloco_group == nproc, f"parallel.diloco_group = {p.diloco_group} must equal the job's "
+                                              f"{nproc} ranks with parallel.diloco_lighthouse: each job is one worker")
+        else:
+            diloco_workers(p, nproc)
     return nproc, dp
 
 

@@ -108,6 +108,15 @@ class ParallelConfig(ParallelDegrees):
     diloco_precision: str = "fp32"
     """diloco: how the pseudo-gradients cross between workers: "fp32", "bf16" (all-reduce in bf16) or "int8"
     (each worker's quantized per row, all-gathered, averaged in fp32)."""
+    diloco_lighthouse: str = ""
+    """diloco: elastic workers: the torchft lighthouse (``http://HOST:PORT``, started with ``torchft_lighthouse``)
+    through which separately launched jobs, one worker each, form the outer all-reduce at every outer step; a
+    worker may leave and rejoin (``--max-restarts``), the others go on (:mod:`meshtrain.parallel.elastic`).
+    "" = the workers are this job's rank groups."""
+    diloco_worker: int = 0
+    """diloco, elastic: this job's worker, 0 .. ``diloco_workers - 1`` (which share of the data it reads)."""
+    diloco_workers: int = 0
+    """diloco, elastic: the workers of the run (the data is split in that many shares); 0 without a lighthouse."""
     stale_policy: str = "drop"
     """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
     wait for parameters so that no gradient is ever too stale)."""

@@ -32,6 +32,7 @@ package that may import every strategy.) The parameter server is a loop of its o
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -92,8 +93,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                      if p.sync_mode == "local-sgd" else None)
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
-    if dims.workers > 1:
-        replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
+    replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
+    if p.sync_mode == "diloco" and p.diloco_lighthouse:  # this job is one worker; the others are jobs too
+        from meshtrain.parallel.elastic import ElasticDiLoCo
+        from meshtrain.runtime.distributed import LOOPBACK_ENV
+
+        parallel.outer = ElasticDiLoCo(parallel.model, cfg.model.n_layer, p.diloco_inner_steps, p.outer_lr,
+                                       p.outer_momentum, p.diloco_precision,
+                                       dims.get_mesh(BATCH_MESH).get_group() if replicated else None,
+                                       p.diloco_lighthouse, p.diloco_worker, cfg.train.collective_timeout_s,
+                                       loopback=os.environ.get(LOOPBACK_ENV) == "1")
+    elif dims.workers > 1:
         parallel.outer = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer,
                                 p.diloco_inner_steps, p.outer_lr, p.outer_momentum, p.diloco_fragments, p.diloco_delay,
                                 p.diloco_alpha, p.diloco_precision,

@@ -113,7 +113,8 @@ class DiLoCo:
 
     Args:
         model: this rank's part of the model (its pipeline chunks, tp/FSDP2 shards, wrapped as dp needs).
-        group: the ``"diloco"`` mesh's group: this rank and the ranks at its place in the other workers.
+        group: the ``"diloco"`` mesh's group: this rank and the ranks at its place in the other workers (None:
+            the workers are other jobs, :class:`meshtrain.parallel.elastic.ElasticDiLoCo`).
         n_layer: the model's blocks (for the fragments).
         inner_steps: H; ``fragments``: F (divides H); ``delay``: tau < H/F; ``alpha``: the mixing in [0, 1);
         outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is > 0);
@@ -126,7 +127,7 @@ class DiLoCo:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, n_layer: int, inner_steps: int, outer_lr: float,
                  outer_momentum: float, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  precision: str = "fp32", replica_group: dist.ProcessGroup | None = None) -> None:
-        self.group, self.workers = group, dist.get_world_size(group)
+        self.group, self.workers = group, dist.get_world_size(group) if group is not None else 1
         self.replica_group = replica_group
         self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
         self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
@@ -147,6 +148,16 @@ class DiLoCo:
         """Bytes this rank put into outer exchanges (the payload: a ring all-reduce moves 2(W-1)/W of it)."""
         self.largest_exchange = 0
         """This rank's largest payload of one exchange, bytes."""
+
+    elastic = False
+    """Whether the workers are separate jobs (:class:`meshtrain.parallel.elastic.ElasticDiLoCo`)."""
+
+    def can_save(self, step: int) -> bool:
+        """Whether a checkpoint of ``step`` can be taken: always (:meth:`consolidate` makes the outer model)."""
+        return True
+
+    def close(self) -> None:
+        """Nothing to release (the workers' group is the job's)."""
 
     def start(self, step: int) -> None:
         """Set the round to start after inner step ``step`` (a resumed run's first step - 1): every fragment's
@@ -189,11 +200,7 @@ class DiLoCo:
         frag.last_sync = step
         if not frag.params:
             return
-        delta = torch.cat([(outer - _local(p).float()).flatten() for outer, p in zip(frag.outer, frag.params)])
-        if self.replicas > 1:  # replicas inside the worker hold the same delta: each sends its share
-            share = -(-delta.numel() // self.replicas)
-            delta = torch.nn.functional.pad(delta, (0, share * self.replicas - delta.numel()))
-            delta = delta[self.replica_rank * share:(self.replica_rank + 1) * share].clone()
+        delta = self._pseudo_gradient(frag)
         background = self.delay > 0
         if self.precision == "int8":
             codes, scales = quantize_int8(delta)
@@ -225,6 +232,24 @@ class DiLoCo:
             average = sum(dequantize_int8(c, s, int(n)) for c, s in zip(codes, scales)) / self.workers
         else:
             average = exchange.buffers[0].float() / self.workers
+        self._outer_step(frag, average, alpha)
+
+    def _pseudo_gradient(self, frag: Fragment, zero: bool = False) -> torch.Tensor:
+        """``frag``'s pseudo-gradient on this rank, outer minus local weights, flat fp32 (``zero``: zeros shaped so);
+        with replicas inside the worker, which hold the same one, this rank's 1/n share of it (zero-padded)."""
+        n = sum(outer.numel() for outer in frag.outer)
+        delta = (torch.zeros(n, device=self.device) if zero else
+                 torch.cat([(outer - _local(p).float()).flatten() for outer, p in zip(frag.outer, frag.params)]))
+        if self.replicas > 1:  # replicas inside the worker hold the same delta: each sends its share
+            share = -(-n // self.replicas)
+            delta = torch.nn.functional.pad(delta, (0, share * self.replicas - n))
+            delta = delta[self.replica_rank * share:(self.replica_rank + 1) * share].clone()
+        return delta
+
+    @torch.no_grad()
+    def _outer_step(self, frag: Fragment, average: torch.Tensor, alpha: float) -> None:
+        """The outer SGD step of ``frag`` on the workers' ``average`` pseudo-gradient (this rank's share of it with
+        replicas inside the worker), then the local weights mixed with the outer ones (``alpha = 0``: replaced)."""
         if self.replicas > 1:  # every share of the average, from the worker's replicas (inside the node)
             shares = torch.empty(self.replicas * average.numel(), dtype=average.dtype, device=average.device)
             dist.all_gather_into_tensor(shares, average.contiguous(), group=self.replica_group)

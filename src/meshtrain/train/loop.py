@@ -81,24 +81,50 @@ class Trainer:
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
         b = cfg.batch
         zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
+        p = cfg.parallel
+        elastic = p.sync_mode == "diloco" and bool(p.diloco_lighthouse)  # this job is worker diloco_worker of them
+        shares = p.diloco_workers if elastic else 1
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
-        dp_rank = self.dims.worker_of(self.rank) * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'
+        worker = p.diloco_worker if elastic else self.dims.worker_of(self.rank)
+        dp_rank = worker * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'
         corpus = self.setup.corpus
         self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
-                                      b.gradient_accumulation_steps, dp, dp_rank, cfg.train.seed)
+                                      b.gradient_accumulation_steps, dp * shares, dp_rank, cfg.train.seed)
         self.val = eval_batches(corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
-                                dp, dp_rank, cfg.train.seed)
+                                dp * shares, dp_rank, cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
         if self.parallel.outer is not None:
             self.parallel.outer.start(self.start_step)  # the outer weights: the model as it starts
+        if elastic:  # join the other workers; behind them, take over a living one's state and step
+            self.parallel.outer.attach(self._elastic_state, self._load_elastic_state)
+            joined = self.parallel.outer.join(self.start_step)
+            if joined != self.start_step and self.rank == 0:
+                print(f"DiLoCo worker {p.diloco_worker} joined the others at step {joined} (took over a living "
+                      f"worker's state; it was at step {self.start_step})", file=sys.stderr, flush=True)
+            self.start_step = joined
         c = cfg.checkpoint
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         if self.start_step == 0 and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
             self.source_hf_config = source_hf_config(cfg.model.init_from)
+
+    def _elastic_state(self) -> dict[str, Any]:
+        """The trainer's part of what a rejoining elastic DiLoCo worker takes over (:mod:`meshtrain.parallel.elastic`):
+        this rank's inner optimizer state, the sampler and the LR schedule."""
+        from meshtrain.parallel.elastic import optimizer_state
+
+        return {"optimizer": optimizer_state(self.optimizer), "sampler": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def _load_elastic_state(self, state: dict[str, Any]) -> None:
+        from meshtrain.parallel.elastic import load_optimizer_state
+
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     @property
     def dtype(self) -> str:
@@ -150,6 +176,9 @@ class Trainer:
         the committed step folder, or None while ``checkpoint.async_save`` writes it in the background
         (``wait``: wait for that write and commit it). A step whose write is in flight is not saved twice."""
         saved = None
+        outer = self.parallel.outer
+        if outer is not None and not outer.can_save(step):
+            return self.checkpoints.wait() if wait else None  # an elastic worker between outer steps: no outer model
         if self.checkpoints.in_flight != step:
             self.parallel.consolidate(step)
             carried = {"source_hf_config": self.source_hf_config} if self.source_hf_config else {}
@@ -245,7 +274,10 @@ class Trainer:
         finally:
             profiler.close()
             log.close()
-        return self._finish(step_times, val_loss, tokens)
+        summary = self._finish(step_times, val_loss, tokens)
+        if self.parallel.outer is not None:
+            self.parallel.outer.close()  # elastic workers leave the quorum
+        return summary
 
     def _finish(self, step_times: list[float], val_loss: float | None, tokens: int) -> dict[str, Any]:
         """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``

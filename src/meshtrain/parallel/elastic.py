@@ -1,0 +1,201 @@
+"""Elastic DiLoCo workers (``parallel.diloco_lighthouse``): each worker its own job, free to leave and rejoin.
+
+Under :class:`meshtrain.parallel.diloco.DiLoCo` the workers are rank groups of one torchrun job, and torchrun
+restarts a whole job when one rank fails: every worker would stop. Here each worker is a job of its own
+(``meshtrain train ... --parallel.diloco_worker I``), and the outer all-reduce runs through torchft (PyTorch's
+fault-tolerance library, pytorch/torchft): at every outer step the workers alive ask a lighthouse
+(``torchft_lighthouse``) for a quorum, the all-reduce runs over a process group re-formed for that quorum, and
+each worker commits the step only if its all-reduce succeeded (``Manager.should_commit``). A worker that dies
+stops heartbeating and drops out of the next quorum (after the lighthouse's ``--heartbeat_timeout_ms``); the
+others go on. When ``--max-restarts`` brings it back, it joins before its first inner step
+(:meth:`ElasticDiLoCo.join`): its first quorum is the others' next outer step, where it is behind, so torchft
+sends it a living worker's state (the outer weights, the outer momentum, the step, and through the trainer's
+callbacks the inner optimizer, the sampler and the LR schedule) and it takes that outer step with them, adding
+nothing to the average. From there it is one of them again.
+
+The arithmetic is DiLoCo's (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1) over the workers in the
+quorum. Each sends ``[theta_outer - theta_w, 1]`` if it took inner steps since its last outer step and
+``[0, 0]`` if it did not (a worker joining, which torchft also zeroes); the sum's last entry counts the
+pseudo-gradients, so::
+
+    Delta = sum_w (theta_outer - theta_w) / (workers that took steps)
+
+and an outer step where no worker took inner steps (all joining at once) moves nothing. With every worker
+alive and a fresh start this is exactly :class:`~meshtrain.parallel.diloco.DiLoCo` with one fragment
+(tests/test_elastic.py). A step whose all-reduce failed (a worker died inside it) is not committed: the outer
+weights and momentum stay, each worker keeps its weights, and the next outer step's pseudo-gradient carries
+both rounds.
+
+Elastic workers sync the whole model at once and apply it at once (``diloco_fragments = 1``, ``diloco_delay =
+0``, ``diloco_alpha = 0``), in fp32 or bf16, and save checkpoints at outer steps only, where each worker's
+weights are the outer weights; ``config.checks`` refuses the rest before launch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtrain.parallel.diloco import DiLoCo, _local
+
+STATE_KEY = "meshtrain"
+"""The key of the worker's state in what torchft sends a rejoining worker."""
+
+
+class ElasticDiLoCo(DiLoCo):
+    """DiLoCo's outer loop with its workers in separate jobs, joined through a torchft lighthouse.
+
+    Args:
+        model: this rank's part of the model (one worker's layout: DDP, FSDP2, tp, pp, sp inside).
+        n_layer, inner_steps, outer_lr, outer_momentum, precision ("fp32" or "bf16"), replica_group: as
+            :class:`~meshtrain.parallel.diloco.DiLoCo`'s.
+        lighthouse: the lighthouse's ``http://HOST:PORT``.
+        worker: this job's worker index (torchft's replica id ``worker{I}``).
+        timeout_s: how long a quorum, an all-reduce or a state transfer may wait (seconds); a joining worker
+            waits for the others' next outer step, so it must exceed H inner steps.
+        loopback: the job's store is on 127.0.0.1 (one machine): the manager advertises 127.0.0.1 too.
+
+    Raises:
+        ImportError: torchft is not installed (``pip install torchft``).
+    """
+
+    elastic = True
+
+    def __init__(self, model: nn.Module, n_layer: int, inner_steps: int, outer_lr: float, outer_momentum: float,
+                 precision: str, replica_group: dist.ProcessGroup | None, lighthouse: str, worker: int,
+                 timeout_s: float, loopback: bool) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        super().__init__(model, None, n_layer, inner_steps, outer_lr, outer_momentum, precision=precision,
+                         replica_group=replica_group)
+        timeout = timedelta(seconds=timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout) if self.device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+        host = "127.0.0.1" if loopback else os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
+                               timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                               rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               store_addr=host, store_port=int(os.environ.get("MASTER_PORT", "29500")),
+                               lighthouse_addr=lighthouse, replica_id=f"worker{worker}",
+                               hostname="127.0.0.1" if loopback else os.uname().nodename,
+                               init_sync=False)  # every worker builds the same weights from train.seed
+        self.manager.register_state_dict_fn(STATE_KEY, self._load_state, self._state)
+        self._trainer: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
+        self.step = 0
+        """The inner step of the outer step in progress (what a rejoining worker continues from)."""
+        self.healed_at: int | None = None
+        """The step a rejoining worker took over from a living one, or None."""
+        self.failed_commits = 0
+        self.participants = 0
+        """Workers in the last quorum."""
+
+    def attach(self, state: Callable[[], dict], load_state: Callable[[dict], None]) -> None:
+        """The trainer's part of the state a rejoining worker takes over: ``state()`` -> a picklable dict (inner
+        optimizer, sampler, schedule), ``load_state(that dict)``."""
+        self._trainer = (state, load_state)
+
+    def join(self, step: int) -> int:
+        """Join the workers before inner step ``step + 1`` (``step``: 0, or the step a checkpoint resumed);
+        return the step to continue after: a living worker's when this one was behind and took over its state,
+        else ``step``. Blocks until the others reach their next outer step (or all start together)."""
+        self._sync(step)
+        return self.step
+
+    def after_step(self, step: int) -> None:
+        """After inner step ``step``: the outer step when ``step`` is a multiple of H."""
+        if step % self.H == 0:
+            self._sync(step)
+
+    def consolidate(self, step: int) -> None:
+        """Nothing: elastic workers save at outer steps only (``config.checks``), where weights are outer."""
+
+    def can_save(self, step: int) -> bool:
+        """Whether a checkpoint of ``step`` holds the outer model: ``step`` is an outer step."""
+        return step == self.fragments[0].last_sync
+
+    @torch.no_grad()
+    def _sync(self, step: int) -> None:
+        """One outer step with the workers of a new quorum (see the module's docstring for the arithmetic)."""
+        frag = self.fragments[0]
+        self.step = step
+        self.manager.start_quorum()
+        took = step > frag.last_sync
+        count = torch.full((1,), float(took), device=self.device)  # 1 if this worker sends a pseudo-gradient
+        buffer = torch.cat([self._pseudo_gradient(frag, zero=not took), count])
+        if self.precision == "bf16":
+            buffer = buffer.bfloat16()  # the count (<= 256 workers) is exact in bf16
+        self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM).wait()
+        committed = self.manager.should_commit()  # a rejoining worker's new state is loaded in here
+        self.participants = self.manager.num_participants()
+        self.sent_bytes += buffer.numel() * buffer.element_size()
+        self.largest_exchange = max(self.largest_exchange, buffer.numel() * buffer.element_size())
+        if not committed:
+            self.failed_commits += 1
+            return
+        frag.last_sync = self.step
+        count = float(buffer[-1])
+        if count == 0:
+            return
+        self._outer_step(frag, buffer[:-1].float() / count, alpha=0.0)
+
+    def _state(self) -> dict[str, Any]:
+        """What a rejoining worker takes over: the step, the outer weights and momentum (this rank's shards), and
+        the trainer's part. Read by torchft's transfer while this worker is inside an outer step."""
+        frag = self.fragments[0]
+        momentum = [frag.optimizer.state.get(o, {}).get("momentum_buffer") for o in frag.outer]
+        return {"step": self.step, "outer": [o.clone() for o in frag.outer],
+                "momentum": [None if m is None else m.clone() for m in momentum],
+                "trainer": self._trainer[0]() if self._trainer else None}
+
+    @torch.no_grad()
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Take over a living worker's state (:meth:`_state`): this worker's weights become the outer weights."""
+        frag = self.fragments[0]
+        for outer, value, p in zip(frag.outer, state["outer"], frag.params):
+            outer.copy_(value)
+            _local(p).copy_(outer)
+        for outer, value in zip(frag.outer, state["momentum"]):
+            if value is not None:
+                frag.optimizer.state[outer]["momentum_buffer"] = value.to(outer.device).clone()
+        if self._trainer and state["trainer"] is not None:
+            self._trainer[1](state["trainer"])
+        self.step = self.healed_at = int(state["step"])
+
+    def report(self) -> dict[str, Any]:
+        """DiLoCo's summary entry (:meth:`DiLoCo.report`, this worker's bytes) plus the elastic facts: workers in the
+        last quorum, outer steps not committed, the step this worker took over (None if it never rejoined)."""
+        entry = super().report()
+        entry.update(workers=self.participants, elastic=True, failed_commits=self.failed_commits,
+                     healed_at=self.healed_at)
+        return entry
+
+    def close(self) -> None:
+        """Leave: stop this worker's manager server (its heartbeats) and checkpoint transport."""
+        self.manager.shutdown(wait=False)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every DTensor as this rank's local tensor (picklable without a mesh)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                      for i, s in state["state"].items()}
+    return state
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """The inverse of :func:`optimizer_state`: local tensors placed as their parameters (DTensors) again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {}
+    for i, s in state["state"].items():
+        p = params[int(i)]
+        placed[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                     if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                     for k, v in s.items()}
+    optimizer.load_state_dict({**state, "state": placed})
