@@ -1,4 +1,4 @@
-"""Elastic DiLoCo workers (``parallel.diloco_lighthouse``, :mod:`meshtrain.parallel.elastic`): each worker its own
+"""Elastic DiLoCo workers (``parallel.diloco_lighthouse``, :mod:`meshtrain.parallel.diloco.elastic`): each worker its own
 ``meshtrain train`` job, joined through torchft's lighthouse on 127.0.0.1.
 
 - With every worker alive from the start, two worker jobs are the two-worker DiLoCo of one job: the same

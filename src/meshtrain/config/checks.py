@@ -332,7 +332,7 @@ def _validate_diloco(p: ParallelConfig) -> None:
 
 
 def _validate_elastic(p: ParallelConfig) -> None:
-    """Elastic DiLoCo workers (:mod:`meshtrain.parallel.elastic`): the lighthouse's address, the worker's index, and
+    """Elastic DiLoCo workers (:mod:`meshtrain.parallel.diloco.elastic`): the lighthouse's address, the worker's index, and
     what the elastic exchange does not do (it syncs the whole model at once, applied at once, in fp32 or bf16)."""
     url = re.fullmatch(r"https?://[^\s/:]+:(\d{1,5})/?", p.diloco_lighthouse)
     _require(url is not None and 0 < int(url.group(1)) < 65536,

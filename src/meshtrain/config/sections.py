@@ -111,7 +111,7 @@ class ParallelConfig(ParallelDegrees):
     diloco_lighthouse: str = ""
     """diloco: elastic workers: the torchft lighthouse (``http://HOST:PORT``, started with ``torchft_lighthouse``)
     through which separately launched jobs, one worker each, form the outer all-reduce at every outer step; a
-    worker may leave and rejoin (``--max-restarts``), the others go on (:mod:`meshtrain.parallel.elastic`).
+    worker may leave and rejoin (``--max-restarts``), the others go on (:mod:`meshtrain.parallel.diloco.elastic`).
     "" = the workers are this job's rank groups."""
     diloco_worker: int = 0
     """diloco, elastic: this job's worker, 0 .. ``diloco_workers - 1`` (which share of the data it reads)."""

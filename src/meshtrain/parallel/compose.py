@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
     if p.sync_mode == "diloco" and p.diloco_lighthouse:  # this job is one worker; the others are jobs too
-        from meshtrain.parallel.elastic import ElasticDiLoCo
+        from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
         from meshtrain.runtime.distributed import LOOPBACK_ENV
 
         parallel.outer = ElasticDiLoCo(parallel.model, cfg.model.n_layer, p.diloco_inner_steps, p.outer_lr,

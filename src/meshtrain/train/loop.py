@@ -99,7 +99,7 @@ class Trainer:
         if self.parallel.outer is not None:
             self.parallel.outer.start(self.start_step)  # the outer weights: the model as it starts
         if elastic:  # join the other workers; behind them, take over a living one's state and step
-            self.parallel.outer.attach(self._elastic_state, self._load_elastic_state)
+            self.parallel.outer.attach(self.optimizer, self.sampler, self.scheduler)
             joined = self.parallel.outer.join(self.start_step)
             if joined != self.start_step and self.rank == 0:
                 print(f"DiLoCo worker {p.diloco_worker} joined the others at step {joined} (took over a living "
@@ -110,21 +110,6 @@ class Trainer:
         if self.start_step == 0 and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
             self.source_hf_config = source_hf_config(cfg.model.init_from)
-
-    def _elastic_state(self) -> dict[str, Any]:
-        """The trainer's part of what a rejoining elastic DiLoCo worker takes over (:mod:`meshtrain.parallel.elastic`):
-        this rank's inner optimizer state, the sampler and the LR schedule."""
-        from meshtrain.parallel.elastic import optimizer_state
-
-        return {"optimizer": optimizer_state(self.optimizer), "sampler": self.sampler.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
-
-    def _load_elastic_state(self, state: dict[str, Any]) -> None:
-        from meshtrain.parallel.elastic import load_optimizer_state
-
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
     @property
     def dtype(self) -> str:

@@ -1,6 +1,6 @@
 """Elastic DiLoCo workers (``parallel.diloco_lighthouse``): each worker its own job, free to leave and rejoin.
 
-Under :class:`meshtrain.parallel.diloco.DiLoCo` the workers are rank groups of one torchrun job, and torchrun
+Under :class:`meshtrain.parallel.diloco.outer.DiLoCo` the workers are rank groups of one torchrun job, and torchrun
 restarts a whole job when one rank fails: every worker would stop. Here each worker is a job of its own
 (``meshtrain train ... --parallel.diloco_worker I``), and the outer all-reduce runs through torchft (PyTorch's
 fault-tolerance library, pytorch/torchft): at every outer step the workers alive ask a lighthouse
@@ -21,7 +21,7 @@ pseudo-gradients, so::
     Delta = sum_w (theta_outer - theta_w) / (workers that took steps)
 
 and an outer step where no worker took inner steps (all joining at once) moves nothing. With every worker
-alive and a fresh start this is exactly :class:`~meshtrain.parallel.diloco.DiLoCo` with one fragment
+alive and a fresh start this is exactly :class:`~meshtrain.parallel.diloco.outer.DiLoCo` with one fragment
 (tests/test_elastic.py). A step whose all-reduce failed (a worker died inside it) is not committed: the outer
 weights and momentum stay, each worker keeps its weights, and the next outer step's pseudo-gradient carries
 both rounds.
@@ -33,8 +33,8 @@ weights are the outer weights; ``config.checks`` refuses the rest before launch.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtrain.parallel.diloco import DiLoCo, _local
+from meshtrain.parallel.diloco.outer import DiLoCo, _local
 
 STATE_KEY = "meshtrain"
 """The key of the worker's state in what torchft sends a rejoining worker."""
@@ -55,7 +55,7 @@ class ElasticDiLoCo(DiLoCo):
     Args:
         model: this rank's part of the model (one worker's layout: DDP, FSDP2, tp, pp, sp inside).
         n_layer, inner_steps, outer_lr, outer_momentum, precision ("fp32" or "bf16"), replica_group: as
-            :class:`~meshtrain.parallel.diloco.DiLoCo`'s.
+            :class:`~meshtrain.parallel.diloco.outer.DiLoCo`'s.
         lighthouse: the lighthouse's ``http://HOST:PORT``.
         worker: this job's worker index (torchft's replica id ``worker{I}``).
         timeout_s: how long a quorum, an all-reduce or a state transfer may wait (seconds); a joining worker
@@ -71,8 +71,11 @@ class ElasticDiLoCo(DiLoCo):
     def __init__(self, model: nn.Module, n_layer: int, inner_steps: int, outer_lr: float, outer_momentum: float,
                  precision: str, replica_group: dist.ProcessGroup | None, lighthouse: str, worker: int,
                  timeout_s: float, loopback: bool) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO (2 lines a step)
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        logging.getLogger("torchft.manager").addFilter(_no_flight_recorder)
 
         super().__init__(model, None, n_layer, inner_steps, outer_lr, outer_momentum, precision=precision,
                          replica_group=replica_group)
@@ -87,7 +90,7 @@ class ElasticDiLoCo(DiLoCo):
                                hostname="127.0.0.1" if loopback else os.uname().nodename,
                                init_sync=False)  # every worker builds the same weights from train.seed
         self.manager.register_state_dict_fn(STATE_KEY, self._load_state, self._state)
-        self._trainer: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
+        self._trainer: tuple[torch.optim.Optimizer, Any, Any] | None = None
         self.step = 0
         """The inner step of the outer step in progress (what a rejoining worker continues from)."""
         self.healed_at: int | None = None
@@ -96,10 +99,10 @@ class ElasticDiLoCo(DiLoCo):
         self.participants = 0
         """Workers in the last quorum."""
 
-    def attach(self, state: Callable[[], dict], load_state: Callable[[dict], None]) -> None:
-        """The trainer's part of the state a rejoining worker takes over: ``state()`` -> a picklable dict (inner
-        optimizer, sampler, schedule), ``load_state(that dict)``."""
-        self._trainer = (state, load_state)
+    def attach(self, optimizer: torch.optim.Optimizer, sampler: Any, scheduler: Any) -> None:
+        """The trainer's part of the state a rejoining worker takes over: the inner optimizer (this rank's shards), the
+        sampler's position and the LR schedule (each with ``state_dict``/``load_state_dict``)."""
+        self._trainer = (optimizer, sampler, scheduler)
 
     def join(self, step: int) -> int:
         """Join the workers before inner step ``step + 1`` (``step``: 0, or the step a checkpoint resumed);
@@ -152,7 +155,9 @@ class ElasticDiLoCo(DiLoCo):
         momentum = [frag.optimizer.state.get(o, {}).get("momentum_buffer") for o in frag.outer]
         return {"step": self.step, "outer": [o.clone() for o in frag.outer],
                 "momentum": [None if m is None else m.clone() for m in momentum],
-                "trainer": self._trainer[0]() if self._trainer else None}
+                "trainer": None if self._trainer is None else {
+                    "optimizer": optimizer_state(self._trainer[0]), "sampler": self._trainer[1].state_dict(),
+                    "scheduler": self._trainer[2].state_dict()}}
 
     @torch.no_grad()
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -164,8 +169,11 @@ class ElasticDiLoCo(DiLoCo):
         for outer, value in zip(frag.outer, state["momentum"]):
             if value is not None:
                 frag.optimizer.state[outer]["momentum_buffer"] = value.to(outer.device).clone()
-        if self._trainer and state["trainer"] is not None:
-            self._trainer[1](state["trainer"])
+        if self._trainer is not None and state["trainer"] is not None:
+            optimizer, sampler, scheduler = self._trainer
+            load_optimizer_state(optimizer, state["trainer"]["optimizer"])
+            sampler.load_state_dict(state["trainer"]["sampler"])
+            scheduler.load_state_dict(state["trainer"]["scheduler"])
         self.step = self.healed_at = int(state["step"])
 
     def report(self) -> dict[str, Any]:
@@ -179,6 +187,12 @@ class ElasticDiLoCo(DiLoCo):
     def close(self) -> None:
         """Leave: stop this worker's manager server (its heartbeats) and checkpoint transport."""
         self.manager.shutdown(wait=False)
+
+
+def _no_flight_recorder(record: logging.LogRecord) -> bool:
+    """Drop torchft's warning at every new quorum that NCCL's flight recorder cannot be reset (it has none to reset
+    under gloo, and nothing is wrong under NCCL either: its traces are simply not split by quorum)."""
+    return "flight recorder" not in record.getMessage()
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -114,7 +114,7 @@ class DiLoCo:
     Args:
         model: this rank's part of the model (its pipeline chunks, tp/FSDP2 shards, wrapped as dp needs).
         group: the ``"diloco"`` mesh's group: this rank and the ranks at its place in the other workers (None:
-            the workers are other jobs, :class:`meshtrain.parallel.elastic.ElasticDiLoCo`).
+            the workers are other jobs, :class:`meshtrain.parallel.diloco.elastic.ElasticDiLoCo`).
         n_layer: the model's blocks (for the fragments).
         inner_steps: H; ``fragments``: F (divides H); ``delay``: tau < H/F; ``alpha``: the mixing in [0, 1);
         outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is > 0);
@@ -150,7 +150,7 @@ class DiLoCo:
         """This rank's largest payload of one exchange, bytes."""
 
     elastic = False
-    """Whether the workers are separate jobs (:class:`meshtrain.parallel.elastic.ElasticDiLoCo`)."""
+    """Whether the workers are separate jobs (:class:`meshtrain.parallel.diloco.elastic.ElasticDiLoCo`)."""
 
     def can_save(self, step: int) -> bool:
         """Whether a checkpoint of ``step`` can be taken: always (:meth:`consolidate` makes the outer model)."""
