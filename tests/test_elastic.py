@@ -22,64 +22,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIG, ROOT, TINY, assert_close_losses, final_params, free_port, losses, override_args, \
-    read_records
+import elastic_jobs
+from conftest import CONFIG, ROOT, TINY, assert_close_losses, final_params, losses, override_args, read_records
+from elastic_jobs import Lighthouse, logged_steps, rank_pid
 
 pytest.importorskip("torchft")
 
-LIGHTHOUSE = Path(sys.executable).with_name("torchft_lighthouse")
 MODEL = {**TINY, "model.n_head": "4", "model.dropout": "0.0", "batch.micro_batch_size": "2",
          "parallel.sync_mode": "diloco", "parallel.diloco_group": "1", "parallel.diloco_inner_steps": "4",
          "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "3"}
 """The two-worker DiLoCo of tests/test_diloco.py's runs (AdamW inside, H = 4, outer Nesterov 0.7/0.9)."""
 
 
-class Lighthouse:
-    """``torchft_lighthouse`` on 127.0.0.1: a quorum needs ``min_replicas`` workers; a worker silent for
-    ``heartbeat_ms`` has left."""
-
-    def __init__(self, min_replicas: int, heartbeat_ms: int = 2000) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen([str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind",
-                                      f"127.0.0.1:{self.port}", "--heartbeat_timeout_ms", str(heartbeat_ms)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def start_worker(lighthouse: Lighthouse, worker: int, out: Path, overrides: dict[str, str], *extra: str,
                  ranks: int = 1) -> subprocess.Popen:
-    """``meshtrain train`` of worker ``worker`` of 2 on ``ranks`` ranks (dp inside), output in ``out`` (its log in
-    ``out``.log)."""
-    args = {**MODEL, **overrides, "parallel.diloco_lighthouse": lighthouse.url, "parallel.diloco_workers": "2",
-            "parallel.diloco_worker": str(worker), "parallel.diloco_group": str(ranks), "train.out_dir": str(out)}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(f"{out}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "meshtrain.cli", "train", str(CONFIG), "--nproc", str(ranks), *extra,
-                             *override_args(args)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    """Worker ``worker`` of 2 of :data:`MODEL`'s run (:func:`elastic_jobs.start_worker`)."""
+    return elastic_jobs.start_worker(CONFIG, lighthouse, worker, 2, out, {**MODEL, **overrides}, *extra, ranks=ranks)
 
 
 def finish(proc: subprocess.Popen, out: Path, timeout: float = 300) -> None:
     assert proc.wait(timeout=timeout) == 0, Path(f"{out}.log").read_text()[-4000:]
-
-
-def rank_pid(launcher: int) -> int | None:
-    """The pid of the rank (``python -m meshtrain.train``) under ``launcher``, or None while there is none."""
-    pending = [launcher]
-    while pending:
-        pid = pending.pop()
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"meshtrain.train" in cmdline:
-            return pid
-        pending += map(int, children)
-    return None
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank-workers", "dp2-workers"])
@@ -88,7 +50,7 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks):
     pseudo-gradients, as the one-job DiLoCo's all-reduce does: same inputs, same operations, so every loss of
     worker 0 and the final weights agree to the contract's tolerance (the runs order no sum differently). With
     dp2 inside, each rank sends half the pseudo-gradient through its own torchft group, as in one job."""
-    lighthouse = Lighthouse(min_replicas=2)
+    lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
     try:
         jobs = [(start_worker(lighthouse, w, tmp_path / f"w{w}", {}, ranks=ranks), tmp_path / f"w{w}") for w in (0, 1)]
         for proc, out in jobs:
@@ -111,7 +73,7 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks):
         summary = json.loads((tmp_path / f"w{w}" / "summary.json").read_text())["diloco"]
         assert (summary["workers"], summary["outer_steps"], summary["healed_at"]) == (2, 3, None)
     if ranks == 1:  # both workers stopped and resumed from their own step-8 checkpoints: the uninterrupted run
-        lighthouse = Lighthouse(min_replicas=2)
+        lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
         try:
             jobs = [(start_worker(lighthouse, w, tmp_path / f"r{w}", {}, "--resume",
                                   str(tmp_path / f"w{w}" / "checkpoints" / "step_000008")), tmp_path / f"r{w}")
@@ -130,17 +92,17 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks):
                 torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def first_steps(out: Path) -> list[int]:
-    """The steps a worker has logged so far (none before its metrics file exists)."""
-    return [r["step"] for r in read_records(out) if "loss" in r] if (out / "metrics.jsonl").exists() else []
-
-
 def test_a_killed_worker_rejoins_while_the_other_goes_on(tmp_path):
     """Two worker jobs under ``--max-restarts 1``. The lighthouse lets one worker form a quorum alone, so the
     one that starts later may join the other at an outer step, taking over its state; the survivor is a worker
     that started at step 1. The other's rank is killed (SIGKILL) 8 steps later and restarted by torchrun with no
     checkpoint to resume (``checkpoint.interval = 0``), so it can only continue past the kill by taking over the
-    survivor's state. The survivor's rank is the same process throughout: it logs every step once, in order."""
+    survivor's state. The survivor's rank is the same process throughout: it logs every step once, in order.
+
+    Timing: at its next outer step the survivor waits until the lighthouse declares the dead worker gone (its
+    heartbeats missing for torchft's default 5 s), then goes on alone until the restarted worker asks to join (the
+    bench measures both). The restart must end before the survivor's last step: 5 s plus the survivor's ~1,100
+    remaining steps (>= 8 s on an idle 2-core machine; slowed by the same load that slows the restart)."""
     steps, H = 1200, 4
     overrides = {"train.steps": str(steps), "checkpoint.interval": "0", "train.log_interval": "1"}
     outs = [tmp_path / f"w{w}" for w in (0, 1)]
@@ -148,25 +110,25 @@ def test_a_killed_worker_rejoins_while_the_other_goes_on(tmp_path):
     try:
         jobs = [start_worker(lighthouse, w, outs[w], overrides, "--max-restarts", "1") for w in (0, 1)]
         deadline = time.monotonic() + 240
-        while not all(first_steps(out) for out in outs):
+        while not all(logged_steps(out) for out in outs):
             assert time.monotonic() < deadline and all(job.poll() is None for job in jobs), \
                 [Path(f"{out}.log").read_text()[-2000:] for out in outs]
             time.sleep(0.05)
-        s, v = (0, 1) if first_steps(outs[0])[0] == 1 else (1, 0)  # the survivor never took over a state
-        joined_at = first_steps(outs[v])[0] - 1
-        while len(first_steps(outs[v])) < 8:
+        s, v = (0, 1) if logged_steps(outs[0])[0] == 1 else (1, 0)  # the survivor never took over a state
+        joined_at = logged_steps(outs[v])[0] - 1
+        while len(logged_steps(outs[v])) < 8:
             assert time.monotonic() < deadline and jobs[v].poll() is None, Path(f"{outs[v]}.log").read_text()
             time.sleep(0.05)
         survivor_pid, killed = rank_pid(jobs[s].pid), rank_pid(jobs[v].pid)
         assert survivor_pid and killed
         os.kill(killed, signal.SIGKILL)
-        killed_after = first_steps(outs[v])[-1]
+        killed_after = logged_steps(outs[v])[-1]
         finish(jobs[v], outs[v])
         assert rank_pid(jobs[s].pid) in (survivor_pid, None)  # None: it has finished meanwhile
         finish(jobs[s], outs[s])
     finally:
         lighthouse.close()
-    survivor_steps = first_steps(outs[s])
+    survivor_steps = logged_steps(outs[s])
     assert survivor_steps == list(range(1, steps + 1)), (  # never restarted: each step once, in order
         sorted(set(range(1, steps + 1)) ^ set(survivor_steps))[:20], Path(f"{outs[s]}.log").read_text()[-3000:])
     after = json.loads((outs[v] / "summary.json").read_text())["diloco"]
