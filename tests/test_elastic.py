@@ -44,20 +44,24 @@ def finish(proc: subprocess.Popen, out: Path, timeout: float = 300) -> None:
     assert proc.wait(timeout=timeout) == 0, Path(f"{out}.log").read_text()[-4000:]
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank-workers", "dp2-workers"])
-def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,precision", [(1, "fp32"), (2, "fp32"), (1, "bf16")],
+                         ids=["1-rank-workers", "dp2-workers", "bf16-exchange"])
+def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks, precision):
     """Both jobs join before step 1 (the lighthouse waits for 2), so every outer step averages both
     pseudo-gradients, as the one-job DiLoCo's all-reduce does: same inputs, same operations, so every loss of
     worker 0 and the final weights agree to the contract's tolerance (the runs order no sum differently). With
-    dp2 inside, each rank sends half the pseudo-gradient through its own torchft group, as in one job."""
+    dp2 inside, each rank sends half the pseudo-gradient through its own torchft group, as in one job; in bf16 the
+    pseudo-gradients are rounded and summed in bf16 by both (the count of 2 is exact in bf16)."""
+    exchange = {"parallel.diloco_precision": precision}
     lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
     try:
-        jobs = [(start_worker(lighthouse, w, tmp_path / f"w{w}", {}, ranks=ranks), tmp_path / f"w{w}") for w in (0, 1)]
+        jobs = [(start_worker(lighthouse, w, tmp_path / f"w{w}", exchange, ranks=ranks), tmp_path / f"w{w}")
+                for w in (0, 1)]
         for proc, out in jobs:
             finish(proc, out)
     finally:
         lighthouse.close()
-    one_job = {**MODEL, "parallel.diloco_group": str(ranks), "train.out_dir": str(tmp_path / "one-job")}
+    one_job = {**MODEL, **exchange, "parallel.diloco_group": str(ranks), "train.out_dir": str(tmp_path / "one-job")}
     proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", str(CONFIG), "--nproc", str(2 * ranks),
                            *override_args(one_job)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
@@ -72,7 +76,7 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks):
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         summary = json.loads((tmp_path / f"w{w}" / "summary.json").read_text())["diloco"]
         assert (summary["workers"], summary["outer_steps"], summary["healed_at"]) == (2, 3, None)
-    if ranks == 1:  # both workers stopped and resumed from their own step-8 checkpoints: the uninterrupted run
+    if (ranks, precision) == (1, "fp32"):  # both workers stopped and resumed from their own step-8 checkpoints: the uninterrupted run
         lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
         try:
             jobs = [(start_worker(lighthouse, w, tmp_path / f"r{w}", {}, "--resume",
