@@ -44,6 +44,26 @@ def finish(proc: subprocess.Popen, out: Path, timeout: float = 300) -> None:
     assert proc.wait(timeout=timeout) == 0, Path(f"{out}.log").read_text()[-4000:]
 
 
+def assert_took_over_the_same_state(out: Path, source: Path) -> None:
+    """``out``'s final checkpoint holds the step count of its AdamW, the sampler's position and the LR schedule that
+    ``source``'s does: what a rejoining worker took over went on in step. Had it not been taken over, the joined
+    worker's AdamW would count only the steps since it joined and its sampler only the samples it read."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshtrain import checkpoint as ckpt
+
+    metas, steps = [], []
+    for run in (out, source):
+        path = ckpt.resolve_checkpoint(run)
+        metas.append(ckpt.read_meta(path))
+        state = {"optim.state.tok_emb.weight.step": torch.zeros(())}
+        dcp.load(state, checkpoint_id=str(path))
+        steps.append(float(state["optim.state.tok_emb.weight.step"]))
+    assert metas[0]["step"] == metas[1]["step"] and steps[0] == steps[1] == metas[0]["step"], (metas, steps)
+    assert metas[0]["sampler"] == metas[1]["sampler"]
+    assert metas[0]["scheduler"]["last_epoch"] == metas[1]["scheduler"]["last_epoch"]
+
+
 @pytest.mark.parametrize("ranks,precision", [(1, "fp32"), (2, "fp32"), (1, "bf16")],
                          ids=["1-rank-workers", "dp2-workers", "bf16-exchange"])
 def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks, precision):
@@ -143,6 +163,34 @@ def test_a_killed_worker_rejoins_while_the_other_goes_on(tmp_path):
     got, want = final_params(outs[v]), final_params(outs[s])
     for name in want:  # the same outer weights: taken over exactly, then the same outer steps on the same sums
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert_took_over_the_same_state(outs[v], outs[s])
+
+
+@pytest.mark.slow  # ~75 s: 4 ranks on 2 cores, and the first worker must outlast the second's start
+def test_a_tp2_worker_that_starts_late_takes_over_the_sharded_state(tmp_path):
+    """Two tp2 worker jobs, the second started once the first has taken a step: it joins at the first's next outer
+    step and takes over its state, AdamW's tp-sharded moments (DTensors, sent as each rank's local shard and placed
+    again) included; both end with the same weights, AdamW step count, sampler position and LR schedule."""
+    overrides = {"train.steps": "800", "checkpoint.interval": "0", "parallel.tp": "2"}  # the second joins ~step 250
+    outs = [tmp_path / f"w{w}" for w in (0, 1)]
+    lighthouse = Lighthouse(min_replicas=1)
+    try:
+        first = start_worker(lighthouse, 0, outs[0], overrides, ranks=2)
+        deadline = time.monotonic() + 240
+        while not logged_steps(outs[0]):
+            assert time.monotonic() < deadline and first.poll() is None, Path(f"{outs[0]}.log").read_text()
+            time.sleep(0.05)
+        second = start_worker(lighthouse, 1, outs[1], overrides, ranks=2)
+        finish(second, outs[1])
+        finish(first, outs[0])
+    finally:
+        lighthouse.close()
+    joined = json.loads((outs[1] / "summary.json").read_text())["diloco"]["healed_at"]
+    assert joined is not None and joined > 0 and logged_steps(outs[1])[0] == joined + 1
+    got, want = final_params(outs[1]), final_params(outs[0])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert_took_over_the_same_state(outs[1], outs[0])
 
 
 ELASTIC = {**MODEL, "parallel.diloco_lighthouse": "http://127.0.0.1:29510", "parallel.diloco_workers": "2"}
