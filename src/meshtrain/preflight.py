@@ -24,7 +24,7 @@ def preflight(run: ResolvedRun) -> None:
     from meshtrain.metrics import METRICS_FILE
 
     p = cfg.parallel
-    if p.sync_mode == "diloco" and p.diloco_lighthouse and importlib.util.find_spec("torchft") is None:
+    if p.elastic and importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
                           f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer)

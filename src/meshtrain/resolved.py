@@ -81,7 +81,7 @@ class ResolvedRun:
         """DiLoCo's workers in this job (``sync_mode = "diloco"``: ``world_size / parallel.diloco_group``; 1 for an
         elastic worker, whose peers are other jobs), else 1."""
         p = self.config.parallel
-        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" and not p.diloco_lighthouse else 1
+        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" and not p.elastic else 1
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -94,9 +94,9 @@ class ResolvedRun:
         (:func:`meshtrain.batch_math.global_batch_size`; an async run's step is one worker's batch; an elastic
         DiLoCo worker's run counts every worker's, ``dp * parallel.diloco_workers``)."""
         b, p = self.config.batch, self.config.parallel
-        elastic = p.diloco_workers if p.sync_mode == "diloco" and p.diloco_lighthouse else 1
+        shares = p.diloco_workers if p.elastic else 1
         return global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps,
-                                 1 if p.sync_mode == "async" else self.dp * elastic)
+                                 1 if p.sync_mode == "async" else self.dp * shares)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "layout": self.layout, "world_size": self.world_size,

@@ -93,7 +93,7 @@ def validate(cfg: Config, schedule: bool = True) -> Config:
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
     p = cfg.parallel
-    if p.sync_mode == "diloco" and p.diloco_lighthouse:  # elastic workers save at outer steps only
+    if p.elastic:  # elastic workers save at outer steps only
         H = p.diloco_inner_steps
         for key, value in (("checkpoint.interval", c.interval), ("train.steps", cfg.train.steps)):
             _require(value % H == 0, f"{key} = {value} is not a multiple of parallel.diloco_inner_steps = {H}: "

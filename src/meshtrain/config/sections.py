@@ -121,6 +121,11 @@ class ParallelConfig(ParallelDegrees):
     """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
     wait for parameters so that no gradient is ever too stale)."""
 
+    @property
+    def elastic(self) -> bool:
+        """Whether this job is one elastic DiLoCo worker (``sync_mode = "diloco"`` with ``diloco_lighthouse``)."""
+        return self.sync_mode == "diloco" and bool(self.diloco_lighthouse)
+
 
 @dataclass
 class BatchConfig:

@@ -94,7 +94,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
-    if p.sync_mode == "diloco" and p.diloco_lighthouse:  # this job is one worker; the others are jobs too
+    if p.elastic:  # this job is one worker; the others are jobs too
         from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
         from meshtrain.runtime.distributed import LOOPBACK_ENV
 

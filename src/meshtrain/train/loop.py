@@ -82,12 +82,11 @@ class Trainer:
         b = cfg.batch
         zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
         p = cfg.parallel
-        elastic = p.sync_mode == "diloco" and bool(p.diloco_lighthouse)  # this job is worker diloco_worker of them
-        shares = p.diloco_workers if elastic else 1
+        shares = p.diloco_workers if p.elastic else 1  # an elastic job is worker diloco_worker of them
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
-        worker = p.diloco_worker if elastic else self.dims.worker_of(self.rank)
+        worker = p.diloco_worker if p.elastic else self.dims.worker_of(self.rank)
         dp_rank = worker * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'
         corpus = self.setup.corpus
         self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
@@ -98,7 +97,7 @@ class Trainer:
         self.start_step = self._maybe_resume()
         if self.parallel.outer is not None:
             self.parallel.outer.start(self.start_step)  # the outer weights: the model as it starts
-        if elastic:  # join the other workers; behind them, take over a living one's state and step
+        if p.elastic:  # join the other workers; behind them, take over a living one's state and step
             self.parallel.outer.attach(self.optimizer, self.sampler, self.scheduler)
             joined = self.parallel.outer.join(self.start_step)
             if joined != self.start_step and self.rank == 0:

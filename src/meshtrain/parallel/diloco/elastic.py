@@ -66,8 +66,6 @@ class ElasticDiLoCo(DiLoCo):
         ImportError: torchft is not installed (``pip install torchft``).
     """
 
-    elastic = True
-
     def __init__(self, model: nn.Module, n_layer: int, inner_steps: int, outer_lr: float, outer_momentum: float,
                  precision: str, replica_group: dist.ProcessGroup | None, lighthouse: str, worker: int,
                  timeout_s: float, loopback: bool) -> None:
@@ -80,7 +78,8 @@ class ElasticDiLoCo(DiLoCo):
         super().__init__(model, None, n_layer, inner_steps, outer_lr, outer_momentum, precision=precision,
                          replica_group=replica_group)
         timeout = timedelta(seconds=timeout_s)
-        pg = ProcessGroupGloo(timeout=timeout) if self.device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+        # the same backend as the job's own group (gloo on CPUs, NCCL on GPUs: meshtrain.runtime.device)
+        pg = ProcessGroupGloo(timeout=timeout) if dist.get_backend() == "gloo" else ProcessGroupNCCL(timeout=timeout)
         host = "127.0.0.1" if loopback else os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
                                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,

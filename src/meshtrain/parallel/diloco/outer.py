@@ -149,9 +149,6 @@ class DiLoCo:
         self.largest_exchange = 0
         """This rank's largest payload of one exchange, bytes."""
 
-    elastic = False
-    """Whether the workers are separate jobs (:class:`meshtrain.parallel.diloco.elastic.ElasticDiLoCo`)."""
-
     def can_save(self, step: int) -> bool:
         """Whether a checkpoint of ``step`` can be taken: always (:meth:`consolidate` makes the outer model)."""
         return True
