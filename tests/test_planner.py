@@ -6,10 +6,12 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshtrain.config import ConfigError
 from meshtrain.planner.cost import (_elementwise_bytes_per_token, attention_flops_per_token, dense_flops_per_token, gemm_traffic_bytes, hardware_flops, layer_gemm_shapes,
-                                    model_flops, ring_time, step_time)
+                                    model_flops, overlapped, ring_time, step_time)
 from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors
 from meshtrain.planner.memory import (PRECISIONS, in_flight_microbatches, layer_activation_bytes,
@@ -370,3 +372,56 @@ def test_parameter_server_is_bound_by_the_slower_of_workers_and_server():
     assert t(4096).total / 2 < t(4096, servers=2).total < t(4096).total  # two servers split each update (+ latency)
     layout = Layout(dp=3, ps_servers=1, micro_batch_size=4)
     assert layout.world_size == 4 and layout.global_batch_size == 4  # one worker's batch per update
+
+
+def _simulated_overlap(comm: float, window: float, slowdown: float, dt: float) -> float:
+    """Seconds added to ``window`` of compute by ``comm`` seconds of collective started beside it, by stepping time:
+    compute progresses at 1 / (1 + slowdown) per second while the collective runs, at 1 after."""
+    t, work, left = 0.0, window, comm
+    while work > 0 or left > 0:
+        work -= dt / (1 + slowdown) if left > 0 else dt
+        left -= dt
+        t += dt
+    return t - window
+
+
+@settings(max_examples=60, deadline=None)
+@given(comm=st.floats(0, 4), window=st.floats(0, 4), slowdown=st.floats(0, 1))
+def test_hidden_communication_slows_compute_as_a_time_stepped_simulation_does(comm, window, slowdown):
+    """``cost.overlapped`` (closed form) against stepping time in 1 ms ticks: the two agree to two ticks (each of the
+    two loops can overshoot its end by one tick)."""
+    dt = 1e-3
+    assert overlapped(comm, window, slowdown) == pytest.approx(_simulated_overlap(comm, window, slowdown, dt), abs=2 * dt)
+
+
+@given(comm=st.floats(0, 100), window=st.floats(0, 100))
+def test_without_a_slowdown_overlap_costs_what_sticks_out(comm, window):
+    assert overlapped(comm, window, 0.0) == max(0.0, comm - window)
+
+
+def test_hidden_fsdp_traffic_costs_its_slowdown_share():
+    """ZeRO-3 on two H100 nodes, its gathers and reduce-scatters hidden behind compute: the dp time with the published
+    slowdown exceeds the one without by the slowdown's share of the collectives' time (the part hidden), and the step
+    by exactly that much; with no overlap at all the collectives count whole."""
+    m, layout, fw = preset("llama3-8b"), Layout(dp=16, zero_stage=3, micro_batch_size=2, recompute="full"), MESHTRAIN
+    hw = get_hardware("H100")
+    free = replace(hw, device=replace(hw.device, overlap_slowdown=0.0))
+    wire = replace(hw, device=replace(hw.device, comm_overlap=False))
+    t, t0, tw = (step_time(m, layout, h, BF16, fw) for h in (hw, free, wire))
+    hidden = tw.dp_comm - t0.dp_comm  # all of the collectives' time that the overlap hid
+    assert hidden > 0 and t0.dp_comm < 0.1 * tw.dp_comm  # mostly hidden: the case this is about
+    k = hw.device.overlap_slowdown / (1 + hw.device.overlap_slowdown)
+    assert t.dp_comm - t0.dp_comm == pytest.approx(k * hidden, rel=1e-6)
+    assert t.total - t0.total == pytest.approx(k * hidden, rel=1e-6)
+
+
+def test_megatron_deepspeed_runs_what_deepspeeds_pipeline_engine_ran():
+    """The 2021 stack of Megatron-Turing NLG: 1F1B only, whole-block recomputation only, ZeRO 0-1, no sequence
+    parallelism; the trainer's own framework allows each of these."""
+    from meshtrain.planner.layout import framework_errors
+    fw, m = FRAMEWORKS["megatron-deepspeed"], preset("megatron-1.7b")
+    for bad in (Layout(pp=2, gradient_accumulation_steps=4, pp_schedule="interleaved-1f1b", virtual_stages=2),
+                Layout(dp=2, recompute="selective"), Layout(dp=2, zero_stage=3),
+                Layout(tp=2, tp_sequence_parallel=True)):
+        assert framework_errors(fw, bad, m) and not framework_errors(MESHTRAIN, bad, m), bad
+    assert framework_errors(fw, Layout(dp=2, zero_stage=1, recompute="full"), m) == []

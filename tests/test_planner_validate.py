@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,12 @@ def run_with(name: str, **measured: Any) -> dict[str, Any]:
 
 
 def test_iteration_time_is_predicted_in_sample_and_held_out(tmp_path):
-    # Two views of one measurement: seconds per step, and tokens/s per GPU (the same run and layout).
-    seconds = TOKENS_PER_STEP / (TOKENS_PER_S_PER_GPU * MPT_A100["num_gpus"])
+    # Two views of one measurement: seconds per step, and tokens/s per GPU (the same run and layout), at 0.8 of the
+    # published throughput, so that the catalog's prediction is well off it (~20%) whatever its constants.
+    tokens_per_s_per_gpu = 0.8 * TOKENS_PER_S_PER_GPU
+    seconds = TOKENS_PER_STEP / (tokens_per_s_per_gpu * MPT_A100["num_gpus"])
     path = write_runs(tmp_path / "runs.toml", run_with("time", iteration_time_s=seconds),
-                      run_with("tokens", tokens_per_s_per_gpu=TOKENS_PER_S_PER_GPU))
+                      run_with("tokens", tokens_per_s_per_gpu=tokens_per_s_per_gpu))
     result = validate_file(path, profile=tmp_path / "none.toml")
     time_run, tokens_run = result["runs"]
     assert time_run["predicted"].keys() == time_run["measured"].keys() == {"iteration_time_s"}
@@ -68,7 +71,7 @@ def test_iteration_time_is_predicted_in_sample_and_held_out(tmp_path):
     held_out = [r["leave_one_out_relative_error"] for r in result["runs"]]
     assert held_out[0].keys() == {"iteration_time_s"} and held_out[1].keys() == {"tokens_per_s_per_gpu"}
     assert abs(held_out[0]["iteration_time_s"]) < 1e-3 and abs(held_out[1]["tokens_per_s_per_gpu"]) < 1e-3
-    assert abs(err) > 0.005  # the held-out errors are small because of the fit, not by chance
+    assert abs(err) > 0.1  # the held-out errors are small because of the fit, not by chance
 
 
 @pytest.mark.parametrize("measured, words", [
@@ -172,3 +175,33 @@ def test_fit_verdicts_compare_the_planner_with_what_each_run_did(tmp_path, capsy
     assert main(["plan", "--validate", str(path), "--profile", str(tmp_path / "none.toml")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "agrees for 2 of 3 runs" in out and "trained predicted out of memory, fits measured" in out
+
+
+# A run on two nodes whose ZeRO-3 traffic crosses them (the MPT A100 run at 16 GPUs).
+TWO_NODES = {**MPT_A100, "name": "two-nodes", "num_gpus": 16,
+             "layout": {**MPT_A100["layout"], "dp": 16, "global_batch_size": 192}}
+
+
+def test_a_run_may_name_the_network_it_ran_on():
+    """A ``network`` table replaces those numbers of the catalog's network and no others; a node with one slow link
+    (IBM's 400 Gbit/s per node) makes the same layout's data-parallel time longer than 8 NICs of 200 Gbit/s do."""
+    from meshtrain.planner.validate import predict_run, run_context
+    slow = {**TWO_NODES, "network": {"inter_node_bandwidth": 50e9, "nics_per_node": 1}, "measured": {"iteration_time_s": 1.0}}
+    fast = {**TWO_NODES, "measured": {"iteration_time_s": 1.0}}
+    net, catalog = run_context(slow).hw.network, run_context(fast).hw.network
+    assert (net.inter_node_bandwidth, net.nics_per_node) == (50e9, 1)
+    assert replace(net, inter_node_bandwidth=catalog.inter_node_bandwidth, nics_per_node=catalog.nics_per_node) == catalog
+    (best_slow, _), (best_fast, _) = predict_run(slow), predict_run(fast)
+    assert best_slow.layout == best_fast.layout
+    assert best_slow.time.dp_comm > best_fast.time.dp_comm
+
+
+@pytest.mark.parametrize("key", ["devices_per_node", "intra_node_bandwidth", "inter_node_bandwidth",
+                                 "inter_node_latency_s", "inter_node_efficiency", "nics_per_node", "bandwidth"])
+@pytest.mark.parametrize("value", [0, -1.0, "fast", True])
+def test_a_bad_network_table_is_one_line_naming_the_run_and_key(tmp_path, key, value):
+    path = write_runs(tmp_path / "runs.toml", {**TWO_NODES, "network": {key: value}, "measured": {"iteration_time_s": 1.0}})
+    with pytest.raises(ConfigError) as err:
+        validate_file(path, profile=tmp_path / "none.toml")
+    message = str(err.value)
+    assert "\n" not in message and "two-nodes" in message and (repr(key) in message or f".{key} =" in message)

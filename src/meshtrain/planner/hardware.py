@@ -89,6 +89,12 @@ class Device:
     comm_overlap: bool = True
     """Whether collectives can run during compute (GPUs: copy engines / NCCL kernels beside the GEMMs;
     a CPU rank's gloo thread competes with its own compute for the same core, so no)."""
+    overlap_slowdown: float = 0.189
+    """How much longer compute takes while a collective runs beside it (the collective's kernels take SMs and
+    memory bandwidth from the GEMMs): 0.189, the mean computational slowdown Lee et al. 2025 measured overlapping
+    compute and communication in GPT and Llama training on A100s, H100s, MI250s and MI210s (arXiv 2507.03114,
+    abstract and Sec. 5: mean 18.9%, at most 40%). A collective of ``c`` seconds hidden behind compute so costs
+    ``c * overlap_slowdown / (1 + overlap_slowdown)`` (:func:`meshtrain.planner.cost.overlapped`)."""
     matmul_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """Measured FLOP/s of a Linear forward + backward by inner size k, per dtype (``--calibrate``);
     overrides ``peak * matmul_efficiency``."""
@@ -218,15 +224,15 @@ _MI300X = Network(8, 448e9, 50e9)     # Infinity Fabric, 7 links x 64 GB/s per G
 
 # name: (bf16 FLOP/s, fp32 FLOP/s, memory bytes, HBM bytes/s, matmul_efficiency, network)
 _CATALOG: dict[str, tuple[float, float, float, float, float, Network]] = {
-    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.70, _DGX_A100),
-    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.70, _DGX_A100),
-    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.51, _DGX_H100),
-    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.51, _PCIE5),
-    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.51, _DGX_H100),
+    "A100-SXM-40GB": (312 * TB, 19.5 * TB, 40 * GiB, 1.555 * TB, 0.72, _DGX_A100),
+    "A100-SXM-80GB": (312 * TB, 19.5 * TB, 80 * GiB, 2.039 * TB, 0.72, _DGX_A100),
+    "H100-SXM-80GB": (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.56, _DGX_H100),
+    "H100-PCIe-80GB": (756 * TB, 51 * TB, 80 * GiB, 2.0 * TB, 0.56, _PCIE5),
+    "H200-SXM-141GB": (989 * TB, 67 * TB, 141e9, 4.8 * TB, 0.56, _DGX_H100),
     # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s, 500 W power limit,
     # 400 Gb/s RDMA per GPU. Its real peak is "between SXM and NVL" (torchtitan); the SXM datasheet's here.
-    "H100-HBM2e-96GB": (989 * TB, 67 * TB, 95 * GiB, 2.4 * TB, 0.51, _DGX_H100),
-    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.51, _DGX_B200),
+    "H100-HBM2e-96GB": (989 * TB, 67 * TB, 95 * GiB, 2.4 * TB, 0.56, _DGX_H100),
+    "B200-SXM-180GB": (2250 * TB, 75 * TB, 180e9, 8.0 * TB, 0.56, _DGX_B200),
     "MI300X-192GB": (1307 * TB, 163 * TB, 192e9, 5.3 * TB, 0.35, _MI300X),
 }
 FLASH2_HOPPER = 0.35
@@ -327,6 +333,8 @@ def _device_from_table(t: dict[str, Any], where: str) -> Device:
             kw[key] = float(t[key])
     if "comm_overlap" in t:
         kw["comm_overlap"] = bool(t["comm_overlap"])
+    if "overlap_slowdown" in t:
+        kw["overlap_slowdown"] = float(t["overlap_slowdown"])
     if "peak_source" in t:
         kw["peak_source"] = str(t["peak_source"])
     for key in ("matmul_table", "attention_table"):
@@ -342,6 +350,27 @@ def _network_from_table(t: dict[str, Any], where: str) -> Network:
         kw["nics_per_node"] = int(_number(t, "nics_per_node", where))
     return Network(int(_number(t, "devices_per_node", where)), _number(t, "intra_node_bandwidth", where),
                    _number(t, "inter_node_bandwidth", where), **kw)
+
+
+NETWORK_KEYS = ("devices_per_node", "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency_s",
+                "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency", "nics_per_node")
+"""The numbers of a ``[network]`` table (:class:`Network`), each a positive number."""
+
+
+def network_with(net: Network, table: dict[str, Any], where: str) -> Network:
+    """``net`` with the numbers ``table`` gives (a part of a ``[network]`` table: any of :data:`NETWORK_KEYS`), the
+    cluster a published run ran on where it is not the catalog's (e.g. 400 Gbit/s per node instead of a NIC per GPU).
+
+    Raises:
+        ConfigError: an unknown key, or a value that is not a positive number (named with ``where``)."""
+    unknown = sorted(set(table) - set(NETWORK_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; valid: {', '.join(NETWORK_KEYS)}")
+    kw: dict[str, Any] = {k: _number(table, k, where) for k in table}
+    for key in ("devices_per_node", "nics_per_node"):
+        if key in kw:
+            kw[key] = int(kw[key])
+    return replace(net, **kw)
 
 
 def load_hardware_file(path: Path) -> dict[str, Hardware]:

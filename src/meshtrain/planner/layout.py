@@ -366,6 +366,13 @@ FRAMEWORKS = {f.name: f for f in (
     Framework("megatron-2022", attention="materialized", dp_comm_overlap=False, zero_stages=(0,),
               pp_schedules=("1f1b", "interleaved-1f1b"), grad_bucket_bytes=float("inf"),
               cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
+    # Megatron-DeepSpeed as Megatron-Turing NLG 530B ran it (Smith et al. 2022, Sec. 2.2-2.4): Megatron-LM's tensor
+    # parallelism and materialized attention of 2021, DeepSpeed's pipeline engine (1F1B only) and ZeRO-1 data
+    # parallelism, gradients reduced after the pipeline's flush (nothing to hide them behind); recomputation of whole
+    # blocks only (selective recomputation came in 2022)
+    Framework("megatron-deepspeed", attention="materialized", dp_comm_overlap=False, sequence_parallel=False,
+              zero_stages=(0, 1), pp_schedules=("1f1b",), recompute=("none", "full"), grad_bucket_bytes=float("inf"),
+              cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     # llm-foundry's MPT benchmarks (Composer's FSDP) of 2023: scripts/train/benchmarking/submit_benchmarks.py at
     # 061f2c7c (the tables' commit) sets attn_impl 'triton' by default, MPT's FlashAttention in Triton
     Framework("fsdp", attention="flash-triton", zero_stages=(0, 2, 3), pp_schedules=("1f1b",),

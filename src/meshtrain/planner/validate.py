@@ -37,7 +37,7 @@ from typing import Any
 
 from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job
-from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware
+from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware, network_with
 from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, Framework
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS, Precision
@@ -161,10 +161,11 @@ def run_context(run: dict[str, Any], profile: Path | None = None, matmul_efficie
                 speed: float = 1.0) -> RunContext:
     """Resolve ``run``; ``matmul_efficiency`` replaces the catalog's constant for its device (cross-validation),
     ``speed`` scales its device's compute (:func:`meshtrain.planner.stack.scaled`, a stack's or a calibration's factor).
+    A run's optional ``network`` table replaces numbers of the catalog's network (:func:`network_with`).
 
     Raises:
-        ConfigError: a run without model/layout/gpu, an unknown gpu, or a bad ``measured`` table
-            (:func:`measured_fields`).
+        ConfigError: a run without model/layout/gpu, an unknown gpu, a bad ``measured`` table
+            (:func:`measured_fields`) or a bad ``network`` table.
     """
     for key in ("name", "gpu", "num_gpus", "model", "layout", "measured"):
         if key not in run:
@@ -172,6 +173,8 @@ def run_context(run: dict[str, Any], profile: Path | None = None, matmul_efficie
     measured_fields(run)
     model = from_table(dict(run["model"]), name=run["name"])
     hw = get_hardware(run["gpu"], profile=profile)
+    if "network" in run:  # the run's own cluster, where it differs from the catalog's
+        hw = replace(hw, network=network_with(hw.network, dict(run["network"]), f"run {run['name']!r} network"))
     if matmul_efficiency is not None:
         hw = replace(hw, device=replace(hw.device, matmul_efficiency=matmul_efficiency))
     if speed != 1.0:
