@@ -366,3 +366,24 @@ def test_mfu_is_labelled_by_the_peak_it_is_measured_against(capsys, tmp_path):
     assert code == 0 and "MFU (vs assumed peak) " in out
     code, out, _ = plan(capsys, *job, "--gpu", "H100", "--profile", str(tmp_path / "none.toml"))
     assert code == 0 and "MFU " in out and "MFU (vs" not in out
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (0.4, True), (-0.1, False), ('"high"', False), ("true", False)])
+def test_a_hardware_file_may_set_the_overlap_slowdown(tmp_path, value, ok):
+    """``overlap_slowdown`` of a ``[[device]]`` table: a number >= 0 (0: hidden collectives cost nothing), anything
+    else one line naming it; a device without it gets the published 18.9%."""
+    from meshtrain.config import ConfigError
+    from meshtrain.planner.hardware import load_hardware_file
+    path = tmp_path / "hw.toml"
+    path.write_text('[[device]]\nname = "my-gpu"\npeak_bf16_flops = 100e12\npeak_fp32_flops = 10e12\n'
+                    f'memory_bytes = 24e9\nmemory_bandwidth = 1e12\noverlap_slowdown = {value}\n\n'
+                    '[[device]]\nname = "plain"\npeak_bf16_flops = 100e12\npeak_fp32_flops = 10e12\n'
+                    'memory_bytes = 24e9\nmemory_bandwidth = 1e12\n\n'
+                    '[network]\ndevices_per_node = 4\nintra_node_bandwidth = 50e9\ninter_node_bandwidth = 10e9\n')
+    if not ok:
+        with pytest.raises(ConfigError, match=r"device\[0\]\.overlap_slowdown = .* must be a number >= 0"):
+            load_hardware_file(path)
+        return
+    devices = load_hardware_file(path)
+    assert devices["my-gpu"].device.overlap_slowdown == float(value)
+    assert devices["plain"].device.overlap_slowdown == 0.189

@@ -334,7 +334,11 @@ def _device_from_table(t: dict[str, Any], where: str) -> Device:
     if "comm_overlap" in t:
         kw["comm_overlap"] = bool(t["comm_overlap"])
     if "overlap_slowdown" in t:
-        kw["overlap_slowdown"] = float(t["overlap_slowdown"])
+        value = t["overlap_slowdown"]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}.overlap_slowdown = {value!r} must be a number >= 0 (0: hidden collectives "
+                              f"cost nothing)")
+        kw["overlap_slowdown"] = float(value)
     if "peak_source" in t:
         kw["peak_source"] = str(t["peak_source"])
     for key in ("matmul_table", "attention_table"):
