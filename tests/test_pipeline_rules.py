@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshtrain.config import ModelConfig
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
@@ -36,6 +39,42 @@ def test_split_is_contiguous_and_minimises_the_costliest_chunk(n_layer, n_chunks
     assert max(c.cost for c in chunks) == pytest.approx(_brute_force_best(n_layer, n_chunks, costs))
 
 
+def _dp_split(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> list[int]:
+    """The cuts of the dynamic programme over every cut point (the split the trainer used before its bisection):
+    each chunk, from the last back, starts as late as the best costliest chunk allows."""
+    emb, block, head = costs
+
+    def cost(chunk: int, start: int, end: int) -> float:
+        return (end - start) * block + (emb if chunk == 0 else 0.0) + (head if chunk == n_chunks - 1 else 0.0)
+
+    @cache
+    def best(chunk: int, end: int) -> tuple[float, int]:
+        if chunk == 0:
+            return cost(0, 0, end), 0
+        value, neg_start = min((max(best(chunk - 1, start)[0], cost(chunk, start, end)), -start)
+                               for start in range(chunk, end))
+        return value, -neg_start
+
+    cuts = [n_layer]
+    for chunk in range(n_chunks - 1, 0, -1):
+        cuts.append(best(chunk, cuts[-1])[1])
+    return [0, *reversed(cuts)]
+
+
+_COST = st.one_of(st.integers(0, 12).map(float), st.floats(0, 40, allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), n_layer=st.integers(1, 28), emb=_COST, head=_COST,
+       block=st.one_of(st.integers(1, 4).map(float), st.floats(0.01, 9, allow_nan=False)))
+def test_the_bisected_split_is_the_dynamic_programmes(data, n_layer, emb, head, block):
+    """Same cuts as the O(chunks * layers**2) programme, ties (integer costs) included: the trainer's stages and the
+    planner's busiest one do not move."""
+    n_chunks = data.draw(st.integers(1, n_layer))
+    chunks = split_layers(n_layer, n_chunks, (emb, block, head))
+    assert [c.first_layer for c in chunks] + [n_layer] == _dp_split(n_layer, n_chunks, (emb, block, head))
+
+
 def test_a_heavy_head_takes_layers_off_the_last_stage():
     """GPT-2 small's vocabulary on 4 stages of 12 layers: the head costs ~2 blocks, so the last stage holds fewer."""
     gpt2_small = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
@@ -47,6 +86,8 @@ def test_a_heavy_head_takes_layers_off_the_last_stage():
 def test_split_and_placement_errors_and_shapes():
     with pytest.raises(ValueError, match="cannot split 3 layers into 4"):
         split_layers(3, 4, (0.0, 1.0, 0.0))
+    with pytest.raises(ValueError, match="block's cost must be > 0"):
+        split_layers(4, 2, (1.0, 0.0, 1.0))
     assert chunk_ranks(2, 4, "loop") == [0, 1, 0, 1]
     assert chunk_ranks(2, 4, "v") == [0, 1, 1, 0]
     assert chunk_ranks(4, 8, "v") == [0, 1, 2, 3, 3, 2, 1, 0]

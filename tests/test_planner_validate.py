@@ -205,3 +205,12 @@ def test_a_bad_network_table_is_one_line_naming_the_run_and_key(tmp_path, key, v
         validate_file(path, profile=tmp_path / "none.toml")
     message = str(err.value)
     assert "\n" not in message and "two-nodes" in message and (repr(key) in message or f".{key} =" in message)
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_split", "even"), ("pipeline_split", 3), ("attention", "sdpa")])
+def test_a_run_naming_an_unknown_kernel_or_split_is_one_line(tmp_path, key, value):
+    path = write_runs(tmp_path / "runs.toml", {**TWO_NODES, key: value, "measured": {"iteration_time_s": 1.0}})
+    with pytest.raises(ConfigError) as err:
+        validate_file(path, profile=tmp_path / "none.toml")
+    message = str(err.value)
+    assert "\n" not in message and "two-nodes" in message and key in message and repr(value) in message

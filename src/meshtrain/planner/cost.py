@@ -31,14 +31,13 @@ outgrows what backward hides.
 from __future__ import annotations
 
 from collections import defaultdict
-
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain import axes
 from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, stage_layers, stage_params,
+from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, stage_layers, stage_loads, stage_params,
                                      torchtitan_gemms)
 from meshtrain.planner.model_specs import ModelSpec
 
@@ -249,14 +248,27 @@ def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, mater
     return replicated / seq + sharded / t, core
 
 
-def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework) -> tuple[float, float, float]:
-    """(forward, backward incl. recomputation, weight-GEMM time of both) of one micro-batch on the
-    busiest stage: GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
+def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, float]:
+    """(embedding, one block, head) FLOPs per optimizer step for ``tokens`` tokens per pipeline rank, the costs the
+    trainer balances its pipeline split by (each family's ``layer_costs``, :mod:`meshtrain.parallel.pipeline.balance`):
+    forward FLOPs per token x 3 for forward and backward (Narayanan et al. 2021, Eq. 3, per layer; attention counted
+    non-causal, ``4 s q``), and :data:`~meshtrain.models.family.OPTIMIZER_FLOPS_PER_PARAM` per parameter each part
+    updates (the embedding's ``V h`` (+ ``s h``), a block's, the final norm and an untied head's)."""
+    from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM as opt
+    block = 3 * (dense_flops_per_token(model) + attention_flops_per_token(model, causal=False)) * tokens
+    head = 3 * 2 * model.hidden * model.vocab * tokens
+    return (opt * model.embedding_params(), block + opt * model.layer_params(), head + opt * model.head_params())
+
+
+def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
+             fw: Framework) -> tuple[float, float, float, int]:
+    """(forward, backward incl. recomputation, weight-GEMM time of both, blocks) of one micro-batch on the
+    busiest pipeline rank (of :func:`stage_loads`, the one whose blocks and head take longest): GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
     rows of every GEMM are the micro-batch's tokens, all-gathered over tp with sequence parallelism),
     attention at the attention rate (or, materialized, the slower of its FLOPs and its score traffic),
     element-wise kernels at the memory bandwidth, the head's logits GEMM and cross-entropy, and the host
     time not hidden behind kernels. Backward = 2x forward (two GEMMs per forward GEMM, same traffic)."""
-    dev, n, t, dtype = hw.device, stage_layers(model, layout), layout.tp, prec.compute_dtype
+    dev, n, t, dtype = hw.device, 1, layout.tp, prec.compute_dtype  # one block; the rank's count below
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
@@ -294,15 +306,18 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw
     head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
     head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
     head += head_io
-    ops = (_layer_host_s(dev, layout) * n + dev.microstep_host_s) / 3  # host time of forward + backward, a third here
-    forward = dense + attn + core + elementwise + head + ops
+    ops = _layer_host_s(dev, layout) / 3  # host time of forward + backward, a third here
+    block = dense + attn + core + elementwise + ops
     gemms_again = recomputed_gemm_fraction(model, fw.selective) * dense  # torchtitan's every second GEMM
     selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.per_operator_selective
                  else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)
-    gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
-    return forward, 2 * forward + passes * recompute, gemm
+    blocks, heads = max(stage_loads(model, layout, fw),
+                        key=lambda load: load[0] * (3 * block + passes * recompute) + load[1] * 3 * head)
+    forward = blocks * block + heads * head + dev.microstep_host_s / 3
+    gemm = blocks * (3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute])
+    return forward, 2 * forward + passes * blocks * recompute, gemm, blocks
 
 
 def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
@@ -337,7 +352,7 @@ def _layer_host_s(dev, layout: Layout) -> float:
 def micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
                 memo: dict | None = None) -> MicroBatch:
     """:class:`MicroBatch`: compute and the tp/sp/pp/ep communication of one micro-batch on the busiest stage."""
-    key = ("layer work", stage_layers(model, layout), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
+    key = ("layer work", stage_loads(model, layout, fw), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
            ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
     forward, backward, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
@@ -366,8 +381,8 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
                 fw: Framework) -> tuple[float, float, float, float, float]:
     """(forward, backward, tp, sp, ep) of :class:`MicroBatch` before the pipeline's share: the busiest stage's
     layers and head (:func:`_compute`) and their tp, sp and ep collectives."""
-    forward, backward, gemm = _compute(model, layout, hw, prec, fw)
-    net, n = hw.network, stage_layers(model, layout)
+    forward, backward, gemm, n = _compute(model, layout, hw, prec, fw)
+    net = hw.network
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
     # (Korthikanti et al. 2022, Sec. 4.2.2), of the same ring time on a modelled link, each at its own

@@ -281,6 +281,13 @@ class Framework:
       (multiplies, negation, concatenation), ``repeat_kv``, SwiGLU: ``(218, 52, 28, 24)``.
 
     Both counts are exactly linear in h, kv and f (residual 0 over ten widths), up to a few per-token scalars."""
+    pp_split: str = "uniform"
+    """How the model is cut into pipeline stages (:func:`meshtrain.planner.cost.stage_loads`): "uniform", ``ceil(L / pp)``
+    blocks on the busiest stage and the head beside them (Megatron-LM's split, and Megatron-DeepSpeed's default
+    ``type:transformer``); "balanced", the contiguous split of ``[embedding, blocks, head]`` that minimises the
+    costliest chunk (the trainer's, :mod:`meshtrain.parallel.pipeline.balance`, so the planner's busiest stage is the
+    one it runs); "ends-as-blocks", the embedding and the head counted as one block each and the items spread evenly
+    (DeepSpeed's ``partition_method = "type:transformer|embedding"``, as BLOOM ran)."""
     ring_fused: bool = False
     """Context parallelism (``sp_mode = "ring"``) runs each chunk pair through the fused attention kernel on GPUs too:
     Megatron-Core's (Transformer Engine's attention with K/V passed around the ring, one fused call per step) and
@@ -325,6 +332,9 @@ class Framework:
         return (1 if first else 0) + max(0 if first else 1, math.ceil((nbytes - first) / self.grad_bucket_bytes))
 
 
+PP_SPLITS = ("uniform", "balanced", "ends-as-blocks")
+"""The pipeline splits a framework may cut by (``Framework.pp_split``)."""
+
 MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 """Bytes per logit of Megatron's unfused vocab-parallel cross-entropy, forward + backward (see ``Framework``)."""
 
@@ -335,7 +345,7 @@ MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_paral
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only,
                       selective="op-level", repeats_kv=True, swiglu_keeps_activation=True,
-                      eager_elementwise=(218.0, 52.0, 28.0, 24.0))
+                      eager_elementwise=(218.0, 52.0, 28.0, 24.0), pp_split="balanced")
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 

@@ -35,7 +35,8 @@ from functools import lru_cache
 from typing import Any
 
 from meshtrain.planner.hardware import Hardware
-from meshtrain.parallel.pipeline.rules import loss_rank_in_flight, microbatches_in_flight
+from meshtrain.parallel.pipeline.balance import chunk_ranks, split_layers
+from meshtrain.parallel.pipeline.rules import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.support import fsdp_units
@@ -85,6 +86,68 @@ class MemoryBreakdown:
 def stage_layers(model: ModelSpec, layout: Layout) -> int:
     """Layers on the busiest pipeline stage: ``ceil(L / pp)`` (uneven splits put fewer on the ends)."""
     return math.ceil(model.layers / layout.pp)
+
+
+def stage_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[int, bool], ...]:
+    """``(blocks, holds the head)`` of the pipeline ranks as ``fw`` cuts the model (``Framework.pp_split``), each
+    distinct load once, for :func:`_compute` to time and take the busiest of.
+
+    - "uniform": ``((ceil(L / pp), True),)``, the busiest stage's blocks and the head charged together (Megatron-LM);
+    - "balanced": the trainer's split (:func:`meshtrain.parallel.pipeline.balance.split_layers` of ``pp *
+      virtual_stages`` chunks at :func:`pipeline_item_costs`, placed on ranks as the schedule places them,
+      :func:`~meshtrain.parallel.pipeline.balance.chunk_ranks`), each rank's chunks summed;
+    - "ends-as-blocks": ``L + 2`` items (embedding, blocks, head) spread over the chunks as DeepSpeed's
+      ``partition_uniform`` spreads them (the first ``(L + 2) % chunks`` chunks one more), the embedding on the first
+      chunk and the head on the last.
+
+    ``pp = 1``: one rank with every block and the head."""
+    return _pipeline(model, *_split_key(layout, fw))[0]
+
+
+def rank_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[int, bool], ...]:
+    """:func:`stage_loads` per pipeline rank, rank 0 first; "uniform" gives every rank ``ceil(L / pp)`` blocks and
+    the last the head."""
+    return _pipeline(model, *_split_key(layout, fw))[1]
+
+
+def _split_key(layout: Layout, fw: Framework) -> tuple[int, int, str, str, int]:
+    """What the split depends on: (pp, virtual stages, placement, split, sequences per pipeline rank and step, as the
+    trainer counts its tokens; 0 where the split does not weigh costs)."""
+    if layout.pp == 1:
+        return 1, 1, "", "uniform", 0
+    tokens = layout.gradient_accumulation_steps * layout.micro_batch_size if fw.pp_split == "balanced" else 0
+    return layout.pp, layout.virtual_stages, RULES[layout.pp_schedule].placement, fw.pp_split, tokens
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(model: ModelSpec, pp: int, virtual: int, placement: str, split: str,
+              tokens: int) -> tuple[tuple[tuple[int, bool], ...], tuple[tuple[int, bool], ...], tuple[int, int]]:
+    """(distinct loads, loads per rank, (the loss rank's blocks, rank 0's blocks)) of :func:`stage_loads`,
+    :func:`rank_loads` and the activation memory."""
+    if pp == 1:
+        return ((model.layers, True),), ((model.layers, True),), (model.layers, model.layers)
+    if split == "uniform":
+        n = math.ceil(model.layers / pp)
+        return ((n, True),), tuple((n, rank == pp - 1) for rank in range(pp)), (n, n)
+    loads = _split_loads(model, pp, virtual, placement, split, tokens * model.seq_len)
+    return tuple(dict.fromkeys(loads)), loads, (next(b for b, head in loads if head), loads[0][0])
+
+
+def _split_loads(model: ModelSpec, pp: int, virtual: int, placement: str, split: str,
+                 tokens: int) -> tuple[tuple[int, bool], ...]:
+    from meshtrain.planner.cost import pipeline_item_costs  # cost builds on this module
+    n_chunks = pp * virtual
+    if split == "balanced":
+        chunks = [(c.end_layer - c.first_layer, c.has_head)
+                  for c in split_layers(model.layers, n_chunks, pipeline_item_costs(model, tokens))]
+    else:  # "ends-as-blocks"
+        size, extra = divmod(model.layers + 2, n_chunks)
+        sizes = [size + (c < extra) for c in range(n_chunks)]
+        chunks = [(sizes[c] - (c == 0) - (c == n_chunks - 1), c == n_chunks - 1) for c in range(n_chunks)]
+    loads = [(0, False)] * pp
+    for c, rank in enumerate(chunk_ranks(pp, n_chunks, placement)):
+        loads[rank] = (loads[rank][0] + chunks[c][0], loads[rank][1] or chunks[c][1])
+    return tuple(loads)
 
 
 def stage_params(model: ModelSpec, layout: Layout) -> float:
@@ -257,23 +320,24 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
 def _activation_parts(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
                       composite_norms: bool) -> tuple[float, ...]:
     """What :func:`activation_bytes` needs besides the stored bytes per layer, which alone depend on the recompute
-    mode: (layers, one layer's backward, logits per micro-batch, the loss rank's micro-batches, the loss's bytes
-    per logit, the first rank's micro-batches or 0 when the loss is on it)."""
-    n = stage_layers(model, layout)
+    mode: (the loss rank's layers, one layer's backward, logits per micro-batch, the loss rank's micro-batches, the
+    loss's bytes per logit, the first rank's micro-batches or 0 when the loss is on it, the first rank's layers).
+    The layers are those of the framework's pipeline split (:func:`meshtrain.planner.cost.rank_loads`)."""
+    n, n_first = _pipeline(model, *_split_key(layout, framework))[2]
     working = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
     logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
     m, v = layout.gradient_accumulation_steps, layout.virtual_stages
     held = loss_rank_in_flight(layout.pp_schedule, layout.pp, m, v)
     loss = framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes
     first = 0.0 if layout.pp == 1 or layout.pp_schedule == "zbv" else in_flight_microbatches(layout)
-    return n, working, logits, held, loss, first
+    return n, working, logits, held, loss, first, n_first
 
 
 def _activations(parts: tuple[float, ...], per_layer: float) -> float:
     """:func:`activation_bytes` from :func:`_activation_parts` and the stored bytes per layer."""
-    n, working, logits, held, loss, first = parts
+    n, working, logits, held, loss, first, n_first = parts
     loss_rank = n * held * per_layer + logits * 4 * (held - 1) + max(working, logits * loss)
-    return loss_rank if not first else max(n * first * per_layer + working, loss_rank)
+    return loss_rank if not first else max(n_first * first * per_layer + working, loss_rank)
 
 
 def memory_breakdown(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,

@@ -38,7 +38,7 @@ from typing import Any
 from meshtrain.config import ConfigError, read_toml
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware, network_with
-from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, Framework
+from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, PP_SPLITS, Framework
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.planner.memory import PRECISIONS, Precision
 from meshtrain.planner.model_specs import ModelSpec, from_table
@@ -87,17 +87,21 @@ class RunResult:
 def framework_for(run: dict[str, Any]) -> Framework:
     """The software of ``run``: its ``stack`` (a framework with options, :func:`meshtrain.planner.stack.parse_stack`)
     or ``framework`` key, else the first keyword of its source; then its ``attention`` key, the kernel that run's
-    software version ran (:class:`~meshtrain.planner.layout.Framework` ``attention``), a fact of the run that leaves
-    its stack (and so the stack's fitted factor) as it is.
+    software version ran (:class:`~meshtrain.planner.layout.Framework` ``attention``), and its ``pipeline_split``
+    key, how that run cut its pipeline (``Framework.pp_split``): facts of the run that leave its stack (and so the
+    stack's fitted factor) as it is.
 
     Raises:
-        ConfigError: both keys, an unknown framework or option, or an unknown attention kernel."""
+        ConfigError: both keys, an unknown framework or option, an unknown attention kernel or pipeline split."""
     fw = _framework_named(run)
     attention = run.get("attention", fw.attention)
     if attention not in ATTENTION_KERNELS:
         raise ConfigError(f"run {run.get('name')!r}: attention {attention!r} is not one of "
                           f"{', '.join(ATTENTION_KERNELS)}")
-    return replace(fw, attention=attention)
+    split = run.get("pipeline_split", fw.pp_split)
+    if split not in PP_SPLITS:
+        raise ConfigError(f"run {run.get('name')!r}: pipeline_split {split!r} is not one of {', '.join(PP_SPLITS)}")
+    return replace(fw, attention=attention, pp_split=split)
 
 
 def _framework_named(run: dict[str, Any]) -> Framework:

@@ -16,8 +16,10 @@ item, in FLOPs per optimizer step for ``tokens`` tokens per pipeline rank and st
 - parameters: ``OPTIMIZER_FLOPS_PER_PARAM`` per parameter per step (gradient accumulation and the
   AdamW update), which is what the embedding costs: its ``V*C`` gradient is dense.
 
-The split minimises the costliest chunk (the pipeline's step is set by its slowest stage), by
-dynamic programming over the cut points (the linear-partition problem, O(K * L**2)).
+The split minimises the costliest chunk (the pipeline's step is set by its slowest stage): the linear-partition
+problem, solved for equal block costs by bisection (:func:`split_layers`), the same cuts as dynamic programming over
+every cut point in a fraction of its time, which the planner needs for every layout it ranks
+(:func:`meshtrain.planner.memory.stage_loads`).
 """
 
 from __future__ import annotations
@@ -63,35 +65,81 @@ def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float])
     """Cut ``n_layer`` blocks into ``n_chunks`` contiguous chunks minimising the costliest one.
 
     ``costs`` = (embedding, block, head) from :func:`model_item_costs`. Among equally good splits the one
-    with the most blocks in the earliest chunks is taken (deterministic on every rank).
+    with the most blocks in the earliest chunks is taken (deterministic on every rank): cut from the last chunk
+    back, each chunk starting as late as the best cost of the chunks before it allows.
+
+    The blocks cost the same, so the best cost of the first ``j + 1`` chunks over ``end`` blocks (the last chunk
+    not among them) is the smaller, over chunk 0's share ``k``, of chunk 0's cost and the even spread of the other
+    ``end - k`` blocks over ``j`` chunks, ``ceil((end - k) / j)`` blocks: found by bisection, as is each cut, since
+    that best cost grows with ``end`` and a chunk's own cost falls as it starts later. The same split as the
+    dynamic programme over every cut (``tests/test_pipeline_rules.py`` checks it against one), in
+    ``O(chunks * log(layers)**2)`` instead of ``O(chunks * layers**2)``, which the planner needs for every layout
+    it ranks.
 
     Raises:
-        ValueError: ``n_chunks`` < 1 or > ``n_layer`` (every chunk needs a block).
+        ValueError: ``n_chunks`` < 1 or > ``n_layer`` (every chunk needs a block), or a block cost <= 0.
     """
     if not 1 <= n_chunks <= n_layer:
         raise ValueError(f"cannot split {n_layer} layers into {n_chunks} pipeline chunks: need 1 <= chunks <= layers")
     emb, block, head = costs
+    if not block > 0:
+        raise ValueError(f"a block's cost must be > 0, not {block}")
+    last = n_chunks - 1
 
     def cost(chunk: int, start: int, end: int) -> float:
-        return (end - start) * block + (emb if chunk == 0 else 0.0) + (head if chunk == n_chunks - 1 else 0.0)
+        return (end - start) * block + (emb if chunk == 0 else 0.0) + (head if chunk == last else 0.0)
+
+    def smallest(lo: int, hi: int, ok) -> int:
+        """The smallest x in [lo, hi] with ok(x) (ok monotone: False then True), or hi + 1."""
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        return lo
 
     @cache
-    def best(chunk: int, end: int) -> tuple[float, int]:
-        """(max cost, start of this chunk) for blocks [0, end) in chunks 0..chunk, chunk ending at ``end``."""
-        if chunk == 0:
-            return cost(0, 0, end), 0
-        options = [(max(best(chunk - 1, start)[0], cost(chunk, start, end)), -start)
-                   for start in range(chunk, end)]
-        value, neg_start = min(options)
-        return value, -neg_start
+    def best(j: int, end: int) -> float:
+        """The best costliest chunk of blocks [0, end) in chunks 0..j, none of them the last one (j < last)."""
+        if j == 0:
+            return cost(0, 0, end)
 
+        # chunk 0 holding k blocks, chunks 1..j the other end - k as evenly as they can: the costlier of the two
+        # parts is least where they cross, at k = (end - j * emb / block) / (j + 1) in real numbers; the integer
+        # crossing lies within one block of it, so a window of six around it holds the best k
+        centre = min(max(int((end - j * emb / block) / (j + 1)), 1), end - j)  # outside [1, end - j]: its end
+        return min(max(cost(0, 0, k), cost(1, 0, -(-(end - k) // j)))
+                   for k in range(max(1, centre - 2), min(end - j, centre + 3) + 1))
+
+    def most(limit: float, extra: float) -> int:
+        """The most blocks a chunk with ``extra`` besides them holds at cost <= ``limit`` (its cost, as ``cost``)."""
+        k = max(int((limit - extra) / block), 0)
+        while (k + 1) * block + extra <= limit:
+            k += 1
+        while k > 0 and k * block + extra > limit:
+            k -= 1
+        return k
+
+    if last == 0:
+        return [Chunk(0, 0, n_layer, True, True, cost(0, 0, n_layer))]
+    end = n_layer  # the whole split's best: the last chunk's start where its cost and the others' best cross
+    crossing = smallest(last, end - 1, lambda s: best(last - 1, s) >= cost(last, s, end))
+    target = min(max(best(last - 1, x), cost(last, x, end)) for x in _around(crossing, last, end - 1))
     cuts = [n_layer]
-    for chunk in range(n_chunks - 1, 0, -1):
-        cuts.append(best(chunk, cuts[-1])[1])
+    for j in range(last, 0, -1):  # chunk j starts at the latest block chunks 0..j-1 can end on within the best cost
+        if j < last:
+            target = best(j, cuts[-1])
+        cuts.append(min(cuts[-1] - 1, most(target, emb) + (j - 1) * most(target, 0.0)))
     cuts.append(0)
     cuts.reverse()
-    return [Chunk(i, cuts[i], cuts[i + 1], i == 0, i == n_chunks - 1, cost(i, cuts[i], cuts[i + 1]))
+    return [Chunk(i, cuts[i], cuts[i + 1], i == 0, i == last, cost(i, cuts[i], cuts[i + 1]))
             for i in range(n_chunks)]
+
+
+def _around(x: int, lo: int, hi: int) -> tuple[int, ...]:
+    """``x - 1`` and ``x``, those within [lo, hi]: the two sides of a crossing."""
+    return tuple(y for y in (x - 1, x) if lo <= y <= hi)
 
 
 def chunk_ranks(pp: int, n_chunks: int, style: str) -> list[int]:
