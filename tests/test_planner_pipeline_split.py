@@ -103,3 +103,20 @@ def test_deepspeeds_ends_as_blocks_split(layers, pp, expected):
 def test_megatrons_uniform_split_charges_the_head_beside_the_busiest_stages_blocks(framework):
     model = ModelSpec("m", 10, 256, 4, vocab=1000, seq_len=128)
     assert stage_loads(model, Layout(pp=4, gradient_accumulation_steps=4), FRAMEWORKS[framework]) == ((3, True),)
+
+
+def test_the_fullest_rank_sets_the_activation_peak():
+    """Llama 3 405B on pp 32 under ZB-V: the balanced split leaves the loss's rank 0 (the embedding's and the head's
+    chunks) 2 blocks and every other rank 4; each rank holds the same micro-batches in flight, so the peak is a
+    4-block rank's: as many activations as the uniform split's 4 blocks a rank, not the loss rank's half of it."""
+    from meshtrain.planner.memory import memory_breakdown
+    model = ModelSpec("llama3-405b", 126, 16384, 128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq_len=8192,
+                      activation="swiglu", tied_embeddings=False)
+    hw, prec = get_hardware("H100"), PRECISIONS["bf16"]
+    layout = Layout(dp=64, tp=8, pp=32, zero_stage=2, gradient_accumulation_steps=32, pp_schedule="zbv",
+                    virtual_stages=2, tp_sequence_parallel=True)
+    loads = rank_loads(model, layout, MESHTRAIN)
+    assert loads[0] == (2, True) and {b for b, _ in loads[1:]} == {4}
+    balanced = memory_breakdown(model, layout, hw, prec, MESHTRAIN).activations
+    uniform = memory_breakdown(model, layout, hw, prec, replace(MESHTRAIN, pp_split="uniform")).activations
+    assert balanced == pytest.approx(uniform, rel=1e-12)

@@ -122,15 +122,20 @@ def _split_key(layout: Layout, fw: Framework) -> tuple[int, int, str, str, int]:
 @lru_cache(maxsize=4096)
 def _pipeline(model: ModelSpec, pp: int, virtual: int, placement: str, split: str,
               tokens: int) -> tuple[tuple[tuple[int, bool], ...], tuple[tuple[int, bool], ...], tuple[int, int]]:
-    """(distinct loads, loads per rank, (the loss rank's blocks, rank 0's blocks)) of :func:`stage_loads`,
-    :func:`rank_loads` and the activation memory."""
+    """(distinct loads, loads per rank, (blocks of the loss's rank, blocks of the rank with the most micro-batches in
+    flight)) of :func:`stage_loads`, :func:`rank_loads` and the activation memory (:func:`_activation_parts`). Rank 0
+    holds the most micro-batches in flight and each later rank fewer, so the largest rank's blocks times rank 0's
+    count bounds every rank's from above; under ZB-V (placement "v") every rank holds the same count, the loss's
+    rank among them, so the largest rank's blocks stand for it too."""
     if pp == 1:
         return ((model.layers, True),), ((model.layers, True),), (model.layers, model.layers)
     if split == "uniform":
         n = math.ceil(model.layers / pp)
         return ((n, True),), tuple((n, rank == pp - 1) for rank in range(pp)), (n, n)
     loads = _split_loads(model, pp, virtual, placement, split, tokens * model.seq_len)
-    return tuple(dict.fromkeys(loads)), loads, (next(b for b, head in loads if head), loads[0][0])
+    most = max(blocks for blocks, _ in loads)
+    loss = most if placement == "v" else next(blocks for blocks, head in loads if head)
+    return tuple(dict.fromkeys(loads)), loads, (loss, most)
 
 
 def _split_loads(model: ModelSpec, pp: int, virtual: int, placement: str, split: str,
@@ -321,8 +326,8 @@ def _activation_parts(model: ModelSpec, layout: Layout, precision: Precision, fr
                       composite_norms: bool) -> tuple[float, ...]:
     """What :func:`activation_bytes` needs besides the stored bytes per layer, which alone depend on the recompute
     mode: (the loss rank's layers, one layer's backward, logits per micro-batch, the loss rank's micro-batches, the
-    loss's bytes per logit, the first rank's micro-batches or 0 when the loss is on it, the first rank's layers).
-    The layers are those of the framework's pipeline split (:func:`meshtrain.planner.cost.rank_loads`)."""
+    loss's bytes per logit, the first rank's micro-batches or 0 when the loss is on it, the layers those count for).
+    The layers are those of the framework's pipeline split (:func:`_pipeline`)."""
     n, n_first = _pipeline(model, *_split_key(layout, framework))[2]
     working = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
     logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
