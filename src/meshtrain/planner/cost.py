@@ -261,9 +261,10 @@ def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, 
 
 
 def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
-             fw: Framework) -> tuple[float, float, float, int]:
-    """(forward, backward incl. recomputation, weight-GEMM time of both, blocks) of one micro-batch on the
-    busiest pipeline rank (of :func:`stage_loads`, the one whose blocks and head take longest): GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
+             fw: Framework) -> tuple[float, float, float, float, float]:
+    """(one block's forward, its recomputation per backward pass, the head's forward, the host time of a micro-step's
+    forward, one block's weight-GEMM time forward and backward) for one micro-batch; :func:`micro_batch` adds them up
+    for the busiest pipeline rank (of :func:`stage_loads`). GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
     rows of every GEMM are the micro-batch's tokens, all-gathered over tp with sequence parallelism),
     attention at the attention rate (or, materialized, the slower of its FLOPs and its score traffic),
     element-wise kernels at the memory bandwidth, the head's logits GEMM and cross-entropy, and the host
@@ -313,11 +314,8 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
                  else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)
-    blocks, heads = max(stage_loads(model, layout, fw),
-                        key=lambda load: load[0] * (3 * block + passes * recompute) + load[1] * 3 * head)
-    forward = blocks * block + heads * head + dev.microstep_host_s / 3
-    gemm = blocks * (3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute])
-    return forward, 2 * forward + passes * blocks * recompute, gemm, blocks
+    gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
+    return block, recompute, head, dev.microstep_host_s / 3, gemm
 
 
 def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
@@ -352,10 +350,17 @@ def _layer_host_s(dev, layout: Layout) -> float:
 def micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
                 memo: dict | None = None) -> MicroBatch:
     """:class:`MicroBatch`: compute and the tp/sp/pp/ep communication of one micro-batch on the busiest stage."""
-    key = ("layer work", stage_loads(model, layout, fw), recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
+    key = ("layer work", recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
            ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
-    forward, backward, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
+    block, recompute, head, host, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
+    # the busiest pipeline rank: its blocks (with their collectives) and, on the loss's rank, the head
+    passes, per_block = recompute_passes(layout), tp + sp + ep
+    blocks, heads = max(stage_loads(model, layout, fw),
+                        key=lambda load: load[0] * (3 * block + passes * recompute + per_block) + load[1] * 3 * head)
+    forward = blocks * block + heads * head + host
+    backward = 2 * forward + passes * blocks * recompute
+    tp, sp, ep = blocks * tp, blocks * sp, blocks * ep
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
     # Pipeline: one activation forward and one gradient backward per chunk boundary, split over tp
@@ -378,11 +383,11 @@ def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Preci
 
 
 def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
-                fw: Framework) -> tuple[float, float, float, float, float]:
-    """(forward, backward, tp, sp, ep) of :class:`MicroBatch` before the pipeline's share: the busiest stage's
-    layers and head (:func:`_compute`) and their tp, sp and ep collectives."""
-    forward, backward, gemm, n = _compute(model, layout, hw, prec, fw)
-    net = hw.network
+                fw: Framework) -> tuple[float, ...]:
+    """One block's and the head's parts of :class:`MicroBatch` (:func:`_compute`), and one block's tp, sp and ep
+    collectives: (block forward, block recomputation, head forward, host time, block tp, block sp, block ep)."""
+    block, recompute, head, host, gemm = _compute(model, layout, hw, prec, fw)
+    net, n = hw.network, 1
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
     # (Korthikanti et al. 2022, Sec. 4.2.2), of the same ring time on a modelled link, each at its own
@@ -400,9 +405,9 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
         comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
     tp, sp = comm["tp"], comm["sp"]
-    if fw.tp_comm_overlap:
+    if fw.tp_comm_overlap:  # per block: overlapped() scales with the blocks, so a stage's is blocks times a block's
         tp = overlapped(tp, gemm, hw.device.overlap_slowdown)
-    return forward, backward, tp, sp, comm["ep"]
+    return block, recompute, head, host, tp, sp, comm["ep"]
 
 
 @dataclass(frozen=True)

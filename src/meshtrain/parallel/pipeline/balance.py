@@ -69,11 +69,12 @@ def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float])
     back, each chunk starting as late as the best cost of the chunks before it allows.
 
     The blocks cost the same, so the best cost of the first ``j + 1`` chunks over ``end`` blocks (the last chunk
-    not among them) is the smaller, over chunk 0's share ``k``, of chunk 0's cost and the even spread of the other
-    ``end - k`` blocks over ``j`` chunks, ``ceil((end - k) / j)`` blocks: found by bisection, as is each cut, since
-    that best cost grows with ``end`` and a chunk's own cost falls as it starts later. The same split as the
-    dynamic programme over every cut (``tests/test_pipeline_rules.py`` checks it against one), in
-    ``O(chunks * log(layers)**2)`` instead of ``O(chunks * layers**2)``, which the planner needs for every layout
+    not among them) is the least, over chunk 0's share ``k``, of the larger of chunk 0's cost and that of the even
+    spread of the other ``end - k`` blocks over ``j`` chunks (``ceil((end - k) / j)`` blocks), found next to where
+    the two cross. The last chunk's start is bisected (the others' best cost grows as it starts later, its own
+    falls), and each earlier cut is the most blocks the chunks before it hold within the best cost. The same split
+    as the dynamic programme over every cut (``tests/test_pipeline_rules.py`` checks it against one), in about
+    ``O(chunks + log(layers)**2)`` steps instead of ``O(chunks * layers**2)``: the planner splits for every layout
     it ranks.
 
     Raises:
@@ -106,11 +107,12 @@ def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float])
             return cost(0, 0, end)
 
         # chunk 0 holding k blocks, chunks 1..j the other end - k as evenly as they can: the costlier of the two
-        # parts is least where they cross, at k = (end - j * emb / block) / (j + 1) in real numbers; the integer
-        # crossing lies within one block of it, so a window of six around it holds the best k
+        # parts is least at the first k where chunk 0's is the larger or just before it; with c = (end - j * emb /
+        # block) / (j + 1), where they cross in real numbers, that first k is ceil(c) or ceil(c) + 1 (the spread's
+        # ceil adds less than a block), so k in floor(c) - 1 .. floor(c) + 2 holds the best one, rounding included
         centre = min(max(int((end - j * emb / block) / (j + 1)), 1), end - j)  # outside [1, end - j]: its end
         return min(max(cost(0, 0, k), cost(1, 0, -(-(end - k) // j)))
-                   for k in range(max(1, centre - 2), min(end - j, centre + 3) + 1))
+                   for k in range(max(1, centre - 1), min(end - j, centre + 2) + 1))
 
     def most(limit: float, extra: float) -> int:
         """The most blocks a chunk with ``extra`` besides them holds at cost <= ``limit`` (its cost, as ``cost``)."""
