@@ -13,10 +13,10 @@ import pytest
 from meshtrain.config import load_config
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
 from meshtrain.parallel.pipeline.rules import RULES
-from meshtrain.planner.cost import pipeline_item_costs, step_time
+from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout
-from meshtrain.planner.memory import PRECISIONS, rank_loads, stage_loads
+from meshtrain.planner.memory import PRECISIONS, pipeline_item_costs, rank_loads, stage_loads
 from meshtrain.planner.model_specs import ModelSpec, from_config
 
 MESHTRAIN = FRAMEWORKS["meshtrain"]

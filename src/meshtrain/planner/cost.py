@@ -39,15 +39,7 @@ from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, stage_layers, stage_loads, stage_params,
                                      torchtitan_gemms)
-from meshtrain.planner.model_specs import ModelSpec
-
-
-def dense_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``, f the active MLP width
-    (k experts of width f: k*f) plus a router's ``E*h`` and a shared expert's (Fedus et al. 2021, Sec. 2: FLOPs per
-    token follow the experts a token runs, not their number)."""
-    h, kv, f, q = model.hidden, model.kv_dim, model.active_ffn, model.q_dim
-    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params + model.shared_params)
+from meshtrain.planner.model_specs import ModelSpec, attention_flops_per_token, dense_flops_per_token
 
 
 def expert_flops_per_token(model: ModelSpec) -> float:
@@ -76,11 +68,6 @@ def expert_gemm_traffic_bytes(model: ModelSpec, tokens: float, ep: int, element_
     up = rows * h + local * h * (m - 1) * f + rows * (m - 1) * f  # gate and up fused for SwiGLU
     down = rows * f + local * f * h + rows * h
     return element_bytes * (up + down)
-
-
-def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
-    """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
-    return 4.0 * model.seq_len * model.q_dim * (0.5 if causal else 1.0)
 
 
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
@@ -246,18 +233,6 @@ def _elementwise_bytes_per_token(model: ModelSpec, layout: Layout, e: int, mater
         per_score = 2 * e + (2 * e + 1 if model.dropout else 0)
         core = model.heads * model.seq_len * per_score / (t * layout.sp)
     return replicated / seq + sharded / t, core
-
-
-def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, float]:
-    """(embedding, one block, head) FLOPs per optimizer step for ``tokens`` tokens per pipeline rank, the costs the
-    trainer balances its pipeline split by (each family's ``layer_costs``, :mod:`meshtrain.parallel.pipeline.balance`):
-    forward FLOPs per token x 3 for forward and backward (Narayanan et al. 2021, Eq. 3, per layer; attention counted
-    non-causal, ``4 s q``), and :data:`~meshtrain.models.family.OPTIMIZER_FLOPS_PER_PARAM` per parameter each part
-    updates (the embedding's ``V h`` (+ ``s h``), a block's, the final norm and an untied head's)."""
-    from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM as opt
-    block = 3 * (dense_flops_per_token(model) + attention_flops_per_token(model, causal=False)) * tokens
-    head = 3 * 2 * model.hidden * model.vocab * tokens
-    return (opt * model.embedding_params(), block + opt * model.layer_params(), head + opt * model.head_params())
 
 
 def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,

@@ -35,10 +35,10 @@ from functools import lru_cache
 from typing import Any
 
 from meshtrain.planner.hardware import Hardware
-from meshtrain.parallel.pipeline.balance import chunk_ranks, split_layers
+from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk_ranks, split_layers
 from meshtrain.parallel.pipeline.rules import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.planner.model_specs import ModelSpec, attention_flops_per_token, dense_flops_per_token
 from meshtrain.rules.support import fsdp_units
 
 
@@ -86,6 +86,18 @@ class MemoryBreakdown:
 def stage_layers(model: ModelSpec, layout: Layout) -> int:
     """Layers on the busiest pipeline stage: ``ceil(L / pp)`` (uneven splits put fewer on the ends)."""
     return math.ceil(model.layers / layout.pp)
+
+
+def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, float]:
+    """(embedding, one block, head) FLOPs per optimizer step for ``tokens`` tokens per pipeline rank, the costs the
+    trainer balances its pipeline split by (each family's ``layer_costs``, :mod:`meshtrain.parallel.pipeline.balance`):
+    forward FLOPs per token x 3 for forward and backward (Narayanan et al. 2021, Eq. 3, per layer; attention counted
+    non-causal, ``4 s q``), and :data:`~meshtrain.models.family.OPTIMIZER_FLOPS_PER_PARAM` per parameter each part
+    updates (the embedding's ``V h`` (+ ``s h``), a block's, the final norm and an untied head's)."""
+    opt = OPTIMIZER_FLOPS_PER_PARAM
+    block = 3 * (dense_flops_per_token(model) + attention_flops_per_token(model, causal=False)) * tokens
+    head = 3 * 2 * model.hidden * model.vocab * tokens
+    return (opt * model.embedding_params(), block + opt * model.layer_params(), head + opt * model.head_params())
 
 
 def stage_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[int, bool], ...]:
@@ -140,7 +152,6 @@ def _pipeline(model: ModelSpec, pp: int, virtual: int, placement: str, split: st
 
 def _split_loads(model: ModelSpec, pp: int, virtual: int, placement: str, split: str,
                  tokens: int) -> tuple[tuple[int, bool], ...]:
-    from meshtrain.planner.cost import pipeline_item_costs  # cost builds on this module
     n_chunks = pp * virtual
     if split == "balanced":
         chunks = [(c.end_layer - c.first_layer, c.has_head)

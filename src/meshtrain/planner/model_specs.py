@@ -361,3 +361,16 @@ def model_from_toml(path: Path) -> ModelSpec:
         from meshtrain.config import load_config
         return from_config(load_config(path))
     return from_table(table, name=path.stem)
+
+
+def dense_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``, f the active MLP width
+    (k experts of width f: k*f) plus a router's ``E*h`` and a shared expert's (Fedus et al. 2021, Sec. 2: FLOPs per
+    token follow the experts a token runs, not their number)."""
+    h, kv, f, q = model.hidden, model.kv_dim, model.active_ffn, model.q_dim
+    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params + model.shared_params)
+
+
+def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
+    """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
+    return 4.0 * model.seq_len * model.q_dim * (0.5 if causal else 1.0)
