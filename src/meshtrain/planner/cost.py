@@ -239,7 +239,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
              fw: Framework) -> tuple[float, float, float, float, float]:
     """(one block's forward, its recomputation per backward pass, the head's forward, the host time of a micro-step's
     forward, one block's weight-GEMM time forward and backward) for one micro-batch; :func:`micro_batch` adds them up
-    for the busiest pipeline rank (of :func:`stage_loads`). GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
+    for the busiest pipeline rank (of :func:`meshtrain.planner.memory.stage_loads`). GEMMs at the GEMM rate plus their operand traffic (:func:`gemm_traffic_bytes`; the
     rows of every GEMM are the micro-batch's tokens, all-gathered over tp with sequence parallelism),
     attention at the attention rate (or, materialized, the slower of its FLOPs and its score traffic),
     element-wise kernels at the memory bandwidth, the head's logits GEMM and cross-entropy, and the host

@@ -282,7 +282,7 @@ class Framework:
 
     Both counts are exactly linear in h, kv and f (residual 0 over ten widths), up to a few per-token scalars."""
     pp_split: str = "uniform"
-    """How the model is cut into pipeline stages (:func:`meshtrain.planner.cost.stage_loads`): "uniform", ``ceil(L / pp)``
+    """How the model is cut into pipeline stages (:func:`meshtrain.planner.memory.stage_loads`): "uniform", ``ceil(L / pp)``
     blocks on the busiest stage and the head beside them (Megatron-LM's split, and Megatron-DeepSpeed's default
     ``type:transformer``); "balanced", the contiguous split of ``[embedding, blocks, head]`` that minimises the
     costliest chunk (the trainer's, :mod:`meshtrain.parallel.pipeline.balance`, so the planner's busiest stage is the

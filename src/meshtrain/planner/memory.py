@@ -102,7 +102,7 @@ def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, 
 
 def stage_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[int, bool], ...]:
     """``(blocks, holds the head)`` of the pipeline ranks as ``fw`` cuts the model (``Framework.pp_split``), each
-    distinct load once, for :func:`_compute` to time and take the busiest of.
+    distinct load once, for :func:`meshtrain.planner.cost.micro_batch` to time and take the busiest of.
 
     - "uniform": ``((ceil(L / pp), True),)``, the busiest stage's blocks and the head charged together (Megatron-LM);
     - "balanced": the trainer's split (:func:`meshtrain.parallel.pipeline.balance.split_layers` of ``pp *
