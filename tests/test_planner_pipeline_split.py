@@ -120,3 +120,36 @@ def test_the_fullest_rank_sets_the_activation_peak():
     balanced = memory_breakdown(model, layout, hw, prec, MESHTRAIN).activations
     uniform = memory_breakdown(model, layout, hw, prec, replace(MESHTRAIN, pp_split="uniform")).activations
     assert balanced == pytest.approx(uniform, rel=1e-12)
+
+
+def test_a_ranks_parameters_follow_its_split():
+    """GPT-2 small on 2 stages: the trainer's rank 0 holds 8 blocks and the embedding (the most), rank 1 4 blocks
+    and the untied head. Under ZB-V rank 0 holds the first and the last chunk, so the embedding and the head both,
+    in any split (the uniform one before put only the larger of the two there)."""
+    from meshtrain.planner.memory import stage_params
+    model = ModelSpec("gpt2", 12, 768, 12, vocab=50257, seq_len=1024, biases=True, dropout=True)
+    layer, emb, head = model.layer_params(), model.embedding_params(), model.head_params() + model.vocab * model.hidden
+    one_f_one_b = Layout(pp=2, gradient_accumulation_steps=8)
+    assert stage_params(model, one_f_one_b, MESHTRAIN) == 8 * layer + emb
+    assert stage_params(model, one_f_one_b, FRAMEWORKS["megatron-core"]) == 6 * layer + max(emb, head)
+    zbv = Layout(pp=2, virtual_stages=2, pp_schedule="zbv", gradient_accumulation_steps=8)
+    for fw in (MESHTRAIN, replace(MESHTRAIN, pp_split="uniform")):
+        blocks0 = rank_loads(model, zbv, fw)[0][0]
+        assert rank_loads(model, zbv, fw)[0][1] and stage_params(model, zbv, fw) >= blocks0 * layer + emb + head
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3-405b", "mixtral"])
+def test_the_search_floor_of_a_ranks_parameters_holds_for_every_split(name):
+    """``search.states_lower_bound`` prunes degrees by :func:`stage_params_floor`: it must not exceed the parameters of
+    the fullest rank of any split or schedule, or a layout that fits would never be ranked."""
+    from meshtrain.planner.memory import stage_params, stage_params_floor
+    from meshtrain.planner.model_specs import preset
+    model = {"gpt2": ModelSpec("gpt2", 12, 768, 12, vocab=50257, seq_len=1024),
+             "llama3-405b": preset("llama3-405b"), "mixtral": preset("mixtral-8x7b")}[name]
+    for fw, (schedule, v), pp, tp, ga in itertools.product(
+            (MESHTRAIN, FRAMEWORKS["megatron-core"], replace(FRAMEWORKS["megatron-deepspeed"], pp_split="ends-as-blocks")),
+            SCHEDULES, (1, 2, 3, 4, 6), (1, 2, 8), (4, 12, 64)):
+        if pp * v > model.layers or (pp == 1 and v > 1):
+            continue
+        layout = Layout(pp=pp, tp=tp, virtual_stages=v, pp_schedule=schedule, gradient_accumulation_steps=ga)
+        assert stage_params_floor(model, tp, pp) <= stage_params(model, layout, fw) * (1 + 1e-12), (fw.name, layout)

@@ -502,11 +502,11 @@ def dp_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw:
     if layout.diloco_group:
         inner = replace(layout, dp=layout.dp // layout.diloco_workers, diloco_group=0)
         step = layout.gradient_accumulation_steps * (mb.forward + mb.backward)
-        return dp_time(model, inner, hw, prec, fw, mb, memo) + diloco_time(model, layout, hw, prec, step)
+        return dp_time(model, inner, hw, prec, fw, mb, memo) + diloco_time(model, layout, hw, prec, step, fw)
     if layout.dp * layout.sp == 1:
         return 0.0
     key = ("dp", *axes.degrees_of(layout), layout.zero_stage, layout.hierarchical_allreduce,
-           layout.local_sgd_steps, stage_params(model, layout), fsdp_unit_shape(model, layout, fw))
+           layout.local_sgd_steps, stage_params(model, layout, fw), fsdp_unit_shape(model, layout, fw))
     c = memoized(memo, key, _dp_collectives, model, layout, hw, prec, fw)
     if c.whole is not None:
         return c.whole
@@ -566,7 +566,7 @@ def _dp_collectives(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precis
     spans = layout.spans_nodes("dp", dpn) or (layout.sp > 1 and layout.spans_nodes("sp", dpn))
     per_node = layout.ranks_per_node("dp", dpn) * layout.ranks_per_node("sp", dpn) if spans else 1  # dp*sp group
     scalars = (3 if layout.zero_stage >= 2 else 2) * collective_time(hw, "all-reduce", n, 8, spans, per_node)
-    p = stage_params(model, layout)
+    p = stage_params(model, layout, fw)
     grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
     z = layout.zero_stage
     units, per_unit = fsdp_unit_shape(model, layout, fw)
@@ -601,7 +601,8 @@ OUTER_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
 :data:`meshtrain.parallel.diloco.INT8_BLOCK`)."""
 
 
-def diloco_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, step_compute: float) -> float:
+def diloco_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, step_compute: float,
+                fw: Framework | None = None) -> float:
     """Exposed seconds per inner step of DiLoCo's exchanges between its W workers (:mod:`meshtrain.parallel.diloco`).
 
     Every rank sends its share of the pseudo-gradient: its stage's tp shard of the weights, split over the worker's
@@ -617,7 +618,7 @@ def diloco_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     W, F = layout.diloco_workers, layout.diloco_fragments
     net, dpn = hw.network, hw.network.devices_per_node
     worker = layout.world_size // W
-    values = stage_params(model, layout) / (layout.dp // W * layout.sp) / F
+    values = stage_params(model, layout, fw) / (layout.dp // W * layout.sp) / F
     payload = values * OUTER_VALUE_BYTES[layout.diloco_precision]
     spans = layout.world_size > dpn
     if layout.diloco_precision == "int8":
@@ -644,11 +645,11 @@ def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_nod
     return intra + collective_time(hw, "all-reduce", ranks // per_node, nbytes, True, 1)
 
 
-def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
+def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework | None = None) -> float:
     """AdamW step, memory-bound: read and write weights and states, read gradients 3x (norm, clip,
     update) for each parameter this device updates (1/(dp*sp) of its stage with ZeRO >= 1), plus the
     host time per parameter tensor (FSDP2's sharded DTensor parameters at zero_stage >= 2 cost more)."""
-    p = stage_params(model, layout) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)
+    p = stage_params(model, layout, fw) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)
     nbytes = p * (2 * (prec.weight_bytes + prec.optimizer_bytes) + 3 * prec.grad_bytes)
     dev = hw.device
     per_tensor = dev.sharded_tensor_update_host_s if layout.zero_stage >= 2 else dev.tensor_update_host_s
@@ -707,7 +708,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
                        _step_collectives_time, model, layout, hw, prec)
     return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
                     pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
-                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec),
+                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec, fw),
                     ep_comm=m * mb.ep)
 
 

@@ -141,9 +141,9 @@ def _pipeline(model: ModelSpec, pp: int, virtual: int, placement: str, split: st
     rank among them, so the largest rank's blocks stand for it too."""
     if pp == 1:
         return ((model.layers, True),), ((model.layers, True),), (model.layers, model.layers)
-    if split == "uniform":
-        n = math.ceil(model.layers / pp)
-        return ((n, True),), tuple((n, rank == pp - 1) for rank in range(pp)), (n, n)
+    if split == "uniform":  # the head on the last chunk's rank: pp - 1, or rank 0 under ZB-V's V
+        n, head_rank = math.ceil(model.layers / pp), 0 if placement == "v" else pp - 1
+        return ((n, True),), tuple((n, rank == head_rank) for rank in range(pp)), (n, n)
     loads = _split_loads(model, pp, virtual, placement, split, tokens * model.seq_len)
     most = max(blocks for blocks, _ in loads)
     loss = most if placement == "v" else next(blocks for blocks, head in loads if head)
@@ -166,23 +166,46 @@ def _split_loads(model: ModelSpec, pp: int, virtual: int, placement: str, split:
     return tuple(loads)
 
 
-def stage_params(model: ModelSpec, layout: Layout) -> float:
-    """Parameters on one device of the busiest stage before ZeRO sharding: its layers plus the
-    embedding (first stage) and the head (last stage), all split over tp (vocab-parallel embedding), but for a
-    mixture of experts' routers and experts, which tp replicates and ep splits (each ep rank holds E/ep experts)."""
-    return _stage_params(model, layout.pp, layout.tp, layout.ep)
+def stage_params(model: ModelSpec, layout: Layout, framework: Framework | None = None) -> float:
+    """Parameters on one device of the pipeline rank that holds the most, before ZeRO sharding: its blocks of the
+    framework's split (:func:`rank_loads`; without a framework Megatron's uniform one), plus the embedding on rank 0
+    and the head on the last chunk's rank (rank 0 too under ZB-V, whose V puts the first and last chunk there; an
+    untied copy of a tied head once they are on different stages), all split over tp (vocab-parallel embedding), but
+    for a mixture of experts' routers and experts, which tp replicates and ep splits (each ep rank holds E/ep
+    experts)."""
+    key = _split_key(layout, framework) if framework is not None else _uniform_key(layout)
+    return _rank_params(model, layout.tp, layout.ep, *key)
 
 
-@lru_cache(maxsize=4096)
-def _stage_params(model: ModelSpec, pp: int, tp: int, ep: int = 1) -> float:
-    ends = model.embedding_params() + model.head_params()
-    if pp > 1:
-        ends = max(model.embedding_params(), model.head_params() + (model.vocab * model.hidden
-                                                                     if model.tied_embeddings else 0))
+def _uniform_key(layout: Layout) -> tuple[int, int, str, str, int]:
+    if layout.pp == 1:
+        return 1, 1, "", "uniform", 0
+    return layout.pp, layout.virtual_stages, RULES[layout.pp_schedule].placement, "uniform", 0
+
+
+def stage_params_floor(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
+    """A lower bound of :func:`stage_params` over every split and schedule of ``pp`` stages: the average rank's
+    parameters, and one block with the larger end (each rank holds a block at least)."""
+    layer, emb, head = _param_parts(model, tp, ep, pp)
+    return max((model.layers * layer + emb + head) / pp, layer + max(emb, head)) if pp > 1 else model.layers * layer + emb + head
+
+
+def _param_parts(model: ModelSpec, tp: int, ep: int, pp: int) -> tuple[float, float, float]:
+    """(one block's, the embedding's, the head's) parameters on one device."""
     dense_moe = model.router_params + model.shared_params  # replicated over tp and ep
     moe = model.expert_params() + dense_moe  # replicated over tp, the experts split over ep
     layer = (model.layer_params() - moe) / tp + model.expert_params() / ep + dense_moe
-    return math.ceil(model.layers / pp) * layer + ends / tp
+    untied = model.vocab * model.hidden if model.tied_embeddings and pp > 1 else 0  # the head's own copy
+    return layer, model.embedding_params() / tp, (model.head_params() + untied) / tp
+
+
+@lru_cache(maxsize=4096)
+def _rank_params(model: ModelSpec, tp: int, ep: int, pp: int, virtual: int, placement: str, split: str,
+                 tokens: int) -> float:
+    layer, emb, head = _param_parts(model, tp, ep, pp)
+    loads = _pipeline(model, pp, virtual, placement, split, tokens)[1]
+    return max(blocks * layer + (emb if rank == 0 else 0.0) + (head if has_head else 0.0)
+               for rank, (blocks, has_head) in enumerate(loads))
 
 
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
@@ -439,20 +462,23 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
     if layout.diloco_group:  # one worker's layout, plus DiLoCo's fp32 outer weights and momentum of what a rank holds
         inner = replace(layout, dp=layout.dp // layout.diloco_workers, diloco_group=0)
         states = state_memory(model, inner, hw, precision, framework, memo)
-        held = stage_params(model, inner) / (inner.dp * inner.sp if inner.zero_stage >= 2 else 1)
+        held = stage_params(model, inner, framework) / (inner.dp * inner.sp if inner.zero_stage >= 2 else 1)
         return replace(states, optimizer=states.optimizer + 8 * held)
+    split = _split_key(layout, framework) if layout.pp > 1 else ()
+    if split and split[4]:  # a split weighing the costs at this many tokens: what matters is the ranks' parameters
+        split = (_rank_params(model, layout.tp, layout.ep, *split), _rank_params(model, layout.tp, 1, *split))
     key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,  # one framework a memo
-           layout.gradient_accumulation_steps == 1)
+           layout.gradient_accumulation_steps == 1, split)
     return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)
 
 
 def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision,
                   framework: Framework) -> StateMemory:
-    p, shard, z = stage_params(model, layout), layout.dp * layout.sp, layout.zero_stage
+    p, shard, z = stage_params(model, layout, framework), layout.dp * layout.sp, layout.zero_stage
     # ZeRO shards: expert parallelism holds E/ep experts on a rank, FSDP2 shards them over the dp*sp/ep ranks that
     # hold the same ones, the rest over dp*sp: either way 1/(dp*sp) of the whole stage (meshtrain.parallel.expert).
     # Folded into tp too (Framework.expert_folding), the experts' shards spread over tp*dp*sp ranks.
-    sharded = _stage_params(model, layout.pp, layout.tp) / shard
+    sharded = _rank_params(model, layout.tp, 1, *_split_key(layout, framework)) / shard
     sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / framework.expert_fold(layout.tp)) / shard
     weights = sharded * precision.weight_bytes if z >= 3 else p * precision.weight_bytes
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward

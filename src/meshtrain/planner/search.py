@@ -34,7 +34,7 @@ from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
 from meshtrain.planner.memory import (ActivationMemory, MemoryBreakdown, Precision, RecomputeMemory, composite_norms,
-                                     stage_params)
+                                     stage_params_floor)
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -301,6 +301,6 @@ def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int
     :func:`meshtrain.planner.memory.memory_breakdown` (``tests/test_planner_search.py`` checks it). A model with
     experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts)."""
     ep = math.gcd(model.experts, shard) if model.experts else 1
-    p = stage_params(model, Layout(1, tp=tp, pp=pp, ep=ep))
+    p = stage_params_floor(model, tp, pp, ep)  # whatever split and schedule the layouts of these degrees run
     return (p * precision.weight_bytes / (shard if zero >= 3 else 1) + p * precision.grad_bytes / (shard if zero >= 2 else 1)
             + p * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)
