@@ -185,9 +185,12 @@ def _uniform_key(layout: Layout) -> tuple[int, int, str, str, int]:
 
 def stage_params_floor(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     """A lower bound of :func:`stage_params` over every split and schedule of ``pp`` stages: the average rank's
-    parameters, and one block with the larger end (each rank holds a block at least)."""
+    parameters, ``ceil(L / pp)`` blocks (some rank holds that many), and one block with the larger end (each rank
+    holds a block at least)."""
     layer, emb, head = _param_parts(model, tp, ep, pp)
-    return max((model.layers * layer + emb + head) / pp, layer + max(emb, head)) if pp > 1 else model.layers * layer + emb + head
+    if pp == 1:
+        return model.layers * layer + emb + head
+    return max((model.layers * layer + emb + head) / pp, math.ceil(model.layers / pp) * layer, layer + max(emb, head))
 
 
 def _param_parts(model: ModelSpec, tp: int, ep: int, pp: int) -> tuple[float, float, float]:
