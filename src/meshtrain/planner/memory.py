@@ -117,18 +117,19 @@ def stage_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[
 
 
 def rank_loads(model: ModelSpec, layout: Layout, fw: Framework) -> tuple[tuple[int, bool], ...]:
-    """:func:`stage_loads` per pipeline rank, rank 0 first; "uniform" gives every rank ``ceil(L / pp)`` blocks and
-    the last the head."""
+    """:func:`stage_loads` per pipeline rank, rank 0 first; "uniform" gives every rank ``ceil(L / pp)`` blocks and the
+    head to the last chunk's rank (the last rank, rank 0 under ZB-V)."""
     return _pipeline(model, *_split_key(layout, fw))[1]
 
 
-def _split_key(layout: Layout, fw: Framework) -> tuple[int, int, str, str, int]:
+def _split_key(layout: Layout, fw: Framework | None) -> tuple[int, int, str, str, int]:
     """What the split depends on: (pp, virtual stages, placement, split, sequences per pipeline rank and step, as the
-    trainer counts its tokens; 0 where the split does not weigh costs)."""
+    trainer counts its tokens; 0 where the split does not weigh costs). No framework: the uniform split."""
     if layout.pp == 1:
         return 1, 1, "", "uniform", 0
-    tokens = layout.gradient_accumulation_steps * layout.micro_batch_size if fw.pp_split == "balanced" else 0
-    return layout.pp, layout.virtual_stages, RULES[layout.pp_schedule].placement, fw.pp_split, tokens
+    split = fw.pp_split if fw is not None else "uniform"
+    tokens = layout.gradient_accumulation_steps * layout.micro_batch_size if split == "balanced" else 0
+    return layout.pp, layout.virtual_stages, RULES[layout.pp_schedule].placement, split, tokens
 
 
 @lru_cache(maxsize=4096)
@@ -173,14 +174,7 @@ def stage_params(model: ModelSpec, layout: Layout, framework: Framework | None =
     untied copy of a tied head once they are on different stages), all split over tp (vocab-parallel embedding), but
     for a mixture of experts' routers and experts, which tp replicates and ep splits (each ep rank holds E/ep
     experts)."""
-    key = _split_key(layout, framework) if framework is not None else _uniform_key(layout)
-    return _rank_params(model, layout.tp, layout.ep, *key)
-
-
-def _uniform_key(layout: Layout) -> tuple[int, int, str, str, int]:
-    if layout.pp == 1:
-        return 1, 1, "", "uniform", 0
-    return layout.pp, layout.virtual_stages, RULES[layout.pp_schedule].placement, "uniform", 0
+    return _rank_params(model, layout.tp, layout.ep, *_split_key(layout, framework))
 
 
 def stage_params_floor(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
