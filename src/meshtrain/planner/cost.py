@@ -244,7 +244,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     attention at the attention rate (or, materialized, the slower of its FLOPs and its score traffic),
     element-wise kernels at the memory bandwidth, the head's logits GEMM and cross-entropy, and the host
     time not hidden behind kernels. Backward = 2x forward (two GEMMs per forward GEMM, same traffic)."""
-    dev, n, t, dtype = hw.device, 1, layout.tp, prec.compute_dtype  # one block; the rank's count below
+    dev, t, dtype = hw.device, layout.tp, prec.compute_dtype  # one block; micro_batch counts the rank's
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
@@ -265,19 +265,19 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
                                         + expert_gemm_traffic_bytes(model, tokens / fold, layout.ep, e))
     per_token = (dense_flops_per_token(model) - moe) / t + (moe + (model.expert_imbalance - 1) * routed) / fold
-    dense = tokens * n * per_token / rate + n * layer_io
-    attn_flops = executed * tokens * n * attention_flops_per_token(model, causal=not (materialized or ring)) / t
+    dense = tokens * per_token / rate + layer_io
+    attn_flops = executed * tokens * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
                                                            fw.eager_elementwise if model.norm == "rmsnorm" else None)
-    core = executed * tokens * n * core_bytes / bw
+    core = executed * tokens * core_bytes / bw
     if materialized:
-        scores = executed * tokens * n * model.heads * model.seq_len / (t * layout.sp)
+        scores = executed * tokens * model.heads * model.seq_len / (t * layout.sp)
         score_io = scores * 2 * prec.activation_bytes
         attn = max(attn_flops / attn_rate, score_io / bw)
     else:
         length = model.seq_len // (2 * layout.sp) if ring_fused else model.seq_len
         attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k, fw.attention)
-    elementwise = tokens * n * layer_bytes / bw
+    elementwise = tokens * layer_bytes / bw
     # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
     head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
     head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
@@ -362,7 +362,7 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     """One block's and the head's parts of :class:`MicroBatch` (:func:`_compute`), and one block's tp, sp and ep
     collectives: (block forward, block recomputation, head forward, host time, block tp, block sp, block ep)."""
     block, recompute, head, host, gemm = _compute(model, layout, hw, prec, fw)
-    net, n = hw.network, 1
+    net = hw.network
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
     # (Korthikanti et al. 2022, Sec. 4.2.2), of the same ring time on a modelled link, each at its own
@@ -375,10 +375,10 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     for c in layer_collectives(model, layout, prec, fw.expert_fold(layout.tp)):
         if c.axis == "ep":  # an all-to-all: the peers on this rank's node over the node's link, the rest by NIC
             local = ep_ranks_per_node(layout, fw, net.devices_per_node)
-            comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, local < layout.ep, local)
+            comm[c.axis] += c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, local < layout.ep, local)
             continue
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
-        comm[c.axis] += n * c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
+        comm[c.axis] += c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
     tp, sp = comm["tp"], comm["sp"]
     if fw.tp_comm_overlap:  # per block: overlapped() scales with the blocks, so a stage's is blocks times a block's
         tp = overlapped(tp, gemm, hw.device.overlap_slowdown)
