@@ -8,6 +8,7 @@ written by the first rank of each worker. The run itself is :class:`meshtrain.tr
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import traceback
@@ -52,11 +53,13 @@ def main() -> None:
     try:
         for entry in spec:
             run(entry)
+            gc.collect()  # the trainer's DDP/FSDP reference cycles hold gloo's groups: free them while every rank is here
             dist.barrier()
     except BaseException:
         traceback.print_exc()
         raise
     finally:
+        gc.collect()  # else gloo's threads can be torn down at exit: "terminate called without an active exception"
         if dist.is_initialized():
             dist.destroy_process_group()
 
