@@ -63,15 +63,16 @@ def test_what_it_cannot_plan_is_one_config_error(overrides, fixed, needle):
 
 
 def test_a_pinned_pipeline_needs_no_accumulation_in_the_config():
-    """``--layout auto --pp 2`` on a config with gradient_accumulation_steps = 1 < pp: the config's global batch (its
-    micro_batch_size x 1 x dp) is kept and the planner splits it for the pipeline; without --layout auto the same
-    config is refused (the schedule needs a micro-batch per stage)."""
-    choice = choose(2, {"pp": 2}, **{"parallel.pp": "2"})
+    """``--layout auto --pp 2 --pp_schedule 1f1b`` on a config with gradient_accumulation_steps = 1 < pp: the config's
+    global batch (its micro_batch_size x 1 x dp) is kept and the planner splits it for the pipeline; without --layout
+    auto the same config is refused (1F1B needs a micro-batch per stage; GPipe and the naive schedule take one, and the
+    planner may pick them unpinned)."""
+    choice = choose(2, {"pp": 2, "pp_schedule": "1f1b"}, **{"parallel.pp": "2", "parallel.pp_schedule": "1f1b"})
     layout = choice.best.layout
-    assert layout.pp == 2 and layout.gradient_accumulation_steps >= 2
+    assert layout.pp == 2 and layout.pp_schedule == "1f1b" and layout.gradient_accumulation_steps >= 2
     assert layout.micro_batch_size * layout.gradient_accumulation_steps * layout.dp == 12  # micro_batch_size 12 x 1 x 1
     with pytest.raises(ConfigError, match="gradient_accumulation_steps = 1 is below pp = 2"):
-        load_config(CONFIG, {**MODEL, "parallel.pp": "2"})
+        load_config(CONFIG, {**MODEL, "parallel.pp": "2", "parallel.pp_schedule": "1f1b"})
 
 
 def _auto_run(tmp_path, world: int, *extra: str):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from meshtrain.config import load_config
-from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
-from meshtrain.planner.hardware import get_hardware, load_hardware_file
+from meshtrain.planner.actual import hardware_for_run, predict_for_run, write_plan_vs_actual
+from meshtrain.planner.hardware import CPU_REFERENCE, HOST_KEYS, get_hardware, load_hardware_file
 
 pytestmark = pytest.mark.serial  # calibration measures this machine: alone, not beside another pytest worker
 
@@ -58,6 +58,25 @@ def test_prediction_for_a_trainer_run_uses_the_profile(profile):
     bigger = load_config(CONFIG, {"parallel.zero_stage": "2", "model.n_embd": "256"})
     two = predict_for_run(bigger, world_size=2, vocab_size=65, device="cpu", profile=profile, threads=1)
     assert two["step_time_s"] > one["step_time_s"] and two["peak_memory_bytes"] > one["peak_memory_bytes"]
+
+
+def test_the_uncalibrated_cpu_is_the_reference_profile(tmp_path):
+    """Without a profile, ``cpu`` and ``cpu-2threads`` are the shipped reference machine's measured profile: every
+    host term and gloo collective measured (none left at a default), ``peak_source = "assumed"`` (no range), two
+    threads computing faster than one; a run's thread count picks its device, a count it lacks falls back to ``cpu``."""
+    none = tmp_path / "none.toml"
+    reference = load_hardware_file(CPU_REFERENCE)
+    text = CPU_REFERENCE.read_text()
+    for name in ("cpu", "cpu-2threads"):
+        hw = get_hardware(name, profile=none)
+        assert hw == reference[name] and hw.device.peak_source == "assumed"
+        assert hw.device.matmul_table["float32"] and hw.device.attention_table["float32"]
+    assert all(text.count(f"\n{key} = ") == 2 for key in HOST_KEYS), "a host term the reference did not measure"
+    assert {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "send-recv"} <= set(
+        reference["cpu"].network.collectives)
+    assert reference["cpu-2threads"].device.peak("float32") > reference["cpu"].device.peak("float32")
+    assert hardware_for_run("cpu", none, 2)[0] == reference["cpu-2threads"]
+    assert hardware_for_run("cpu", none, 4)[0] == reference["cpu"]
 
 
 def test_uncalibrated_prediction_says_so(tmp_path):

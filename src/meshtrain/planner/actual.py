@@ -49,7 +49,7 @@ def _cuda_name() -> str:
 
 def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware, str]:
     """(hardware, description) for the trainer's device: the calibrated ``cpu`` (one thread per rank)
-    or ``cpu-<n>threads`` profile, else the uncalibrated default; on CUDA the catalog entry of the GPU."""
+    or ``cpu-<n>threads`` profile, else the uncalibrated reference profile's (``cpu`` for thread counts it lacks); on CUDA the catalog entry of the GPU."""
     if device == "cuda":
         name = _cuda_name()
         entry = next((c for key, c in GPU_NAMES if key.lower() in name.lower()), None)
@@ -62,7 +62,8 @@ def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware
         hw = get_hardware(name, profile=profile)
     except ConfigError:
         hw, name = get_hardware("cpu", profile=profile), "cpu"
-    return hw, (f"{profile} [{name}]" if calibrated else "uncalibrated cpu defaults (run meshtrain plan --calibrate)")
+    return hw, (f"{profile} [{name}]" if calibrated
+                else "uncalibrated: the reference machine's cpu profile (run meshtrain plan --calibrate)")
 
 
 def corpus_rss_bytes(cfg: Config, profile: Path) -> float:

@@ -253,23 +253,29 @@ ALIASES = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "A100": "
            "H100": "H100-SXM-80GB", "H100-SXM": "H100-SXM-80GB", "H100-PCIe": "H100-PCIe-80GB",
            "H200": "H200-SXM-141GB", "B200": "B200-SXM-180GB", "MI300X": "MI300X-192GB"}
 
-# An uncalibrated CPU process: one core of a recent x86 server (AVX2/AVX-512 FMA), DDR4/5 share.
-CPU_DEFAULT = Hardware(
-    Device("cpu", {"float32": 50e9, "bfloat16": 25e9}, memory_bytes=16 * GiB, memory_bandwidth=10e9,
-           matmul_efficiency=1.0, memory_efficiency=1.0, framework_overhead_bytes=350 * 2**20, layer_host_s=1e-3,
-           microstep_host_s=2e-3, tensor_update_host_s=50e-6, sharded_tensor_update_host_s=1e-3, comm_overlap=False,
-           peak_source="assumed"),
-    Network(devices_per_node=2, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
-            intra_node_latency_s=50e-6, inter_node_latency_s=100e-6, intra_node_efficiency=1.0,
-            inter_node_efficiency=1.0))
+CPU_REFERENCE = Path(__file__).parent / "data" / "cpu_reference.toml"
+"""The uncalibrated ``cpu`` and ``cpu-2threads``: what ``meshtrain plan --calibrate`` measured on one reference machine
+(a 2-core x86-64 VM with AVX512-BF16, torch 2.13, gloo over loopback; the file's header says more), with its memory
+left at a 16 GiB placeholder and ``peak_source = "assumed"`` (no error range). Measured host times and gloo numbers
+of one machine carry to another far better than guesses do; its compute is what ``--calibrate-from`` rescales
+(docs/planner.md, "Plan vs actual on this machine")."""
+_CPU_REFERENCE: dict[str, Hardware] = {}
+
+
+def cpu_reference() -> dict[str, Hardware]:
+    """The devices of :data:`CPU_REFERENCE` by name (read once)."""
+    if not _CPU_REFERENCE:
+        _CPU_REFERENCE.update(load_hardware_file(CPU_REFERENCE))
+    return _CPU_REFERENCE
 
 
 def catalog() -> dict[str, Hardware]:
-    """Every built-in device type with its default node network (``cpu`` is the uncalibrated default)."""
+    """Every built-in device type with its default node network (``cpu`` and ``cpu-2threads``: the uncalibrated
+    reference, :func:`cpu_reference`)."""
     out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32}, mem, bw, eff,
                                  flash2_efficiency=FLASH2_HOPPER if name in HOPPER else None), net)
            for name, (bf16, fp32, mem, bw, eff, net) in _CATALOG.items()}
-    out["cpu"] = CPU_DEFAULT
+    out.update(cpu_reference())
     return out
 
 

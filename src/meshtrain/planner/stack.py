@@ -152,13 +152,13 @@ def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak
     held-out prediction).
 
     A CPU (``device`` "cpu..."): factor 1 and, for a calibrated profile (``peak_source`` not "assumed"), the range
-    ``bench/plan_vs_actual.py`` measured on this project's machine (table ``cpu``); the uncalibrated defaults have no
-    range (NaN: their error is unknown, up to ~20x)."""
+    ``bench/plan_vs_actual.py`` measured on this project's machine (table ``cpu``); the uncalibrated reference profile
+    (:data:`meshtrain.planner.hardware.CPU_REFERENCE`) has no range (NaN: its error on another machine is unknown)."""
     table = load_stacks() if table is None else table
     if device.startswith("cpu"):
         if peak_source == "assumed":
-            return Speed(1.0, math.nan, math.nan, "uncalibrated cpu defaults, no range: run meshtrain plan "
-                                                   "--calibrate, or --calibrate-from a run of this machine")
+            return Speed(1.0, math.nan, math.nan, "uncalibrated cpu (the reference machine's profile), no range: run "
+                                                   "meshtrain plan --calibrate, or --calibrate-from a run of this machine")
         cpu = table.get("cpu", {"low": math.nan, "high": math.nan})
         return Speed(1.0, cpu["low"], cpu["high"], "calibrated cpu profile: the errors bench/plan_vs_actual.py measured")
     fitted = table.get("stack", {})
