@@ -339,3 +339,19 @@ def test_a_version_has_its_own_speed_and_an_unknown_one_falls_back_to_its_framew
     assert stack.speed_for("megatron-core@nemo-25.04", "H100-SXM-80GB", table).factor == 0.99
     assert stack.speed_for("megatron-core+fused-ce", "H100-SXM-80GB", table).factor == 0.99
     assert stack.speed_for("torchtitan@x", "H100-SXM-80GB", table).basis.endswith("pooled range")
+
+
+@pytest.mark.parametrize("compile_mode, device, name", [("auto", "cuda", "meshtrain+compile"), ("off", "cuda", "meshtrain"),
+                                                        ("auto", "cpu", "meshtrain"), ("on", "cpu", "meshtrain+compile")])
+def test_the_trainer_as_configured_is_its_stack(compile_mode, device, name):
+    """``meshtrain_framework``: a config whose blocks compile (``train.compile`` "on", or "auto" on CUDA) is the stack
+    ``meshtrain+compile``, so the plan of a compiled run (plan vs actual, ``--layout auto``, ``plan CONFIG``) takes the
+    compiled runs' fitted speed; its element-wise kernels are the fused ones, the eager count where not compiled."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.layout import meshtrain_framework
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
+    fw = meshtrain_framework(load_config(config, {"train.compile": compile_mode}), device)
+    assert fw.name == name and (fw.eager_elementwise is None) == name.endswith("+compile")
+    table = stack.load_stacks()["stack"]
+    assert stack.speed_for(fw.name, "H100-SXM-80GB").factor == table[f"{name}/H100-SXM-80GB"]["factor"]

@@ -222,6 +222,7 @@ def build_context(args: argparse.Namespace):
     gpu = args.gpu or ("cpu" if cfg is not None else None)
     if cfg is not None and framework.name == "meshtrain":  # the config's FSDP2 unit size, compiled blocks or not
         framework = meshtrain_framework(cfg, "cpu" if gpu == "cpu" else "cuda")
+        stack_name = framework.name  # meshtrain+compile where the config compiles its blocks: that stack's speed
     if gpu is None:
         raise ConfigError("give --gpu, e.g. --gpu H100-SXM-80GB (or cpu)")
     if cfg is not None and args.gpu is None:

@@ -161,7 +161,8 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     hw, description = hardware_for_run(device, DEFAULT_PROFILE, threads)
     from meshtrain.planner.stack import calibrated_speed, run_dir_speed, scaled, speed_for
 
-    speed = speed_for("meshtrain", hw.device.name, peak_source=hw.device.peak_source)
+    framework = meshtrain_framework(cfg, device)
+    speed = speed_for(framework.name, hw.device.name, peak_source=hw.device.peak_source)
     if calibrate_from is not None:
         factor, what = run_dir_speed(calibrate_from)
         hw, description = scaled(hw, factor), f"{description}, speed x{factor:.3g} calibrated on {what}"
@@ -170,7 +171,6 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
     model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
-    framework = meshtrain_framework(cfg, device)
     job = Job(world, gbs, total_steps=cfg.train.steps)
     fitting = search(model, hw, precision, framework, job, fixed=fixed, top=2)  # the choice and its runner-up
     if not fitting:

@@ -354,11 +354,14 @@ so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
     """The trainer as ``cfg`` sets it up on ``device_type`` ("cpu"/"cuda"): its FSDP2 unit size
     (``parallel.fsdp_unit_mb``), and fused element-wise kernels where its blocks are compiled
-    (:func:`meshtrain.rules.support.blocks_compiled`), eager ones (``eager_elementwise``) where not."""
+    (:func:`meshtrain.rules.support.blocks_compiled`), eager ones (``eager_elementwise``) where not. Compiled, it is
+    named as the stack ``meshtrain+compile`` (:func:`meshtrain.planner.stack.parse_stack`), so that its fitted speed
+    (:func:`meshtrain.planner.stack.speed_for`) is the compiled runs', not the eager ones'."""
     p = cfg.parallel
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
                                device_type)
-    return replace(MESHTRAIN, fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
+    return replace(MESHTRAIN, name="meshtrain+compile" if compiled else MESHTRAIN.name,
+                   fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
                    eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise)
 
 
