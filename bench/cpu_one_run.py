@@ -13,7 +13,7 @@ profile never saw. Each row's layout is predicted from the hardware the planner 
   per-operator host time for tp or sp).
 
 Calibrated: the speed factor ``s`` is fitted to the main job's row (``dp2 z0 mbs12``, ``make demo``'s layout) as
-``meshtrain plan --calibrate-from`` fits it (:func:`meshtrain.planner.stack.run_dir_speed`: compute, bubble and
+``meshtrain plan --calibrate-from`` fits it (:func:`meshtrain.planner.stack.breakdown_speed`: compute, bubble and
 optimizer time divided by ``s``, communication kept), and every other row is predicted at that ``s``. Writes
 ``bench/results/cpu_one_run.{md,json}``.
 """
@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS_DIR, write_results  # noqa: E402
+from plan_vs_actual import RUN_ARGS  # noqa: E402
 
 RESULTS = {"this machine": RESULTS_DIR / "plan_vs_actual.json",
            "AVX2 host (2026-11-23)": RESULTS_DIR / "plan_vs_actual_avx2_2026-11-23.json"}
 MAIN_JOB = "dp2 z0 mbs12"
-COMM = ("tp_comm", "sp_comm", "pp_comm", "dp_comm", "ep_comm")
 
 
 def former_guesses():
@@ -67,7 +67,7 @@ def predict(record: dict[str, Any], hw) -> Any:
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
 
-    args = {"optim.warmup_steps": 5, "train.eval_steps": 2, "train.dtype": "float32", **record["overrides"]}
+    args = {**RUN_ARGS, **record["overrides"]}
     cfg = load_config(REPO / record.get("config", "configs/shakespeare_char.toml"),
                       {k: str(v) for k, v in args.items()})
     vocab = cfg.model.vocab_size or 65  # Tiny Shakespeare's characters
@@ -78,7 +78,7 @@ def predict(record: dict[str, Any], hw) -> Any:
 
 def evaluate(path: Path, source: str) -> dict[str, Any]:
     """Uncalibrated and calibrated-on-the-main-job errors of every row of ``path`` from ``source``."""
-    from meshtrain.planner.stack import scaled
+    from meshtrain.planner.stack import breakdown_speed, scaled
 
     rows = []
     for record in json.loads(path.read_text())["layouts"]:
@@ -86,8 +86,7 @@ def evaluate(path: Path, source: str) -> dict[str, Any]:
         measured = statistics.median(r["measured"]["step_time_s"] for r in record["runs"])
         rows.append((record, threads, measured, predict(record, hardware(source, threads))))
     main = next(r for r in rows if r[0]["name"] == MAIN_JOB)
-    comm = sum(main[3].to_dict()[k] for k in COMM)
-    factor = (main[3].total - comm) / (main[2] - comm)
+    factor = breakdown_speed(main[3].to_dict(), main[2])
     errors = {}
     for record, threads, measured, time in rows:
         calibrated = predict(record, scaled(hardware(source, threads), factor)).total

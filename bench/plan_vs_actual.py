@@ -155,12 +155,16 @@ def calibrate() -> None:
         shutil.copyfile(f"{tmp}/profile{i}.toml", DEFAULT_PROFILE.expanduser())
 
 
+RUN_ARGS = {"optim.warmup_steps": 5, "train.eval_steps": 2, "train.dtype": "float32"}
+"""What every row runs with before its own overrides (fp32 pinned: ``auto`` is bf16 on a CPU with bf16 matmul)."""
+
+
 def run_layout(config: str, nproc: int, overrides: dict, steps: int) -> dict:
     """Train one layout alone (:func:`run_alone`); return its ``plan_vs_actual.json`` with the busy fraction
     of the cores at the start under ``"busy_at_start"`` and the other processes' share during it under
     ``"others_busy"``. A recompute row is trained twice: its step time from a run with the default allocator, its
     peak memory from one under :data:`RECOMPUTE_ENV`."""
-    args = {"optim.warmup_steps": 5, "train.eval_steps": 2, "train.dtype": "float32", **overrides}
+    args = {**RUN_ARGS, **overrides}
     with tempfile.TemporaryDirectory(prefix="meshtrain-pva-") as tmp:
         def train(out: str) -> list[str]:
             return [*meshtrain_command(), "train", config, "--nproc", str(nproc), "--steps", str(steps),

@@ -49,7 +49,8 @@ def _cuda_name() -> str:
 
 def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware, str]:
     """(hardware, description) for the trainer's device: the calibrated ``cpu`` (one thread per rank)
-    or ``cpu-<n>threads`` profile, else the uncalibrated reference profile's (``cpu`` for thread counts it lacks); on CUDA the catalog entry of the GPU."""
+    or ``cpu-<n>threads`` profile, else the uncalibrated reference profile's (``cpu`` for thread counts it lacks);
+    on CUDA the catalog entry of the GPU."""
     if device == "cuda":
         name = _cuda_name()
         entry = next((c for key, c in GPU_NAMES if key.lower() in name.lower()), None)

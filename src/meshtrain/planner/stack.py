@@ -275,6 +275,20 @@ def measured_step_time(key: str, value: float, e: Any) -> float:
     return e.time.total * e.mfu / (value / 100)  # mfu_percent
 
 
+WORK_PARTS = ("compute", "bubble", "optimizer")
+"""The parts of a :class:`~meshtrain.planner.cost.StepTime` a speed factor divides (the rest is communication)."""
+
+
+def breakdown_speed(parts: dict[str, float], measured_s: float) -> float:
+    """The speed factor ``s`` at which a predicted step's :data:`WORK_PARTS` (seconds, from
+    :meth:`~meshtrain.planner.cost.StepTime.to_dict`, ``total`` included) divided by ``s``, plus its communication as
+    predicted, equal ``measured_s``; NaN where the measured time is not above that communication (nothing to calibrate
+    the compute with)."""
+    work = sum(float(parts[k]) for k in WORK_PARTS)
+    comm = float(parts["total"]) - work
+    return work / (measured_s - comm) if measured_s > comm and work > 0 and math.isfinite(measured_s) else math.nan
+
+
 def run_dir_speed(run_dir: Path) -> tuple[float, str]:
     """The speed factor a finished meshtrain run implies: from its ``plan_vs_actual.json`` (the prediction for its own
     layout and the step time it measured), the ``s`` at which the predicted compute, bubble and optimizer times
@@ -292,16 +306,16 @@ def run_dir_speed(run_dir: Path) -> tuple[float, str]:
         data = json.loads(path.read_text())
         parts = data["predicted"]["time_breakdown_s"]
         measured = float(data["measured"]["step_time_s"])
-        work = sum(float(parts[k]) for k in ("compute", "bubble", "optimizer"))
-        comm = float(parts["total"]) - work
+        factor = breakdown_speed(parts, measured)
     except FileNotFoundError:
         raise ConfigError(f"--calibrate-from {run_dir}: no plan_vs_actual.json there: give the --out folder of a "
                           f"finished meshtrain train run") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--calibrate-from {run_dir}: {path} is not a plan-vs-actual record ({e.__class__.__name__}"
                           f": {e}): re-run the training to write it again") from None
-    if not (measured > comm and work > 0 and math.isfinite(measured)):
+    if math.isnan(factor):
+        comm = float(parts["total"]) - sum(float(parts[k]) for k in WORK_PARTS)
         raise ConfigError(f"--calibrate-from {run_dir}: its measured step time {measured:.4g} s is not above the "
                           f"predicted communication {comm:.4g} s: nothing to calibrate the compute with")
     layout = data["predicted"].get("layout", "?")
-    return work / (measured - comm), f"{run_dir} ({layout}, {measured:.4g} s/step measured)"
+    return factor, f"{run_dir} ({layout}, {measured:.4g} s/step measured)"
