@@ -15,6 +15,7 @@ every layout of one world size into one launch. ``SPEC.json`` is ``[{"out": DIR,
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.config import load_config
+from meshtrain.parallel.model import ReplicatedModel
 from meshtrain.parallel.reduce import reduce_partial_grads
 from meshtrain.parallel.rng import seed_step
 from meshtrain.train.loop import Trainer
@@ -54,7 +56,37 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     return {k: v for part in gathered for k, v in part.items()} if gathered else None
 
 
+def _per_micro_batch_mean(model, *micro_batch):
+    """Sabotage (the bug of transformers' gradient accumulation until 4.46): each micro-batch's own mean loss."""
+    total, count = _LOSS(model, *micro_batch)
+    return total / count.clamp(min=1), count
+
+
+_LOSS = ReplicatedModel.loss
+SABOTAGES = {"per-micro-batch-mean": {"loss": _per_micro_batch_mean, "step_scale": lambda model, micro_batches: 1.0}}
+"""Wrong reductions a test may ask for (``"sabotage"`` in a layout's overrides), to show its comparison fails them."""
+
+
+@contextlib.contextmanager
+def sabotaged(name: str | None):
+    """Within it, :class:`ReplicatedModel` computes the loss the sabotage ``name`` says (nothing when None)."""
+    saved = {attr: getattr(ReplicatedModel, attr) for attr in SABOTAGES.get(name, {})}
+    for attr, value in SABOTAGES.get(name, {}).items():
+        setattr(ReplicatedModel, attr, value)
+    try:
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(ReplicatedModel, attr, value)
+
+
 def run_layout(overrides: dict[str, str], out: Path, config: Path = CONFIG) -> None:
+    overrides = dict(overrides)
+    with sabotaged(overrides.pop("sabotage", None)):
+        _run_layout(overrides, out, config)
+
+
+def _run_layout(overrides: dict[str, str], out: Path, config: Path = CONFIG) -> None:
     cfg = load_config(config, {**overrides, "train.out_dir": str(out)})
     trainer = Trainer(cfg)
     seed_step(trainer.model, cfg.train.seed, 1, trainer.rank, trainer.dims.tp)

@@ -1,4 +1,5 @@
-"""``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR``: token shards to train on.
+"""``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR [--format text|chat|prompt-completion]``:
+token shards to train on (conversation formats add loss-mask shards; docs/posttraining.md).
 
 The work is :func:`meshtrain.data.preprocess.prepare`; this module parses the options and shows a rich progress
 bar on stderr (documents, tokens, input MB/s, ETA from the input bytes read). docs/data.md, "Preparing a
@@ -11,7 +12,7 @@ import argparse
 import time
 
 from meshtrain.argtypes import int_in, positive_float, positive_int
-from meshtrain.data.preprocess import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, default_workers, prepare
+from meshtrain.data.preprocess import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, FORMATS, default_workers, prepare
 from meshtrain.data.sources import DOC_SPLITS
 
 REFRESH_PER_S = 4
@@ -20,10 +21,14 @@ MAX_WORKERS = 1024
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into token shards to train on",
+    p = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into token shards to train on "
+                            "(--format chat|prompt-completion: conversations with a loss mask)",
                        description="Tokenize documents (text files, jsonl, parquet) in worker processes into "
                                    "fixed-size token shards (uint16/uint32 memmaps), a document index per split "
-                                   "and meta.json, written into DATA_DIR.tmp and renamed to DATA_DIR at the end.")
+                                   "and meta.json, written into DATA_DIR.tmp and renamed to DATA_DIR at the end. "
+                                   "--format chat|prompt-completion reads conversations (jsonl/parquet records), "
+                                   "renders them with the tokenizer's chat template and adds loss-mask shards "
+                                   "(docs/posttraining.md).")
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="a tokenizer.json, a *.tiktoken file, a sentencepiece *.model or a Hugging Face model folder")
     p.add_argument("--input", required=True, nargs="+", metavar="PATH",
@@ -37,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokenizing processes (default: min(4, CPUs) = %(default)s)")
     p.add_argument("--doc-split", choices=DOC_SPLITS, default="file",
                    help="text files: one document per file, or per blank-line-separated block (default: file)")
+    p.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
+                   help="text: documents; chat: {\"messages\": [...]} records; prompt-completion: {\"prompt\", "
+                        "\"completion\"} records; the last two add a loss mask (default: text)")
+    p.add_argument("--prompt-loss", action="store_true",
+                   help="--format prompt-completion: supervise the prompt's tokens too (default: the completion only)")
     p.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help="tokens per shard file (default: %(default)s)")
     p.set_defaults(func=run)
@@ -78,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = prepare(args.tokenizer, args.input, args.out, text_field=args.text_field,
                          val_fraction=args.val_fraction, workers=args.workers, doc_split=args.doc_split,
-                         shard_tokens=args.shard_tokens, progress=bar)
+                         shard_tokens=args.shard_tokens, data_format=args.data_format,
+                         prompt_loss=args.prompt_loss, progress=bar)
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
     splits = result.meta["splits"]
-    counts = ", ".join(f"{name} {s['documents']:,} documents {s['tokens']:,} tokens in {len(s['shards'])} shard(s)"
-                       for name, s in splits.items())
+    counts = ", ".join(_split_counts(name, s) for name, s in splits.items())
     if result.already_done:
         print(f"{result.out} already holds these inputs prepared with this tokenizer ({counts}): nothing to do")
         return 0
@@ -94,3 +104,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {result.out}: {counts}; {result.meta['dtype']}, vocab {result.meta['vocab_size']:,}; "
           f"{total / seconds:,.0f} tokens/s")
     return 0
+
+
+def _split_counts(name: str, split: dict) -> str:
+    """One split of the report: documents (or conversations and supervised tokens), tokens, shards."""
+    if "supervised_tokens" in split:
+        return (f"{name} {split['documents']:,} conversations {split['tokens']:,} tokens "
+                f"({split['supervised_tokens']:,} supervised) in {len(split['shards'])} shard(s)")
+    return f"{name} {split['documents']:,} documents {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"

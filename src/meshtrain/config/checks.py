@@ -378,6 +378,8 @@ def _validate_packing(cfg: Config) -> None:
     by chunk index only; a recurrence has no attention; the parameter server runs the model unsharded)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
     _require(d.packing in PACKINGS, f"data.packing = {d.packing!r} is not valid: use one of {', '.join(PACKINGS)}")
+    _require(d.packing != "pad" or p.sync_mode != "async", "data.packing = 'pad' is not supported with "
+                                                           "parallel.sync_mode = 'async': use 'sync' or 'local-sgd'")
     if d.packing != "document":
         return
     prepared = d.resolved_path().is_dir()  # a prepared folder's own tokenizer, which prepare requires to have an EOS

@@ -21,7 +21,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch_math.scaled_lr`)."""
 OPTIMIZERS = ("adamw", "sgd")
 """``optim.name`` values (:func:`meshtrain.optim.build_optimizer`)."""
-PACKINGS = ("concat", "document")
+PACKINGS = ("concat", "document", "pad")
 """``data.packing`` values (:mod:`meshtrain.data.packing`)."""
 TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
 """Kinds of ``data.tokenizer`` (:mod:`meshtrain.data.tokenizers`)."""
@@ -45,7 +45,8 @@ class DataConfig:
     sequence across the EOS tokens that separate documents, nanoGPT's and Megatron-LM's) or "document" (positions
     restart after each EOS and attention stays inside each document: a block-diagonal causal mask). "document"
     needs a tokenizer with an EOS token (not "char"), an attention model (gpt, llama), sp_mode "ulysses" when
-    sp > 1, and a synchronous sync_mode."""
+    sp > 1, and a synchronous sync_mode. Prepared conversations (:mod:`meshtrain.data.conversations`) take
+    "document" (whole conversations packed into a window, each masked to itself) or "pad" (one per sample)."""
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else BUNDLED_CORPUS

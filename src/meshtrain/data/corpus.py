@@ -12,13 +12,19 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from meshtrain.config import ConfigError
+from meshtrain.data.conversations import PACKINGS as CONVERSATION_PACKINGS
+from meshtrain.data.conversations import Conversations
 from meshtrain.errors import DataError
 from meshtrain.data.shards import TokenView
 from meshtrain.data.sampler import Tokens
 from meshtrain.data.tokenizers import TOKENIZER_KIND, CharTokenizer, Tokenizer, load_tokenizer
+
+TEXT_PACKINGS = ("concat", "document")
+"""``data.packing`` values that text takes (:mod:`meshtrain.data.packing`)."""
 
 __all__ = ["TOKENIZER_KIND", "CharTokenizer", "Corpus", "PreparedTokens", "load_corpus", "load_prepared"]  # CharTokenizer: kept importable from here
 
@@ -66,7 +72,7 @@ class PreparedTokens:
         return torch.from_numpy(windows)
 
 
-def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
+def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND, packing: str = "concat") -> Corpus:
     """The corpus of a ``meshtrain prepare`` folder: its splits read through memory maps, its tokenizer
     rebuilt from ``meta.json`` (checked against the file it was made with).
 
@@ -90,12 +96,36 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
                           f"folder names its own) or prepare the data again")
     train, val = (PreparedTokens(data.tokens(split), data.vocab_size, f"prepared data '{folder}' ({split} split)")
                   for split in ("train", "val"))
+    digest = hashlib.sha256((Path(folder) / META_FILE).read_bytes()).hexdigest()
+    if data.has_masks:
+        train, val = (_conversations(data, split, tokens, block_size, packing, tok, folder)
+                      for split, tokens in (("train", train), ("val", val)))
+        return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
+    if packing not in TEXT_PACKINGS:
+        raise ConfigError(f"data.packing = '{packing}' is for prepared conversations, and data.path = '{folder}' holds "
+                          f"text: use 'concat' or 'document'")
     for name, split in (("train", train), ("val", val)):
         if len(split) < block_size + 1:
             raise ConfigError(f"data.path = '{folder}' has a {name} split of {len(split)} tokens; model.block_size = "
                               f"{block_size} needs >= {block_size + 1}: use a smaller block_size or more data")
-    digest = hashlib.sha256((Path(folder) / META_FILE).read_bytes()).hexdigest()
     return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
+
+
+def _conversations(data, split: str, tokens: PreparedTokens, block_size: int, packing: str, tok: Tokenizer,
+                   folder: Path) -> Conversations:
+    """One split of prepared conversations (:class:`meshtrain.data.conversations.Conversations`).
+
+    Raises:
+        ConfigError: ``packing`` is not one conversations take.
+    """
+    if packing not in CONVERSATION_PACKINGS:
+        raise ConfigError(f"data.path = '{folder}' holds conversations (meshtrain prepare --format "
+                          f"{data.meta.get('content')}), which data.packing = '{packing}' would cut anywhere: use "
+                          f"'document' (whole conversations packed into windows, attention kept inside each) or 'pad' "
+                          f"(one conversation per sample)")
+    masks = PreparedTokens(data.masks(split), 2, f"prepared data '{folder}' ({split} split's loss masks)")
+    return Conversations(tokens, masks, np.asarray(data.documents(split)), block_size, packing,
+                         pad_id=tok.eos_id or 0)
 
 
 def read_text_corpus(path: Path) -> str:
@@ -115,7 +145,8 @@ def read_text_corpus(path: Path) -> str:
     return text
 
 
-def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str = TOKENIZER_KIND) -> Corpus:
+def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str = TOKENIZER_KIND,
+                packing: str = "concat") -> Corpus:
     """Read the UTF-8 text at ``path``, tokenize it with ``tokenizer`` (``data.tokenizer``: "char", or a file
     :func:`meshtrain.data.tokenizers.load_tokenizer` reads) and split it train | val; or, when ``path`` is a
     folder, open the dataset ``meshtrain prepare`` wrote there (:func:`load_prepared`; ``val_fraction`` is the
@@ -130,7 +161,10 @@ def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str
     """
     path = Path(path)
     if path.is_dir():
-        return load_prepared(path, block_size, tokenizer)
+        return load_prepared(path, block_size, tokenizer, packing)
+    if packing not in TEXT_PACKINGS:
+        raise ConfigError(f"data.packing = '{packing}' is for prepared conversations (meshtrain prepare --format chat), "
+                          f"and data.path = '{path}' is a text file: use 'concat' or 'document'")
     text = read_text_corpus(path)
     tok = load_tokenizer(tokenizer, text)
     try:

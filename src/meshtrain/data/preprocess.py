@@ -7,6 +7,12 @@ the tasks; the results are taken back in submission order, at most ``2 * workers
 bounded and the output does not depend on scheduling. With ``workers == 1`` the main process encodes them.
 Each document becomes ``tokenizer.encode(text) + [eos_id]``.
 
+Conversations (``--format chat|prompt-completion``, :mod:`meshtrain.data.chat`): each jsonl line or parquet row
+is one record, one document: its ids only (no EOS added: the template's end-of-turn token ends it) and a loss
+mask written beside the tokens. A tokenizer without a template and without the ChatML tokens gets them: the
+extended ``tokenizer.json`` (and a ``tokenizer_config.json`` with the template) is written into the folder and is
+meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``). Every split needs a supervised token.
+
 The split. Document ``i`` (counted from 0 over all non-empty documents, in input order) goes to val when
 ``floor((i + 1) * f) > floor(i * f)`` with ``f = --val-fraction``: one in every ``1/f`` documents, spread
 evenly through the corpus (with f = 0.005: documents 199, 399, ...), decided while streaming. Both splits
@@ -38,14 +44,18 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import ConfigError
+from meshtrain.data.chat import CONTENTS, PROMPT_COMPLETION, ChatFormat, chat_format, encode_records
 from meshtrain.data.shards import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
                                      read_prepared_meta)
-from meshtrain.data.sources import DOC_SPLITS, InputFile, expand_inputs, fingerprint, iter_documents
+from meshtrain.data.sources import DOC_SPLITS, InputFile, expand_inputs, fingerprint, iter_documents, iter_records
 from meshtrain.fileio import check_writable_dir
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 """Tokens per shard: 200 MB as uint16 (llm.c's FineWeb shards hold 100M tokens)."""
 DEFAULT_VAL_FRACTION = 0.005
+TEXT = "text"
+FORMATS = (TEXT, *CONTENTS)
+"""``--format``: plain documents, or conversations with a loss mask."""
 TASK_CHARS = 1 << 20
 """Characters of text per worker task (~1 MB): large enough to amortize pickling, small enough to balance."""
 LOCK_FILE = ".prepare.lock"
@@ -71,21 +81,29 @@ class Result:
 
 def prepare(tokenizer: str, inputs: list[str], out: str | Path, *, text_field: str = "text",
             val_fraction: float = DEFAULT_VAL_FRACTION, workers: int = 1, doc_split: str = "file",
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: Progress | None = None) -> Result:
-    """Tokenize ``inputs`` with ``tokenizer`` (a spec as ``data.tokenizer``) into the folder ``out``.
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, data_format: str = TEXT, prompt_loss: bool = False,
+            progress: Progress | None = None) -> Result:
+    """Tokenize ``inputs`` with ``tokenizer`` (a spec as ``data.tokenizer``) into the folder ``out``;
+    ``data_format`` is ``--format`` (text, chat, prompt-completion), ``prompt_loss`` supervises prompt-completion
+    prompts too.
 
     Raises:
-        ConfigError: a bad option, tokenizer or input (one line; see :mod:`meshtrain.data.sources`), an empty
-            split, or an ``out`` that exists and is not this very dataset. Nothing is left under ``out``.
+        ConfigError: a bad option, tokenizer, input or record (one line; see :mod:`meshtrain.data.sources` and
+            :mod:`meshtrain.data.chat`), an empty split, a split with no supervised token, or an ``out`` that
+            exists and is not this very dataset. Nothing is left under ``out``.
     """
     _check_options(tokenizer, val_fraction, workers, doc_split, shard_tokens)
+    _check_format(data_format, prompt_loss)
     out = Path(out).expanduser().absolute()
     files = expand_inputs(inputs)
     tok = _load_tokenizer(tokenizer)
+    chat, extension = chat_format(tok, data_format, prompt_loss) if data_format != TEXT else (None, {})
     sources = [fingerprint(f) for f in files]
-    recipe = {"tokenizer": tok.to_dict(), "inputs": [s.to_dict() for s in sources],
-              "options": {"text_field": text_field, "doc_split": doc_split, "val_fraction": val_fraction,
-                          "shard_tokens": shard_tokens}}
+    options = {"text_field": text_field, "doc_split": doc_split, "val_fraction": val_fraction,
+               "shard_tokens": shard_tokens}
+    if chat is not None:  # text keeps its options (and so its meta.json) as they were
+        options |= {"format": data_format, "prompt_loss": prompt_loss, "chat_template_sha256": chat.template_sha256}
+    recipe = {"tokenizer": tok.to_dict(), "inputs": [s.to_dict() for s in sources], "options": options}
     if out.exists():
         return Result(out, _existing(out, recipe), already_done=True)
     check_writable_dir(out.parent, "the folder of --out")
@@ -93,7 +111,11 @@ def prepare(tokenizer: str, inputs: list[str], out: str | Path, *, text_field: s
     tmp = out.with_name(out.name + ".tmp")
     lock, removed = _claim(tmp)
     try:
-        meta = _write(tmp, tok, sources, recipe, workers, progress)
+        entry = recipe["tokenizer"]
+        if extension:
+            tok = _extend_tokenizer(tmp, extension)
+            entry = tok.to_dict() | {"path": str(out / "tokenizer.json")}  # where it lies after the rename
+        meta = _write(tmp, tok, chat, entry, sources, recipe, workers, progress)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
     except BaseException:
@@ -117,6 +139,25 @@ def _check_options(tokenizer: str, val_fraction: float, workers: int, doc_split:
     for name, value in (("--workers", workers), ("--shard-tokens", shard_tokens)):
         if value < 1:
             raise ConfigError(f"{name} = {value} must be >= 1")
+
+
+def _check_format(data_format: str, prompt_loss: bool) -> None:
+    if data_format not in FORMATS:
+        raise ConfigError(f"--format = '{data_format}' is not valid: use one of {', '.join(FORMATS)}")
+    if prompt_loss and data_format != PROMPT_COMPLETION:
+        raise ConfigError(f"--prompt-loss applies to --format {PROMPT_COMPLETION} only, not --format {data_format}")
+
+
+def _extend_tokenizer(tmp: Path, files: dict[str, str]):
+    """Write the extended tokenizer ``files`` (:func:`meshtrain.data.chat.chat_format`) into ``tmp``; load it."""
+    from meshtrain.data.tokenizers import HFTokenizer
+
+    for name, text in files.items():
+        with open(tmp / name, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return HFTokenizer(tmp / "tokenizer.json")
 
 
 def _load_tokenizer(spec: str):
@@ -143,7 +184,8 @@ def _existing(out: Path, recipe: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"--out = '{out}' exists and is not a complete prepared dataset: choose another --out "
                           f"(prepare never writes into an existing folder)") from None
     differ = [key for key in ("inputs", "options") if meta[key] != recipe[key]]
-    differ += [] if same_tokenizer(meta["tokenizer"], recipe["tokenizer"]) else ["tokenizer"]
+    given = meta.get("source_tokenizer", meta["tokenizer"])  # the tokenizer before prepare extended it
+    differ += [] if same_tokenizer(given, recipe["tokenizer"]) else ["tokenizer"]
     if differ:
         raise ConfigError(f"--out = '{out}' holds a dataset prepared with other {', '.join(differ)}: choose "
                           f"another --out, or remove it to prepare it again")
@@ -176,36 +218,31 @@ def _claim(tmp: Path):
     return lock, removed
 
 
-def _write(tmp: Path, tok, sources: list[InputFile], recipe: dict[str, Any], workers: int,
-           progress: Progress | None) -> dict[str, Any]:
-    """Tokenize into ``tmp``: shards and indices, then meta.json. Returns the meta."""
+def _write(tmp: Path, tok, chat: ChatFormat | None, tokenizer_entry: dict[str, Any], sources: list[InputFile],
+           recipe: dict[str, Any], workers: int, progress: Progress | None) -> dict[str, Any]:
+    """Tokenize into ``tmp``: shards (and mask shards for ``chat``) and indices, then meta.json. Returns the meta."""
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     opts = recipe["options"]
-    writers = {split: ShardWriter(tmp, split, TOKEN_DTYPES[dtype], opts["shard_tokens"]) for split in SPLITS}
-    tasks = _tasks(sources, opts["text_field"], opts["doc_split"])
+    writers = {split: ShardWriter(tmp, split, TOKEN_DTYPES[dtype], opts["shard_tokens"], masks=chat is not None)
+               for split in SPLITS}
+    tasks = _tasks(sources, opts["text_field"], opts["doc_split"]) if chat is None else _record_tasks(sources)
     total_bytes = sum(s.size for s in sources)
     docs = tokens = 0
-    for (ids, lengths), (_, done_bytes) in _encoded(tasks, tok, workers, dtype):
-        _route(writers, ids, lengths, docs, opts["val_fraction"])
+    for (ids, lengths, mask), (_, done_bytes) in _encoded(tasks, tok, chat, workers, dtype):
+        _route(writers, ids, lengths, mask, docs, opts["val_fraction"])
         docs, tokens = docs + len(lengths), tokens + len(ids)
         if progress:
             progress(done_bytes, total_bytes, docs, tokens)
     for writer in writers.values():
         writer.close()
-    if docs == 0:
-        named = ", ".join(f"'{s.path}'" for s in sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
-        verb = "holds" if len(sources) == 1 else "hold"
-        raise ConfigError(f"--input {named} {verb} no document (empty, or no text in --text-field): check --input "
-                          f"and --text-field")
-    if writers["val"].documents == 0:
-        raise ConfigError(f"the val split is empty: {docs} document(s) at --val-fraction {opts['val_fraction']} give "
-                          f"none (one in every {1 / opts['val_fraction']:g}): give more documents (--doc-split "
-                          f"blank-line cuts a text file at blank lines) or a larger --val-fraction")
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "tokenizer": recipe["tokenizer"],
+    _check_splits(writers, sources, docs, opts["val_fraction"], chat)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "tokenizer": tokenizer_entry,
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id, "dtype": dtype,
             "shard_tokens": opts["shard_tokens"], "split_rule": SPLIT_RULE.replace("F", str(opts["val_fraction"])),
             "splits": {split: w.summary() for split, w in writers.items()}, "options": opts,
             "inputs": recipe["inputs"]}
+    if chat is not None:
+        meta |= _chat_meta(chat, recipe["tokenizer"], tokenizer_entry)
     with open(tmp / META_FILE, "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
         f.flush()
@@ -214,36 +251,83 @@ def _write(tmp: Path, tok, sources: list[InputFile], recipe: dict[str, Any], wor
     return meta
 
 
+def _chat_meta(chat: ChatFormat, given: dict[str, Any], used: dict[str, Any]) -> dict[str, Any]:
+    """meta.json's keys for conversations: ``content``, ``loss_mask``, ``chat_template``, and ``source_tokenizer``
+    (the tokenizer given) when prepare extended it."""
+    meta = {"content": chat.content, "loss_mask": True,
+            "chat_template": {"source": chat.source, "sha256": chat.template_sha256,
+                              "generation_markers": chat.markers}}
+    if used is not given:
+        meta["source_tokenizer"] = given
+    return meta
+
+
+def _check_splits(writers: dict[str, ShardWriter], sources: list[InputFile], docs: int, f: float,
+                  chat: ChatFormat | None) -> None:
+    """Raises ConfigError: no document at all, an empty val split, or a split with no supervised token."""
+    if docs == 0:
+        named = ", ".join(f"'{s.path}'" for s in sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+        verb = "holds" if len(sources) == 1 else "hold"
+        if chat is not None:
+            raise ConfigError(f"--input {named} {verb} no record: give jsonl or parquet files with one conversation "
+                              f"per line or row")
+        raise ConfigError(f"--input {named} {verb} no document (empty, or no text in --text-field): check --input "
+                          f"and --text-field")
+    if writers["val"].documents == 0:
+        raise ConfigError(f"the val split is empty: {docs} document(s) at --val-fraction {f} give "
+                          f"none (one in every {1 / f:g}): give more documents (--doc-split "
+                          f"blank-line cuts a text file at blank lines) or a larger --val-fraction")
+    for split, writer in writers.items():
+        if chat is not None and writer.supervised == 0:
+            raise ConfigError(f"the {split} split's {writer.documents} conversation(s) hold no supervised token (no "
+                              f"assistant content or completion survives the template): check the records and the "
+                              f"chat template of {chat.source}")
+
+
 def _tasks(sources: list[InputFile], text_field: str, doc_split: str) -> Iterator[tuple[list[str], int]]:
     """(texts, input bytes read so far) of ~TASK_CHARS characters each; empty documents skipped. The byte count
     is exact at the end of each file and estimated from the characters read inside one."""
-    texts: list[str] = []
+    texts = (lambda source: (t for t in iter_documents(source, text_field, doc_split) if t))
+    return _chunked(sources, texts, len)
+
+
+def _record_tasks(sources: list[InputFile]) -> Iterator[tuple[list[tuple[str, Any]], int]]:
+    """((where, record) pairs, input bytes read so far) of ~TASK_CHARS characters each (a record's size estimated
+    by its ``repr``), as :func:`_tasks`."""
+    return _chunked(sources, iter_records, lambda item: len(repr(item[1])))
+
+
+def _chunked(sources: list[InputFile], items: Callable[[InputFile], Iterator], size: Callable[[Any], int]
+             ) -> Iterator[tuple[list, int]]:
+    """(items, input bytes read so far) of about TASK_CHARS characters (``size`` of each) from every source's
+    ``items`` in order; the byte count is exact at the end of each file, estimated from ``size`` inside one."""
+    chunk: list = []
     chars = before = 0
     for source in sources:
         read = 0
-        for text in iter_documents(source, text_field, doc_split):
-            if not text:
-                continue
-            texts.append(text)
-            chars, read = chars + len(text), read + len(text)
+        for item in items(source):
+            chunk.append(item)
+            n = size(item)
+            chars, read = chars + n, read + n
             if chars >= TASK_CHARS:
-                yield texts, before + min(read, source.size)
-                texts, chars = [], 0
+                yield chunk, before + min(read, source.size)
+                chunk, chars = [], 0
         before += source.size
-    if texts:
-        yield texts, before
+    if chunk:
+        yield chunk, before
 
 
-def _encoded(tasks: Iterator[tuple[list[str], int]], tok, workers: int, dtype: str):
-    """((ids, lengths), task) for each task, in order: ids (sum(lengths),) of ``dtype``, lengths (D,) int64."""
+def _encoded(tasks: Iterator[tuple[list, int]], tok, chat: ChatFormat | None, workers: int, dtype: str):
+    """((ids, lengths, mask), task) for each task, in order: ids (sum(lengths),) of ``dtype``, lengths (D,) int64,
+    mask (sum(lengths),) uint8 for conversations, else None."""
     if workers == 1:
         for task in tasks:
-            yield encode_documents(tok, task[0], dtype), task
+            yield _encode_task(tok, chat, task[0], dtype), task
         return
     import multiprocessing
 
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                               initargs=(tok.to_dict(), dtype))
+                               initargs=(tok.to_dict(), dtype, chat and chat.to_dict()))
     pending: collections.deque = collections.deque()
     try:
         for task in tasks:
@@ -261,15 +345,22 @@ def _encoded(tasks: Iterator[tuple[list[str], int]], tok, workers: int, dtype: s
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: dict[str, Any], dtype: str) -> None:
+def _init_worker(tokenizer: dict[str, Any], dtype: str, chat: dict[str, Any] | None) -> None:
     from meshtrain.data.tokenizers import tokenizer_from_dict
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process handles it
-    _worker.update(tok=tokenizer_from_dict(tokenizer), dtype=dtype)
+    _worker.update(tok=tokenizer_from_dict(tokenizer), dtype=dtype, chat=chat and ChatFormat.from_dict(chat))
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_documents(_worker["tok"], texts, _worker["dtype"])
+def _encode_in_worker(items: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _encode_task(_worker["tok"], _worker["chat"], items, _worker["dtype"])
+
+
+def _encode_task(tok, chat: ChatFormat | None, items: list, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(ids, lengths, mask or None) of one task: texts, or (where, record) pairs for ``chat``."""
+    if chat is None:
+        return (*encode_documents(tok, items, dtype), None)
+    return encode_records(tok, chat, items, TOKEN_DTYPES[dtype])
 
 
 def encode_documents(tok, texts: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -293,16 +384,19 @@ def encode_documents(tok, texts: list[str], dtype: str) -> tuple[np.ndarray, np.
     return ids.astype(TOKEN_DTYPES[dtype]), lengths
 
 
-def _route(writers: dict[str, ShardWriter], ids: np.ndarray, lengths: np.ndarray, first: int, f: float) -> None:
-    """Write documents ``first, first + 1, ...`` (their ``ids``, concatenated) to the split the rule gives each;
-    runs of consecutive documents of one split are written in one call."""
+def _route(writers: dict[str, ShardWriter], ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None, first: int,
+           f: float) -> None:
+    """Write documents ``first, first + 1, ...`` (their ``ids`` and ``mask``, concatenated) to the split the rule
+    gives each; runs of consecutive documents of one split are written in one call."""
     index = np.arange(first, first + len(lengths), dtype=np.float64)  # (D,)
     is_val = np.floor((index + 1) * f) > np.floor(index * f)  # (D,)
     ends = np.cumsum(lengths)  # (D,) token end of each document in ids
     cuts = np.flatnonzero(np.diff(is_val.astype(np.int8))) + 1  # first document of each run after the first
     for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(lengths)]))):
         start = int(ends[lo - 1]) if lo else 0
-        writers["val" if is_val[lo] else "train"].write(ids[start:int(ends[hi - 1])], lengths[lo:hi])
+        stop = int(ends[hi - 1])
+        parts = (ids[start:stop], lengths[lo:hi]) + (() if mask is None else (mask[start:stop],))
+        writers["val" if is_val[lo] else "train"].write(*parts)
 
 
 def _fsync_dir(folder: Path) -> None:

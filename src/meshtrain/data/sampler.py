@@ -28,11 +28,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from meshtrain.data.conversations import Conversations
+
 STATE_VERSION = 1
 _MIX_A, _MIX_B = 6364136223846793005, 1442695040888963407  # Knuth's MMIX LCG constants
 _EVAL_STREAM = -1  # the "epoch" index whose generator draws the validation windows
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""A micro-batch ``(x, y)``, each (B, T) int64; prepared conversations packed with document masks add their
+conversation ids ``(x, y, doc_ids)`` (:meth:`meshtrain.data.conversations.Conversations.samples`)."""
 
 
 @runtime_checkable
@@ -66,6 +70,8 @@ def _check_layout(block_size: int, micro_batch_size: int, dp: int, dp_rank: int)
 
 
 def _check_data(data: Tokens, block_size: int, what: str) -> None:
+    if isinstance(data, Conversations):
+        return  # its windows are whole conversations: at least one
     if (isinstance(data, torch.Tensor) and data.dim() != 1) or len(data) < block_size + 1:
         shape = tuple(data.shape) if isinstance(data, torch.Tensor) else (len(data),)
         raise ValueError(f"{what} data must be 1-D with >= block_size + 1 = {block_size + 1} tokens, "
@@ -73,7 +79,12 @@ def _check_data(data: Tokens, block_size: int, what: str) -> None:
 
 
 def _windows(data: Tokens, starts: torch.Tensor, block_size: int, rows: int) -> list[Batch]:
-    """Cut windows at ``starts`` (n,) and group them into micro-batches of ``rows``: [(x, y)], each (rows, T)."""
+    """Cut windows at ``starts`` (n,) and group them into micro-batches of ``rows``: [(x, y)], each (rows, T).
+    Prepared conversations: ``starts`` are sample indices, and packed ones add the conversation ids."""
+    if isinstance(data, Conversations):
+        x, y, doc_ids = data.samples(starts)  # (n, T) each
+        parts = (x, y) if data.packing == "pad" else (x, y, doc_ids)  # padding alone needs no document mask
+        return list(zip(*(t.split(rows) for t in parts)))
     if isinstance(data, torch.Tensor):
         w = data[starts[:, None] + torch.arange(block_size + 1)]  # (n, T + 1)
     else:
@@ -141,8 +152,12 @@ class ShardedSampler:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.dp, self.dp_rank, self.seed = dp, dp_rank, seed
         self.samples_seen = 0
-        self._num_samples = max(1, (len(data) - block_size) // block_size)
-        self._offsets = min(block_size, len(data) - self._num_samples * block_size)
+        if isinstance(data, Conversations):  # a sample is a window of whole conversations: index them, no offset
+            self._num_samples, self._offsets, self._stride = len(data), 1, 1
+        else:
+            self._num_samples = max(1, (len(data) - block_size) // block_size)
+            self._offsets = min(block_size, len(data) - self._num_samples * block_size)
+            self._stride = block_size
         self._starts: dict[int, torch.Tensor] = {}
 
     @property
@@ -183,7 +198,7 @@ class ShardedSampler:
         offset = int(torch.randint(self._offsets, (), generator=gen))
         key = int(torch.randint(0, 2**62, (), generator=gen))
         order = feistel_permutation(torch.arange(k, k + take), self._num_samples, key)  # (take,)
-        return offset + order * self.block_size
+        return offset + order * self._stride
 
     def stream_starts(self, begin: int, end: int) -> torch.Tensor:
         """Window starts of global stream positions ``[begin, end)``, crossing epochs: (end - begin,)."""
@@ -249,6 +264,7 @@ def eval_batches(data: Tokens, block_size: int, micro_batch_size: int, eval_step
     _check_data(data, block_size, "val")
     per_rank = eval_steps * micro_batch_size
     gen = _generator(seed, _EVAL_STREAM)
-    starts = torch.randint(len(data) - block_size, (per_rank * dp,), generator=gen)  # (G_eval,)
+    choices = len(data) if isinstance(data, Conversations) else len(data) - block_size  # samples, or window starts
+    starts = torch.randint(choices, (per_rank * dp,), generator=gen)  # (G_eval,)
     mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # (eval_steps * mbs,)
     return _windows(data, mine, block_size, micro_batch_size)

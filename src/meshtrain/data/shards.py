@@ -4,6 +4,9 @@ lazily concatenated ``numpy.memmap`` views.
 A prepared folder (docs/data.md, "Preparing a dataset") holds, per split ``train`` and ``val``, token shards
 ``<split>_00000.bin, ...`` (raw little-endian ``uint16``, or ``uint32`` when the vocabulary exceeds 65,536 ids),
 a document index ``<split>_docs.npy`` (int64 token offsets of document starts) and ``meta.json``, written last.
+Conversation formats (``--format chat|prompt-completion``, :mod:`meshtrain.data.chat`) add a loss mask beside the
+tokens: shards ``<split>_mask_00000.bin, ...`` of ``uint8`` (1 = supervised), one byte per token, cut at exactly
+the token shards' boundaries (meta.json ``splits.<split>.mask_shards``; ``loss_mask: true``).
 
 The reader reads a window with ``os.pread`` from the shard files (kept open), so a window costs O(window) memory
 and time whatever the corpus size (:meth:`TokenView.shard` maps a whole shard for those who want one): the training sampler asks for random windows of
@@ -33,10 +36,16 @@ META_FILE = "meta.json"
 SPLITS = ("train", "val")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Shard dtypes by name: explicit little-endian, whatever the machine."""
+MASK_DTYPE = np.dtype("u1")
+"""Loss-mask shards: one byte per token, 1 = supervised."""
 
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.bin"
+
+
+def mask_shard_name(split: str, index: int) -> str:
+    return f"{split}_mask_{index:05d}.bin"
 
 
 def docs_name(split: str) -> str:
@@ -110,45 +119,54 @@ class TokenView:
 
 
 class ShardWriter:
-    """Appends one split's documents to shards ``<split>_00000.bin, ...`` of ``shard_tokens`` tokens each and
-    keeps the token offset of every document start."""
+    """Appends one split's documents to shards ``<split>_00000.bin, ...`` of ``shard_tokens`` tokens each (and,
+    with ``masks``, their loss masks to ``<split>_mask_00000.bin, ...`` cut at the same tokens) and keeps the
+    token offset of every document start."""
 
-    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int, masks: bool = False) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.masks = masks
         self.counts: list[int] = []  # tokens in each shard so far
         self.starts: list[np.ndarray] = []  # (D_i,) int64 document starts, one array per write
-        self.tokens = self.documents = 0
-        self.file = None
+        self.tokens = self.documents = self.supervised = 0
+        self.files: list = []  # the open token shard, then its mask shard
 
-    def write(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents: ``ids`` (sum(lengths),) of the shard dtype, ``lengths`` (D,) int64."""
+    def write(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append documents: ``ids`` (sum(lengths),) of the shard dtype, ``lengths`` (D,) int64, ``mask``
+        (sum(lengths),) uint8 when the writer keeps masks."""
+        assert (mask is not None) == self.masks and (mask is None or len(mask) == len(ids))
         self.starts.append(self.tokens + np.concatenate(([0], np.cumsum(lengths)[:-1])))
+        streams = [ids] if mask is None else [ids, mask.astype(MASK_DTYPE)]
         pos = 0
         while pos < len(ids):
-            if self.file is None or self.counts[-1] == self.shard_tokens:
+            if not self.files or self.counts[-1] == self.shard_tokens:
                 self._next_shard()
             n = min(len(ids) - pos, self.shard_tokens - self.counts[-1])
-            self.file.write(ids[pos:pos + n].tobytes())
+            for file, stream in zip(self.files, streams):
+                file.write(stream[pos:pos + n].tobytes())
             self.counts[-1] += n
             pos += n
         self.tokens += len(ids)
         self.documents += len(lengths)
+        self.supervised += 0 if mask is None else int(np.count_nonzero(mask))
 
     def _next_shard(self) -> None:
-        self._close_file()
-        self.file = open(self.folder / shard_name(self.split, len(self.counts)), "wb")
+        self._close_files()
+        k = len(self.counts)
+        names = [shard_name(self.split, k)] + ([mask_shard_name(self.split, k)] if self.masks else [])
+        self.files = [open(self.folder / name, "wb") for name in names]
         self.counts.append(0)
 
-    def _close_file(self) -> None:
-        if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.file = None
+    def _close_files(self) -> None:
+        for file in self.files:
+            file.flush()
+            os.fsync(file.fileno())
+            file.close()
+        self.files = []
 
     def close(self) -> None:
         """Finish the last shard and write ``<split>_docs.npy``."""
-        self._close_file()
+        self._close_files()
         starts = np.concatenate(self.starts) if self.starts else np.zeros(0, dtype=np.int64)
         with open(self.folder / docs_name(self.split), "wb") as f:
             np.save(f, starts.astype(np.int64))
@@ -156,8 +174,14 @@ class ShardWriter:
             os.fsync(f.fileno())
 
     def summary(self) -> dict[str, Any]:
-        return {"documents": self.documents, "tokens": self.tokens, "index": docs_name(self.split),
-                "shards": [{"file": shard_name(self.split, k), "tokens": n} for k, n in enumerate(self.counts)]}
+        """The split's entry of meta.json (``mask_shards`` and ``supervised_tokens`` only with masks)."""
+        out = {"documents": self.documents, "tokens": self.tokens, "index": docs_name(self.split),
+               "shards": [{"file": shard_name(self.split, k), "tokens": n} for k, n in enumerate(self.counts)]}
+        if self.masks:
+            out["supervised_tokens"] = self.supervised
+            out["mask_shards"] = [{"file": mask_shard_name(self.split, k), "tokens": n}
+                                  for k, n in enumerate(self.counts)]
+        return out
 
 
 class PreparedData:
@@ -171,7 +195,7 @@ class PreparedData:
     @classmethod
     def open(cls, folder: str | Path) -> PreparedData:
         """Open ``folder`` and check it: meta.json present and of this format version, both splits non-empty,
-        every shard present with the size meta.json records.
+        every shard (and mask shard) present with the size meta.json records.
 
         Raises:
             ConfigError: one line naming the folder and what is wrong.
@@ -185,15 +209,31 @@ class PreparedData:
                 raise ConfigError(f"prepared data '{folder}' has an empty {split} split: prepare it again with "
                                   f"more documents or another --val-fraction")
             for shard in info["shards"]:
-                path = folder / shard["file"]
-                want = shard["tokens"] * data.dtype.itemsize
-                problem = path_problem(path)
-                size = None if problem else path.stat().st_size
-                if size != want:
-                    found = ("is missing" if problem == "does not exist" else problem) if problem else f"has {size} bytes"
-                    raise ConfigError(f"prepared data '{folder}': shard {shard['file']} {found}, meta.json says "
-                                      f"{want} ({shard['tokens']} tokens): run meshtrain prepare again")
+                _check_shard(folder, shard, data.dtype.itemsize)
+            if data.has_masks:
+                _check_masks(folder, split, info)
         return data
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether the folder holds loss masks (``--format chat|prompt-completion``)."""
+        return self.meta.get("loss_mask") is True
+
+    def masks(self, split: str) -> TokenView:
+        """The split's loss mask (1 = supervised), one value per token of :meth:`tokens`, with the same windows.
+
+        Raises:
+            ValueError: the folder holds no masks (prepared with ``--format text``).
+        """
+        if not self.has_masks:
+            raise ValueError(f"prepared data '{self.folder}' holds no loss masks: it was prepared with --format text")
+        split = _split(split)
+        key = f"{split}_mask"
+        if key not in self._views:
+            shards = self.meta["splits"][split]["mask_shards"]
+            self._views[key] = TokenView([self.folder / s["file"] for s in shards], [s["tokens"] for s in shards],
+                                         MASK_DTYPE)
+        return self._views[key]
 
     @property
     def vocab_size(self) -> int:
@@ -212,8 +252,33 @@ class PreparedData:
         return self._views[split]
 
     def documents(self, split: str) -> np.ndarray:
-        """(D,) int64 token offsets of the split's document starts (each document ends with EOS), memory-mapped."""
+        """(D,) int64 token offsets of the split's document starts (each document ends with EOS; a conversation
+        with its template's end-of-turn token), memory-mapped."""
         return np.load(self.folder / docs_name(_split(split)), mmap_mode="r")
+
+
+def _check_shard(folder: Path, shard: dict[str, Any], itemsize: int) -> None:
+    """Raises ConfigError when ``folder / shard["file"]`` is not ``shard["tokens"] * itemsize`` bytes."""
+    path = folder / shard["file"]
+    want = shard["tokens"] * itemsize
+    problem = path_problem(path)
+    size = None if problem else path.stat().st_size
+    if size != want:
+        found = ("is missing" if problem == "does not exist" else problem) if problem else f"has {size} bytes"
+        raise ConfigError(f"prepared data '{folder}': shard {shard['file']} {found}, meta.json says "
+                          f"{want} ({shard['tokens']} tokens): run meshtrain prepare again")
+
+
+def _check_masks(folder: Path, split: str, info: dict[str, Any]) -> None:
+    """Raises ConfigError when the split's mask shards are not listed shard for shard like its token shards, or a
+    file is missing or of another size."""
+    masks = info.get("mask_shards")
+    if not _shards_ok(masks) or [s["tokens"] for s in masks] != [s["tokens"] for s in info["shards"]]:
+        raise ConfigError(f"prepared data '{folder}': 'splits.{split}.mask_shards' must list one mask shard per "
+                          f"token shard with the same tokens: the prepared data is damaged or was edited; run "
+                          f"meshtrain prepare again")
+    for shard in masks:
+        _check_shard(folder, shard, MASK_DTYPE.itemsize)
 
 
 def read_prepared_meta(folder: Path) -> dict[str, Any]:

@@ -11,6 +11,10 @@ The kind follows the suffix:
   a document is a maximal run of non-blank lines, their line breaks included (a blank line is empty or holds
   only whitespace), so ``"A\\nB\\n\\n\\nC\\n"`` is the two documents ``"A\\nB\\n"`` and ``"C\\n"``.
 
+Records (:func:`iter_records`, for ``--format chat`` and ``prompt-completion``): each jsonl line (an object) or
+parquet row (all its columns, nested lists and structs as Python lists and dicts) is one record, named in errors
+by its line (from 1) or row (from 0); text files hold no records.
+
 Errors are one line naming the file and where in it (:class:`ConfigError`): a jsonl line that is not JSON, not
 an object, or has no string ``--text-field`` (line number, counted from 1, blank lines included); a parquet file
 without that column, with a non-string one, or with a null row (row number, from 0); bytes of a text file that
@@ -157,8 +161,12 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
         raise _jsonl_error(path, field, str(e)) from None
 
 
-def _jsonl_error(path: Path, field: str, arrow_message: str) -> ConfigError:
-    """The first bad line of a jsonl file pyarrow refused, found with the standard library's ``json``."""
+def _json_lines(path: Path, wanted: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, object) of each non-blank line of the jsonl file ``path``, with the standard library's ``json``.
+
+    Raises:
+        ConfigError: naming the line: not UTF-8, not JSON, or not an object (``wanted`` says what it must be).
+    """
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -167,12 +175,20 @@ def _jsonl_error(path: Path, field: str, arrow_message: str) -> ConfigError:
             try:
                 obj = json.loads(raw)
             except UnicodeDecodeError as e:
-                return ConfigError(f"{where} is not UTF-8 (byte {e.start} of the line): convert the file to UTF-8")
+                raise ConfigError(f"{where} is not UTF-8 (byte {e.start} of the line): convert the file to "
+                                  f"UTF-8") from None
             except ValueError as e:
-                return ConfigError(f"{where} is not JSON ({e}): each line must be one JSON object")
+                raise ConfigError(f"{where} is not JSON ({e}): each line must be one JSON object") from None
             if not isinstance(obj, dict):
-                return ConfigError(f"{where} is a JSON {type(obj).__name__}, not an object: each line must be "
-                                   f"an object with a '{field}' string")
+                raise ConfigError(f"{where} is a JSON {type(obj).__name__}, not an object: each line must be "
+                                  f"{wanted}")
+            yield where, obj
+
+
+def _jsonl_error(path: Path, field: str, arrow_message: str) -> ConfigError:
+    """The first bad line of a jsonl file pyarrow refused, found with the standard library's ``json``."""
+    try:
+        for where, obj in _json_lines(path, f"an object with a '{field}' string"):
             if field not in obj:
                 keys = ", ".join(list(obj)[:8]) or "none"
                 return ConfigError(f"{where} has no '{field}' field (its fields: {keys}): name the text field "
@@ -180,6 +196,8 @@ def _jsonl_error(path: Path, field: str, arrow_message: str) -> ConfigError:
             if not isinstance(obj[field], str):
                 return ConfigError(f"{where}: '{field}' is {json.dumps(obj[field])[:40]}, not a string: "
                                    f"the text field must hold the document's text")
+    except ConfigError as e:
+        return e
     return ConfigError(f"'{path}' cannot be read as jsonl: {arrow_message}")
 
 
@@ -205,6 +223,40 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
                 raise ConfigError(f"'{path}' row {first} has no text ('{field}' is null): drop or fill that row")
             yield from column.to_pylist()
             row += len(batch)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"'{path}' is not a readable parquet file: {reason}") from None
+
+
+def iter_records(inp: InputFile) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) for each record of ``inp`` in file order: ``where`` names it in errors (``'f.jsonl' line
+    3``, ``'f.parquet' row 0``).
+
+    Raises:
+        ConfigError: a text file, or a jsonl line that is not one JSON object (naming the line).
+    """
+    if inp.kind == JSONL:
+        return _jsonl_records(inp.path)
+    if inp.kind == PARQUET:
+        return _parquet_records(inp.path)
+    raise ConfigError(f"--input '{inp.path}' is a text file: conversation formats read records from *.jsonl or "
+                      f"*.parquet files (one conversation per line or row)")
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    return _json_lines(path, "one record object")
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for record in batch.to_pylist():
+                yield f"'{path}' row {row}", record
+                row += 1
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"'{path}' is not a readable parquet file: {reason}") from None

@@ -186,6 +186,16 @@ class HFTokenizer(FileTokenizer):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_special(self, text: str) -> list[int]:
+        """``text`` -> ids, no special tokens added, the text of each added token (``<|im_end|>``) encoded as that
+        token: what transformers' ``apply_chat_template`` does with the chat it renders (``encode`` instead keeps
+        such text plain). Raises ValueError: text the tokenizer cannot encode."""
+        self.tokenizer.encode_special_tokens = False
+        try:
+            return self.encode(text)
+        finally:
+            self.tokenizer.encode_special_tokens = True
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 

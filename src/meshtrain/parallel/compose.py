@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError, ParallelConfig
-from meshtrain.data.packing import pack_documents
+from meshtrain.data.packing import document_positions, pack_documents
 from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis, ParallelDims
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
 from meshtrain.parallel.diloco import DiLoCo
@@ -59,7 +59,8 @@ from meshtrain.rules.support import blocks_compiled, compile_eligible
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
-                autocast: contextlib.AbstractContextManager, eos_id: int | None = None) -> ParallelModel:
+                autocast: contextlib.AbstractContextManager, eos_id: int | None = None,
+                conversations: bool = False) -> ParallelModel:
     """Everything ``cfg`` asks of ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, built from the
     seed on this rank's device) on ``dims``' built mesh; return what the trainer runs steps with.
 
@@ -68,13 +69,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     then tp -> sp -> dp (:func:`parallelize_model`), and local SGD's averaging where ``sync_mode`` asks
     for it. ``autocast``: the context every forward runs in (bf16 autocast, or none). ``eos_id``: the
     tokenizer's end-of-document id, which ``data.packing = "document"`` splits each window at
-    (:mod:`meshtrain.data.packing`); unused with "concat".
+    (:mod:`meshtrain.data.packing`); unused with "concat". ``conversations``: the data is prepared conversations
+    (:mod:`meshtrain.data.conversations`): targets outside the loss, and, packed, document ids that come with each
+    micro-batch instead of being found at EOS tokens.
 
     Raises:
         ConfigError: ``data.packing = "document"`` and ``eos_id`` is None (a tokenizer without EOS).
     """
     p, b = cfg.parallel, cfg.batch
-    eos = _packing_eos(cfg, eos_id)
+    eos = _packing_eos(cfg, eos_id) if not conversations else None  # conversations: their ids come with the batch
+    document_masking = eos is not None or (conversations and cfg.data.packing == "document")
     _set_balance_group(model, dims)
     device_type = next(model.parameters()).device.type
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
@@ -83,8 +87,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
-        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, pipeline_loss,
-                                        document_masking=eos is not None, **blockwise)
+        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, PipelineLoss(),
+                                        document_masking=document_masking, **blockwise)
         parallel: ParallelModel = PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast,
                                                 compiled=compiled, after_backward=_expert_sync([pipeline.model], dims, p))
     else:
@@ -93,6 +97,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                      if p.sync_mode == "local-sgd" else None)
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
+    parallel.masked = conversations
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
     if p.elastic:  # this job is one worker; the others are jobs too
         from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
@@ -157,13 +162,22 @@ def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:
     return eos_id
 
 
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+class PipelineLoss:
     """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
-    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` as a plain
-    tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward
-    from a plain gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view:
-    the zero-bubble schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
-    return local_value(cross_entropy(logits, targets, inside_loss_parallel=True)).clone()
+    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` summed over the
+    supervised tokens, times :attr:`scale` (the step's :func:`meshtrain.parallel.reduce.loss_scale`), as a plain
+    tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward from a plain
+    gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view: the zero-bubble
+    schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
+
+    scale: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.summed(logits, targets) * self.scale
+
+    def summed(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of ``logits`` (B, T, V) summed over the supervised tokens of ``targets`` (B, T)."""
+        return local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum")).clone()
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",
@@ -252,17 +266,20 @@ def _attach_tp_rng(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) ->
 
 
 def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: int, sp_mode: str,
-                eos_id: int | None = None) -> LocalBatch:
+                eos_id: int | None = None, doc_ids: torch.Tensor | None = None) -> LocalBatch:
     """This rank's tokens of a micro-batch: ``x, y`` (B, T) -> (B, T/sp) each, their global positions
     (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention), and None.
 
     With ``eos_id`` (``data.packing = "document"``) the documents are found in the whole windows first
     (:func:`meshtrain.data.packing.pack_documents`): positions become per sample, (B, T/sp), restarting at
     each document and cut like the tokens, and the fourth item is the document ids (B, T) of the whole
-    window, which every rank keeps: Ulysses attends over all T tokens of its heads, and tp ranks share them."""
+    window, which every rank keeps: Ulysses attends over all T tokens of its heads, and tp ranks share them.
+    Prepared conversations bring their ``doc_ids`` (B, T) with the batch instead."""
     T = x.size(1)
-    doc_ids = positions = None
-    if eos_id is not None:
+    positions = None
+    if doc_ids is not None:
+        positions = document_positions(doc_ids)  # (B, T)
+    elif eos_id is not None:
         doc_ids, positions = pack_documents(x, eos_id)  # (B, T) each
     if not dims.sp_enabled:
         return x, y, (torch.arange(T, device=x.device) if positions is None else positions), doc_ids
@@ -273,6 +290,6 @@ def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: i
 
 
 def _sharder(dims: ParallelDims, sp_mode: str, eos_id: int | None = None) -> Callable:
-    """``(x, y) -> (x, y, positions, doc_ids)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
+    """``(x, y[, doc_ids]) -> (x, y, positions, doc_ids)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
     sp_rank = dims.rank_of(Axis.SP)
-    return lambda x, y: local_batch(x, y, dims, sp_rank, sp_mode, eos_id)
+    return lambda x, y, doc_ids=None: local_batch(x, y, dims, sp_rank, sp_mode, eos_id, doc_ids)

@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from meshtrain.mesh import Axis, ParallelDims
-from meshtrain.parallel.reduce import backward_context, clip_grad_norm_, cross_entropy, local_value
+from meshtrain.parallel.reduce import (backward_context, clip_grad_norm_, cross_entropy, local_value, loss_scale,
+                                      supervised_count)
 
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
-"""Micro-batches ``(x, y)``, each (B, T) int64 token ids and targets, as the sampler yields them (CPU)."""
+Batch = list[tuple[torch.Tensor, ...]]
+"""Micro-batches ``(x, y)``, each (B, T) int64 token ids and targets (``IGNORE_INDEX`` where not in the loss), as
+the sampler yields them (CPU); packed conversations add their document ids, ``(x, y, doc_ids)``."""
 LocalBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """This rank's ``(x, y, positions, doc_ids)`` of a micro-batch: ``x, y`` (B, T/sp), their global positions
 (T/sp,), and None; with ``data.packing = "document"`` per-sample positions (B, T/sp) and the document ids
@@ -63,10 +65,25 @@ class ParallelModel:
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
     micro-batches, or None: a model without one, or a pipeline (each stage holds part of it)."""
 
-    def local(self, x: torch.Tensor, y: torch.Tensor) -> LocalBatch:
+    masked: bool = False
+    """Whether targets may be left out of the loss (prepared conversations): the step then counts the supervised
+    tokens of the global batch with an all-reduce (:func:`meshtrain.parallel.reduce.loss_scale`)."""
+
+    supervised_tokens: int = 0
+    """The supervised tokens of the last step's global batch (this DiLoCo worker's)."""
+
+    def local(self, x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None) -> LocalBatch:
         """This rank's sp shard of ``x, y`` (B, T) on its device: (B, T/sp) each, positions (T/sp,) (or
         (B, T/sp)) and the document ids (B, T) of document packing (else None), :data:`LocalBatch`."""
-        return self._shard(x.to(self.device), y.to(self.device))
+        return self._shard(x.to(self.device), y.to(self.device), None if doc_ids is None else doc_ids.to(self.device))
+
+    def step_scale(self, micro_batches: Batch) -> float:
+        """What each micro-batch's summed loss is multiplied by in this step, so that the step's gradient is the
+        global batch's summed loss over its supervised tokens (:func:`meshtrain.parallel.reduce.loss_scale`);
+        sets :attr:`supervised_tokens`."""
+        count = sum(int(supervised_count(mb[1])) for mb in micro_batches)
+        scale, self.supervised_tokens = loss_scale(count, len(micro_batches), self.dims, self.masked)
+        return scale
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Accumulate the step's gradients over ``micro_batches``; return this rank's mean loss (a scalar;
@@ -74,7 +91,8 @@ class ParallelModel:
         raise NotImplementedError
 
     def evaluate(self, batches: Batch) -> torch.Tensor:
-        """Sum over ``batches`` of this rank's mean loss of each (no gradients; dropout off)."""
+        """``[loss sum, supervised tokens]`` of this rank's tokens of ``batches``, float64 (2,) (no gradients;
+        dropout off); with pp > 1 on the last stage, zeros elsewhere."""
         raise NotImplementedError
 
     def clip_gradients(self, max_norm: float) -> float:
@@ -126,23 +144,25 @@ class ReplicatedModel(ParallelModel):
         self.replicas_equal = True
         """False while local-SGD replicas hold different parameters (between two averages)."""
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss over this rank's tokens of the micro-batch ``x, y`` (mbs, T) (its sp shard of them)."""
-        x, y, positions, doc_ids = self.local(x, y)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
+    def loss(self, *micro_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, count)``: the cross-entropy summed over this rank's supervised tokens of the micro-batch
+        ``(x, y[, doc_ids])`` (mbs, T) (its sp shard of them), and their count."""
+        x, y, positions, doc_ids = self.local(*micro_batch)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
         documents = {} if doc_ids is None else {"doc_ids": doc_ids}  # (mbs, T): document packing
         with self.autocast:
             logits = self.model(x, positions, **documents)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
-        return cross_entropy(logits, y)
+        return cross_entropy(logits, y, reduction="sum"), supervised_count(y)
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
+        scale = self.step_scale(micro_batches)
         lm = getattr(self.model, "module", self.model)  # DDP wraps the language model; FSDP2 and tp keep it
         lm.aux_grad_scale = 1.0 / n  # a family's auxiliary loss joins the backward with the loss's weight
         aux = []
-        for i, (x, y) in enumerate(micro_batches):
+        for i, micro_batch in enumerate(micro_batches):
             with self.gradient_sync(self.model, i == n - 1):
-                loss = self.loss(x, y)
+                loss = self.loss(*micro_batch)[0] * scale
                 with backward_context(loss):
                     (loss / n).backward()
             total += local_value(loss).detach()
@@ -155,9 +175,10 @@ class ReplicatedModel(ParallelModel):
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> torch.Tensor:
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for x, y in batches:
-            total += local_value(self.loss(x, y))
+        total = torch.zeros(2, dtype=torch.float64)
+        for micro_batch in batches:
+            loss, count = self.loss(*micro_batch)
+            total += torch.stack([local_value(loss).detach().cpu().double(), count.cpu().double()])
         self.model.train()
         return total
 
@@ -184,8 +205,8 @@ class PipelineModel(ParallelModel):
         self.compiled = compiled
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
-        x, y, positions, doc_ids = self.local(torch.cat([mb[0] for mb in micro_batches]),
-                                              torch.cat([mb[1] for mb in micro_batches]))  # (GA*mbs, T/sp)
+        self.pipeline.loss_fn.scale = self.step_scale(micro_batches)
+        x, y, positions, doc_ids = self.local(*(torch.cat(parts) for parts in zip(*micro_batches)))  # (GA*mbs, T/sp)
         parts = [getattr(part, "module", part) for part in self.pipeline.parts.values()]  # DDP wraps a chunk
         for part in parts:  # each chunk's auxiliary losses of this step, one per micro-batch
             part.aux_history = []
@@ -206,7 +227,7 @@ class PipelineModel(ParallelModel):
     def evaluate(self, batches: Batch) -> torch.Tensor:
         self.model.eval()
         with self.autocast:
-            total = self.pipeline.evaluate([self.local(x, y) for x, y in batches])
+            total = self.pipeline.evaluate([self.local(*micro_batch) for micro_batch in batches])
         self.model.train()
         return total
 

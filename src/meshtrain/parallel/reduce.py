@@ -1,8 +1,8 @@
 """Reductions by mesh axis, each in one place (docs/architecture.md, "Layers").
 
-- the loss: cross-entropy over this rank's tokens (on vocab-sharded logits under tp), then the mean
-  over the ``"dp_sp"`` ranks, which hold equally many different tokens of the global batch: the
-  mean over every token of the global batch;
+- the loss: cross-entropy summed over this rank's supervised tokens (on vocab-sharded logits under tp) and
+  divided by the count of supervised tokens of the whole global batch (every micro-batch, every ``"dp_sp"``
+  rank, every pipeline micro-batch), never a mean of per-micro-batch or per-rank means (:func:`loss_scale`);
 - the gradient norm: every distinct parameter shard counted once -- a ``DTensor`` gradient is
   summed over the mesh axes it is sharded on and not over those it is replicated on; a plain
   tensor gradient (replicated everywhere, e.g. after DDP's all-reduce) is counted as it is.
@@ -24,8 +24,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtrain.mesh import BATCH_MESH, WORKER_MESH, ParallelDims
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of logits (B, T, V) against targets (B, T) over this rank's B*T tokens.
+IGNORE_INDEX = -100
+"""A target outside the loss (not supervised: a prompt's token, padding); ``F.cross_entropy``'s default, and the
+``-100`` of transformers' labels (:data:`meshtrain.data.conversations.IGNORE_INDEX`)."""
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits (B, T, V) against targets (B, T) over this rank's tokens whose target is not
+    :data:`IGNORE_INDEX`: their mean (``reduction = "mean"``; NaN when there is none) or their sum (``"sum"``;
+    0 when there is none).
 
     Logits that are a ``DTensor`` sharded on V (tensor parallelism) go through PyTorch's
     ``loss_parallel``: each rank computes the softmax terms of its vocabulary slice and only (B, T)
@@ -34,7 +42,50 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_paral
     already entered ``loss_parallel`` (entering it again would end it on exit: it does not nest).
     """
     with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
+
+
+def supervised_count(targets: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``targets`` (any shape) that are in the loss: an int64 scalar."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+def loss_scale(local_count: int, micro_batches: int, dims: ParallelDims, masked: bool = True) -> tuple[float, int]:
+    """``(scale, N)``: what one micro-batch's summed cross-entropy on this rank is multiplied by, and N, the
+    supervised tokens of the whole global batch (this worker's, under DiLoCo).
+
+    ``local_count``: the supervised targets of this rank's ``micro_batches`` micro-batches, whole windows (every sp
+    rank of a group holds the same ones). Every gradient path (DDP's and FSDP2's average over the ``"dp_sp"`` ranks,
+    the pipeline schedule's over its ``micro_batches``, the loop's ``loss / micro_batches``) divides by
+    ``dp * sp * micro_batches``; so a loss of ``sum * dp * sp * micro_batches / N`` per micro-batch gives every
+    layout the gradient of ``sum over the global batch / N``, one process's on the whole batch at once. The
+    classic bug this avoids: a mean per micro-batch (or per rank) weighs a token of a micro-batch with few
+    supervised tokens more (transformers' gradient accumulation until 4.46, "num_items_in_batch").
+
+    N is known before the backward: from the masks, with one all-reduce over the batch mesh; ``masked = False``
+    (every target supervised, as in pretraining: every rank holds equally many) skips it. N = 0 (nothing
+    supervised in the whole batch) gives scale 0: no loss, no gradient."""
+    if not masked:
+        total = local_count * (dims.batch_degree // dims.sp)
+    elif dims.batch_degree > 1:
+        count = torch.tensor(local_count, dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dims.get_mesh(BATCH_MESH).get_group())
+        total = int(count) // dims.sp  # each sp rank counted its group's whole windows
+    else:
+        total = local_count
+    return (dims.batch_degree * micro_batches / total if total else 0.0), total
+
+
+def batch_sum(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum of a per-rank tensor over the pipeline (stages without it pass zeros) and the ``"dp_sp"`` ranks:
+    a float64 CPU tensor of its shape."""
+    value = local_value(value).detach().to("cpu", torch.float64).clone()
+    if dims.pp > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh("pp").get_group())
+    if dims.batch_degree > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.get_mesh(BATCH_MESH).get_group())
+    return value
 
 
 def backward_context(value: torch.Tensor) -> contextlib.AbstractContextManager:

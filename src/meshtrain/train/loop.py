@@ -31,13 +31,14 @@ from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint.writer import Checkpoints
 from meshtrain.batch_math import tokens_per_step
 from meshtrain.config import Config
+from meshtrain.data.conversations import Conversations
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights, source_hf_config
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
-from meshtrain.parallel.reduce import batch_mean, worker_mean
+from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
 from meshtrain.parallel.rng import seed_step
 from meshtrain.profiling import StepProfiler
 from meshtrain.resolved import ResolvedRun, config_of, for_world
@@ -75,8 +76,10 @@ class Trainer:
         self.world_ranks = list(range(world))
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
         self.setup = set_up(cfg, self.device)
+        conversations = isinstance(self.setup.corpus.train, Conversations)  # targets outside the loss
         self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast,
-                                    eos_id=self.setup.corpus.tokenizer.eos_id)  # data.packing = "document" splits at it
+                                    eos_id=self.setup.corpus.tokenizer.eos_id,  # data.packing = "document" splits at it
+                                    conversations=conversations)
         self.model = self.parallel.model
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
         b = cfg.batch
@@ -93,6 +96,10 @@ class Trainer:
                                       b.gradient_accumulation_steps, dp * shares, dp_rank, cfg.train.seed)
         self.val = eval_batches(corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
                                 dp * shares, dp_rank, cfg.train.seed)
+        if conversations and self.rank == 0 and corpus.train.truncated:
+            print(f"{corpus.train.truncated} of {corpus.train.conversations} train conversations are longer than a "
+                  f"window (model.block_size + 1 = {cfg.model.block_size + 1} tokens): each keeps its first "
+                  f"{cfg.model.block_size + 1} tokens, its tail is cut", file=sys.stderr, flush=True)
         self.out_dir = Path(cfg.train.out_dir)
         self.start_step = self._maybe_resume()
         if self.parallel.outer is not None:
@@ -140,9 +147,10 @@ class Trainer:
         return self.parallel.forward_backward(micro_batches)
 
     def evaluate(self) -> float:
-        """Mean val loss over every token of the validation set (all dp and sp ranks; DiLoCo: of every worker's
-        model on its share, the mean over workers)."""
-        return worker_mean(batch_mean(self.parallel.evaluate(self.val) / len(self.val), self.dims), self.dims)
+        """Mean val loss over every supervised token of the validation set (all dp and sp ranks: their summed loss
+        over their count; DiLoCo: of every worker's model on its share, the mean over workers)."""
+        loss, count = batch_sum(self.parallel.evaluate(self.val), self.dims).tolist()
+        return worker_mean(loss / max(count, 1.0), self.dims)
 
     def clip_gradients(self) -> float:
         """Clip to ``optim.grad_clip`` by the norm over every rank's gradients; return the norm."""
@@ -219,6 +227,8 @@ class Trainer:
                     record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
                               "grad_norm": grad_norm, "step_time_s": dt,
                               "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
+                    if self.parallel.masked:  # the tokens the loss is the mean over
+                        record["supervised_tokens"] = self.parallel.supervised_tokens
                     if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
                         record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
                     if not finite:

@@ -42,7 +42,7 @@ from meshtrain.fileio import write_json_atomic
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
                                                plot_timeline)
-from meshtrain.parallel.reduce import local_value
+from meshtrain.parallel.reduce import local_value, supervised_count
 from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
 from meshtrain.parallel.pipeline.balance import Chunk, chunk_ranks
 
@@ -70,7 +70,9 @@ class Pipeline:
             (None when one rank holds both, or nobody here holds either).
         schedule: a key of :data:`SCHEDULES`.
         n_microbatches: micro-batches per step (``gradient_accumulation_steps``).
-        loss_fn: ``(logits (B, T, V), targets (B, T)) -> mean loss``.
+        loss_fn: ``(logits (B, T, V), targets (B, T)) -> loss`` of one micro-batch (the step's scaled sum,
+            :class:`meshtrain.parallel.compose.PipelineLoss`), with ``summed(logits, targets)``, the unscaled sum
+            over the supervised tokens, for evaluation.
         use_loss_parallel: run the schedule inside ``loss_parallel`` (logits are vocab-sharded DTensors).
         hidden_seq_divisor: the sequence of the hidden states between chunks is this rank's tokens / this
             (tp under Megatron sequence parallelism, else 1).
@@ -122,11 +124,11 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
                  ) -> torch.Tensor:
-        """Sum over ``batches`` (each ``(x, y, positions, doc_ids)`` of one micro-batch) of their mean losses on the
-        last stage (0 elsewhere): a forward-only pass, one micro-batch at a time through the chunks in
+        """``[loss sum, supervised tokens]`` over ``batches`` (each ``(x, y, positions, doc_ids)`` of one micro-batch)
+        on the last stage (zeros elsewhere), float64 (2,): a forward-only pass, one micro-batch at a time through the chunks in
         order, hidden states (B, T', C) sent to the rank of the next chunk (a plain ``dist.send``/``recv``
         on the pp group; torch's V-shaped schedules cannot run forward-only)."""
-        total = torch.zeros(())
+        total = torch.zeros(2, dtype=torch.float64)
         for x, y, positions, doc_ids in batches:
             documents = {} if doc_ids is None else {"doc_ids": doc_ids}
             hidden = None
@@ -140,7 +142,8 @@ class Pipeline:
                 hidden = part(x if c == 0 else hidden, positions=positions, **documents)  # every chunk: RoPE, masks
                 if c == self.n_chunks - 1:
                     with self.loss_context():
-                        total += float(local_value(self.loss_fn(hidden, y)))
+                        total[0] += float(local_value(self.loss_fn.summed(hidden, y)))
+                        total[1] += float(supervised_count(y))
                 elif self.chunk_rank[c + 1] != self.pp_rank:
                     dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.chunk_rank[c + 1])
         return total

@@ -1,0 +1,152 @@
+"""Supervised fine-tuning on prepared conversations: every layout computes one process's loss and gradients.
+
+The loss is the cross-entropy summed over the supervised (assistant) tokens of the whole global batch and divided by
+their count (meshtrain.parallel.reduce.loss_scale). The data is chosen so that a wrong normalisation shows: the
+conversations cut from the plays differ in length and in the share of their tokens that the assistant speaks, and
+some windows hold no supervised token at all (a conversation whose user turn alone fills the window: its answer is
+cut with its tail). Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2, tp2 with sequence parallelism, pp2
+(1F1B), Ulysses sp2, ring sp2 (one conversation per sample: ring attention takes no document mask), ep2 on a
+mixture of experts, and gradient accumulation over 4 micro-batches, each against one process on the whole batch at
+once. A sabotage layout averages the loss per micro-batch instead, and must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_close_losses, check_layout
+from layout_worker import launch_layouts, reference_run
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "src" / "meshtrain" / "assets" / "tinyshakespeare.txt"
+STEPS = 3
+MODEL = {**TINY, "model.type": "llama", "model.n_head": "2", "model.n_kv_head": "2", "model.block_size": "128",
+         "model.vocab_size": "1280",  # 0 would pad the tokenizer's 1,026 ids to a multiple of 128 * tp: another model
+         "train.steps": str(STEPS), "train.eval_steps": "2", "data.packing": "document",
+         "batch.micro_batch_size": "8", "batch.gradient_accumulation_steps": "1"}
+"""Global batch 8 windows of 128 tokens, as every layout below."""
+MOE = {"model.type": "mixtral", "model.num_experts": "4", "model.ffn_hidden": "24", "model.router_aux_loss_coef": "0"}
+"""Mixtral without the load-balancing loss: what is compared is the supervised cross-entropy."""
+PAD = {"data.packing": "pad"}
+LAYOUTS = {  # name: (reference, overrides); the references: "packed", "padded", "moe"
+    "dp2": ("packed", {"batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "2"}),
+    "fsdp2-dp2": ("packed", {"batch.micro_batch_size": "4", "parallel.zero_stage": "3"}),
+    "tp2-seqpar": ("packed", {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "pp2-1f1b": ("packed", {"parallel.pp": "2", "parallel.pp_schedule": "1f1b", "batch.micro_batch_size": "2",
+                            "batch.gradient_accumulation_steps": "4"}),
+    "ulysses-sp2": ("packed", {"parallel.sp": "2", "parallel.sp_mode": "ulysses"}),
+    "ring-sp2": ("padded", {**PAD, "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "ep2": ("moe", {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "4"}),
+    "dp2-ga4": ("packed", {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}),
+}
+REFERENCES = {"packed": {}, "padded": PAD, "moe": MOE}
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    """Conversations of the plays' first 2,000 lines, a 1,024-id BPE trained on them, prepared with ChatML."""
+    from meshtrain.cli.tokenizer import train_bpe
+    from meshtrain.data.preprocess import prepare
+
+    root = tmp_path_factory.mktemp("sft_data")
+    text = "\n".join(CORPUS.read_text().splitlines()[:2000])
+    (root / "plays.txt").write_text(text)
+    tokenizer = train_bpe([root / "plays.txt"], 1024, root / "bpe.json")
+    with open(root / "chat.jsonl", "w") as f:
+        for record in _load_script("shakespeare_chat").conversations(text):
+            f.write(json.dumps(record) + "\n")
+    prepare(str(tokenizer), [str(root / "chat.jsonl")], root / "chat", data_format="chat", val_fraction=0.1)
+    return root / "chat"
+
+
+def _model(reference: str, data: Path) -> dict[str, str]:
+    return {**MODEL, **REFERENCES[reference], "data.path": str(data)}
+
+
+@pytest.fixture(scope="module")
+def references(chat_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_reference")
+    return {name: reference_run(root / name, _model(name, chat_data)) for name in REFERENCES}
+
+
+@pytest.fixture(scope="module")
+def launched(chat_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_layouts")
+    layouts = {name: {**_model(ref, chat_data), **overrides} for name, (ref, overrides) in LAYOUTS.items()}
+    layouts["sabotage-dp2-ga2"] = {**layouts["dp2"], "sabotage": "per-micro-batch-mean"}
+    return launch_layouts(2, root, layouts)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_sft_layout_matches_one_process(references, launched, name):
+    reference, overrides = LAYOUTS[name]
+    check_layout(launched[name], references[reference], _model(reference, Path()) | overrides)
+
+
+def test_per_micro_batch_mean_fails_the_comparison(references, launched):
+    """The sabotage: each micro-batch's mean, averaged. Its first loss already differs from one process's."""
+    with pytest.raises(AssertionError):
+        assert_close_losses(launched["sabotage-dp2-ga2"][0], references["packed"][0])
+
+
+def test_windows_hold_unequal_supervised_counts(chat_data):
+    """What makes the comparisons able to fail: the windows of one step hold very different numbers of supervised
+    tokens, some none."""
+    from meshtrain.data.corpus import load_prepared
+
+    train = load_prepared(chat_data, 128, packing="document").train
+    counts = [(y != -100).sum().item() for y in train.samples(torch.arange(min(len(train), 64)))[1]]
+    assert min(counts) == 0 and max(counts) > 2 * sum(counts) / len(counts)
+
+
+def test_loss_equals_transformers_with_num_items_in_batch(chat_data, tmp_path):
+    """An imported tiny Qwen3: the trainer's loss of a step of 4 micro-batches equals the sum of transformers'
+    ``model(input_ids, labels=..., num_items_in_batch=N).loss`` over them, N the step's supervised tokens."""
+    import torch.distributed as dist
+
+    from meshtrain.config import load_config
+    from meshtrain.train.loop import Trainer
+    from test_hf import EPS32, logits_tolerance
+    from test_qwen import saved
+
+    transformers = pytest.importorskip("transformers")
+    folder = saved(tmp_path / "hf", "Qwen3ForCausalLM", vocab_size=1280, head_dim=16, max_position_embeddings=128)
+    overrides = {**MODEL, **PAD, "data.path": str(chat_data), "model.init_from": str(folder),
+                 "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4", "train.out_dir": str(tmp_path / "run")}
+    for key in ("model.type", "model.n_head", "model.n_kv_head", "model.n_layer", "model.n_embd"):
+        overrides.pop(key)
+    cfg = load_config(None, overrides)
+    try:
+        trainer = Trainer(cfg)
+        micro_batches = trainer.sampler.next_step()
+        ours = float(trainer.forward_backward(micro_batches))
+        N = trainer.parallel.supervised_tokens
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    theirs, peak = 0.0, 0.0
+    with torch.no_grad():
+        for x, y in micro_batches:  # transformers shifts labels itself: feed one more token, labels one later
+            ids = torch.cat([x, y[:, -1:].clamp(min=0)], 1)  # (B, T + 1)
+            labels = torch.cat([torch.full_like(y[:, :1], -100), y], 1)  # (B, T + 1)
+            out = hf(input_ids=ids, labels=labels, num_items_in_batch=N)
+            theirs += float(out.loss)
+            peak = max(peak, float(out.logits.abs().max()))
+    assert N == sum(int((y != -100).sum()) for _, y in micro_batches) > 0
+    # per token |d CE| <= 2 max|d logit| (test_hf.first_batch_loss), and summing N terms adds ~N eps of the loss
+    cfg = trainer.cfg.model
+    tol = 2 * logits_tolerance(cfg.n_layer, max(cfg.ffn_hidden_size(), cfg.block_size), peak) + N * EPS32 * theirs
+    assert abs(ours - theirs) <= tol, (ours, theirs, tol)
