@@ -54,21 +54,28 @@ def _load_script(name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory) -> Path:
-    """Conversations of the plays' first 2,000 lines, a 1,024-id BPE trained on them, prepared with ChatML."""
+def prepared_plays(root: Path, data_format: str) -> Path:
+    """The plays' first 2,000 lines cut by scripts/shakespeare_chat.py into conversations (``data_format`` "chat") or
+    preference pairs ("preference"), prepared with a 1,024-id BPE trained on those lines (ChatML added)."""
     from meshtrain.cli.tokenizer import train_bpe
     from meshtrain.data.preprocess import prepare
 
-    root = tmp_path_factory.mktemp("sft_data")
     text = "\n".join(CORPUS.read_text().splitlines()[:2000])
     (root / "plays.txt").write_text(text)
     tokenizer = train_bpe([root / "plays.txt"], 1024, root / "bpe.json")
-    with open(root / "chat.jsonl", "w") as f:
-        for record in _load_script("shakespeare_chat").conversations(text):
+    script = _load_script("shakespeare_chat")
+    records = script.conversations(text) if data_format == "chat" else script.preference_pairs(text)
+    with open(root / "records.jsonl", "w") as f:
+        for record in records:
             f.write(json.dumps(record) + "\n")
-    prepare(str(tokenizer), [str(root / "chat.jsonl")], root / "chat", data_format="chat", val_fraction=0.1)
-    return root / "chat"
+    prepare(str(tokenizer), [str(root / "records.jsonl")], root / data_format, data_format=data_format,
+            val_fraction=0.1)
+    return root / data_format
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    return prepared_plays(tmp_path_factory.mktemp("sft_data"), "chat")
 
 
 def _model(reference: str, data: Path) -> dict[str, str]:

@@ -122,9 +122,10 @@ class MetricsLog:
                                                   f"{record['tokens_per_s']:,.0f} tok/s")
         self.progress.update(self.task, completed=step)
 
-    def eval(self, step: int, val_loss: float) -> None:
+    def eval(self, step: int, val_loss: float, **extra: float) -> None:
+        """Write an eval record ``{"step", "val_loss", **extra}`` (DPO adds its validation rewards)."""
         if self.enabled:
-            self.write({"step": step, "val_loss": val_loss})
+            self.write({"step": step, "val_loss": val_loss, **extra})
             self.progress.console.print(f"step {step}: val_loss {val_loss:.4f}")
 
     def info(self, text: str) -> None:

@@ -28,7 +28,7 @@ def preflight(run: ResolvedRun) -> None:
         raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
                           f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer,
-                         cfg.data.packing)
+                         cfg.data.packing, cfg.train.objective)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
     if cfg.model.init_from and not resume:
@@ -130,7 +130,8 @@ def check_init_from(cfg: Config, corpus_vocab: int) -> None:
     if m.vocab_size < corpus_vocab:
         raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
                           f"the {corpus_vocab} of data.path = '{cfg.data.resolved_path()}': use a corpus its "
-                          f"tokenizer covers")
+                          f"tokenizer covers (prepared conversations add the ChatML tokens after the tokenizer's ids: "
+                          f"pretrain with a model.vocab_size that leaves room for them)")
 
 
 def check_same_start(cfg: Config, meta: dict, found: Path) -> None:

@@ -4,11 +4,18 @@ Runs in one process without a process group: DCP reads the (possibly dp-sharded)
 plain model, whatever layout saved it; or the model comes from a ``meshtrain export`` safetensors file,
 or from a Hugging Face model folder (``config.json`` + safetensors, e.g. ``meshtrain export --format hf``),
 whose ``tokenizer.json`` (``tokenizers`` library) encodes the prompt. ``--temperature 0`` decodes greedily.
+
+``--chat`` talks to a fine-tuned model (docs/posttraining.md): the prompt (a text, one user message; or a JSON list
+of ``{"role", "content"}`` messages; ``--system`` adds a system turn) is rendered with the tokenizer's chat
+template and the generation prompt, as ``meshtrain prepare --format chat`` renders conversations
+(:mod:`meshtrain.data.chat`: the template next to the tokenizer file, else ChatML when the tokenizer has its
+tokens), sampling stops at the end-of-turn token, and only the reply is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="run folder, step folder, a .safetensors file written by meshtrain export, or a Hugging "
                         "Face model folder (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--prompt", default="\n", help="text to continue (with the char tokenizer, characters of the corpus vocabulary)")
+    p.add_argument("--prompt", default=None,
+                   help="text to continue (with the char tokenizer, characters of the corpus vocabulary; default a "
+                        "newline); with --chat the user's message, or a JSON list of {\"role\", \"content\"} messages")
+    p.add_argument("--chat", action="store_true",
+                   help="render the prompt with the tokenizer's chat template (ChatML when it has none), stop at the "
+                        "end of the turn and print only the reply")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn before the prompt")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (characters, with the char tokenizer)")
     p.add_argument("--temperature", type=nonnegative_float, default=0.8,
                    help="softmax temperature; 0 = greedy (always the most likely token)")
@@ -34,12 +47,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-           top_k: int | None = None, seed: int = 1337, on_text: Callable[[str], None] | None = None) -> str:
+           top_k: int | None = None, seed: int = 1337, on_text: Callable[[str], None] | None = None,
+           chat: bool = False, system: str | None = None) -> str:
     """Continue ``prompt`` by ``max_new_tokens`` tokens with the model saved in ``checkpoint``. With ``on_text``,
-    the text is also handed out as it grows (:class:`TextStream`): the prompt, then each new piece.
+    the text is also handed out as it grows (:class:`TextStream`): the prompt, then each new piece. With ``chat``,
+    the prompt is a conversation (:func:`chat_prompt`, ``system`` its system turn), sampling stops at an
+    end-of-turn token, and the text (and what ``on_text`` gets) is the reply alone, without that token.
 
     Raises:
-        ConfigError: no checkpoint there, bad sampling arguments, or a prompt character outside the vocabulary.
+        ConfigError: no checkpoint there, bad sampling arguments, a prompt character outside the vocabulary, or
+            (chat) a bad message list or a tokenizer without a chat template.
     """
     import torch
 
@@ -51,22 +68,104 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
         raise ConfigError(f"--temperature = {temperature} must be >= 0 (0 = greedy)")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k = {top_k} must be >= 1")
+    if system is not None and not chat:
+        raise ConfigError("--system adds a system turn to a conversation: use it with --chat")
     model, tokenizer = _load(checkpoint)
+    ids, stop = chat_prompt(tokenizer, prompt, system) if chat else (_encode(tokenizer, prompt), set())
+    model.eval()
+    idx = torch.tensor([ids], dtype=torch.long)  # (1, T0)
+    shown = [] if chat else ids  # what the text holds: the reply alone, or the prompt and its continuation
+    stream = TextStream(tokenizer, shown, on_text) if on_text is not None else None
+    drawn: list[int] = []
+
+    def on_token(token: torch.Tensor) -> bool:  # token: (1, 1)
+        if int(token) in stop:
+            return True
+        drawn.append(int(token))
+        if stream is not None:
+            stream(token)
+        return False
+
+    model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                   generator=torch.Generator().manual_seed(seed), on_token=on_token)
+    text = tokenizer.decode(shown + drawn)
+    if stream is not None:
+        stream.finish(text)
+    return text
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    """Ids of a plain ``prompt``. Raises ConfigError: text the tokenizer cannot encode, or no ids at all."""
+    from meshtrain.config import ConfigError
+
     try:
         ids = tokenizer.encode(prompt)
     except ValueError as e:
         raise ConfigError(f"--prompt: {e}") from None
     if not ids:
         raise ConfigError("--prompt is empty: give at least one character to continue")
-    model.eval()
-    idx = torch.tensor([ids], dtype=torch.long)  # (1, T0)
-    stream = TextStream(tokenizer, ids, on_text) if on_text is not None else None
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(seed), on_token=stream)  # (1, T0 + N)
-    text = tokenizer.decode(out[0].tolist())
-    if stream is not None:
-        stream.finish(text)
-    return text
+    return ids
+
+
+def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    """The conversation ``--prompt`` (and ``--system``) give: a JSON list of messages when the text starts with
+    ``[``, else one user message; ``system`` a system turn before them.
+
+    Raises:
+        ConfigError: a ``[`` text that is not JSON, not a list of ``{"role", "content"}`` messages, a role other
+            than system, user, assistant, or a system turn given twice.
+    """
+    from meshtrain.config import ConfigError
+    from meshtrain.data.chat import checked_messages  # prepare's check of a message list
+
+    if prompt.lstrip().startswith("["):
+        try:
+            messages = json.loads(prompt)
+        except ValueError as e:
+            raise ConfigError(f"--prompt starts with '[' but is not JSON ({e}): give a JSON list of "
+                              f"{{\"role\", \"content\"}} messages, or plain text for one user message") from None
+    else:
+        messages = [{"role": "user", "content": prompt}]
+    messages = checked_messages({"messages": messages}, "messages", "--prompt", assistant=False)
+    if system is not None:
+        if messages[0]["role"] == "system":
+            raise ConfigError("--system and a system message in --prompt: give the system turn once")
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def chat_prompt(tokenizer, prompt: str, system: str | None) -> tuple[list[int], set[int]]:
+    """(prompt ids, end-of-turn ids) of a conversation: :func:`chat_messages` rendered with the tokenizer's
+    template (:func:`meshtrain.data.chat.chat_format`) and ``add_generation_prompt=True``, cut at the assistant
+    spans of a template with generation markers and each piece encoded with special tokens recognised, as
+    ``prepare --format chat`` encodes (so equal to transformers' ``apply_chat_template``). The end-of-turn ids:
+    ``<|im_end|>`` where the template writes it, and the EOS (the template's ``eos_token``, the tokenizer's).
+
+    Raises:
+        ConfigError: what :func:`chat_messages` refuses; a tokenizer that is not a Hugging Face one, or has no
+            template and lacks the ChatML tokens; a template that fails on the messages.
+    """
+    from meshtrain.config import ConfigError
+    from meshtrain.data.chat import CHAT, CHATML_TOKENS, chat_format, pieces, render
+
+    messages = chat_messages(prompt, system)
+    if tokenizer.kind != "hf":
+        raise ConfigError(f"--chat needs a Hugging Face tokenizer with a chat template; this model's is a "
+                          f"{tokenizer.kind} tokenizer: fine-tune it on data from meshtrain prepare --format chat")
+    fmt, missing = chat_format(tokenizer, CHAT, prompt_loss=False)
+    if missing:  # chat_format would extend the tokenizer with ChatML: this model was not trained on that
+        raise ConfigError(f"--chat: the tokenizer '{tokenizer.path}' has no chat template (chat_template.jinja, or "
+                          f"chat_template in tokenizer_config.json) and no {'/'.join(CHATML_TOKENS)} tokens: give a "
+                          f"model fine-tuned on data from meshtrain prepare --format chat")
+    text, spans = render(fmt, messages, "--prompt", generation_prompt=True)
+    try:
+        ids = [i for piece, _ in pieces(text, spans) for i in tokenizer.encode_with_special(piece)]
+    except ValueError as e:
+        raise ConfigError(f"--prompt cannot be tokenized: {e}") from None
+    lib = tokenizer.tokenizer
+    names = [CHATML_TOKENS[1]] * (CHATML_TOKENS[1] in fmt.template) + [fmt.special_tokens.get("eos_token")]
+    stop = {lib.token_to_id(name) for name in names if name} | {tokenizer.eos_id}
+    return ids, stop - {None}
 
 
 class TextStream:
@@ -148,6 +247,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_text=write)
+    if args.chat and args.prompt is None:
+        from meshtrain.config import ConfigError
+
+        raise ConfigError("--chat needs --prompt: the user's message, or a JSON list of messages")
+    prompt = "\n" if args.prompt is None else args.prompt
+    sample(args.checkpoint, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_text=write,
+           chat=args.chat, system=args.system)
     write("\n")
     return 0

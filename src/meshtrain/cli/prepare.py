@@ -1,5 +1,6 @@
-"""``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR [--format text|chat|prompt-completion]``:
-token shards to train on (conversation formats add loss-mask shards; docs/posttraining.md).
+"""``meshtrain prepare --tokenizer T --input PATHS_OR_GLOBS... --out DATA_DIR
+[--format text|chat|prompt-completion|preference]``: token shards to train on (conversation and preference formats
+add loss-mask shards; docs/posttraining.md).
 
 The work is :func:`meshtrain.data.preprocess.prepare`; this module parses the options and shows a rich progress
 bar on stderr (documents, tokens, input MB/s, ETA from the input bytes read). docs/data.md, "Preparing a
@@ -22,13 +23,14 @@ MAX_WORKERS = 1024
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into token shards to train on "
-                            "(--format chat|prompt-completion: conversations with a loss mask)",
+                            "(--format chat|prompt-completion|preference: conversations with a loss mask)",
                        description="Tokenize documents (text files, jsonl, parquet) in worker processes into "
                                    "fixed-size token shards (uint16/uint32 memmaps), a document index per split "
                                    "and meta.json, written into DATA_DIR.tmp and renamed to DATA_DIR at the end. "
                                    "--format chat|prompt-completion reads conversations (jsonl/parquet records), "
-                                   "renders them with the tokenizer's chat template and adds loss-mask shards "
-                                   "(docs/posttraining.md).")
+                                   "renders them with the tokenizer's chat template and adds loss-mask shards; "
+                                   "--format preference writes each {prompt, chosen, rejected} pair as two "
+                                   "documents, chosen then rejected (docs/posttraining.md).")
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="a tokenizer.json, a *.tiktoken file, a sentencepiece *.model or a Hugging Face model folder")
     p.add_argument("--input", required=True, nargs="+", metavar="PATH",
@@ -37,14 +39,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="jsonl key / parquet column holding the text (default: text)")
     p.add_argument("--val-fraction", type=positive_float, default=DEFAULT_VAL_FRACTION, metavar="F",
-                   help="one document in every 1/F goes to val, spread evenly (default: %(default)s)")
+                   help="one document (preference: one pair) in every 1/F goes to val, spread evenly "
+                        "(default: %(default)s)")
     p.add_argument("--workers", type=int_in(1, MAX_WORKERS), default=default_workers(), metavar="N",
                    help="tokenizing processes (default: min(4, CPUs) = %(default)s)")
     p.add_argument("--doc-split", choices=DOC_SPLITS, default="file",
                    help="text files: one document per file, or per blank-line-separated block (default: file)")
     p.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
                    help="text: documents; chat: {\"messages\": [...]} records; prompt-completion: {\"prompt\", "
-                        "\"completion\"} records; the last two add a loss mask (default: text)")
+                        "\"completion\"} records; preference: {\"prompt\", \"chosen\", \"rejected\"} records (two "
+                        "documents each); all but text add a loss mask (default: text)")
     p.add_argument("--prompt-loss", action="store_true",
                    help="--format prompt-completion: supervise the prompt's tokens too (default: the completion only)")
     p.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
@@ -107,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _split_counts(name: str, split: dict) -> str:
-    """One split of the report: documents (or conversations and supervised tokens), tokens, shards."""
+    """One split of the report: documents (or conversations or pairs, and supervised tokens), tokens, shards."""
+    if "pairs" in split:
+        return (f"{name} {split['pairs']:,} pairs ({split['documents']:,} documents) {split['tokens']:,} tokens "
+                f"({split['supervised_tokens']:,} supervised) in {len(split['shards'])} shard(s)")
     if "supervised_tokens" in split:
         return (f"{name} {split['documents']:,} conversations {split['tokens']:,} tokens "
                 f"({split['supervised_tokens']:,} supervised) in {len(split['shards'])} shard(s)")

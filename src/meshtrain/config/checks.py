@@ -10,8 +10,8 @@ from pathlib import Path
 from meshtrain import axes
 from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors,
                            expert_degree_error)
-from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS, OPTIMIZERS, PACKINGS,
-                                       RECOMPUTES, Config, ParallelConfig)
+from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
+                                       OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config, ParallelConfig)
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import attention_families, check_model, expert_families, family
@@ -145,6 +145,7 @@ def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     _validate_support(cfg, schedule)
     family(cfg.model.type).check_layout(cfg.model, p)
     _validate_packing(cfg)
+    _validate_objective(cfg)
     _validate_sync_mode(cfg)
     _validate_shapes(cfg)
 
@@ -370,6 +371,27 @@ def diloco_workers(p: ParallelConfig, world_size: int) -> int:
                            f"{group}: " + (f"set parallel.diloco_group to one of {', '.join(map(str, smaller))}"
                                            if smaller else f"use --nproc {2 * group} or more"))
     return workers
+
+
+def _validate_objective(cfg: Config) -> None:
+    """``train.objective`` and DPO's keys; DPO reads one pair per two rows of padded samples, synchronously."""
+    t = cfg.train
+    _require(t.objective in OBJECTIVES, f"train.objective = {t.objective!r} is not valid: use one of "
+                                        f"{', '.join(OBJECTIVES)}")
+    _require(t.dpo_beta > 0, f"train.dpo_beta = {t.dpo_beta} must be > 0 (TRL's default is 0.1)")
+    _require(t.dpo_loss in DPO_LOSSES, f"train.dpo_loss = {t.dpo_loss!r} is not valid: use one of "
+                                       f"{', '.join(DPO_LOSSES)}")
+    _require(0 <= t.dpo_label_smoothing < 0.5, f"train.dpo_label_smoothing = {t.dpo_label_smoothing} must be in "
+                                               f"[0, 0.5)")
+    _require(t.dpo_label_smoothing == 0 or t.dpo_loss == "robust", f"train.dpo_label_smoothing = "
+             f"{t.dpo_label_smoothing} applies to train.dpo_loss = 'robust' only, not {t.dpo_loss!r}: set it to 0 or "
+             f"use 'robust'")
+    if t.objective != "dpo":
+        return
+    _require(cfg.data.packing == "pad", f"train.objective = 'dpo' reads each pair as two padded rows: set "
+                                        f"data.packing = 'pad', not {cfg.data.packing!r}")
+    _require(cfg.parallel.sync_mode == "sync", f"train.objective = 'dpo' is not supported with parallel.sync_mode = "
+                                               f"{cfg.parallel.sync_mode!r}: use 'sync'")
 
 
 def _validate_packing(cfg: Config) -> None:

@@ -22,6 +22,10 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 OPTIMIZERS = ("adamw", "sgd")
 """``optim.name`` values (:func:`meshtrain.optim.build_optimizer`)."""
 PACKINGS = ("concat", "document", "pad")
+OBJECTIVES = ("lm", "dpo")
+"""``train.objective`` values (:mod:`meshtrain.objectives`)."""
+DPO_LOSSES = ("sigmoid", "robust")
+"""``train.dpo_loss`` values (:func:`meshtrain.objectives.dpo_loss`)."""
 """``data.packing`` values (:mod:`meshtrain.data.packing`)."""
 TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
 """Kinds of ``data.tokenizer`` (:mod:`meshtrain.data.tokenizers`)."""
@@ -206,6 +210,17 @@ class TrainConfig:
     """Global rank 0 also writes every metrics.jsonl record's numbers as TensorBoard scalars to ``OUT/tb/``
     (tags are the record's keys: loss, val_loss, lr, grad_norm, tokens_per_s, peak_memory_bytes, ...); needs
     the ``tb`` extra, ``pip install 'meshtrain[tb]'``."""
+    objective: str = "lm"
+    """What a step minimises (:mod:`meshtrain.objectives`): "lm", the cross-entropy over the supervised tokens of
+    the global batch (every token for text; assistant tokens for prepared conversations), or "dpo", direct
+    preference optimization on pairs that ``meshtrain prepare --format preference`` wrote."""
+    dpo_beta: float = 0.1
+    """DPO's beta (Rafailov et al. 2023, Eq. 7): how far the policy may move from the reference, > 0 (TRL's 0.1)."""
+    dpo_loss: str = "sigmoid"
+    """DPO's loss: "sigmoid" (DPO, Rafailov et al. 2023) or "robust" (robust DPO, Chowdhury et al. 2024, with
+    ``dpo_label_smoothing``), as TRL's loss types of those names."""
+    dpo_label_smoothing: float = 0.0
+    """The probability eps that a pair's preference is flipped, in [0, 0.5) ("robust" only; 0 = plain DPO)."""
     profile_steps: list[int] = field(default_factory=list)
     """``[a, b]``: every rank records a ``torch.profiler`` trace of steps a..b (1 <= a <= b <= steps) with
     memory to ``OUT/profile/rank{r}.json`` (Chrome trace format; on CUDA also a memory snapshot

@@ -1,4 +1,5 @@
-"""Conversations to token ids plus a loss mask, for ``meshtrain prepare --format chat|prompt-completion``.
+"""Conversations to token ids plus a loss mask, for ``meshtrain prepare --format chat|prompt-completion`` (and the
+pieces ``--format preference``, :mod:`meshtrain.data.preference`, reuses).
 
 Imports no torch. Templates are rendered by transformers' own renderer
 (``transformers.utils.chat_template_utils.render_jinja_template``, imported inside the functions that render), so
@@ -42,8 +43,8 @@ import numpy as np
 
 from meshtrain.config import ConfigError
 
-CHAT, PROMPT_COMPLETION = "chat", "prompt-completion"
-CONTENTS = (CHAT, PROMPT_COMPLETION)
+CHAT, PROMPT_COMPLETION, PREFERENCE = "chat", "prompt-completion", "preference"
+CONTENTS = (CHAT, PROMPT_COMPLETION, PREFERENCE)
 ROLES = ("system", "user", "assistant")
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}"
@@ -71,7 +72,7 @@ class ChatFormat:
     """How records become (ids, mask): JSON-able, so worker processes rebuild it (:meth:`from_dict`)."""
 
     content: str
-    """"chat" or "prompt-completion"."""
+    """"chat", "prompt-completion" or "preference"."""
     template: str
     """The Jinja chat template."""
     source: str
@@ -252,9 +253,19 @@ def encode_record(tok, fmt: ChatFormat, where: str, record: Any) -> tuple[list[i
     if not isinstance(record, dict):
         raise ConfigError(f"{where} is not an object: each record must be an object")
     if fmt.content == CHAT:
-        parts, tail = pieces(*assistant_spans(fmt, _messages(record, "messages", where), where)), []
+        parts, tail = pieces(*assistant_spans(fmt, checked_messages(record, "messages", where), where)), []
     else:
-        parts, tail = _prompt_completion(tok, fmt, record, where)
+        parts, tail = prompt_completion(tok, fmt, record, where)
+    return encode_pieces(tok, parts, tail, where)
+
+
+def encode_pieces(tok, parts: list[tuple[str, int]], tail: list[int], where: str) -> tuple[list[int], list[int]]:
+    """(ids, mask): each (piece, flag) of ``parts`` encoded on its own (special tokens recognised), every id of it
+    masked ``flag``, then the ``tail`` ids (supervised).
+
+    Raises:
+        ConfigError: (naming ``where``) a piece the tokenizer cannot encode.
+    """
     ids, mask = [], []
     for piece, flag in parts:
         try:
@@ -266,7 +277,7 @@ def encode_record(tok, fmt: ChatFormat, where: str, record: Any) -> tuple[list[i
     return ids + tail, mask + [1] * len(tail)
 
 
-def _messages(record: dict[str, Any], key: str, where: str, assistant: bool = True) -> list[dict[str, Any]]:
+def checked_messages(record: dict[str, Any], key: str, where: str, assistant: bool = True) -> list[dict[str, Any]]:
     """``record[key]`` checked as a message list (None-valued keys dropped, as transformers does)."""
     if key not in record:
         keys = ", ".join(list(record)[:8]) or "none"
@@ -286,45 +297,57 @@ def _messages(record: dict[str, Any], key: str, where: str, assistant: bool = Tr
     return out
 
 
-def _prompt_completion(tok, fmt: ChatFormat, record: dict[str, Any], where: str):
-    """(pieces, tail ids) of a prompt-completion record (module docstring); tail: [EOS] for strings."""
-    for key in ("prompt", "completion"):
-        if key not in record:
-            raise ConfigError(f"{where} has no '{key}' (its fields: {', '.join(list(record)[:8]) or 'none'}): "
-                              f"each record needs 'prompt' and 'completion'")
-    prompt, completion = record["prompt"], record["completion"]
+def prompt_completion(tok, fmt: ChatFormat, record: dict[str, Any], where: str, key: str = "completion"
+                      ) -> tuple[list[tuple[str, int]], list[int]]:
+    """(pieces, tail ids) of ``record["prompt"]`` followed by ``record[key]`` (module docstring); tail: [EOS] for
+    strings. ``key`` names the completion (``--format preference`` passes "chosen", then "rejected")."""
+    for name in ("prompt", key):
+        if name not in record:
+            raise ConfigError(f"{where} has no '{name}' (its fields: {', '.join(list(record)[:8]) or 'none'}): "
+                              f"each record needs 'prompt' and '{key}'")
+    prompt, completion = record["prompt"], record[key]
     if isinstance(prompt, str) and isinstance(completion, str):
         if not completion:
-            raise ConfigError(f"{where}: 'completion' is empty: give each prompt a completion to learn from")
+            raise ConfigError(f"{where}: '{key}' is empty: give each prompt a non-empty '{key}' to learn from")
         return [(p, f) for p, f in ((prompt, int(fmt.prompt_loss)), (completion, 1)) if p], [tok.eos_id]
     if isinstance(prompt, str) or isinstance(completion, str):
-        raise ConfigError(f"{where}: 'prompt' and 'completion' must both be strings or both message lists")
-    prompt = _messages(record, "prompt", where, assistant=False)
-    completion = _messages(record, "completion", where, assistant=False)
+        raise ConfigError(f"{where}: 'prompt' and '{key}' must both be strings or both message lists")
+    prompt = checked_messages(record, "prompt", where, assistant=False)
+    completion = checked_messages(record, key, where, assistant=False)
     before, _ = render(fmt, prompt, where, generation_prompt=True)
     whole, _ = render(fmt, prompt + completion, where)
     if not whole.startswith(before):
         raise ConfigError(f"{where}: the chat template of {fmt.source} renders the prompt differently inside the "
-                          f"whole conversation, so the completion cannot be located")
+                          f"whole conversation, so the {key} cannot be located")
     if len(whole) == len(before):
-        raise ConfigError(f"{where}: the completion renders to nothing: give each prompt a completion to learn from")
+        raise ConfigError(f"{where}: '{key}' renders to nothing: give each prompt a non-empty '{key}' to learn from")
     return [(p, f) for p, f in ((before, int(fmt.prompt_loss)), (whole[len(before):], 1)) if p], []
 
 
 def encode_records(tok, fmt: ChatFormat, records: list[tuple[str, Any]],
                    dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, lengths, mask) of ``records`` ((where, record) pairs) concatenated: ids (N,) of ``dtype``, lengths
-    (R,) int64, mask (N,) uint8.
+    """(ids, lengths, mask) of ``records`` ((where, record) pairs) concatenated, one document each
+    (:func:`concat_documents`).
 
     Raises:
         ConfigError: a bad record, or an id outside ``[0, vocab_size)`` (a broken tokenizer file).
     """
+    return concat_documents(tok, [encode_record(tok, fmt, where, record) for where, record in records], dtype)
+
+
+def concat_documents(tok, documents: list[tuple[list[int], list[int]]],
+                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, lengths, mask) of ``documents`` ((ids, mask) each) concatenated: ids (N,) of ``dtype``, lengths (D,)
+    int64, mask (N,) uint8.
+
+    Raises:
+        ConfigError: an id outside ``[0, vocab_size)`` (a broken tokenizer file).
+    """
     ids, mask, lengths = [], [], []
-    for where, record in records:
-        record_ids, record_mask = encode_record(tok, fmt, where, record)
-        ids += record_ids
-        mask += record_mask
-        lengths.append(len(record_ids))
+    for doc_ids, doc_mask in documents:
+        ids += doc_ids
+        mask += doc_mask
+        lengths.append(len(doc_ids))
     ids_array = np.asarray(ids, dtype=np.int64)
     if len(ids_array) and (ids_array.min() < 0 or ids_array.max() >= tok.vocab_size):
         raise ConfigError(f"--tokenizer gave id {int(ids_array.max())}, outside its {tok.vocab_size} ids: the "

@@ -119,3 +119,38 @@ def _read(source, start: int, length: int) -> torch.Tensor:
     if isinstance(source, torch.Tensor):
         return source[start:start + length].long()
     return source.gather(torch.tensor([start]), length)[0]
+
+
+class Pairs(Conversations):
+    """Preference pairs (``meshtrain prepare --format preference``): conversation ``2k`` is pair k's chosen sequence
+    (prompt + chosen), ``2k + 1`` its rejected one, each masked to its completion. A sample is a pair: two padded
+    rows, chosen then rejected, so a pair never splits across ranks or micro-batches.
+
+    :attr:`reference` holds the reference model's log-probability of every sequence once the trainer computed it
+    (:meth:`meshtrain.train.loop.Trainer`), and :meth:`samples` hands each row's with it.
+
+    Raises:
+        ValueError: an odd number of conversations (a pair cut in half), or what :class:`Conversations` raises.
+    """
+
+    rows_per_sample = 2
+
+    def __init__(self, tokens, masks, starts: np.ndarray, block_size: int, pad_id: int = 0) -> None:
+        super().__init__(tokens, masks, starts, block_size, "pad", pad_id)
+        if self.conversations % 2:
+            raise ValueError(f"{self.conversations} sequences do not make pairs: a pair is two (chosen, rejected)")
+        self.reference: torch.Tensor | None = None
+        """(2P,) float64: the reference's log-probability of each sequence (nats), or None before it is computed."""
+
+    def __len__(self) -> int:
+        """P, the number of pairs."""
+        return self.conversations // 2
+
+    def samples(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+        """Pairs ``index`` (n,) -> ``(x, y, None, reference)``: (2n, T) inputs and targets, rows chosen, rejected,
+        chosen, ...; no document ids (one sequence per row); (2n,) float64 reference log-probabilities (zeros
+        before :attr:`reference` is set)."""
+        rows = torch.stack([2 * index, 2 * index + 1], dim=1).flatten()  # (2n,)
+        x, y, _ = super().samples(rows)
+        reference = self.reference[rows] if self.reference is not None else torch.zeros(len(rows), dtype=torch.float64)
+        return x, y, None, reference

@@ -17,7 +17,7 @@ import torch
 
 from meshtrain.config import ConfigError
 from meshtrain.data.conversations import PACKINGS as CONVERSATION_PACKINGS
-from meshtrain.data.conversations import Conversations
+from meshtrain.data.conversations import Conversations, Pairs
 from meshtrain.errors import DataError
 from meshtrain.data.shards import TokenView
 from meshtrain.data.sampler import Tokens
@@ -72,7 +72,8 @@ class PreparedTokens:
         return torch.from_numpy(windows)
 
 
-def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND, packing: str = "concat") -> Corpus:
+def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND, packing: str = "concat",
+                  objective: str = "lm") -> Corpus:
     """The corpus of a ``meshtrain prepare`` folder: its splits read through memory maps, its tokenizer
     rebuilt from ``meta.json`` (checked against the file it was made with).
 
@@ -97,8 +98,14 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
     train, val = (PreparedTokens(data.tokens(split), data.vocab_size, f"prepared data '{folder}' ({split} split)")
                   for split in ("train", "val"))
     digest = hashlib.sha256((Path(folder) / META_FILE).read_bytes()).hexdigest()
+    pairs = data.meta.get("content") == "preference"
+    if pairs != (objective == "dpo"):
+        raise ConfigError(f"data.path = '{folder}' holds preference pairs: set train.objective = 'dpo'" if pairs else
+                          f"train.objective = 'dpo' trains on preference pairs and data.path = '{folder}' holds "
+                          f"{data.meta.get('content', 'text')}: prepare pairs with meshtrain prepare --format "
+                          f"preference")
     if data.has_masks:
-        train, val = (_conversations(data, split, tokens, block_size, packing, tok, folder)
+        train, val = (_conversations(data, split, tokens, block_size, packing, tok, folder, pairs)
                       for split, tokens in (("train", train), ("val", val)))
         return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
     if packing not in TEXT_PACKINGS:
@@ -112,8 +119,9 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
 
 
 def _conversations(data, split: str, tokens: PreparedTokens, block_size: int, packing: str, tok: Tokenizer,
-                   folder: Path) -> Conversations:
-    """One split of prepared conversations (:class:`meshtrain.data.conversations.Conversations`).
+                   folder: Path, pairs: bool = False) -> Conversations:
+    """One split of prepared conversations (:class:`meshtrain.data.conversations.Conversations`), or of preference
+    pairs (:class:`~meshtrain.data.conversations.Pairs`).
 
     Raises:
         ConfigError: ``packing`` is not one conversations take.
@@ -124,6 +132,8 @@ def _conversations(data, split: str, tokens: PreparedTokens, block_size: int, pa
                           f"'document' (whole conversations packed into windows, attention kept inside each) or 'pad' "
                           f"(one conversation per sample)")
     masks = PreparedTokens(data.masks(split), 2, f"prepared data '{folder}' ({split} split's loss masks)")
+    if pairs:
+        return Pairs(tokens, masks, np.asarray(data.documents(split)), block_size, pad_id=tok.eos_id or 0)
     return Conversations(tokens, masks, np.asarray(data.documents(split)), block_size, packing,
                          pad_id=tok.eos_id or 0)
 
@@ -146,7 +156,7 @@ def read_text_corpus(path: Path) -> str:
 
 
 def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str = TOKENIZER_KIND,
-                packing: str = "concat") -> Corpus:
+                packing: str = "concat", objective: str = "lm") -> Corpus:
     """Read the UTF-8 text at ``path``, tokenize it with ``tokenizer`` (``data.tokenizer``: "char", or a file
     :func:`meshtrain.data.tokenizers.load_tokenizer` reads) and split it train | val; or, when ``path`` is a
     folder, open the dataset ``meshtrain prepare`` wrote there (:func:`load_prepared`; ``val_fraction`` is the
@@ -161,7 +171,10 @@ def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str
     """
     path = Path(path)
     if path.is_dir():
-        return load_prepared(path, block_size, tokenizer, packing)
+        return load_prepared(path, block_size, tokenizer, packing, objective)
+    if objective == "dpo":
+        raise ConfigError(f"train.objective = 'dpo' trains on preference pairs and data.path = '{path}' is a text "
+                          f"file: prepare pairs with meshtrain prepare --format preference")
     if packing not in TEXT_PACKINGS:
         raise ConfigError(f"data.packing = '{packing}' is for prepared conversations (meshtrain prepare --format chat), "
                           f"and data.path = '{path}' is a text file: use 'concat' or 'document'")

@@ -12,11 +12,14 @@ is one record, one document: its ids only (no EOS added: the template's end-of-t
 mask written beside the tokens. A tokenizer without a template and without the ChatML tokens gets them: the
 extended ``tokenizer.json`` (and a ``tokenizer_config.json`` with the template) is written into the folder and is
 meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``). Every split needs a supervised token.
+Preference pairs (``--format preference``, :mod:`meshtrain.data.preference`): each record is two consecutive
+documents, chosen then rejected, with their masks.
 
 The split. Document ``i`` (counted from 0 over all non-empty documents, in input order) goes to val when
 ``floor((i + 1) * f) > floor(i * f)`` with ``f = --val-fraction``: one in every ``1/f`` documents, spread
-evenly through the corpus (with f = 0.005: documents 199, 399, ...), decided while streaming. Both splits
-must end up non-empty.
+evenly through the corpus (with f = 0.005: documents 199, 399, ...), decided while streaming. Preference data
+counts pairs instead: pair ``i`` (documents ``2i`` and ``2i + 1``) goes to val by the same rule, so a pair is never
+split. Both splits must end up non-empty.
 
 The output (:mod:`meshtrain.data.shards` reads it). Each split's tokens are one stream cut into shards of
 ``--shard-tokens`` tokens (the last one shorter; documents run across shard boundaries). Everything is written
@@ -44,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.chat import CONTENTS, PROMPT_COMPLETION, ChatFormat, chat_format, encode_records
+from meshtrain.data.chat import CONTENTS, PREFERENCE, PROMPT_COMPLETION, ChatFormat, chat_format, encode_records
+from meshtrain.data.preference import encode_pairs
 from meshtrain.data.shards import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,
                                      read_prepared_meta)
 from meshtrain.data.sources import DOC_SPLITS, InputFile, expand_inputs, fingerprint, iter_documents, iter_records
@@ -60,6 +64,7 @@ TASK_CHARS = 1 << 20
 """Characters of text per worker task (~1 MB): large enough to amortize pickling, small enough to balance."""
 LOCK_FILE = ".prepare.lock"
 SPLIT_RULE = "document i (from 0, non-empty documents in input order) is val when floor((i+1)*F) > floor(i*F)"
+PAIR_SPLIT_RULE = "pair i (from 0, in input order; documents 2i and 2i+1) is val when floor((i+1)*F) > floor(i*F)"
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(input_bytes_done, input_bytes_total, documents, tokens)``, called after each task is written."""
@@ -227,20 +232,22 @@ def _write(tmp: Path, tok, chat: ChatFormat | None, tokenizer_entry: dict[str, A
                for split in SPLITS}
     tasks = _tasks(sources, opts["text_field"], opts["doc_split"]) if chat is None else _record_tasks(sources)
     total_bytes = sum(s.size for s in sources)
+    group = 2 if chat is not None and chat.content == PREFERENCE else 1  # documents the split rule keeps together
     docs = tokens = 0
     for (ids, lengths, mask), (_, done_bytes) in _encoded(tasks, tok, chat, workers, dtype):
-        _route(writers, ids, lengths, mask, docs, opts["val_fraction"])
+        _route(writers, ids, lengths, mask, docs, opts["val_fraction"], group)
         docs, tokens = docs + len(lengths), tokens + len(ids)
         if progress:
             progress(done_bytes, total_bytes, docs, tokens)
     for writer in writers.values():
         writer.close()
     _check_splits(writers, sources, docs, opts["val_fraction"], chat)
+    rule = SPLIT_RULE if group == 1 else PAIR_SPLIT_RULE
+    splits = {split: ({} if group == 1 else {"pairs": w.documents // 2}) | w.summary() for split, w in writers.items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "tokenizer": tokenizer_entry,
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id, "dtype": dtype,
-            "shard_tokens": opts["shard_tokens"], "split_rule": SPLIT_RULE.replace("F", str(opts["val_fraction"])),
-            "splits": {split: w.summary() for split, w in writers.items()}, "options": opts,
-            "inputs": recipe["inputs"]}
+            "shard_tokens": opts["shard_tokens"], "split_rule": rule.replace("F", str(opts["val_fraction"])),
+            "splits": splits, "options": opts, "inputs": recipe["inputs"]}
     if chat is not None:
         meta |= _chat_meta(chat, recipe["tokenizer"], tokenizer_entry)
     with open(tmp / META_FILE, "w") as f:
@@ -274,9 +281,10 @@ def _check_splits(writers: dict[str, ShardWriter], sources: list[InputFile], doc
         raise ConfigError(f"--input {named} {verb} no document (empty, or no text in --text-field): check --input "
                           f"and --text-field")
     if writers["val"].documents == 0:
-        raise ConfigError(f"the val split is empty: {docs} document(s) at --val-fraction {f} give "
-                          f"none (one in every {1 / f:g}): give more documents (--doc-split "
-                          f"blank-line cuts a text file at blank lines) or a larger --val-fraction")
+        count, more = ((f"{docs // 2} pair(s)", "more pairs") if chat is not None and chat.content == PREFERENCE else
+                       (f"{docs} document(s)", "more documents (--doc-split blank-line cuts a text file at blank lines)"))
+        raise ConfigError(f"the val split is empty: {count} at --val-fraction {f} give none (one in every "
+                          f"{1 / f:g}): give {more} or a larger --val-fraction")
     for split, writer in writers.items():
         if chat is not None and writer.supervised == 0:
             raise ConfigError(f"the {split} split's {writer.documents} conversation(s) hold no supervised token (no "
@@ -357,10 +365,12 @@ def _encode_in_worker(items: list) -> tuple[np.ndarray, np.ndarray, np.ndarray |
 
 
 def _encode_task(tok, chat: ChatFormat | None, items: list, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, lengths, mask or None) of one task: texts, or (where, record) pairs for ``chat``."""
+    """(ids, lengths, mask or None) of one task: texts, or (where, record) pairs for ``chat`` (two documents each
+    for preference pairs)."""
     if chat is None:
         return (*encode_documents(tok, items, dtype), None)
-    return encode_records(tok, chat, items, TOKEN_DTYPES[dtype])
+    encode = encode_pairs if chat.content == PREFERENCE else encode_records
+    return encode(tok, chat, items, TOKEN_DTYPES[dtype])
 
 
 def encode_documents(tok, texts: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -385,10 +395,12 @@ def encode_documents(tok, texts: list[str], dtype: str) -> tuple[np.ndarray, np.
 
 
 def _route(writers: dict[str, ShardWriter], ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None, first: int,
-           f: float) -> None:
+           f: float, group: int = 1) -> None:
     """Write documents ``first, first + 1, ...`` (their ``ids`` and ``mask``, concatenated) to the split the rule
-    gives each; runs of consecutive documents of one split are written in one call."""
-    index = np.arange(first, first + len(lengths), dtype=np.float64)  # (D,)
+    gives each, counting groups of ``group`` documents (2: preference pairs, ``first`` even) as one; runs of
+    consecutive documents of one split are written in one call."""
+    assert first % group == 0 and len(lengths) % group == 0
+    index = (np.arange(first, first + len(lengths)) // group).astype(np.float64)  # (D,) the pair (or document)
     is_val = np.floor((index + 1) * f) > np.floor(index * f)  # (D,)
     ends = np.cumsum(lengths)  # (D,) token end of each document in ids
     cuts = np.flatnonzero(np.diff(is_val.astype(np.int8))) + 1  # first document of each run after the first

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from meshtrain.data.conversations import Conversations
+from meshtrain.data.conversations import Conversations, Pairs
 
 STATE_VERSION = 1
 _MIX_A, _MIX_B = 6364136223846793005, 1442695040888963407  # Knuth's MMIX LCG constants
@@ -81,6 +81,9 @@ def _check_data(data: Tokens, block_size: int, what: str) -> None:
 def _windows(data: Tokens, starts: torch.Tensor, block_size: int, rows: int) -> list[Batch]:
     """Cut windows at ``starts`` (n,) and group them into micro-batches of ``rows``: [(x, y)], each (rows, T).
     Prepared conversations: ``starts`` are sample indices, and packed ones add the conversation ids."""
+    if isinstance(data, Pairs):  # two rows a pair: (x, y, None, reference), each (2 * rows, T) or (2 * rows,)
+        x, y, _, reference = data.samples(starts)
+        return [(a, b, None, r) for a, b, r in zip(x.split(2 * rows), y.split(2 * rows), reference.split(2 * rows))]
     if isinstance(data, Conversations):
         x, y, doc_ids = data.samples(starts)  # (n, T) each
         parts = (x, y) if data.packing == "pad" else (x, y, doc_ids)  # padding alone needs no document mask

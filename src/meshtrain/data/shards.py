@@ -6,7 +6,9 @@ A prepared folder (docs/data.md, "Preparing a dataset") holds, per split ``train
 a document index ``<split>_docs.npy`` (int64 token offsets of document starts) and ``meta.json``, written last.
 Conversation formats (``--format chat|prompt-completion``, :mod:`meshtrain.data.chat`) add a loss mask beside the
 tokens: shards ``<split>_mask_00000.bin, ...`` of ``uint8`` (1 = supervised), one byte per token, cut at exactly
-the token shards' boundaries (meta.json ``splits.<split>.mask_shards``; ``loss_mask: true``).
+the token shards' boundaries (meta.json ``splits.<split>.mask_shards``; ``loss_mask: true``). Preference pairs
+(``--format preference``, :mod:`meshtrain.data.preference`; ``content: "preference"``) are two documents each:
+pair k of a split is documents 2k (chosen) and 2k + 1 (rejected); ``splits.<split>.pairs`` counts them.
 
 The reader reads a window with ``os.pread`` from the shard files (kept open), so a window costs O(window) memory
 and time whatever the corpus size (:meth:`TokenView.shard` maps a whole shard for those who want one): the training sampler asks for random windows of
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import TOKENIZER_KINDS, ConfigError
+from meshtrain.data.chat import PREFERENCE
 from meshtrain.paths import path_problem
 
 FORMAT = "meshtrain-prepared"
@@ -212,12 +215,23 @@ class PreparedData:
                 _check_shard(folder, shard, data.dtype.itemsize)
             if data.has_masks:
                 _check_masks(folder, split, info)
+            if data.is_preference and not (_count(info.get("pairs")) and 2 * info["pairs"] == info["documents"]
+                                           and data.has_masks):
+                raise ConfigError(f"prepared data '{folder}': 'splits.{split}.pairs' = {info.get('pairs')!r} must be "
+                                  f"half its {info['documents']} documents, with loss masks: the prepared data is "
+                                  f"damaged or was edited; run meshtrain prepare again")
         return data
 
     @property
     def has_masks(self) -> bool:
-        """Whether the folder holds loss masks (``--format chat|prompt-completion``)."""
+        """Whether the folder holds loss masks (``--format chat|prompt-completion|preference``)."""
         return self.meta.get("loss_mask") is True
+
+    @property
+    def is_preference(self) -> bool:
+        """Whether the folder holds preference pairs (``--format preference``): pair k of a split is its documents
+        2k (prompt + chosen) and 2k + 1 (prompt + rejected), in :meth:`documents` order."""
+        return self.meta.get("content") == PREFERENCE
 
     def masks(self, split: str) -> TokenView:
         """The split's loss mask (1 = supervised), one value per token of :meth:`tokens`, with the same windows.

@@ -198,19 +198,20 @@ class LayeredLM(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                 on_token: Callable[[torch.Tensor], bool | None] | None = None) -> torch.Tensor:
         """Autoregressively sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
 
         The context fed to the model is cropped to the last ``block_size`` tokens; each token is drawn
         by :func:`sample_token` (``temperature`` >= 0, 0 greedy; optional ``top_k``, ``generator`` on the device
-        of ``idx``). ``on_token`` gets each new token (B, 1) as it is drawn.
+        of ``idx``). ``on_token`` gets each new token (B, 1) as it is drawn; when it returns True, sampling
+        stops there (``generate --chat`` stops at the end-of-turn token), that token included in the result.
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.block_size:]  # (B, <= block_size)
             nxt = sample_token(self(ctx)[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)  # (B, T + 1)
-            if on_token is not None:
-                on_token(nxt)
+            if on_token is not None and on_token(nxt):
+                break
         return idx
 
     def get_submodule_or_none(self, name: str) -> nn.Module | None:

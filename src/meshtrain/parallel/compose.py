@@ -52,7 +52,7 @@ from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, R
 from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
 from meshtrain.parallel.recompute import apply_recompute, compile_blocks
 from meshtrain.parallel.rng import TPRegionRNG
-from meshtrain.parallel.reduce import cross_entropy, local_value
+from meshtrain.parallel.reduce import cross_entropy, local_value, row_logps, supervised_count
 from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
 from meshtrain.parallel.tensor import apply_tp
 from meshtrain.rules.support import blocks_compiled, compile_eligible
@@ -98,6 +98,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     parallel.masked = conversations
+    if cfg.train.objective == "dpo":
+        parallel.dpo = {"beta": cfg.train.dpo_beta, "loss_type": cfg.train.dpo_loss,
+                        "label_smoothing": cfg.train.dpo_label_smoothing}
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
     if p.elastic:  # this job is one worker; the others are jobs too
         from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
@@ -171,13 +174,28 @@ class PipelineLoss:
     schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
 
     scale: float = 1.0
+    model: ParallelModel | None = None
+    """With DPO (its ``dpo`` set): the model whose :meth:`~meshtrain.parallel.model.ParallelModel.pair_losses` and
+    ``sp_group`` the loss uses; targets then carry each row's reference log-probability as one more column
+    (:meth:`meshtrain.parallel.model.PipelineModel._with_reference`)."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.summed(logits, targets) * self.scale
+        return self.evaluated(logits, targets)[0] * self.scale
 
-    def summed(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The cross-entropy of ``logits`` (B, T, V) summed over the supervised tokens of ``targets`` (B, T)."""
-        return local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum")).clone()
+    def evaluated(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``[summed loss, count]`` (2,) of one micro-batch: the cross-entropy over the supervised tokens of
+        ``targets`` (B, T) and their count, or with DPO the pairs' losses and the pairs."""
+        if self.model is None or self.model.dpo is None:
+            summed = local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum")).clone()
+            return torch.stack([summed, supervised_count(targets).to(summed)])
+        y, reference = targets[:, :-1], targets[:, -1].contiguous().view(torch.float64)  # (B, T'), (B,)
+        losses = self.model.pair_losses(self.rows(logits, y, self.model.sp_group), reference)
+        return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)])
+
+    @staticmethod
+    def rows(logits: torch.Tensor, targets: torch.Tensor, sp_group) -> torch.Tensor:
+        """Each row's log-probability of its supervised ``targets`` (:func:`meshtrain.parallel.reduce.row_logps`)."""
+        return row_logps(logits, targets, sp_group, inside_loss_parallel=True)
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",

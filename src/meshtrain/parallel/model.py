@@ -20,10 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshtrain.mesh import Axis, ParallelDims
-from meshtrain.parallel.reduce import (backward_context, clip_grad_norm_, cross_entropy, local_value, loss_scale,
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtrain.objectives import dpo_loss
+from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_logps,
                                       supervised_count)
 
 Batch = list[tuple[torch.Tensor, ...]]
@@ -77,13 +82,55 @@ class ParallelModel:
         (B, T/sp)) and the document ids (B, T) of document packing (else None), :data:`LocalBatch`."""
         return self._shard(x.to(self.device), y.to(self.device), None if doc_ids is None else doc_ids.to(self.device))
 
+    dpo: dict[str, Any] | None = None
+    """``train.objective = "dpo"``: ``{"beta", "loss_type", "label_smoothing"}`` of
+    :func:`meshtrain.objectives.dpo_loss`; micro-batches are then ``(x, y, None, reference)`` of pairs (two rows
+    each, :class:`meshtrain.data.conversations.Pairs`). None: the cross-entropy."""
+
+    pairs: int = 0
+    """DPO: the pairs of the last step's global batch."""
+
+    pair_metrics: torch.Tensor | None = None
+    """DPO: this rank's sums over the last step's pairs of :data:`meshtrain.objectives.PAIR_METRICS`, (4,) float64
+    (each sp rank of a group holds the same; zeros off a pipeline's last stage)."""
+
+    vocab_parallel: bool = False
+    """Whether the last forward's logits were vocab-sharded (tp): a backward then runs inside ``loss_parallel``."""
+
     def step_scale(self, micro_batches: Batch) -> float:
         """What each micro-batch's summed loss is multiplied by in this step, so that the step's gradient is the
-        global batch's summed loss over its supervised tokens (:func:`meshtrain.parallel.reduce.loss_scale`);
-        sets :attr:`supervised_tokens`."""
+        global batch's summed loss over its supervised tokens (:func:`meshtrain.parallel.reduce.loss_scale`), or
+        with DPO the mean over its pairs (:func:`~meshtrain.parallel.reduce.pair_scale`); sets
+        :attr:`supervised_tokens` (or :attr:`pairs`)."""
+        if self.dpo is not None:
+            self.pair_metrics = torch.zeros(4, dtype=torch.float64)
+            scale, self.pairs = pair_scale(sum(mb[0].size(0) // 2 for mb in micro_batches), len(micro_batches),
+                                           self.dims)
+            return scale
         count = sum(int(supervised_count(mb[1])) for mb in micro_batches)
         scale, self.supervised_tokens = loss_scale(count, len(micro_batches), self.dims, self.masked)
         return scale
+
+    @property
+    def sp_group(self):
+        """The sp group whose shards of a row :func:`~meshtrain.parallel.reduce.row_logps` sums, or None."""
+        return self.dims.get_mesh(Axis.SP).get_group() if self.dims.sp_enabled else None
+
+    def pair_losses(self, logps: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """DPO's per-pair losses (P,) of the rows' log-probabilities ``logps`` (2P,) against ``reference`` (2P,);
+        adds their metrics to :attr:`pair_metrics`."""
+        losses, metrics = dpo_loss(logps, reference.to(logps.device, logps.dtype), **self.dpo)
+        self.pair_metrics += metrics.sum(dim=0).double().cpu()
+        return losses
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """``loss_parallel`` when the last forward's logits were vocab-sharded, else nothing."""
+        return loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
+
+    def reference_logps(self, batches: Batch) -> torch.Tensor:
+        """Every row's log-probability of its supervised targets under the current weights (no gradients, dropout
+        off): (rows,) float64 on every rank, rows of ``batches`` in order (the DPO reference, computed once)."""
+        raise NotImplementedError
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Accumulate the step's gradients over ``micro_batches``; return this rank's mean loss (a scalar;
@@ -144,14 +191,33 @@ class ReplicatedModel(ParallelModel):
         self.replicas_equal = True
         """False while local-SGD replicas hold different parameters (between two averages)."""
 
-    def loss(self, *micro_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum, count)``: the cross-entropy summed over this rank's supervised tokens of the micro-batch
-        ``(x, y[, doc_ids])`` (mbs, T) (its sp shard of them), and their count."""
-        x, y, positions, doc_ids = self.local(*micro_batch)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
+    def forward(self, x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None, *_
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, targets)`` of this rank's shard of the micro-batch ``x, y`` (mbs, T): (mbs, T/sp, V), a
+        vocab-sharded DTensor under tp, and (mbs, T/sp)."""
+        x, y, positions, doc_ids = self.local(x, y, doc_ids)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
         documents = {} if doc_ids is None else {"doc_ids": doc_ids}  # (mbs, T): document packing
         with self.autocast:
-            logits = self.model(x, positions, **documents)  # (mbs, T/sp, V), a vocab-sharded DTensor under tp
+            logits = self.model(x, positions, **documents)
+        self.vocab_parallel = isinstance(logits, DTensor)
+        return logits, y
+
+    def loss(self, *micro_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, count)``: the cross-entropy summed over this rank's supervised tokens of the micro-batch
+        ``(x, y[, doc_ids])`` (mbs, T) (its sp shard of them), and their count; with DPO, the summed loss of its pairs
+        and their count (the same on each sp rank)."""
+        logits, y = self.forward(*micro_batch)
+        if self.dpo is not None:
+            losses = self.pair_losses(row_logps(logits, y, self.sp_group), micro_batch[3])
+            return losses.sum(), torch.tensor(losses.numel())
         return cross_entropy(logits, y, reduction="sum"), supervised_count(y)
+
+    @torch.no_grad()
+    def reference_logps(self, batches: Batch) -> torch.Tensor:
+        self.model.eval()
+        rows = [row_logps(*self.forward(*micro_batch), self.sp_group).double().cpu() for micro_batch in batches]
+        self.model.train()
+        return torch.cat(rows)
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
@@ -163,7 +229,7 @@ class ReplicatedModel(ParallelModel):
         for i, micro_batch in enumerate(micro_batches):
             with self.gradient_sync(self.model, i == n - 1):
                 loss = self.loss(*micro_batch)[0] * scale
-                with backward_context(loss):
+                with self.backward_context():
                     (loss / n).backward()
             total += local_value(loss).detach()
             if (value := lm.aux_loss()) is not None:
@@ -176,11 +242,12 @@ class ReplicatedModel(ParallelModel):
     def evaluate(self, batches: Batch) -> torch.Tensor:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
+        self.pair_metrics = torch.zeros(4, dtype=torch.float64)
         for micro_batch in batches:
             loss, count = self.loss(*micro_batch)
             total += torch.stack([local_value(loss).detach().cpu().double(), count.cpu().double()])
         self.model.train()
-        return total
+        return total if self.dpo is None else torch.cat([total, self.pair_metrics])
 
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
@@ -205,8 +272,13 @@ class PipelineModel(ParallelModel):
         self.compiled = compiled
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
-        self.pipeline.loss_fn.scale = self.step_scale(micro_batches)
-        x, y, positions, doc_ids = self.local(*(torch.cat(parts) for parts in zip(*micro_batches)))  # (GA*mbs, T/sp)
+        loss_fn = self.pipeline.loss_fn
+        loss_fn.scale = self.step_scale(micro_batches)
+        x, y, positions, doc_ids = self.local(*(torch.cat(parts) for parts in list(zip(*micro_batches))[:2]),
+                                              *self._documents(micro_batches))  # (GA*mbs, T/sp)
+        if self.dpo is not None:  # each row's reference rides with its targets through the schedule's split
+            loss_fn.model = self
+            y = self._with_reference(y, torch.cat([mb[3] for mb in micro_batches]))
         parts = [getattr(part, "module", part) for part in self.pipeline.parts.values()]  # DDP wraps a chunk
         for part in parts:  # each chunk's auxiliary losses of this step, one per micro-batch
             part.aux_history = []
@@ -227,9 +299,39 @@ class PipelineModel(ParallelModel):
     def evaluate(self, batches: Batch) -> torch.Tensor:
         self.model.eval()
         with self.autocast:
-            total = self.pipeline.evaluate([self.local(*micro_batch) for micro_batch in batches])
+            self.pipeline.loss_fn.model = self
+            self.pair_metrics = torch.zeros(4, dtype=torch.float64)
+            total = self.pipeline.evaluate([self._local_with_reference(mb) for mb in batches])
         self.model.train()
-        return total
+        return total if self.dpo is None else torch.cat([total, self.pair_metrics])
+
+    @torch.no_grad()
+    def reference_logps(self, batches: Batch) -> torch.Tensor:
+        self.model.eval()
+        with self.autocast:
+            rows = self.pipeline.forward_only([self.local(*mb[:3]) for mb in batches],
+                                              lambda logits, y: self.pipeline.loss_fn.rows(logits, y, self.sp_group))
+        self.model.train()
+        rows = torch.cat(rows).double().cpu() if rows else torch.zeros(sum(len(mb[0]) for mb in batches),
+                                                                     dtype=torch.float64)
+        dist.all_reduce(rows, group=self.dims.get_mesh(Axis.PP).get_group())  # from the last stage to every stage
+        return rows
+
+    @staticmethod
+    def _documents(micro_batches: Batch) -> list[torch.Tensor]:
+        """The step's document ids (GA*mbs, T), or none."""
+        docs = [mb[2] for mb in micro_batches if len(mb) > 2 and mb[2] is not None]
+        return [torch.cat(docs)] if docs else []
+
+    @staticmethod
+    def _with_reference(y: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """Targets (B, T') with each row's reference log-probability (B,) float64 appended as one more int64 column
+        (its bits: :meth:`~meshtrain.parallel.compose.PipelineLoss.__call__` reads them back exactly)."""
+        return torch.cat([y, reference.to(y.device, torch.float64).view(torch.int64)[:, None]], dim=1)
+
+    def _local_with_reference(self, micro_batch) -> tuple:
+        x, y, positions, doc_ids = self.local(*micro_batch[:3])
+        return x, (self._with_reference(y, micro_batch[3]) if self.dpo is not None else y), positions, doc_ids
 
     def clip_gradients(self, max_norm: float) -> float:
         """The norm over every stage's gradients, the head's copy of a tied weight counted once."""

@@ -77,6 +77,37 @@ def loss_scale(local_count: int, micro_batches: int, dims: ParallelDims, masked:
     return (dims.batch_degree * micro_batches / total if total else 0.0), total
 
 
+def row_logps(logits: torch.Tensor, targets: torch.Tensor, sp_group: dist.ProcessGroup | None = None,
+              inside_loss_parallel: bool = False) -> torch.Tensor:
+    """Each row's log-probability of its supervised targets: logits (B, T', V) (vocab-sharded under tp), targets
+    (B, T') of this rank's sequence shard -> (B,) float32 nats, summed over the sp group's shards of each row.
+
+    The sum over ``sp_group`` is differentiable (``torch.distributed.nn.functional.all_reduce``): its backward sums
+    the gradients of the sp ranks, so each rank's tokens get sp times the gradient of a loss every rank computes
+    alike; :func:`pair_scale` divides it out. Under tp, compute the loss from it and run its backward inside
+    ``loss_parallel`` (:func:`backward_context` of the logits)."""
+    with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                              reduction="none")  # (B*T',), 0 where ignored
+    rows = -local_value(nll).view(targets.shape).sum(dim=1)  # (B,)
+    if sp_group is not None:
+        from torch.distributed.nn.functional import all_reduce
+
+        rows = all_reduce(rows, group=sp_group)
+    return rows
+
+
+def pair_scale(local_pairs: int, micro_batches: int, dims: ParallelDims) -> tuple[float, int]:
+    """``(scale, P)``: what the summed DPO loss of one micro-batch's pairs on this rank is multiplied by, and P, the
+    pairs of the whole global batch. As :func:`loss_scale`, with the pair as the unit: every gradient path divides
+    by ``dp * sp * micro_batches`` and the sp sum of :func:`row_logps` multiplies by sp, so ``dp * micro_batches /
+    P`` gives every layout the gradient of the mean DPO loss over the global batch's pairs. ``local_pairs``: the
+    pairs of this rank's micro-batches (each sp rank of a group holds the same)."""
+    dp = dims.batch_degree // dims.sp
+    total = local_pairs * dp  # every dp rank holds micro_batch_size pairs per micro-batch
+    return dp * micro_batches / total, total
+
+
 def batch_sum(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum of a per-rank tensor over the pipeline (stages without it pass zeros) and the ``"dp_sp"`` ranks:
     a float64 CPU tensor of its shape."""

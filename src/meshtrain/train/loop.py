@@ -45,6 +45,8 @@ from meshtrain.resolved import ResolvedRun, config_of, for_world
 from meshtrain.runtime.device import device_and_backend
 from meshtrain.runtime.distributed import init_distributed
 from meshtrain.runtime.faults import STOP, Stopped, enter_phase
+from meshtrain.objectives import PAIR_METRICS
+from meshtrain.train import reference
 from meshtrain.train.setup import checkpoint_meta, run_summary, set_up
 
 
@@ -59,6 +61,10 @@ class Trainer:
     ``run``: the launcher's :class:`~meshtrain.resolved.ResolvedRun`, or a :class:`~meshtrain.config.Config`
     (ranks started without the launcher, tests), resolved here for the process group's world.
     """
+
+    val_metrics: dict[str, float] = {}
+    """DPO: the last evaluation's mean rewards, accuracy and margin over the validation pairs (``val_`` + the names of
+    :data:`meshtrain.objectives.PAIR_METRICS`); empty otherwise."""
 
     source_hf_config: dict | None = None
     """The ``config.json`` of the Hugging Face model this run started from (``model.init_from``), kept in every
@@ -116,6 +122,21 @@ class Trainer:
         if self.start_step == 0 and cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
             self.source_hf_config = source_hf_config(cfg.model.init_from)
+        if cfg.train.objective == "dpo":
+            self._set_reference()
+
+    def _set_reference(self) -> None:
+        """DPO: the reference log-probabilities of the starting weights (:mod:`meshtrain.train.reference`) on the
+        train pairs and this rank's validation pairs: computed now, or read back when resuming."""
+        pairs, resumed = self.setup.corpus.train, ckpt.resume_checkpoint(self.cfg)
+        seed_step(self.model, self.cfg.train.seed, 0, self.rank, self.dims.tp)  # tp's dropout regions want a seed
+        if resumed is None:
+            pairs.reference = reference.train_reference(self.parallel, pairs, self.dims, self.cfg.batch.micro_batch_size)
+        else:
+            pairs.reference = reference.load(resumed, self.setup.corpus.sha256, 2 * len(pairs))
+        if self.rank == 0 and not (self.out_dir / reference.REFERENCE_FILE).exists():  # a resume into a new folder too
+            reference.save(pairs.reference, self.out_dir, self.setup.corpus.sha256)
+        self.val = reference.with_reference(self.parallel, self.val)
 
     @property
     def dtype(self) -> str:
@@ -149,7 +170,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean val loss over every supervised token of the validation set (all dp and sp ranks: their summed loss
         over their count; DiLoCo: of every worker's model on its share, the mean over workers)."""
-        loss, count = batch_sum(self.parallel.evaluate(self.val), self.dims).tolist()
+        loss, count, *metrics = batch_sum(self.parallel.evaluate(self.val), self.dims).tolist()
+        if metrics:  # DPO: each sp rank of a group counted the same pairs
+            self.val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in zip(PAIR_METRICS, metrics)}
         return worker_mean(loss / max(count, 1.0), self.dims)
 
     def clip_gradients(self) -> float:
@@ -188,7 +211,8 @@ class Trainer:
             raise Stopped(signum, self.start_step, t.steps, None)
         log = MetricsLog(self.out_dir, self.rank == 0, self.start_step, t.steps, tensorboard=t.tensorboard)
         profiler = StepProfiler(t.profile_steps, self.out_dir, self.rank, self.device.type)
-        tokens = tokens_per_step(self.sampler.global_batch_size, self.cfg.model.block_size)
+        rows = getattr(self.setup.corpus.train, "rows_per_sample", 1)  # a preference pair is two sequences
+        tokens = tokens_per_step(self.sampler.global_batch_size * rows, self.cfg.model.block_size)
         step_times: list[float] = []
         val_loss = None
         nonfinite = 0
@@ -227,8 +251,11 @@ class Trainer:
                     record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
                               "grad_norm": grad_norm, "step_time_s": dt,
                               "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
-                    if self.parallel.masked:  # the tokens the loss is the mean over
+                    if self.parallel.masked and self.parallel.dpo is None:  # the tokens the loss is the mean over
                         record["supervised_tokens"] = self.parallel.supervised_tokens
+                    if self.parallel.dpo is not None:  # TRL's rewards/*, means over the global batch's pairs
+                        sums = batch_sum(self.parallel.pair_metrics, self.dims) / (self.parallel.pairs * self.dims.sp)
+                        record.update(zip(PAIR_METRICS, sums.tolist()), pairs=self.parallel.pairs)
                     if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
                         record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
                     if not finite:
@@ -247,7 +274,7 @@ class Trainer:
                 if last or (t.eval_interval and step % t.eval_interval == 0):
                     enter_phase(f"step {step}: evaluation", self.world_ranks)
                     val_loss = self.evaluate()
-                    log.eval(step, val_loss)
+                    log.eval(step, val_loss, **self.val_metrics)
                 saved = None
                 if last or (c.interval and step % c.interval == 0):
                     enter_phase(f"step {step}: checkpoint save", self.world_ranks)

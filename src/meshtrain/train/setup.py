@@ -40,7 +40,7 @@ def set_up(cfg: Config, device: torch.device) -> RunSetup:
         ConfigError: ``model.vocab_size`` is set below the corpus's vocabulary.
     """
     corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer,
-                         cfg.data.packing)
+                         cfg.data.packing, cfg.train.objective)
     tok = corpus.tokenizer
     vocab_size = model_vocab_size(tok.kind, tok.vocab_size, cfg.model.vocab_size, cfg.parallel.tp)
     if vocab_size < corpus.tokenizer.vocab_size:

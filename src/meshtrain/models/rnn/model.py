@@ -164,18 +164,19 @@ class RNNLM(LayeredLM):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                 on_token: Callable[[torch.Tensor], bool | None] | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T0); return (B, T0 + N).
 
         The prompt is read once and then one token at a time, carrying every layer's state, so the
         context is not cropped to ``block_size`` (a recurrence has no window). Sampling:
-        :func:`meshtrain.models.base.sample_token`; ``on_token`` gets each new token (B, 1) as it is drawn.
+        :func:`meshtrain.models.base.sample_token`; ``on_token`` gets each new token (B, 1) as it is drawn, and
+        returning True stops the sampling there (that token included).
         """
         logits, states = self.run(idx)  # (B, T0, V)
         for _ in range(max_new_tokens):
             nxt = sample_token(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
-            if on_token is not None:
-                on_token(nxt)
+            if on_token is not None and on_token(nxt):
+                break
             logits, states = self.run(nxt, states)  # (B, 1, V)
         return idx

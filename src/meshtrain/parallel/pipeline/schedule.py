@@ -42,7 +42,7 @@ from meshtrain.fileio import write_json_atomic
 from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
                                                plot_timeline)
-from meshtrain.parallel.reduce import local_value, supervised_count
+from meshtrain.parallel.reduce import local_value
 from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
 from meshtrain.parallel.pipeline.balance import Chunk, chunk_ranks
 
@@ -124,11 +124,18 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
                  ) -> torch.Tensor:
-        """``[loss sum, supervised tokens]`` over ``batches`` (each ``(x, y, positions, doc_ids)`` of one micro-batch)
-        on the last stage (zeros elsewhere), float64 (2,): a forward-only pass, one micro-batch at a time through the chunks in
-        order, hidden states (B, T', C) sent to the rank of the next chunk (a plain ``dist.send``/``recv``
-        on the pp group; torch's V-shaped schedules cannot run forward-only)."""
-        total = torch.zeros(2, dtype=torch.float64)
+        """``[loss sum, count]`` over ``batches`` (each ``(x, y, positions, doc_ids)`` of one micro-batch) on the
+        last stage (zeros elsewhere), float64 (2,): the loss function's ``evaluated`` of each, summed."""
+        out = self.forward_only(batches, self.loss_fn.evaluated)
+        return torch.stack(out).double().cpu().sum(0) if out else torch.zeros(2, dtype=torch.float64)
+
+    @torch.no_grad()
+    def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                     head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """``head(logits, y)`` of each of ``batches`` on the last stage ([] elsewhere): a forward-only pass, one
+        micro-batch at a time through the chunks in order, hidden states (B, T', C) sent to the rank of the next
+        chunk (a plain ``dist.send``/``recv`` on the pp group; torch's V-shaped schedules cannot run forward-only)."""
+        out = []
         for x, y, positions, doc_ids in batches:
             documents = {} if doc_ids is None else {"doc_ids": doc_ids}
             hidden = None
@@ -142,11 +149,10 @@ class Pipeline:
                 hidden = part(x if c == 0 else hidden, positions=positions, **documents)  # every chunk: RoPE, masks
                 if c == self.n_chunks - 1:
                     with self.loss_context():
-                        total[0] += float(local_value(self.loss_fn.summed(hidden, y)))
-                        total[1] += float(supervised_count(y))
+                        out.append(local_value(head(hidden, y)).detach())
                 elif self.chunk_rank[c + 1] != self.pp_rank:
                     dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.chunk_rank[c + 1])
-        return total
+        return out
 
     def hidden_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
         """Shape of the hidden states between chunks for this rank's token ids ``x`` (B, T'):

@@ -1,0 +1,105 @@
+"""Direct preference optimization (train.objective = "dpo"): the loss against the papers' equations, and every
+layout against one process.
+
+The pairs are cut from the plays (scripts/shakespeare_chat.py): a prompt, the real reply as chosen, a reply from far
+away in the text as rejected. The reference log-probabilities are computed once before step 1, with the starting
+weights and the run's own layout (meshtrain.train.reference); the first step's loss is then ln 2 on every pair and
+the later steps' are not. Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2, tp2 with sequence parallelism,
+pp2 (1F1B), Ulysses sp2, ring sp2, ep2 on a mixture of experts and gradient accumulation, each against one process
+taking the whole batch of pairs at once: every step's loss, the step-1 gradients, the final parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import TINY, check_layout, read_records
+from layout_worker import launch_layouts, reference_run
+from meshtrain.objectives import dpo_loss
+from test_sft_layouts import MOE, prepared_plays
+
+STEPS = 3
+MODEL = {**TINY, "model.type": "llama", "model.n_head": "2", "model.n_kv_head": "2", "model.block_size": "128",
+         "model.vocab_size": "1280", "model.dropout": "0.0", "train.steps": str(STEPS), "train.eval_steps": "2",
+         "train.eval_interval": "3",
+         "train.objective": "dpo", "train.dpo_beta": "0.5", "data.packing": "pad",
+         "batch.micro_batch_size": "4", "batch.gradient_accumulation_steps": "1"}
+"""Global batch 4 pairs (8 rows of 128 tokens), as every layout below; beta 0.5 so that a few steps move the loss."""
+LAYOUTS = {  # name: (reference, overrides)
+    "dp2": ("dense", {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
+    "fsdp2-dp2": ("dense", {"batch.micro_batch_size": "2", "parallel.zero_stage": "3"}),
+    "tp2-seqpar": ("dense", {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "pp2-1f1b": ("dense", {"parallel.pp": "2", "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}),
+    "ulysses-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ulysses"}),
+    "ring-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "ep2": ("moe", {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "2"}),
+    "robust-dp2-ga2": ("robust", {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1",
+                                  "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
+}
+REFERENCES = {"dense": {}, "moe": MOE, "robust": {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1"}}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-60, 0), min_size=4, max_size=4), st.lists(st.floats(-60, 0), min_size=4, max_size=4),
+       st.floats(0.01, 2.0), st.floats(0.0, 0.45))
+def test_losses_are_the_papers_equations(policy, reference, beta, eps):
+    """Rafailov et al. 2023, Eq. 7 and Chowdhury et al. 2024's de-biased loss, written out per pair in float64."""
+    pi, ref = torch.tensor(policy, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    for loss_type, smoothing in (("sigmoid", 0.0), ("robust", eps)):
+        losses, metrics = dpo_loss(pi, ref, beta, loss_type, smoothing)
+        for k in range(2):
+            h = (policy[2 * k] - reference[2 * k]) - (policy[2 * k + 1] - reference[2 * k + 1])
+            want = -math.log(sig(beta * h)) if loss_type == "sigmoid" else (
+                (-(1 - eps) * math.log(sig(beta * h)) + eps * math.log(sig(-beta * h))) / (1 - 2 * eps))
+            assert float(losses[k]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+            chosen, rejected = beta * (policy[2 * k] - reference[2 * k]), beta * (policy[2 * k + 1] - reference[2 * k + 1])
+            assert metrics[k].tolist() == pytest.approx([chosen, rejected, float(chosen > rejected), chosen - rejected],
+                                                        rel=1e-9, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory) -> Path:
+    return prepared_plays(tmp_path_factory.mktemp("dpo_data"), "preference")
+
+
+def _model(reference: str, data: Path) -> dict[str, str]:
+    return {**MODEL, **REFERENCES[reference], "data.path": str(data)}
+
+
+@pytest.fixture(scope="module")
+def references(pair_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_reference")
+    return {name: reference_run(root / name, _model(name, pair_data)) for name in REFERENCES}
+
+
+@pytest.fixture(scope="module")
+def launched(pair_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_layouts")
+    return root, launch_layouts(2, root, {name: {**_model(ref, pair_data), **overrides}
+                                          for name, (ref, overrides) in LAYOUTS.items()})
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_dpo_layout_matches_one_process(references, launched, name):
+    reference, overrides = LAYOUTS[name]
+    check_layout(launched[1][name], references[reference], _model(reference, Path()) | overrides)
+
+
+def test_first_step_is_ln2_and_the_records_hold_the_rewards(launched):
+    """With the reference the starting model, every pair's first loss is -log sigmoid(0) = ln 2 and its rewards 0;
+    the records carry TRL's reward metrics, and the validation ones."""
+    records = read_records(launched[0] / "dp2")
+    first = next(r for r in records if r.get("step") == 1 and "loss" in r)
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)  # sums of ~100 float32 log-probabilities, twice
+    assert first["rewards_chosen"] == pytest.approx(0, abs=1e-4) and first["pairs"] == 4
+    later = [r for r in records if "loss" in r and r["step"] > 1]
+    assert later and all(abs(r["loss"] - math.log(2)) > 1e-4 for r in later)
+    val = [r for r in records if "val_loss" in r]
+    assert val and {"val_reward_accuracy", "val_rewards_chosen", "val_reward_margin"} <= set(val[-1])
