@@ -11,6 +11,7 @@ taking the whole batch of pairs at once: every step's loss, the step-1 gradients
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -103,3 +104,88 @@ def test_first_step_is_ln2_and_the_records_hold_the_rewards(launched):
     assert later and all(abs(r["loss"] - math.log(2)) > 1e-4 for r in later)
     val = [r for r in records if "val_loss" in r]
     assert val and {"val_reward_accuracy", "val_rewards_chosen", "val_reward_margin"} <= set(val[-1])
+
+
+def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
+    """TRL's own DPOTrainer and meshtrain, from one tiny Qwen3 and one ChatML tokenizer, on the same pairs: three
+    plain-SGD steps, each taking every train pair (so neither's data order matters). The first loss is ln 2 on both;
+    the next ones follow from each side's gradients, so equal losses after SGD steps mean equal gradients too, as
+    the equal gradient norms say directly. The window (96 tokens) holds every sequence whole: a cut tail would
+    change what meshtrain supervises."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    import torch.distributed as dist
+    from meshtrain.config import load_config
+    from meshtrain.data.preprocess import prepare
+    from meshtrain.train.loop import Trainer
+    from test_chat_data import MARKED, SENTENCES, hf_folder
+    from test_hf import EPS32, logits_tolerance
+    from test_qwen import saved
+
+    tok = hf_folder(tmp_path / "tok", MARKED)
+    model = saved(tmp_path / "model", "Qwen3ForCausalLM", vocab_size=384, head_dim=16, max_position_embeddings=128)
+    say = lambda role, k: [{"role": role, "content": SENTENCES[k % len(SENTENCES)]}]  # noqa: E731
+    pairs = [{"prompt": say("user", k), "chosen": say("assistant", k + 1), "rejected": say("assistant", k + 3)}
+             for k in range(10)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prepare(str(tok), [str(tmp_path / "pairs.jsonl")], tmp_path / "data", data_format="preference", val_fraction=0.1)
+    train = pairs[:9]  # the rule's val pair: floor((i + 1) * 0.1) > floor(i * 0.1) first at i = 9
+    beta, lr, steps = 0.5, 0.05, 3
+    cfg = load_config(None, {"model.init_from": str(model), "model.block_size": "96", "model.dropout": "0.0",
+                             "data.path": str(tmp_path / "data"), "data.packing": "pad", "train.objective": "dpo",
+                             "train.dpo_beta": str(beta), "optim.name": "sgd", "optim.lr": str(lr),
+                             "optim.min_lr": str(lr), "optim.warmup_steps": "0", "optim.weight_decay": "0",
+                             "optim.grad_clip": "0", "batch.micro_batch_size": "9", "train.steps": str(steps),
+                             "train.log_interval": "1", "train.eval_interval": "0", "train.dtype": "float32",
+                             "checkpoint.interval": "0", "train.out_dir": str(tmp_path / "ours")})
+    try:
+        Trainer(cfg).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    ours = [r for r in read_records(tmp_path / "ours") if "loss" in r]
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=9, max_steps=steps,
+                     learning_rate=lr, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
+                     beta=beta, loss_type=["sigmoid"], precompute_ref_log_probs=True, logging_steps=1, report_to=[],
+                     use_cpu=True, save_strategy="no", seed=0, bf16=False)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), args=args,
+                         train_dataset=Dataset.from_list(train), processing_class=AutoTokenizer.from_pretrained(tok))
+    trainer.train()
+    theirs = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, steps + 1))
+    # The contract's 1e-5 relative, as between layouts (each side's rounding moves a step's loss and gradient by
+    # less), plus the models' own difference: a sequence's log-probability sums <= 96 token terms, each within
+    # 2 x the logits' tolerance (log-softmax is 1-Lipschitz in the max norm); h takes four, and d loss / d h <= beta.
+    with torch.no_grad():
+        peak = float(AutoModelForCausalLM.from_pretrained(model)(torch.arange(96)[None] % 384).logits.abs().max())
+    logp_tol = 96 * 2 * logits_tolerance(2, 96, peak) + 96 * EPS32 * 100  # + the sum's own rounding (~100 nats)
+    for a, b in zip(ours, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=beta * 4 * logp_tol), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+        assert a["reward_accuracy"] == pytest.approx(b["rewards/accuracies"], abs=1e-6)
+        for ours_key, trl_key in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected")):
+            assert a[ours_key] == pytest.approx(b[trl_key], rel=1e-5, abs=beta * 2 * logp_tol), (a, b)
+
+
+def test_the_planner_counts_two_sequences_a_pair_and_auto_layout_refuses_dpo(tmp_path):
+    """A DPO step runs two sequences a pair: the planner's layout of a DPO config has twice the micro-batch of the same
+    config's language modelling; --layout auto, which would choose micro-batches in sequences, refuses DPO before
+    launch (one line, exit 2)."""
+    import subprocess
+    import sys
+
+    from meshtrain.config import load_config
+    from meshtrain.planner.layout import Layout
+
+    dpo = {"train.objective": "dpo", "data.packing": "pad", "batch.micro_batch_size": "3"}
+    lm = Layout.from_config(load_config(None, {"batch.micro_batch_size": "3"}), 2)
+    assert Layout.from_config(load_config(None, dpo), 2).micro_batch_size == 2 * lm.micro_batch_size == 6
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", "configs/shakespeare_char.toml",
+                           "--nproc", "2", "--layout", "auto", "--out", str(tmp_path / "run"),
+                           *[a for key, value in dpo.items() for a in (f"--{key}", value)]],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert proc.returncode == 2 and "--layout auto" in proc.stderr and "dpo" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

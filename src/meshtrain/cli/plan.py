@@ -15,7 +15,7 @@ from pathlib import Path
 from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.config import ConfigError
-from meshtrain.planner.layout import FRAMEWORKS, parse_fix
+from meshtrain.planner.layout import FRAMEWORKS, parse_fix, sequences_per_sample
 from meshtrain.planner.validate import PUBLISHED_RUNS
 
 EPILOG = """examples:
@@ -240,7 +240,8 @@ def build_context(args: argparse.Namespace):
     if cfg is not None:
         run = run or ResolvedRun.resolve(cfg, args.num_gpus)
         world = run.world_size
-        gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps, run.dp)
+        gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps,
+                                       run.dp) * sequences_per_sample(cfg)  # the planner counts sequences
         config_layout = Layout.from_config(cfg, world)
     if args.global_batch_tokens:
         if args.global_batch_tokens % model.seq_len:

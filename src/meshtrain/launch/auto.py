@@ -139,6 +139,9 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
         ConfigError: a model or sync mode the planner does not model, a global batch no layout can split, or
             no layout that fits (with the smallest one's memory).
     """
+    if cfg.train.objective == "dpo":
+        raise ConfigError("--layout auto does not choose layouts for train.objective = 'dpo' yet (a sample is two "
+                          "sequences): give the layout (--dp, --tp, --pp, --sp, batch sizes) and --layout config")
     from meshtrain.launch.checks import available_memory
     from meshtrain.planner.actual import corpus_rss_bytes, hardware_for_run
     from meshtrain.planner.estimate import Job

@@ -78,7 +78,9 @@ class Layout(LayoutDegrees):
         - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
         - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
         - ``diloco_group``: the config's only with ``sync_mode = "diloco"``, else 0 (no DiLoCo);
-        - ``recompute``: the config's ``train.recompute``.
+        - ``recompute``: the config's ``train.recompute``;
+        - ``micro_batch_size``: in sequences: with ``train.objective = "dpo"`` twice the config's (a pair is a chosen
+          and a rejected sequence, :class:`meshtrain.data.conversations.Pairs`).
 
         Raises:
             ConfigError: ``world_size`` does not suit the config (:func:`meshtrain.config.resolve_world`).
@@ -88,6 +90,7 @@ class Layout(LayoutDegrees):
         names = {f.name for f in fields(cls)}
         values = {f.name: getattr(section, f.name) for section in (p, cfg.batch) for f in fields(section)
                   if f.name in names}
+        values["micro_batch_size"] *= sequences_per_sample(cfg)
         values.update(dp=dp, recompute=cfg.train.recompute, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
                       ps_servers=p.ps_servers if p.sync_mode == "async" else 0,
                       diloco_group=p.diloco_group if p.sync_mode == "diloco" else 0)
@@ -633,3 +636,10 @@ def parse_fix(text: str) -> dict:
         if key in out and out[key] < 1:
             raise ConfigError(f"--fix {key} = {out[key]} must be >= 1")
     return out
+
+
+def sequences_per_sample(cfg: Config) -> int:
+    """Sequences the trainer runs per sample of the config's batch: 2 for ``train.objective = "dpo"`` (a preference
+    pair), else 1. The planner counts sequences; the reference's log-probabilities, computed once before the first
+    step (:mod:`meshtrain.train.reference`), are not in a step's time."""
+    return 2 if cfg.train.objective == "dpo" else 1
