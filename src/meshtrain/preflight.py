@@ -19,7 +19,7 @@ def preflight(run: ResolvedRun) -> None:
     ConfigError with one actionable line."""
     cfg = run.config
     from meshtrain import checkpoint as ckpt
-    from meshtrain.data.corpus import load_corpus
+    from meshtrain.data.corpus import corpus_of
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
@@ -27,8 +27,7 @@ def preflight(run: ResolvedRun) -> None:
     if p.elastic and importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
                           f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
-    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer,
-                         cfg.data.packing, cfg.train.objective)
+    corpus = corpus_of(cfg)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
     if cfg.model.init_from and not resume:

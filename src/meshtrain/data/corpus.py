@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.config import ConfigError
+from meshtrain.config import Config, ConfigError
 from meshtrain.data.conversations import PACKINGS as CONVERSATION_PACKINGS
 from meshtrain.data.conversations import Conversations, Pairs
 from meshtrain.errors import DataError
@@ -193,3 +193,11 @@ def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str
                               f"(data.val_fraction = {val_fraction}); model.block_size = {block_size} needs "
                               f">= {need}: use a longer text or a smaller block_size")
     return Corpus(train=train, val=val, tokenizer=tok, sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def corpus_of(cfg: Config) -> Corpus:
+    """The corpus of a run's config (:class:`meshtrain.config.Config`): :func:`load_corpus` of its ``[data]``, block
+    size and objective. Raises what :func:`load_corpus` raises."""
+    d = cfg.data
+    return load_corpus(d.resolved_path(), d.val_fraction, cfg.model.block_size, d.tokenizer, d.packing,
+                       cfg.train.objective)

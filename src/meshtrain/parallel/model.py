@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.mesh import Axis, ParallelDims
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtrain.mesh import Axis, ParallelDims
 from meshtrain.objectives import dpo_loss
 from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_logps,
                                       supervised_count)

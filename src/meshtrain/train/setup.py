@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from meshtrain.config import Config, ConfigError
-from meshtrain.data.corpus import Corpus, load_corpus
+from meshtrain.data.corpus import Corpus, corpus_of
 from meshtrain.data.tokenizers import model_vocab_size
 from meshtrain.models import build_model
 from meshtrain.models.base import LayeredLM
@@ -39,8 +39,7 @@ def set_up(cfg: Config, device: torch.device) -> RunSetup:
     Raises:
         ConfigError: ``model.vocab_size`` is set below the corpus's vocabulary.
     """
-    corpus = load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, cfg.model.block_size, cfg.data.tokenizer,
-                         cfg.data.packing, cfg.train.objective)
+    corpus = corpus_of(cfg)
     tok = corpus.tokenizer
     vocab_size = model_vocab_size(tok.kind, tok.vocab_size, cfg.model.vocab_size, cfg.parallel.tp)
     if vocab_size < corpus.tokenizer.vocab_size:
