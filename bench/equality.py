@@ -18,7 +18,8 @@ import torch
 from common import REPO, write_results
 
 sys.path.insert(0, str(REPO / "tests"))
-from test_train_parallel import LAYOUTS, MODEL, _launch, run_reference  # noqa: E402
+from layout_worker import launch_layouts  # noqa: E402
+from test_train_parallel import LAYOUTS, MODEL, run_reference  # noqa: E402
 
 
 def errors(got: tuple, want: tuple) -> tuple[float, float]:
@@ -36,7 +37,8 @@ def main() -> None:
         results = {}
         for world in sorted({w for w, _ in LAYOUTS.values()}):
             (root / f"w{world}").mkdir()
-            results.update(_launch(world, root / f"w{world}"))
+            results.update(launch_layouts(world, root / f"w{world}", {name: {**MODEL, **overrides} for name, (w, overrides)
+                                                                       in LAYOUTS.items() if w == world}))
     rows, data = [], {}
     for name, (world, overrides) in LAYOUTS.items():
         loss, grad = errors(results[name], ref)
