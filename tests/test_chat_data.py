@@ -62,12 +62,13 @@ def train_bpe(special: list[str]):
     return tok
 
 
-def hf_folder(folder: Path, template: str | None) -> Path:
-    """A transformers tokenizer folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+def hf_folder(folder: Path, template: str | None, special: list[str] = CHATML_SPECIAL, **named: str) -> Path:
+    """A transformers tokenizer folder (tokenizer.json, tokenizer_config.json, chat_template.jinja): a BPE with the
+    ``special`` tokens, ``named`` ones (``eos_token=...``; ChatML's by default) and ``template``."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_bpe(CHATML_SPECIAL), eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
+    named = named or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=train_bpe(special), **named)
     fast.chat_template = template
     fast.save_pretrained(str(folder))
     return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_chat_data import train_bpe
+from test_chat_data import hf_folder, train_bpe
 from meshtrain.cli.generate import chat_prompt, sample
 from meshtrain.cli.main import main as cli_main
 from meshtrain.data.chat import CHAT, chat_format
@@ -48,14 +48,8 @@ def chatml_folder(folder: Path) -> Path:
 
 def llama3_folder(folder: Path) -> Path:
     """A transformers tokenizer folder with Llama 3's special tokens and template (chat_template.jinja)."""
-    from transformers import PreTrainedTokenizerFast
-
     special = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_bpe(special), bos_token="<|begin_of_text|>",
-                                   eos_token="<|eot_id|>")
-    fast.chat_template = LLAMA3
-    fast.save_pretrained(str(folder))
-    return folder
+    return hf_folder(folder, LLAMA3, special, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
 
 
 @pytest.fixture(scope="module")
