@@ -118,3 +118,40 @@ def test_a_rendezvous_port_held_by_another_program_is_refused_not_waited_on(tmp_
     assert line.startswith(f"meshtrain train: error: --rdzv-endpoint = 127.0.0.1:{port}: port {port} on this machine "
                            f"is already held by pid {pid} ({sys.executable} -c import socket"), line
     assert line.endswith("; choose a free port") and not out.exists()
+
+
+def test_the_ranks_store_port_is_held_from_launch_to_the_end(monkeypatch):
+    """Before: torchrun's ``MASTER_PORT`` was free between the launcher picking it and rank 0 binding it, and
+    another program's socket (a parallel test's gloo pair) could take it: rank 0 stopped with "Address already in
+    use". The launcher's reservation now keeps any other socket off the port while rank 0's store listens on it."""
+    import errno
+    import os
+    import socket
+
+    from meshtrain.runtime.distributed import STORE_PORT_ENV, loopback_store, reserve_loopback_port
+
+    reserved = reserve_loopback_port()
+    port = reserved.getsockname()[1]
+    try:
+        with socket.socket() as other, pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        monkeypatch.setenv(STORE_PORT_ENV, str(port))
+        monkeypatch.setenv("MASTER_PORT", "1")  # torchrun's pick, which the reservation replaces
+        store = loopback_store(0, 1)
+        store.set("key", "value")
+        assert store.get("key") == b"value" and os.environ["MASTER_PORT"] == str(port)
+    finally:
+        reserved.close()
+
+
+def test_a_socket_error_is_not_called_a_failed_write():
+    """Before: rank 0's ``EADDRINUSE`` read "could not write: Address already in use" and blamed the run folder."""
+    import errno
+    import os
+
+    from meshtrain.train.entry import write_error
+
+    assert write_error(OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))) is None
+    assert write_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) == "could not write: No space left on device"
+    assert write_error(OSError(errno.EACCES, os.strerror(errno.EACCES), "/x/y")).startswith("could not write /x/y")

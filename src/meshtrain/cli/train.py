@@ -192,7 +192,7 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from meshtrain.runtime.faults import LAUNCHER_PID_ENV
-    from meshtrain.runtime.distributed import LOOPBACK_ENV
+    from meshtrain.runtime.distributed import LOOPBACK_ENV, STORE_PORT_ENV, reserve_loopback_port
 
     run_dir = Path(tempfile.mkdtemp(prefix="meshtrain-run-"))  # this launcher's: the resolved run, the local store
     local_store = None if args.rdzv_endpoint else str(run_dir / "store")
@@ -204,8 +204,10 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     # restart can read a dead rank's address from an earlier one and hang connecting (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[SIGNALS_ENV] = stop_signals(os.environ.get(SIGNALS_ENV))  # SIGHUP too: forwarded, not fatal
+    reserved = reserve_loopback_port() if local_store else None
     if local_store:  # one machine: every socket of the run listens on 127.0.0.1 only
         os.environ[LOOPBACK_ENV] = "1"
+        os.environ[STORE_PORT_ENV] = str(reserved.getsockname()[1])
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
     quiet = _QuietForwarding()
@@ -227,6 +229,9 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)
         os.environ.pop(LOOPBACK_ENV, None)
+        os.environ.pop(STORE_PORT_ENV, None)
+        if reserved is not None:
+            reserved.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         for name in _FORWARDING_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)

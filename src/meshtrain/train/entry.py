@@ -9,6 +9,7 @@ line and an exit code.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import sys
@@ -159,6 +160,10 @@ def _run(run: ResolvedRun, rank: int) -> int:
     return 0
 
 
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+"""A file write's errors that may come without a file name (a full disk on ``write()`` of an open file)."""
+
+
 def write_error(error: BaseException) -> str | None:
     """What failed, in a few words, for an ``OSError`` of a file write (or DCP's ``CheckpointException``
     wrapping one from any rank): ``"could not write PATH: No space left on device"``; None for other errors."""
@@ -168,6 +173,8 @@ def write_error(error: BaseException) -> str | None:
             return None
         error = wrapped[0]
     if not isinstance(error, OSError) or error.errno is None:
+        return None
+    if error.filename is None and error.errno not in _WRITE_ERRNOS:  # a socket's (EADDRINUSE), not a file's
         return None
     where = f" {error.filename}" if error.filename else ""
     return f"could not write{where}: {error.strerror or error}"
