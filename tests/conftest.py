@@ -162,12 +162,9 @@ def assert_close_params(got: dict, want: dict, atol: float) -> None:
 def final_params(out: Path) -> dict:
     """Parameters of the run's latest checkpoint, loaded into a plain single-process model."""
     from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
 
     path = ckpt.resolve_checkpoint(out)
-    meta = ckpt.read_meta(path)
-    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    model = ckpt.described_model(ckpt.read_meta(path))
     ckpt.load(path, model, None)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -50,6 +50,8 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
         if name == "lm_head.weight" and not model.share_embedding:
             continue
         g = p.grad
+        if g is None:  # frozen (a LoRA run's base)
+            continue
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone().cpu()
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(out, gathered, dst=0)

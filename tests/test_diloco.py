@@ -8,7 +8,8 @@
   with its own AdamW on its own samples -- 4 workers x H = 8; the same streamed (F = 2 fragments, tau = 1,
   alpha = 0.5); dp2 inside each of 2 workers; tp2 inside each of 2 workers.
 - The outer momentum survives a checkpoint: with inner SGD (no inner state) a resumed run is the uninterrupted one.
-- The int8 exchange's error stays within the bound its quantizer promises (property-based).
+- The int8 exchange across two gloo ranks equals the quantize/dequantize arithmetic done in one process; its
+  error stays within the bound its quantizer promises (property-based).
 """
 
 from __future__ import annotations
@@ -57,17 +58,20 @@ def worker_losses(out: Path) -> dict[int, dict[int, float]]:
     return {int(w): {i + 1: loss for i, loss in enumerate(values)} for w, values in recorded.items()}
 
 
-def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[dict[int, dict[int, float]], dict]:
+def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[dict[int, dict[int, float]], dict, float]:
     """The run of ``overrides`` as the papers write it, in this process: ``workers`` model copies, each averaging
     the loss of its ``replicas`` dp ranks' samples (the sampler's streams ``w * replicas + i``), clipping its own
     gradient, stepping its own AdamW; fragment ``p`` of F takes its outer step after inner steps t with
     ``t % H == ((p + 1) * H / F) % H`` on the workers' mean pseudo-gradient (outer minus local), by SGD with
     Nesterov momentum, lands tau steps later and is mixed in with alpha; at the end every fragment not synced at
-    the last step takes one more outer step, unmixed (the checkpoint's consolidation). Returns ({worker: {step:
-    loss}}, the final outer weights by name)."""
+    the last step takes one more outer step, unmixed (the checkpoint's consolidation). With ``diloco_precision =
+    "int8"`` each worker's flat pseudo-gradient of a fragment is quantized and dequantized by the exchange's own
+    arithmetic (:func:`quantize_int8`, :func:`dequantize_int8`) before the mean. Returns ({worker: {step: loss}}, the
+    final outer weights by name, the largest int8 quantization step of any exchange (0 without int8))."""
     from meshtrain.config import load_config
     from meshtrain.data.sampler import ShardedSampler
     from meshtrain.optim import build_optimizer
+    from meshtrain.parallel.diloco import dequantize_int8, quantize_int8
     from meshtrain.train.setup import set_up
 
     torch.set_num_threads(1)
@@ -92,9 +96,24 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     last_sync = [0] * F
     positions = torch.arange(T)
 
+    largest_step = 0.0
+
     def pseudo_gradient(f: int) -> dict[str, torch.Tensor]:
+        nonlocal largest_step
         params = [dict(m.named_parameters()) for m in models]
-        return {n: sum(outer[n] - ps[n].detach() for ps in params) / workers for n in groups[f]}
+        if p.diloco_precision != "int8":
+            return {n: sum(outer[n] - ps[n].detach() for ps in params) / workers for n in groups[f]}
+        sent = []
+        for ps in params:  # what each worker sends: its flat pseudo-gradient as int8 codes and fp32 block scales
+            flat = torch.cat([(outer[n] - ps[n].detach()).flatten() for n in groups[f]])
+            codes, scales = quantize_int8(flat)
+            largest_step = max(largest_step, float(scales.max()))
+            sent.append(dequantize_int8(codes, scales, flat.numel()))
+        mean, start = sum(sent) / workers, 0
+        out = {}
+        for n in groups[f]:
+            out[n], start = mean[start:start + outer[n].numel()].view_as(outer[n]), start + outer[n].numel()
+        return out
 
     def land(f: int, delta: dict[str, torch.Tensor], mix: float) -> None:
         for n in groups[f]:
@@ -139,17 +158,22 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     with torch.no_grad():
         for n, q in final.named_parameters():
             q.copy_(outer[n])
-    return got, {k: v.detach().clone() for k, v in final.state_dict().items()}  # a tied head listed too
+    return got, {k: v.detach().clone() for k, v in final.state_dict().items()}, largest_step  # a tied head too
 
 
-def diloco_drift_bound(overrides: dict[str, str]) -> float:
+def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> float:
     """Largest difference of a weight between two DiLoCo runs that agree up to rounding, derived step by step.
 
     Inside a round a worker's weights drift by at most 2 * lr_t per AdamW step (:func:`conftest.adamw_drift_bound`).
     An outer step's pseudo-gradient then differs by at most ``e = D + G`` (D: the workers' drift when it is taken,
     G: the outer weights'), the momentum by ``mu * m + e``, the outer weights by ``outer_lr * (e + mu * m)`` more
     (Nesterov SGD's update, linear in both), and a worker mixes to at most ``max(D, G)`` when it lands tau steps
-    later. Each fragment's own outer steps, then the final consolidation's; the largest over fragments."""
+    later. Each fragment's own outer steps, then the final consolidation's; the largest over fragments.
+
+    An int8 exchange (``int8_step``: the largest quantization step, a block's absmax / 127) rounds two pseudo-gradients
+    that differ by ``e`` to values that differ by at most ``e + s_a/2 + s_b/2``, where the blocks' steps differ by at
+    most ``e/127``: ``e * (1 + 1/254) + int8_step`` per value and worker, so per mean too (one code flipped by
+    rounding is the most it adds)."""
     from meshtrain.config import load_config
     from meshtrain.optim import lr_at
 
@@ -163,6 +187,8 @@ def diloco_drift_bound(overrides: dict[str, str]) -> float:
 
         def land(e: float) -> None:
             nonlocal drift, outer, momentum
+            if int8_step:
+                e = e * (1 + 1 / 254) + int8_step
             momentum = p.outer_momentum * momentum + e
             outer += p.outer_lr * (e + p.outer_momentum * momentum)
             drift = max(drift, outer)
@@ -187,7 +213,7 @@ def diloco_drift_bound(overrides: dict[str, str]) -> float:
 @pytest.mark.parametrize("name", [n for n, (w, _, _) in RUNS.items() if w == 4])
 def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks, name):
     _, overrides, (workers, replicas) = RUNS[name]
-    want_losses, want_params = simulate(overrides, workers, replicas)
+    want_losses, want_params, _ = simulate(overrides, workers, replicas)
     got = worker_losses(four_ranks / name)
     assert sorted(got) == list(range(workers))
     for w in range(workers):
@@ -199,6 +225,8 @@ def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks,
 
 SGD_H1 = {**MODEL, "optim.name": "sgd", "optim.lr": "0.5", "optim.grad_clip": "0", "optim.weight_decay": "0.1",
           "train.steps": "6", "batch.micro_batch_size": "4"}
+INT8 = {**DILOCO, "parallel.diloco_inner_steps": "4", "parallel.diloco_precision": "int8", "train.steps": "8"}
+"""Two workers (one rank each, gloo) exchanging int8 pseudo-gradients: 2 outer steps."""
 MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel.diloco_inner_steps": "4",
             "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "5"}
 
@@ -206,11 +234,12 @@ MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """The 2-rank runs, in one torchrun launch, in order: DiLoCo as synchronous data parallelism; a 12-step run
-    with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint."""
+    with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint; the int8 exchange."""
     root = tmp_path_factory.mktemp("diloco2")
     h1 = {**SGD_H1, **DILOCO, "parallel.diloco_inner_steps": "1", "parallel.outer_lr": "1", "parallel.outer_momentum": "0"}
     resumed = {**MOMENTUM, "checkpoint.resume": str(root / "whole" / "checkpoints" / "step_000004")}
-    launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed}, worker=WORKER, results=False)
+    launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed, "int8": {**MODEL, **INT8}},
+                   worker=WORKER, results=False)
     return root
 
 
@@ -242,6 +271,30 @@ def test_outer_momentum_survives_a_checkpoint(two_ranks):
     summary = json.loads((two_ranks / "resumed" / "summary.json").read_text())
     for record in (meta, summary):
         assert (record["dp"], record["diloco_workers"], record["world_size"]) == (2, 2, 2)
+
+
+def test_int8_exchange_across_two_gloo_ranks_is_the_quantized_mean_computed_in_one_process(two_ranks):
+    """Two workers on two gloo ranks exchange their pseudo-gradients as int8 codes and fp32 block scales (all-gathered
+    as flat buffers: gloo refuses a (W, n) output), dequantize every worker's and average them. The one-process
+    simulation quantizes and dequantizes the same flat pseudo-gradients with the same functions: every worker's
+    loss of every step agrees to the contract's 1e-5, and the final outer weights to :func:`diloco_drift_bound` with
+    the int8 term (a code that rounding flips moves a value by one quantization step). A worker that averaged its own
+    codes only, or mixed up the workers' rows or scales, would be off by a pseudo-gradient (~1e-2) at step 5."""
+    want_losses, want_params, step = simulate(INT8, 2, 1)
+    assert step > 0
+    got = worker_losses(two_ranks / "int8")
+    assert sorted(got) == [0, 1]
+    for w in (0, 1):
+        assert_close_losses(got[w], want_losses[w])
+    assert_close_params(final_params(two_ranks / "int8"), want_params, atol=diloco_drift_bound(INT8, step))
+    # what crossed: per exchange, ceil(n / 256) blocks of 256 one-byte codes and one 4-byte scale (n: the weights)
+    from meshtrain.parallel.diloco import INT8_BLOCK
+
+    n = sum(t.numel() for name, t in want_params.items() if name != "lm_head.weight")
+    blocks = -(-n // INT8_BLOCK)
+    summary = json.loads((two_ranks / "int8" / "summary.json").read_text())["diloco"]
+    assert (summary["precision"], summary["outer_steps"]) == ("int8", 2)
+    assert summary["sent_bytes"] == 2 * blocks * (INT8_BLOCK + 4), (summary, n)
 
 
 @settings(max_examples=60, deadline=None)
@@ -277,3 +330,28 @@ def test_a_worker_sends_one_copy_of_its_weights_per_exchange_and_streaming_a_fra
     first = sum(n for name, n in weights.items() if not name.startswith("blocks.1."))  # 2 blocks, F = 2
     assert streaming["largest_exchange_bytes"] == 4 * first < 4 * total
     assert model["diloco"]["workers"] == 4
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """A 2-worker DiLoCo run whose first outer step (outer lr 1e30) makes every worker's weights non-finite."""
+    from conftest import override_args, run_cli
+
+    out = tmp_path_factory.mktemp("diverged") / "run"
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out),
+                   *override_args({**MODEL, **DILOCO, "parallel.diloco_inner_steps": "2", "parallel.outer_lr": "1e30",
+                                   "train.max_nonfinite_steps": "2", "train.steps": "8"}))
+    return proc
+
+
+def test_a_diverged_diloco_run_says_why_once(diverged):
+    """Every worker takes the same outer weights, so all stop at the same step; global rank 0 alone says why."""
+    said = [line for line in diverged.stderr.splitlines() if "steps in a row" in line]
+    assert diverged.returncode != 0 and "Traceback" not in diverged.stderr, diverged.stderr[-3000:]
+    assert len(said) == 1 and said[0].startswith("meshtrain train: error: 2 steps in a row (up to step 4)"), said
+
+
+def test_a_diverged_diloco_run_ends_with_its_one_line_and_exit_3(diverged):
+    lines = [line for line in diverged.stderr.splitlines() if not line.startswith(("step ", "train "))]
+    assert diverged.returncode == 3 and "rank(s) failed" not in diverged.stderr, diverged.stderr[-3000:]
+    assert [line for line in lines if "exitcode" in line] == []

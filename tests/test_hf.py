@@ -500,8 +500,9 @@ def test_an_export_reimports_with_the_config_it_was_trained_with(tmp_path):
 
 def test_an_export_carries_the_source_config_keys_training_does_not_change(tmp_path):
     """A Llama with a 64-token context, BOS/EOS/PAD ids and its own options, fine-tuned at block_size 16: its
-    export keeps the 64 positions (RoPE has no table to cut), the ids and the options, and transformers loads it
-    with them and every weight."""
+    export's config.json is the source's, key for key and in its spelling (the 64 positions -- RoPE has no table
+    to cut --, the ids, the options, transformers 5's ``rope_parameters``), and transformers loads it with them and
+    every weight."""
     source = llama(tmp_path / "src", bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
     out = tmp_path / "run"
     args = {**model_overrides(source), "model.block_size": "16", "train.steps": "2", "train.out_dir": str(out)}
@@ -512,7 +513,7 @@ def test_an_export_carries_the_source_config_keys_training_does_not_change(tmp_p
     want = json.loads((source / hf.CONFIG_FILE).read_text())
     assert config["max_position_embeddings"] == 64 and want["max_position_embeddings"] == 64
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
-    assert config["initializer_range"] == 0.05 and "rope_parameters" not in config  # meshtrain writes its RoPE keys
+    assert config["initializer_range"] == 0.05 and "rope_theta" not in config and config == want
     model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (model.config.max_position_embeddings, model.config.eos_token_id) == (64, 2)

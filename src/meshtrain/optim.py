@@ -62,6 +62,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: Config, global_batch_si
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # LoRA adapters are all matrices: no second group
     if optim.name == "sgd":
         kind, kwargs = torch.optim.SGD, {"lr": optim.lr}
     else:

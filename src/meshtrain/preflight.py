@@ -7,7 +7,14 @@ Every failed check raises :class:`meshtrain.config.ConfigError` with one actiona
 
 from __future__ import annotations
 
+import dataclasses
+import http.client
 import importlib.util
+import re
+import socket
+import threading
+import time
+import urllib.parse
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
@@ -27,6 +34,8 @@ def preflight(run: ResolvedRun) -> None:
     if p.elastic and importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
                           f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
+    if p.elastic:
+        check_lighthouse(p.diloco_lighthouse, p.diloco_worker, p.diloco_workers)
     corpus = corpus_of(cfg)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
@@ -44,8 +53,10 @@ def preflight(run: ResolvedRun) -> None:
             raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
                               f"{meta['step']}: give --steps larger than {meta['step']}")
         check_same_start(cfg, meta, found)
+        check_adapter_resume(cfg, meta, found)
         check_global_batch(run, meta, found)
         check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
+        check_same_tensors(cfg, meta, found)
         check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if resuming_here:
@@ -78,6 +89,76 @@ def preflight(run: ResolvedRun) -> None:
                           f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): choose a new or empty "
                           f"folder for --out")
     check_writable_dir(out, "train.out_dir")  # last: it probes the folder the run is about to write in
+
+
+LIGHTHOUSE_WAIT_S = 5.0
+"""How long the pre-launch check waits for a lighthouse's answer (a refused connection is tried again meanwhile: a
+lighthouse started a moment before its workers may still be binding its port)."""
+LIVE_HEARTBEAT_S = 3.0
+"""A worker the lighthouse heard from less than this long ago is running (torchft's managers beat every 0.1 s)."""
+
+
+def check_lighthouse(url: str, worker: int, workers: int) -> None:
+    """An elastic worker's lighthouse answers at ``url`` (within :data:`LIGHTHOUSE_WAIT_S`, resolving the host
+    included), is a torchft lighthouse (its ``/status`` page), and hears no living worker ``worker`` already (another
+    job with the same ``parallel.diloco_worker`` would read the same data share, and no job the other one's).
+
+    Raises:
+        ConfigError: one line: nothing answers, something that is not a lighthouse answers, or the worker is taken.
+    """
+    key = f"parallel.diloco_lighthouse = {url!r}"
+    start = "start one there first (torchft_lighthouse --bind HOST:PORT --min_replicas 1), or fix the address"
+    answer = _http_get(url.rstrip("/") + "/status", LIGHTHOUSE_WAIT_S)
+    if answer is None:
+        raise ConfigError(f"{key}: nothing answered within {LIGHTHOUSE_WAIT_S:g} s: {start}")
+    if isinstance(answer, socket.gaierror):
+        raise ConfigError(f"{key}: the host {urllib.parse.urlsplit(url).hostname!r} does not resolve ({answer.strerror}):"
+                          f" fix the address")
+    if isinstance(answer, OSError):
+        raise ConfigError(f"{key}: nothing answers there ({answer.strerror or answer}): {start}")
+    if isinstance(answer, Exception) or answer[0] != 200 or "quorum_id" not in answer[1]:
+        what = f"HTTP {answer[0]} for /status" if isinstance(answer, tuple) else f"{type(answer).__name__}"
+        raise ConfigError(f"{key}: something answers there, but not a torchft lighthouse ({what}): give the address "
+                          f"torchft_lighthouse --bind listens on")
+    for amount, unit in re.findall(rf"\bworker{worker}:\S*: seen ([\d.]+)(ns|µs|us|ms|s) ago", answer[1]):
+        age = float(amount) * {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+        if age < LIVE_HEARTBEAT_S:
+            raise ConfigError(f"parallel.diloco_worker = {worker} is taken: the lighthouse at {url} hears a running "
+                              f"worker {worker} (another job, last heard {age:.1f} s ago): give this job another index "
+                              f"in [0, {workers}) (parallel.diloco_workers), or stop the other job first")
+
+
+def _http_get(url: str, wait_s: float) -> tuple[int, str] | Exception | None:
+    """``GET url`` without proxies: (status, the first MiB of the body as text), the error that ended it, or None
+    when no answer came within ``wait_s`` (host name resolution included, which has no timeout of its own)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    result: list[tuple[int, str] | Exception] = []
+
+    def ask() -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            conn = connection(parts.hostname, parts.port, timeout=wait_s)
+            try:
+                conn.request("GET", parts.path or "/")
+                response = conn.getresponse()
+                result.append((response.status, response.read(1 << 20).decode("utf-8", "replace")))
+                return
+            except ConnectionRefusedError as e:  # not listening (yet): ask again until the deadline
+                if time.monotonic() + 0.2 > deadline:
+                    result.append(e)
+                    return
+                time.sleep(0.2)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                result.append(e)
+                return
+            finally:
+                conn.close()
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(wait_s + 1)
+    return result[0] if result else None
 
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "plan_vs_actual.json", "pipeline_trace.json",
@@ -133,6 +214,24 @@ def check_init_from(cfg: Config, corpus_vocab: int) -> None:
                           f"pretrain with a model.vocab_size that leaves room for them)")
 
 
+def check_adapter_resume(cfg: Config, meta: dict, found: Path) -> None:
+    """A checkpoint of LoRA adapters (``meta.json``'s ``adapter_base``) resumes with the same ``[adapter]`` keys and on
+    the base it was trained on, whose ``model.init_from`` the ranks then read again (it is not in the checkpoint;
+    set here when the command line left it out). Raises ConfigError naming what differs."""
+    from meshtrain.adapters.spec import BASE_KEY, base_record, check_same_base
+
+    saved = meta["config"].get("adapter", {})
+    now = dataclasses.asdict(cfg.adapter)
+    if not saved.get("lora_rank") and not now["lora_rank"]:
+        return
+    for key, value in now.items():
+        if saved.get(key) != value:
+            raise ConfigError(f"checkpoint {found} was trained with adapter.{key} = {saved.get(key)!r}, this config has "
+                              f"{value!r}: resume it with the same [adapter] keys, or start a new run")
+    cfg.model.init_from = cfg.model.init_from or meta["config"]["model"].get("init_from", "")
+    check_same_base(meta.get(BASE_KEY), base_record(cfg.model.init_from, cfg.train.seed), found)
+
+
 def check_same_start(cfg: Config, meta: dict, found: Path) -> None:
     """A checkpoint resumes only the run it belongs to: ``model.init_from`` given with ``--resume`` must be the
     folder that run started from (its ``config.json`` still gives the model keys; the weights come from the
@@ -178,6 +277,41 @@ def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> N
     if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:
         raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, this config "
                           f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
+
+
+def check_same_tensors(cfg: Config, meta: dict, found: Path) -> None:
+    """The config's model has the checkpoint's tensors, name for name and shape for shape: a model key that
+    :func:`check_same_model`'s family keys do not list changed since (an expert's ``model.ffn_hidden``, a shared
+    expert added, routing biases added or dropped) would fail inside every rank's load, or leave a trained tensor
+    behind without a word. Both models are built on the meta device (no memory, no weights read); the checkpoint's
+    own config describes its tensors (``checkpoint.store.check_model_tensors``). Raises ConfigError naming the key,
+    its value in the checkpoint and the override that makes the run resume."""
+    import dataclasses
+
+    import torch
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.models import build_model
+
+    def shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in build_model(m, meta["vocab_size"]).state_dict().items()}
+
+    saved, now = ModelConfig(**meta["config"]["model"]), shapes(cfg.model)
+    was = shapes(saved)
+    if was == now:
+        return
+    name = next(n for n in sorted({*was, *now}) if was.get(n) != now.get(n))
+    what = (f"has no {name}, which this config adds" if name not in was else
+            f"holds {name}, which this config has no place for and would drop" if name not in now else
+            f"holds {name} of shape {was[name]}, {now[name]} in this config")
+    changed = [f.name for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(cfg.model, f.name)]
+    key = next((k for k in changed if shapes(dataclasses.replace(cfg.model, **{k: getattr(saved, k)})) != now), None)
+    if key is None:
+        raise ConfigError(f"checkpoint {found} {what}: resume it with the model config it was saved with")
+    value, given = getattr(saved, key), getattr(cfg.model, key)
+    raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {value!r}, this config has {given!r} (the "
+                      f"checkpoint {what}): resume it with --model.{key} {value}, or start a new run with {given!r}")
 
 
 def check_same_data(cfg: Config, meta: dict, corpus_sha256: str, found: Path) -> None:

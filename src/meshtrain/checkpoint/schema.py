@@ -63,7 +63,7 @@ META_SCHEMA: dict[str, tuple[str, Callable[[Any], bool], Callable[[Any], bool]]]
 }
 """key -> (what it must be, its type check, its range check); every key is required."""
 
-OPTIONAL = {"scheduler": dict, "async": dict, "source_hf_config": dict, "diloco_workers": int}
+OPTIONAL = {"scheduler": dict, "async": dict, "source_hf_config": dict, "diloco_workers": int, "adapter_base": dict}
 """Keys one trainer writes and the other does not: the LR schedule's state, the parameter server's counts; the
 ``config.json`` of the Hugging Face model a run started from (``model.init_from``), which exports carry; and a DiLoCo
 run's workers (its ``dp`` counts every worker's replicas)."""

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from meshtrain.adapters.spec import is_adapter
 from meshtrain.checkpoint.schema import check_meta
 from meshtrain.config import Config, ConfigError
 from meshtrain.paths import path_problem
@@ -53,6 +54,17 @@ from meshtrain.fileio import write_json_atomic
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+"""Loads a model state that holds part of the model's tensors (the adapters of a frozen base)."""
+
+
+def trained_part(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds of a model's state ``model_sd``: all of it, or with LoRA adapters
+    (:mod:`meshtrain.adapters`) the adapters alone -- the frozen base is rebuilt from where it came from
+    (``model.init_from``, or ``train.seed``), so a run folder stays the adapters' size."""
+    if not any(map(is_adapter, model_sd)):
+        return model_sd
+    return {name: value for name, value in model_sd.items() if is_adapter(name)}
 """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``): each
 pipeline stage saves and loads its own parameters' entries, so the state reshards across pp sizes like the
 weights do (a nested ``param_groups`` list would be one rank's, the others' lost)."""
@@ -228,15 +240,12 @@ def check_model_tensors(ckpt: Path) -> None:
     Raises:
         ConfigError: the first tensor missing, left over or of another shape, naming the meta.json.
     """
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
-
     meta = read_meta(ckpt)
     stored = {k[len("model."):]: tuple(v.size) for k, v in read_metadata(ckpt).state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     with torch.device("meta"):
-        model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
-    needed = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model = described_model(meta, base=False)
+    needed = {k: tuple(v.shape) for k, v in trained_part(model.state_dict()).items()}
     problem = next((f"{name} is not in its weights" for name in needed if name not in stored), None)
     problem = problem or next((f"{name} has shape {stored[name]} in its weights, {shape} in its config"
                                for name, shape in needed.items() if stored[name] != shape), None)
@@ -248,6 +257,33 @@ def check_model_tensors(ckpt: Path) -> None:
                           f"(model.type = {m.get('type')!r}, n_layer = {m.get('n_layer')}, n_embd = {m.get('n_embd')}, "
                           f"vocab_size = {meta['vocab_size']}: {problem}): the checkpoint was edited or damaged; "
                           f"resume from another one")
+
+
+def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
+    """The whole model a checkpoint's ``meta`` (:func:`read_meta`) describes, in one process, on torch's default
+    device, before the checkpoint's tensors are loaded into it (:func:`load`): built from its config, and with
+    LoRA adapters (``[adapter]``) its frozen base as the run had it -- ``train.seed``'s weights, then ``model.init_from``'s
+    when set (``base``: read them; False on the meta device) -- and the adapters added."""
+    from meshtrain.adapters.lora import add_adapters
+    from meshtrain.config import ModelConfig, saved_adapter
+    from meshtrain.models import build_model
+
+    config = meta["config"]
+    m = ModelConfig(**config["model"])
+    torch.manual_seed(config.get("train", {}).get("seed", 0))  # the run's seed: an adapter's base is its weights
+    model = build_model(m, meta["vocab_size"])
+    adapter = saved_adapter(config)
+    if adapter.lora_rank:
+        if base:
+            from meshtrain.adapters.spec import BASE_KEY, base_record, check_same_base
+
+            check_same_base(meta.get(BASE_KEY), base_record(m.init_from, config["train"]["seed"]), meta.get("step"))
+        if base and m.init_from:
+            from meshtrain.models.hf import load_hf_weights
+
+            load_hf_weights(model, m.init_from, m)
+        add_adapters(model, adapter, m)
+    return model
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
@@ -312,7 +348,7 @@ def state_to_save(model: nn.Module, optimizer: Optimizer, extra: Any = None) -> 
     whose ``state_dict()`` gives more tensors named by parameter (DiLoCo's outer momentum,
     :meth:`meshtrain.parallel.diloco.DiLoCo.state_dict`), saved under ``"outer"``."""
     model_sd, optim_sd = get_state_dict(model, _as_adamw(optimizer, gather=True), options=OPTIONS)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": trained_part(model_sd), "optim": optim_sd}
     if extra is not None:
         state[EXTRA] = extra.state_dict()
     return state
@@ -350,14 +386,15 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
     """
     read_metadata(ckpt)  # a crafted or broken .metadata is one ConfigError here, not an error inside DCP's load
     if optimizer is None:
-        model_sd = {k: v for k, v in model.state_dict().items()}
+        model_sd = trained_part(model.state_dict())
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(str(ckpt)))
-        model.load_state_dict(model_sd)
+        model.load_state_dict(model_sd, strict=len(model_sd) == len(model.state_dict()))
     else:
         target = _as_adamw(optimizer, gather=False)
         model_sd, optim_sd = get_state_dict(model, target, options=OPTIONS)
+        model_sd = trained_part(model_sd)
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
@@ -372,7 +409,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
-        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=optim_sd, options=OPTIONS)
+        options = OPTIONS if not any(map(is_adapter, model_sd)) else PARTIAL  # adapters: the base is not in it
+        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=optim_sd, options=options)
         if target is not optimizer:
             optimizer.load_state_dict(target.state_dict())  # each rank keeps the states of its own share
         for g, chosen in zip(optimizer.param_groups, kernels):

@@ -1,4 +1,5 @@
-"""``meshtrain export --checkpoint DIR --out OUT [--format safetensors|hf]``: a checkpoint as files to share.
+"""``meshtrain export --checkpoint DIR --out OUT [--format safetensors|hf|peft] [--merge]``: a checkpoint as files to
+share.
 
 A DCP checkpoint is a folder of shards and a pickled ``.metadata``. meshtrain reads that metadata with
 an allow-list (:class:`meshtrain.checkpoint.SafeFileSystemReader`), but other tools may not. The
@@ -11,6 +12,9 @@ export is what to hand to someone else, consolidated from any layout:
   past ``--max-shard-mb``, a ``tokenizer.json``: the character tokenizer as one, a Hugging Face one copied) that
   ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads: a "gpt" as ``GPT2LMHeadModel``, a "llama"
   as ``LlamaForCausalLM`` (:mod:`meshtrain.models.hf`).
+- ``--format peft``: a LoRA run's adapters as the folder ``OUT`` that ``peft.PeftModel.from_pretrained(base, OUT)``
+  loads (:mod:`meshtrain.adapters.export`); ``--merge`` instead folds them into the base for the two formats above
+  (:func:`meshtrain.adapters.lora.merge_adapters`), which refuse a run with adapters without it.
 
 safetensors holds only a JSON header and raw tensor bytes, so reading it cannot run code. ``meshtrain
 generate --checkpoint OUT`` samples from either. Nothing is ever overwritten: outputs are written under a
@@ -30,22 +34,26 @@ from meshtrain.config import ConfigError
 from meshtrain.fileio import check_writable_dir, fresh_temp_file, unwritten
 
 SUFFIX = ".safetensors"
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """``--max-shard-mb``'s default in bytes (5 GiB, about ``transformers``' 5 GB)."""
 METADATA_KEY = "meshtrain"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as safetensors or as a Hugging Face model folder",
+    p = sub.add_parser("export", help="write a checkpoint as safetensors, a Hugging Face model folder or peft adapters",
                        description="Consolidate a checkpoint (any layout) into OUT.safetensors plus OUT.json "
-                                   "(--format safetensors), or into a Hugging Face model folder OUT that "
-                                   "transformers loads (--format hf). Loading safetensors cannot run code.")
+                                   "(--format safetensors), into a Hugging Face model folder OUT that "
+                                   "transformers loads (--format hf), or a LoRA run's adapters into a folder OUT that "
+                                   "peft loads (--format peft). Loading safetensors cannot run code.")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder (its latest checkpoint) or step folder")
     p.add_argument("--out", required=True, metavar="PATH",
-                   help="safetensors: a file ending in .safetensors; hf: a folder; it must not exist")
+                   help="safetensors: a file ending in .safetensors; hf, peft: a folder; it must not exist")
     p.add_argument("--format", choices=FORMATS, default="safetensors",
-                   help="safetensors: one file, meshtrain's names; hf: config.json + weights under transformers' names")
+                   help="safetensors: one file, meshtrain's names; hf: config.json + weights under transformers' names; "
+                        "peft: adapter_config.json + adapter_model.safetensors of a LoRA run")
+    p.add_argument("--merge", action="store_true",
+                   help="safetensors, hf: fold a LoRA run's adapters into the base weights (W + alpha/r B A)")
     p.add_argument("--max-shard-mb", type=positive_float, default=DEFAULT_SHARD_BYTES / 2**20, metavar="MIB",
                    help="hf: largest weights file in MiB; larger models are sharded with an index (default 5 GiB)")
     p.set_defaults(func=run)
@@ -65,17 +73,19 @@ def _outputs(out: str | Path) -> tuple[Path, Path]:
     return path, sidecar
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write ``out`` (.safetensors) and its ``.json`` from ``checkpoint``; return the .safetensors path.
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
+    """Write ``out`` (.safetensors) and its ``.json`` from ``checkpoint``; return the .safetensors path. ``merge``:
+    a LoRA run's adapters folded into its base (:func:`plain_model`).
 
     Raises:
-        ConfigError: no checkpoint there, an unsafe or broken one, or an output that exists or cannot be written.
+        ConfigError: no checkpoint there, an unsafe or broken one, a run with adapters without ``merge``, or an
+            output that exists or cannot be written.
     """
     from safetensors import SafetensorError
     from safetensors.torch import save_model
 
     path, sidecar = _outputs(out)
-    model, meta, found = load_checkpoint_model(checkpoint)
+    model, meta, found = plain_model(checkpoint, merge)
     info = {"model": meta["config"]["model"], "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"],
             "step": meta["step"], "source": str(found)}
     text = json.dumps(info)
@@ -101,12 +111,10 @@ def load_checkpoint_model(checkpoint: str | Path):
         ConfigError: no intact checkpoint there, or an unsafe one.
     """
     from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
 
     found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
     meta = ckpt.read_meta(found)
-    model = build_model(ModelConfig(**meta["config"]["model"]), meta["vocab_size"])
+    model = ckpt.described_model(meta)
     ckpt.load(found, model, None)
     return model, meta, found
 
@@ -178,32 +186,103 @@ def load_export(path: Path):
     return model, info
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    """Write the Hugging Face folder ``out`` from ``checkpoint`` (:func:`meshtrain.models.hf.write_hf_folder`);
+def plain_model(checkpoint: str | Path, merge: bool):
+    """:func:`load_checkpoint_model`, its LoRA adapters (if any) merged into the base when ``merge``.
+
+    Raises:
+        ConfigError: as :func:`load_checkpoint_model`, or a run with adapters and no ``merge``."""
+    from meshtrain.adapters.lora import merge_adapters
+
+    model, meta, found = load_checkpoint_model(checkpoint)
+    if merge:
+        merge_adapters(model)
+    elif any(".lora_" in name for name, _ in model.named_parameters()):
+        raise ConfigError(f"checkpoint {found} holds LoRA adapters: export them with --format peft, or the base with "
+                          f"the adapters folded in with --merge")
+    return model, meta, found
+
+
+def export_peft(checkpoint: str | Path, out: str | Path) -> list[Path]:
+    """Write a LoRA run's adapters as the peft folder ``out`` (:func:`meshtrain.adapters.export.write_peft_folder`);
     return the files written.
 
     Raises:
-        ConfigError: no checkpoint there, an unsafe or broken one, a recurrent model, or an ``out`` that exists
+        ConfigError: no checkpoint there, an unsafe or broken one, a run without adapters, or an ``out`` that exists
             or whose parent cannot be written.
     """
-    from meshtrain.models.hf import write_hf_folder
+    from meshtrain.adapters.export import write_peft_folder
+    from meshtrain.config import saved_adapter
 
+    folder = _new_folder(out)
+    model, meta, _ = load_checkpoint_model(checkpoint)
+    return write_peft_folder(folder, model.state_dict(), saved_adapter(meta["config"]), model.cfg)
+
+
+def _new_folder(out: str | Path) -> Path:
+    """``out`` as a folder to create: it must not exist, its parent must be a writable folder. Raises ConfigError."""
     folder = Path(out).expanduser()
     if folder.exists():
         raise ConfigError(f"'{folder}' already exists: exports never overwrite; choose another --out")
     if not folder.parent.is_dir():
         raise ConfigError(f"--out = '{out}': folder '{folder.parent}' does not exist")
     check_writable_dir(folder.parent, "the folder of --out")
-    model, meta, _ = load_checkpoint_model(checkpoint)
-    return write_hf_folder(folder, model.state_dict(), model.cfg, meta["vocab_size"], meta["tokenizer"],
-                           max_shard_bytes, meta.get("source_hf_config"))
+    return folder
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write the Hugging Face folder ``out`` from ``checkpoint`` (:func:`meshtrain.models.hf.write_hf_folder`);
+    return the files written (:func:`export_hf_report` also says which keys of the source's config.json changed).
+
+    Raises:
+        ConfigError: no checkpoint there, an unsafe or broken one, a recurrent model, or an ``out`` that exists
+            or whose parent cannot be written.
+    """
+    return export_hf_report(checkpoint, out, max_shard_bytes)[0]
+
+
+def export_hf_report(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     merge: bool = False) -> tuple[list[Path], dict[str, tuple[Any, Any]]]:
+    """(the files :func:`export_hf` writes, {key: (the source's value, the export's)} of each key of the source model's
+    ``config.json`` whose meaning the run changed, :func:`meshtrain.models.hf.hf_config`: empty for a run that did
+    not start from a Hugging Face folder, or changed none).
+
+    ``merge``: a LoRA run's adapters folded into its base (:func:`plain_model`).
+
+    Raises:
+        ConfigError: as :func:`export_hf`, or a run with adapters without ``merge``.
+    """
+    from meshtrain.models.hf import hf_config, write_hf_folder
+
+    folder = _new_folder(out)
+    model, meta, _ = plain_model(checkpoint, merge)
+    source = meta.get("source_hf_config")
+    _, changes = hf_config(model.cfg, meta["vocab_size"], source)
+    files = write_hf_folder(folder, model.state_dict(), model.cfg, meta["vocab_size"], meta["tokenizer"],
+                            max_shard_bytes, source)
+    return files, changes
+
+
+def changed_lines(changes: dict[str, tuple[Any, Any]]) -> list[str]:
+    """One line per key of the source's ``config.json`` that an export changed: its old and new values."""
+    return [f"config.json: {key} = {json.dumps(new)} (the source model's was {json.dumps(old)}; the run changed it)"
+            for key, (old, new) in changes.items()]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        files = export_hf(args.checkpoint, args.out, int(min(args.max_shard_mb * 2**20, 2**62)))  # 1e308 MiB: no limit
+        shard = int(min(args.max_shard_mb * 2**20, 2**62))  # 1e308 MiB: no limit
+        files, changes = export_hf_report(args.checkpoint, args.out, shard, args.merge)
+        print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
+        for line in changed_lines(changes):
+            print(line)
+        return 0
+    if args.format == "peft":
+        if args.merge:
+            raise ConfigError("--merge folds adapters into the base weights, which --format peft does not write: use "
+                              "--format hf --merge or --format safetensors --merge, or drop --merge")
+        files = export_peft(args.checkpoint, args.out)
         print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
         return 0
-    path = export(args.checkpoint, args.out)
+    path = export(args.checkpoint, args.out, args.merge)
     print(f"wrote {path} and {path.with_suffix('.json')}")
     return 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from meshtrain.argtypes import nonnegative_int
 from meshtrain.axes import SHORT_FLAGS as AXIS_FLAGS
 from meshtrain.config import Config, ConfigError, load_config, parse_overrides, set_key, validate
+from meshtrain.config.load import init_from_origins
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
 from meshtrain.launch.outcome import describe_run_folder, report_plan_vs_actual
@@ -182,6 +183,8 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     if cfg.train.check_memory:
         check_memory(resolved, nproc)
     warn_slow_bf16(cfg)
+    for line in init_from_origins(cfg.model):  # the training keys a Hugging Face config.json holds: whose value
+        print(f"meshtrain train: {line}", file=sys.stderr)
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
 
@@ -218,8 +221,11 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     except SignalException as e:  # Ctrl-C, SIGTERM or SIGHUP here: torchrun forwarded it; rank 0 said where it stopped
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        if said_in_one_line([f.exitcode for f in e.failures.values()]):
+        codes = [f.exitcode for f in e.failures.values()]
+        if said_in_one_line(codes):
             return 2
+        if said_in_one_line(codes, DIVERGED):  # train.max_nonfinite_steps: rank 0 said at which step
+            return DIVERGED
         from meshtrain.checkpoint import resume_hint
 
         hint = resume_hint(Path(cfg.train.out_dir))
@@ -241,11 +247,17 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     return 0
 
 
-def said_in_one_line(exit_codes: list[int]) -> bool:
-    """Whether failed ranks' exit codes (negative: the signal that ended a rank) are a config or data error that a rank
-    said in one line: one rank at least exited 2, and each other one exited 2 too or was stopped by a signal (torchrun
-    terminates the others once one fails, often before they say their own line)."""
-    return 2 in exit_codes and all(code == 2 or code < 0 for code in exit_codes)
+DIVERGED = 3
+"""A rank's exit code when ``train.max_nonfinite_steps`` stopped the run (:mod:`meshtrain.train.entry`), which the
+launcher passes on."""
+
+
+def said_in_one_line(exit_codes: list[int], code: int = 2) -> bool:
+    """Whether failed ranks' exit codes (negative: the signal that ended a rank) are an ending a rank said in one line,
+    ``code``: 2, a config or data error, or :data:`DIVERGED`: one rank at least exited ``code``, and each other one
+    exited ``code`` too or was stopped by a signal (torchrun terminates the others once one fails, often before they
+    say their own line)."""
+    return code in exit_codes and all(c == code or c < 0 for c in exit_codes)
 
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -265,10 +277,11 @@ _FORWARDING_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.dist
 class _QuietForwarding(logging.Filter):
     """Drops torchrun's warnings that it received a signal and forwards it to each rank (the ranks stop
     after a step, save, and rank 0 says so in one line, :mod:`meshtrain.runtime.faults`), and its report of
-    ranks that exited 2 (a config error rank 0 said in one line)."""
+    ranks that exited 2 (a config error rank 0 said in one line) or 3 (the non-finite stop, said likewise)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(text in record.getMessage() for text in ("death signal", "closing signal", "(exitcode: 2)"))
+        return not any(text in record.getMessage()
+                       for text in ("death signal", "closing signal", "(exitcode: 2)", "(exitcode: 3)"))
 
 
 def rank_threads(nproc: int) -> int:

@@ -16,6 +16,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, check_memory,
                  max_nonfinite_steps, collective_timeout_s, tensorboard, profile_steps
     [checkpoint] interval, keep, resume, allow_batch_change, async_save
+    [adapter]    lora_rank, lora_alpha, lora_dropout, lora_targets, use_rslora
 
 Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose one-line message names the
 key, the value and what would be valid.
@@ -26,15 +27,15 @@ from __future__ import annotations
 from meshtrain.config.checks import (MAX_MODEL_SIZE, MAX_SEED, MAX_TIMEOUT_S, diloco_workers, resolve_world,
                                      tokenizer_kind, validate)
 from meshtrain.config.load import (SAVED_KEYS, SHORT_FLAGS, apply_init_from, check_saved_config, load_config,
-                                   parse_overrides, read_toml, require_regular_file, set_key)
-from meshtrain.config.sections import (BUNDLED_CORPUS, COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS,
+                                   parse_overrides, read_toml, require_regular_file, saved_adapter, set_key)
+from meshtrain.config.sections import (AdapterConfig, BUNDLED_CORPUS, COMPILES, COMPUTE_DTYPES, HF_TOKENIZER_FILE, LR_SCALINGS,
                                        PACKINGS, RECOMPUTES, TOKENIZER_KINDS, BatchConfig, CheckpointConfig, Config,
                                        DataConfig, OptimConfig, ParallelConfig, TrainConfig)
 from meshtrain.errors import ConfigError
 from meshtrain.models.registry import ModelConfig
 
-__all__ = ["BUNDLED_CORPUS", "COMPILES", "COMPUTE_DTYPES", "HF_TOKENIZER_FILE", "LR_SCALINGS", "MAX_MODEL_SIZE",
+__all__ = ["AdapterConfig", "BUNDLED_CORPUS", "COMPILES", "COMPUTE_DTYPES", "HF_TOKENIZER_FILE", "LR_SCALINGS", "MAX_MODEL_SIZE",
            "MAX_SEED", "MAX_TIMEOUT_S", "PACKINGS", "RECOMPUTES", "SAVED_KEYS", "SHORT_FLAGS", "TOKENIZER_KINDS",
            "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "TrainConfig", "apply_init_from", "check_saved_config", "load_config", "parse_overrides",
-           "diloco_workers", "read_toml", "require_regular_file", "resolve_world", "set_key", "tokenizer_kind", "validate"]
+           "diloco_workers", "read_toml", "require_regular_file", "resolve_world", "saved_adapter", "set_key", "tokenizer_kind", "validate"]

@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 from meshtrain import axes
-from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODES, degree_errors,
+from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_KEYS, SYNC_MODES, degree_errors,
                            expert_degree_error)
 from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
                                        OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config, ParallelConfig)
+from meshtrain.adapters.spec import check_adapter
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import attention_families, check_model, expert_families, family
@@ -89,6 +90,7 @@ def validate(cfg: Config, schedule: bool = True) -> Config:
     _validate_layout(cfg, schedule)
     _validate_optim(cfg)
     _validate_train(cfg)
+    check_adapter(cfg)
     c = cfg.checkpoint
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
@@ -292,6 +294,7 @@ def _validate_sync_mode(cfg: Config) -> None:
         _require(p.sync_mode == "sync" and p.zero_stage == 0 and p.tp == 1,
                  f"parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce: it needs sync_mode = "
                  f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
+    _validate_sync_mode_keys(p)
     if p.sync_mode == "diloco":
         _validate_diloco(p)
     if p.sync_mode in ("sync", "diloco"):
@@ -301,6 +304,19 @@ def _validate_sync_mode(cfg: Config) -> None:
                              f"{p.sync_mode!r}: it replaces the data-parallel all-reduce only; use {key} = 1")
     _require(p.zero_stage == 0, f"parallel.zero_stage = {p.zero_stage} cannot be combined with parallel.sync_mode = "
                                 f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
+
+
+def _validate_sync_mode_keys(p: ParallelConfig) -> None:
+    """The keys of another sync mode than ``p.sync_mode`` (:data:`meshtrain.axes.SYNC_MODE_KEYS`) keep their
+    defaults: set, they would do nothing."""
+    defaults = ParallelConfig()
+    for mode, keys in SYNC_MODE_KEYS.items():
+        for key in keys:
+            value, default = (str(v).lower() if isinstance(v, bool) else repr(v)
+                              for v in (getattr(p, key), getattr(defaults, key)))
+            _require(mode == p.sync_mode or value == default,
+                     f"parallel.{key} = {value} applies to parallel.sync_mode = {mode!r} only: use {default} with "
+                     f"sync_mode = {p.sync_mode!r}, or set --parallel.sync_mode {mode}")
 
 
 def _validate_diloco(p: ParallelConfig) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from meshtrain import axes
 from meshtrain.config.checks import validate
-from meshtrain.config.sections import Config
+from meshtrain.config.sections import AdapterConfig, Config
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
 from meshtrain.models.registry import ModelConfig, family
@@ -166,8 +166,25 @@ def check_saved_config(saved: dict[str, Any], required: tuple[str, ...] = ()) ->
         table = saved.get(section)
         if not isinstance(table, dict) or key not in table:
             raise ConfigError(f"{dotted} is missing (every meshtrain checkpoint records it)")
+    return _saved(saved).model
+
+
+def saved_adapter(saved: dict[str, Any]) -> AdapterConfig:
+    """The ``[adapter]`` section of a config a checkpoint saved (defaults, no adapters, where it has none), checked
+    with its model as :func:`check_saved_config` checks the model.
+
+    Raises:
+        ConfigError: the first wrong key."""
+    return _saved(saved).adapter
+
+
+def _saved(saved: dict[str, Any]) -> Config:
+    """A config with the ``[model]`` and ``[adapter]`` keys and :data:`SAVED_KEYS` of ``saved``, validated."""
     cfg = Config()
-    for dotted in [f"model.{key}" for key in saved["model"]] + list(SAVED_KEYS):
+    adapter = saved.get("adapter", {})
+    dotted_keys = [f"model.{key}" for key in saved["model"]] + list(SAVED_KEYS)
+    dotted_keys += [f"adapter.{key}" for key in adapter] if isinstance(adapter, dict) else ["adapter.table"]
+    for dotted in dotted_keys:
         section, key = dotted.split(".")
         table = saved.get(section, {})
         if not isinstance(table, dict):
@@ -175,27 +192,30 @@ def check_saved_config(saved: dict[str, Any], required: tuple[str, ...] = ()) ->
         if key in table:
             set_key(cfg, dotted, table[key], from_text=False)
     validate(cfg)
-    return cfg.model
+    return cfg
 
 
 def apply_init_from(m: ModelConfig, given: set[str]) -> None:
     """Set the model keys from ``model.init_from``'s ``config.json`` (its family's reader,
-    :func:`meshtrain.models.registry.hf_model_keys`); nothing when it is empty. ``given`` holds the dotted keys the
-    user set: one of them with another value than the checkpoint's is a contradiction, not an override (the
-    weights could not load) -- but a key at its "derive" value (0) is no contradiction when it derives to the
-    file's value (``ffn_hidden = 0`` by Llama's rule, :attr:`meshtrain.models.family.Family.derived`), and
-    ``vocab_size = 0`` ("from the tokenizer") takes the checkpoint's (the pre-launch check then proves the
-    tokenizer fits it). ``block_size`` (the training context) is the run's, at most the checkpoint's positions; a
-    default above them is lowered.
+    :func:`meshtrain.models.registry.hf_model_keys`, a key the file lacks at its ``transformers`` default); nothing
+    when it is empty. ``given`` holds the dotted keys the user set: one of them with another value than the
+    checkpoint's is a contradiction, not an override (the weights could not load) -- but a key at its "derive" value
+    (0) is no contradiction when it derives to the file's value (``ffn_hidden = 0`` by Llama's rule,
+    :attr:`meshtrain.models.family.Family.derived`), ``vocab_size = 0`` ("from the tokenizer") takes the checkpoint's
+    (the pre-launch check then proves the tokenizer fits it), and a training key the file holds (``dropout``,
+    ``router_aux_loss_coef``: :func:`meshtrain.models.registry.hf_training_keys`) is the run's where given, else the
+    file's (:func:`init_from_origins` says which). ``block_size`` (the training context) is the run's, at most the
+    checkpoint's positions; a default above them is lowered.
 
     Raises:
         ConfigError: no such folder, no or a broken ``config.json``, an architecture meshtrain does not build,
-            a contradicting key, or ``model.block_size`` past the checkpoint's positions.
+            a contradicting key, a training key the file leaves open and the run does not set (GPT-2's dropouts
+            unequal), or ``model.block_size`` past the checkpoint's positions.
     """
     if not m.init_from:
         return
     from meshtrain.models import hf_io as hf
-    from meshtrain.models.registry import hf_model_keys
+    from meshtrain.models.registry import hf_max_positions, hf_model_keys, hf_training_keys
 
     folder = Path(m.init_from).expanduser()
     _require(folder.is_dir(), f"model.init_from = '{m.init_from}' is not a folder: give a local Hugging Face model "
@@ -204,22 +224,70 @@ def apply_init_from(m: ModelConfig, given: set[str]) -> None:
     try:
         data = hf.read_json(where, "model.init_from's")
         keys = hf_model_keys(data, where)
+        training, limit = hf_training_keys(data, where), hf_max_positions(data, where)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
+    keys = {key: value for key, value in keys.items() if not (key in training and f"model.{key}" in given)}
+    for key, value in keys.items():
+        _require(not isinstance(value, hf.Undecided), f"{value}: set model.{key}")
     mine = {key: getattr(m, key) for key in keys if f"model.{key}" in given}
     for key, value in keys.items():
         setattr(m, key, value)
+    _check_file_model(m, keys, where)
     derived = family(m.type).derived
     for key, value in mine.items():
         derives = value == 0 and (key == "vocab_size" or (key in derived and derived[key](_with(m, key, 0)) == keys[key]))
         if value != keys[key] and not derives:
             raise ConfigError(f"model.{key} = {value!r} contradicts '{where}', which gives {keys[key]!r}: "
                               f"remove model.{key} or set it to {keys[key]!r}")
-    limit = hf.max_positions(data)
     if limit is not None and "model.block_size" not in given:
         m.block_size = min(m.block_size, limit)
     _require(limit is None or m.block_size <= limit, f"model.block_size = {m.block_size} exceeds the "
                                                      f"{limit} positions of '{where}': use <= {limit}")
+
+
+def _check_file_model(m: ModelConfig, keys: dict[str, Any], where: Path) -> None:
+    """The family's rules hold for the model ``config.json`` describes (its keys, every other at its default): a
+    file whose keys -- given, or ``transformers``' defaults of keys it lacks (20 heads for a width of 32) -- make no
+    model meshtrain builds is named in the error. Raises ConfigError."""
+    from meshtrain.models.registry import DEFAULTS
+
+    probe = ModelConfig(**{key: keys.get(key, DEFAULTS[key]) for key in DEFAULTS})
+    try:
+        family(m.type).check(probe)
+    except ConfigError as e:
+        raise ConfigError(f"'{where}' describes a model meshtrain cannot build: {e}") from None
+
+
+def init_from_origins(m: ModelConfig) -> list[str]:
+    """One line per training key ``model.init_from``'s ``config.json`` holds (:func:`apply_init_from`): the value this
+    run uses and where it comes from -- the file, the file's ``transformers`` default (it lacks the key), or the
+    run's own config, with the file's value beside it. Empty without ``init_from`` or where the folder cannot be read
+    (the pre-launch checks say why)."""
+    if not m.init_from:
+        return []
+    from meshtrain.models import hf_io as hf
+    from meshtrain.models.registry import hf_model_keys, hf_training_keys
+
+    where = Path(m.init_from).expanduser() / hf.CONFIG_FILE
+    try:
+        data = hf.read_json(where, "model.init_from's")
+        keys, training = hf_model_keys(data, where), hf_training_keys(data, where)
+    except hf.HFFormatError:
+        return []
+    lines = []
+    for key, spelled in training.items():
+        value, theirs = getattr(m, key), keys[key]
+        named = " and ".join(spelled)
+        if isinstance(theirs, hf.Undecided) or value != theirs:
+            told = theirs if isinstance(theirs, hf.Undecided) else f"'{where}' gives {named} = {theirs!r}"
+            lines.append(f"model.{key} = {value!r}, the run's config ({told})")
+        elif any(name in data for name in spelled):
+            lines.append(f"model.{key} = {value!r}, from {named} in '{where}'")
+        else:
+            lines.append(f"model.{key} = {value!r}, transformers' default for {', '.join(family(m.type).hf.architectures)}"
+                         f" ('{where}' has no {named})")
+    return lines
 
 
 def _with(m: ModelConfig, key: str, value: Any) -> ModelConfig:

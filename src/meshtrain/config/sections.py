@@ -246,6 +246,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """Low-rank adapters (LoRA) on a frozen base (:mod:`meshtrain.adapters`); the keys are ``peft``'s
+    ``LoraConfig``'s, with its defaults."""
+
+    lora_rank: int = 0
+    """r, the adapters' rank; 0 = no adapters (every parameter trains). With r > 0 every base parameter is frozen
+    (no gradient, no optimizer state) and only the adapters train."""
+    lora_alpha: float = 8.0
+    """alpha: the adapter's output is scaled by ``alpha / r`` (Hu et al. 2021), ``alpha / sqrt(r)`` with
+    ``use_rslora``."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (tp = 1 only for now)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """The modules adapted, by their Hugging Face names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+    ``gate_proj``, ``up_proj``, ``down_proj``), or ``["all-linear"]``; peft's default for Llama and Qwen is
+    ``q_proj`` and ``v_proj``. On the command line ``--adapter.lora_targets q_proj,v_proj``."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (Kalajdzievski 2023): scale by ``alpha / sqrt(r)``."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -254,6 +275,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

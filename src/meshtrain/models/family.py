@@ -78,6 +78,20 @@ class HFFormat:
     zeros: Callable[[Any], dict[str, tuple[int, ...]]] = lambda m: {}
     """``ModelConfig`` -> {tensor name: shape} of tensors ``transformers`` expects that this model lacks: an export
     writes them as zeros (a GPT without biases is GPT-2 with zero biases)."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Every ``config.json`` key ``read`` reads -> the default of the family's ``transformers`` config class
+    (``LlamaConfig``, ...), which a file without the key means: a value, or a :class:`meshtrain.models.hf_io.Derived`
+    rule from other keys. ``tests/test_hf_defaults.py`` compares it with the installed ``transformers``."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other spellings of a key in ``defaults`` that ``transformers`` reads as it (its config class's
+    ``attribute_map``, e.g. Mixtral's ``num_experts`` for ``num_local_experts``)."""
+    training: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """``[model]`` keys that ``config.json`` holds but training may choose (dropout, the load-balancing loss's weight)
+    -> the ``config.json`` keys that hold them: the folder's value unless the run sets the key."""
+    ignored: tuple[str, ...] = ()
+    """Regular expressions (searched, as ``transformers``' ``_keys_to_ignore_on_load_unexpected``) of checkpoint
+    tensors the model has no place for and ``transformers`` drops silently (GPT-2's causal-mask buffers); any other
+    tensor the model lacks is refused (:func:`meshtrain.models.hf_io.check_weights`)."""
 
 
 @dataclass(frozen=True)

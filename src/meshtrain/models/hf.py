@@ -29,10 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.adapters.spec import is_adapter
 from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
 from meshtrain.fileio import fresh_temp_dir
 from meshtrain.models import hf_io as hf
 from meshtrain.models.family import Source
+from meshtrain.models.hf_carry import carried_config
 from meshtrain.models.registry import check_hf_weights, hf_format
 
 
@@ -51,10 +53,15 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     Raises:
         ConfigError: not a folder, or a ``config.json`` meshtrain cannot build.
     """
+    from meshtrain.models.registry import hf_max_positions
+
     cfg = ModelConfig(init_from=str(folder))
-    apply_init_from(cfg, set())
+    apply_init_from(cfg, {"model.dropout"})  # a model to run, not to train: no dropout, whatever the file says
     where = Path(folder).expanduser() / hf.CONFIG_FILE
-    limit = hf.max_positions(hf.read_json(where, "config"))
+    try:
+        limit = hf_max_positions(hf.read_json(where, "config"), where)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
     cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
     try:
         check_saved_config({"model": asdict(cfg)})
@@ -132,8 +139,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
 
         for name, param in get_model_state_dict(model).items():
             source = sources.get(name)
-            if source is not None and not source.name:  # no Hugging Face tensor holds it: it keeps its init
-                continue
+            if (source is not None and not source.name) or is_adapter(name):  # no Hugging Face tensor holds it
+                continue  # it keeps its init (a routing bias, a LoRA adapter)
             missing = [n for n in _names(source) if n not in files] if source else []
             if source is None or missing:
                 raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
@@ -213,34 +220,19 @@ def source_hf_config(folder: str | Path) -> dict[str, Any] | None:
         return None
 
 
-CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-"""Keys of the source model's ``config.json`` an export keeps even where meshtrain writes its own (None): how the
-model is used, which training does not change."""
+def hf_config(cfg: ModelConfig, vocab_size: int,
+              source_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """(the ``config.json`` an export of the model ``cfg`` writes, the source's keys it changed): the family's
+    (:attr:`meshtrain.models.family.HFFormat.write`) carried over the source's (:func:`carried_config`).
 
-
-SUPERSEDED = {"rope_theta": ("rope_parameters",), "rope_scaling": ("rope_parameters",)}
-"""A key meshtrain writes -> the source's keys that say the same another way (transformers 5's ``rope_parameters``
-for the RoPE base and scaling), which an export drops so that the two cannot disagree."""
-
-
-def carried_config(written: dict[str, Any], source: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``config.json`` an export writes: the source model's (``model.init_from``) with meshtrain's keys over it
-    -- the architecture the weights have, the vocabulary, the dtype -- except those training does not change: the
-    BOS, EOS and PAD ids (:data:`CARRIED_KEYS`) and, where positions are computed (RoPE) rather than a table of
-    ``block_size`` rows, the source's ``max_position_embeddings`` when it is longer than the training context (a
-    model fine-tuned at 2k tokens stays a 4k model). Every other source key (generation options, ``use_cache``,
-    ``initializer_range``, ...) is kept as it was."""
-    if not source:
-        return written
-    superseded = {alias for key, aliases in SUPERSEDED.items() if key in written for alias in aliases}
-    out = {**{k: v for k, v in source.items() if k not in superseded}, **written}
-    for key in CARRIED_KEYS:
-        if key in source and written.get(key) is None:
-            out[key] = source[key]
-    longer = source.get("max_position_embeddings")
-    if "max_position_embeddings" in written and isinstance(longer, int) and longer > written["max_position_embeddings"]:
-        out["max_position_embeddings"] = longer
-    return out
+    Raises:
+        ConfigError: the model has no Hugging Face format, or one the format cannot hold (routing biases).
+    """
+    fmt = _format(cfg)
+    try:
+        return carried_config(fmt.write(cfg, vocab_size), source_config, fmt)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int,
@@ -250,7 +242,7 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
     file larger than ``max_shard_bytes`` but for a single larger tensor: built in
     a fresh temporary folder beside it (:func:`meshtrain.fileio.fresh_temp_dir`) and renamed into place, so a crash
     leaves no half-written folder and no other folder is touched. ``source_config``: the ``config.json`` of the
-    model the run started from, whose keys training does not change are carried (:func:`carried_config`).
+    model the run started from, whose keys the run did not change are carried as they were (:func:`hf_config`).
     Returns the files written.
 
     Raises:
@@ -263,10 +255,7 @@ def write_hf_folder(out: Path, state: Mapping[str, torch.Tensor], cfg: ModelConf
 
     if out.exists():
         raise ConfigError(f"'{out}' already exists: exports never overwrite; choose another --out")
-    try:
-        config = carried_config(_format(cfg).write(cfg, vocab_size), source_config)
-    except hf.HFFormatError as e:
-        raise ConfigError(str(e)) from None
+    config, _ = hf_config(cfg, vocab_size, source_config)
     tensors = hf_state_dict(state, cfg)
     tmp = fresh_temp_dir(out)  # a fresh name: a user's own OUT.tmp is never touched
     try:

@@ -13,12 +13,14 @@ process starts (:func:`check_weights`).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from meshtrain.paths import path_problem
@@ -64,6 +66,47 @@ def number(hf: dict[str, Any], key: str, where: Path, typ: type | tuple[type, ..
     if not 0 < value < float("inf"):
         raise HFFormatError(f"'{where}': {key} = {value!r} must be a finite number > 0")
     return value
+
+
+def fraction(hf: dict[str, Any], key: str, where: Path) -> float:
+    """``hf[key]``, a probability in [0, 1) (a dropout). Raises HFFormatError: not a number, or out of range."""
+    value = hf.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise HFFormatError(f"'{where}': {key} = {value!r} must be a number in [0, 1)")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A ``config.json`` default that ``transformers`` computes from other keys of the same file rather than a
+    constant (``LlamaConfig.__post_init__``: ``head_dim = hidden_size // num_attention_heads``; Qwen2's attention:
+    ``getattr(config, "head_dim", hidden_size // num_attention_heads)``); the family's reader derives it, and
+    ``rule`` computes it from a config for the defaults test."""
+
+    rule: Callable[[Mapping[str, Any]], Any]
+    text: str
+    """The rule in words, e.g. "hidden_size // num_attention_heads"."""
+
+
+class Undecided(str):
+    """The value of a ``[model]`` key that ``config.json`` leaves open (GPT-2's three dropouts, unequal, for
+    meshtrain's one ``model.dropout``): the run must set the key; the text says why."""
+
+
+def with_defaults(hf: dict[str, Any], defaults: Mapping[str, Any], aliases: Mapping[str, str] | None = None,
+                  ) -> dict[str, Any]:
+    """A copy of ``config.json`` (``hf``) in which every key of ``defaults`` it lacks holds the default of the
+    family's ``transformers`` config class, as ``from_pretrained`` would fill it (a :class:`Derived` default is
+    left to the reader, which derives it), and a key spelled as one of ``aliases`` (``transformers``'
+    ``attribute_map``) is also under its own name."""
+    out = copy.copy(hf)  # the same mapping type: a test may record which keys the reader looks at
+    for alias, name in (aliases or {}).items():
+        if alias in out and name not in out:
+            out[name] = out[alias]
+    for key, default in defaults.items():
+        if key not in out and not isinstance(default, Derived):
+            out[key] = copy.deepcopy(default)
+    return out
 
 
 def refuse(hf: dict[str, Any], key: str, allowed: Any, where: Path, why: str) -> None:
@@ -176,17 +219,22 @@ def weight_map(folder: Path) -> dict[str, str]:
     return {name: SINGLE_FILE for name in safetensors_header(single)}
 
 
-def check_weights(folder: Path, shapes: Callable[[Collection[str]], dict[str, tuple[int, ...]]]) -> None:
+def check_weights(folder: Path, shapes: Callable[[Collection[str]], dict[str, tuple[int, ...]]],
+                  spare: Callable[[str], bool] = lambda name: False) -> None:
     """Every tensor the model needs is in ``folder``'s safetensors files, with its shape, in a float dtype, in a
-    file that is whole. Reads only headers. ``shapes`` maps the tensor names the folder holds to {name: shape}
-    of every tensor the model needs (a family's :attr:`meshtrain.models.family.HFFormat.shapes`).
+    file that is whole, and the files hold no other tensor but those ``spare(name)`` accepts (a tied head saved
+    anyway, GPT-2's mask buffers). Reads only headers. ``shapes`` maps the tensor names the folder holds to
+    {name: shape} of every tensor the model needs (a family's :attr:`meshtrain.models.family.HFFormat.shapes`).
 
     Raises:
-        HFFormatError: the first missing file, truncated shard, missing tensor, wrong shape or dtype.
+        HFFormatError: the first missing file, truncated shard, missing tensor, wrong shape or dtype, or a tensor
+            that ``config.json``'s model has no place for (a fifth expert of four, q/k/v biases of a Llama
+            without ``attention_bias``): training without it would compute another model than the checkpoint.
     """
     mapping = weight_map(folder)
     headers = {file: safetensors_header(folder / file) for file in sorted(set(mapping.values()))}
-    for name, shape in shapes(mapping.keys()).items():
+    needed = shapes(mapping.keys())
+    for name, shape in needed.items():
         file = mapping.get(name)
         entry = headers[file].get(name) if file else None
         if not isinstance(entry, dict):
@@ -200,3 +248,9 @@ def check_weights(folder: Path, shapes: Callable[[Collection[str]], dict[str, tu
         if entry.get("dtype") not in FLOAT_DTYPES:
             raise HFFormatError(f"tensor {name} in '{folder / file}' is stored as {entry.get('dtype')}: weights "
                                 f"must be one of {', '.join(FLOAT_DTYPES)}")
+    extra = sorted(name for name in mapping if name not in needed and not spare(name))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise HFFormatError(f"tensor {extra[0]}{more} in '{folder / mapping[extra[0]]}' has no place in the model its "
+                            f"config.json describes: the checkpoint and its config.json disagree (an expert count, "
+                            f"attention_bias, a layer count); fix config.json or remove the tensor")

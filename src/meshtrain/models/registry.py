@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from meshtrain.errors import ConfigError, require
 from meshtrain.models.family import Family
 from meshtrain.models.gpt import spec as gpt
-from meshtrain.models.hf_io import HFFormatError, check_weights
+from meshtrain.models.hf_io import HFFormatError, check_weights, max_positions, with_defaults
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.mixtral import spec as mixtral
 from meshtrain.models.qwen2 import spec as qwen2
@@ -207,8 +208,9 @@ def hf_family(hf: dict[str, Any], where: Path) -> Family:
 
 
 def hf_model_keys(hf: dict[str, Any], where: Path) -> dict[str, Any]:
-    """meshtrain ``[model]`` keys of the model ``config.json`` describes (its family's :attr:`HFFormat.read`): keys a
-    checkpoint cannot contradict; training keys (dropout) stay the run's.
+    """meshtrain ``[model]`` keys of the model ``config.json`` describes (its family's :attr:`HFFormat.read`), a key
+    the file lacks at its ``transformers`` default (:attr:`HFFormat.defaults`): the architecture, which a checkpoint
+    cannot contradict, and the training keys it holds (:func:`hf_training_keys`), which a run may set otherwise.
 
     Raises:
         HFFormatError: an architecture or option meshtrain does not build, or a missing/ill-typed key.
@@ -216,13 +218,33 @@ def hf_model_keys(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     return hf_family(hf, where).hf.read(hf, where)
 
 
+def hf_training_keys(hf: dict[str, Any], where: Path) -> dict[str, tuple[str, ...]]:
+    """The ``[model]`` keys of :func:`hf_model_keys` that training may choose (dropout, the load-balancing loss's
+    weight) -> the ``config.json`` keys holding them (:attr:`HFFormat.training`)."""
+    return hf_family(hf, where).hf.training
+
+
+def hf_max_positions(hf: dict[str, Any], where: Path) -> int | None:
+    """The longest context the model of ``config.json`` was built for (``max_position_embeddings`` or ``n_positions``,
+    its family's ``transformers`` default where the file lacks it), None when not an integer."""
+    fmt = hf_family(hf, where).hf
+    return max_positions(with_defaults(hf, fmt.defaults, fmt.aliases))
+
+
 def check_hf_weights(folder: Path, m: Any) -> None:
     """Every tensor of the model ``m`` (a ModelConfig, its ``vocab_size`` set) is in the Hugging Face folder's
     safetensors files with the shape its family gives (:func:`meshtrain.models.hf_io.check_weights`, headers only).
 
     Raises:
-        HFFormatError: the first missing file or tensor, a truncated shard, a wrong shape or dtype, or a family
-            without a Hugging Face format.
+        HFFormatError: the first missing file or tensor, a truncated shard, a wrong shape or dtype, a tensor the
+            model has no place for (:func:`meshtrain.models.hf_io.check_weights`), or a family without a Hugging
+            Face format.
     """
     fmt = hf_format(m.type)
-    check_weights(folder, lambda present: fmt.shapes(m, m.vocab_size, present))
+    sources = fmt.sources(m, ())
+    tied = sources["lm_head.weight"].name == sources["tok_emb.weight"].name
+
+    def spare(name: str) -> bool:  # a tied head saved anyway (transformers ties it), or a buffer it drops
+        return (tied and name == "lm_head.weight") or any(re.search(p, name) for p in fmt.ignored)
+
+    check_weights(folder, lambda present: fmt.shapes(m, m.vocab_size, present), spare)

@@ -39,6 +39,7 @@ from torch import nn
 
 from collections.abc import Callable
 
+from meshtrain.adapters.lora import add_adapters
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError, ParallelConfig
 from meshtrain.data.packing import document_positions, pack_documents
@@ -83,7 +84,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     device_type = next(model.parameters()).device.type
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
                                device_type)
-    blockwise = {"recompute": cfg.train.recompute, "compiled": compiled}
+    blockwise = {"recompute": cfg.train.recompute, "compiled": compiled,
+                 "adapt": (lambda part: add_adapters(part, cfg.adapter, cfg.model)) if cfg.adapter.lora_rank else None}
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
@@ -199,14 +201,15 @@ class PipelineLoss:
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",
-                      compiled: bool = False) -> nn.Module:
-    """Apply tp -> sp -> per-block recomputation and compile -> dp to ``model`` (built on this rank's device) on
-    ``dims``' mesh; return the module to train.
+                      compiled: bool = False, adapt: Callable[[nn.Module], object] | None = None) -> nn.Module:
+    """Apply tp -> sp -> ep -> adapters -> per-block recomputation and compile -> dp to ``model`` (built on this
+    rank's device) on ``dims``' mesh; return the module to train.
 
     ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
     ``inner_attention`` submodules (:class:`meshtrain.models.gpt.model.GPT` does). ``recompute``: ``train.recompute``
-    ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`).
-    With pp > 1 use :func:`parallelize_pipeline`.
+    ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`);
+    ``adapt``: adds LoRA adapters to the sharded model and freezes its base (:func:`meshtrain.adapters.lora.add_adapters`),
+    before dp wraps it so that DDP and FSDP2 see which parameters train. With pp > 1 use :func:`parallelize_pipeline`.
 
     Raises:
         ValueError: ``dims.pp > 1``, or an unknown ``recompute``.
@@ -214,6 +217,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     if dims.pp > 1:
         raise ValueError(f"pp = {dims.pp}: use parallelize_pipeline")
     model = _shard(model, dims, cfg)
+    if adapt is not None:
+        adapt(model)
     _attach_tp_rng(model, dims, cfg)
     _blockwise(model, model, recompute, compiled)
     model = _data_parallel(model, dims, cfg)
@@ -223,7 +228,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, n_microbatches: int,
                          tokens_per_step: int, loss_fn: Callable, document_masking: bool = False,
-                         recompute: str = "none", compiled: bool = False) -> Pipeline:
+                         recompute: str = "none", compiled: bool = False,
+                         adapt: Callable[[nn.Module], object] | None = None) -> Pipeline:
     """Split ``model`` into pipeline chunks for this rank, apply tp -> sp -> per-block recomputation and
     compile -> dp to each; return the :class:`Pipeline` that trains them (``.model`` holds this rank's
     parameters, unwrapped).
@@ -231,12 +237,14 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
     ``n_microbatches``: micro-batches per step; ``tokens_per_step``: for balancing the chunks' costs;
     ``loss_fn``: ``(logits (B, T, V), targets (B, T)) -> mean loss`` on the last stage;
     ``document_masking``: steps carry per-sample positions and document ids (``data.packing = "document"``);
-    ``recompute``, ``compiled``: as in :func:`parallelize_model`.
+    ``recompute``, ``compiled``, ``adapt``: as in :func:`parallelize_model` (``adapt`` on each chunk).
     """
     pp_mesh = dims.get_mesh(Axis.PP)
     chunks, mine, parts = split_model(model, dims.pp, pp_mesh.get_local_rank(), cfg.virtual_stages,
                                       cfg.pp_schedule, tokens_per_step)
     parts = [_shard(part, dims, cfg) for part in parts]
+    for part in parts if adapt is not None else ():
+        adapt(part)
     _attach_tp_rng(model, dims, cfg)
     for part in parts:
         _blockwise(part, model, recompute, compiled, split_backward=cfg.pp_schedule in ("zero-bubble", "zbv"))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import axes
+from meshtrain.adapters.spec import BASE_KEY, adapter_parameters, base_record
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint.writer import Checkpoints
 from meshtrain.batch_math import tokens_per_step
@@ -66,6 +67,10 @@ class Trainer:
     """DPO: the last evaluation's mean rewards, accuracy and margin over the validation pairs (``val_`` + the names of
     :data:`meshtrain.objectives.PAIR_METRICS`); empty otherwise."""
 
+    adapter_base: dict | None = None
+    """LoRA runs, on rank 0: what identifies the frozen base (:func:`meshtrain.adapters.spec.base_record`), kept in
+    every checkpoint, which holds the adapters only."""
+
     source_hf_config: dict | None = None
     """The ``config.json`` of the Hugging Face model this run started from (``model.init_from``), kept in every
     checkpoint so that ``export --format hf`` carries what training does not change (:func:`meshtrain.models.hf.carried_config`)."""
@@ -83,6 +88,11 @@ class Trainer:
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
         self.setup = set_up(cfg, self.device)
         conversations = isinstance(self.setup.corpus.train, Conversations)  # targets outside the loss
+        a = cfg.adapter
+        if a.lora_rank and self.rank == 0:
+            n = adapter_parameters(cfg.model, list(a.lora_targets), a.lora_rank)
+            print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
+                  f"base's {self.setup.model.num_params():,} are frozen", file=sys.stderr, flush=True)
         self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast,
                                     eos_id=self.setup.corpus.tokenizer.eos_id,  # data.packing = "document" splits at it
                                     conversations=conversations)
@@ -119,9 +129,12 @@ class Trainer:
             self.start_step = joined
         c = cfg.checkpoint
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
-        if self.start_step == 0 and cfg.model.init_from:
+        adapters = cfg.adapter.lora_rank > 0  # the frozen base is not in the checkpoints: read it on resume too
+        if cfg.model.init_from and (self.start_step == 0 or adapters):
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
-            self.source_hf_config = source_hf_config(cfg.model.init_from)
+            self.source_hf_config = self.source_hf_config or source_hf_config(cfg.model.init_from)
+        if adapters and self.rank == 0:  # what a resume, export or generate checks the base against
+            self.adapter_base = base_record(cfg.model.init_from, cfg.train.seed)
         if cfg.train.objective == "dpo":
             self._set_reference()
 
@@ -197,6 +210,8 @@ class Trainer:
         if self.checkpoints.in_flight != step:
             self.parallel.consolidate(step)
             carried = {"source_hf_config": self.source_hf_config} if self.source_hf_config else {}
+            if self.adapter_base is not None:
+                carried[BASE_KEY] = self.adapter_base
             meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
                                    self.sampler.global_batch_size, scheduler=self.scheduler.state_dict(), **carried)
             saved = self.checkpoints.save(step, self.model, self.optimizer, meta, extra=self.parallel.outer)

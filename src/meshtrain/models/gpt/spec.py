@@ -20,7 +20,7 @@ from typing import Any
 
 from meshtrain.errors import require
 from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames, check_attention_layout
-from meshtrain.models.hf_io import number, refuse
+from meshtrain.models.hf_io import Undecided, fraction, number, refuse, with_defaults
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
 """The GPT's MLP activation (``model.activation``): exact (erf) GELU, or its tanh approximation (GPT-2's
@@ -75,7 +75,35 @@ def prefix(present: Collection[str]) -> str:
     return "transformer." if not present or any(n.startswith("transformer.") for n in present) else ""
 
 
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+    "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+    "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False, "tie_word_embeddings": True}
+"""``GPT2Config``'s defaults (``transformers`` 5.24, ``models/gpt2/configuration_gpt2.py``) of every key :func:`read`
+reads."""
+ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+           "num_hidden_layers": "n_layer"}
+"""``GPT2Config.attribute_map``."""
+DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+"""GPT-2's dropouts (after each block's attention and MLP, on the embeddings, on the attention weights): meshtrain's
+GPT has one ``model.dropout`` at those three places."""
+IGNORED = (r"\.attn\.(masked_)?bias$", r"\.crossattention\.bias$")
+"""Buffers of older GPT-2 files (the causal mask) that ``GPT2PreTrainedModel._keys_to_ignore_on_load_unexpected``
+drops: no weights."""
+
+
+def dropout(hf: dict[str, Any], where: Path) -> float | Undecided:
+    """GPT-2's three dropouts as meshtrain's one, or :class:`meshtrain.models.hf_io.Undecided` when they differ."""
+    values = {key: fraction(hf, key, where) for key in DROPOUTS}
+    if len(set(values.values())) == 1:
+        return values[DROPOUTS[0]]
+    shown = ", ".join(f"{key} = {value:g}" for key, value in values.items())
+    return Undecided(f"'{where}' has {shown}, and meshtrain's GPT has one model.dropout for the three")
+
+
 def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    hf = with_defaults(hf, HF_DEFAULTS, ALIASES)
     embd = number(hf, "n_embd", where, int)
     refuse(hf, "n_inner", (None, 4 * embd), where, "the GPT's MLP is 4 * n_embd wide")
     refuse(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu"), where, "GPT-2's activations")
@@ -83,12 +111,12 @@ def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     refuse(hf, "scale_attn_by_inverse_layer_idx", (False,), where, "no per-layer attention scaling")
     refuse(hf, "add_cross_attention", (False,), where, "a decoder without cross-attention")
     refuse(hf, "tie_word_embeddings", (True,), where, "GPT-2 ties its head to the token embedding")
-    act = hf.get("activation_function", "gelu_new")
     return {"type": "gpt", "n_layer": number(hf, "n_layer", where, int), "n_head": number(hf, "n_head", where, int),
             "n_embd": embd, "block_size": number(hf, "n_positions", where, int),
             "vocab_size": number(hf, "vocab_size", where, int),
-            "norm_eps": float(number(hf, "layer_norm_epsilon", where, (int, float), 1e-5)), "bias": True,
-            "activation": "gelu" if act == "gelu" else "gelu_tanh"}
+            "norm_eps": float(number(hf, "layer_norm_epsilon", where, (int, float))), "bias": True,
+            "activation": "gelu" if hf["activation_function"] == "gelu" else "gelu_tanh",
+            "dropout": dropout(hf, where)}
 
 
 def write(m: Any, vocab_size: int) -> dict[str, Any]:
@@ -146,5 +174,6 @@ FAMILY = Family(
     check_layout=check_attention_layout, layer_costs=layer_costs,
     resume_keys=("type", "n_layer", "n_embd", "n_head", "block_size", "bias"), planner=planner,
     hf=HFFormat(architectures=("GPT2LMHeadModel",), model_type="gpt2", read=read, write=write, sources=sources,
-                shapes=shapes, zeros=zeros),
+                shapes=shapes, zeros=zeros, defaults=HF_DEFAULTS, aliases=ALIASES, training={"dropout": DROPOUTS},
+                ignored=IGNORED),
     tp=TPNames(colwise=("attn.q", "attn.k", "attn.v", "mlp.fc"), rowwise=("attn.proj", "mlp.proj")))

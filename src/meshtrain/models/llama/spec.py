@@ -20,7 +20,7 @@ from typing import Any
 
 from meshtrain.errors import require
 from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames, check_attention_layout
-from meshtrain.models.hf_io import HFFormatError, number, refuse
+from meshtrain.models.hf_io import Derived, HFFormatError, fraction, number, refuse, with_defaults
 
 
 @dataclass
@@ -143,32 +143,66 @@ QKV = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v"
 QK_NORMS = (("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))
 
 
+HEAD_DIM = Derived(lambda c: c["hidden_size"] // c["num_attention_heads"], "hidden_size // num_attention_heads")
+"""``head_dim`` where ``transformers`` derives it (``LlamaConfig.__post_init__``; the attention's ``getattr(config,
+"head_dim", ...)`` of the families whose config class has no such key); ``null`` in a file means it too."""
+KV_HEADS = Derived(lambda c: c["num_attention_heads"], "num_attention_heads")
+"""``num_key_value_heads`` where ``transformers`` derives it (``LlamaConfig.__post_init__``: multi-head attention);
+``null`` in a file means it in every family (each ``__post_init__`` that reads it)."""
+
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_parameters": None,
+    "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+"""``LlamaConfig``'s defaults (``transformers`` 5.24, ``models/llama/configuration_llama.py``) of every key
+:func:`read_llama` reads; ``rope_theta`` is ``rope_parameters["rope_theta"]``'s, the class's ``default_theta``
+(``modeling_rope_utils.RotaryEmbeddingConfigMixin``: 10000)."""
+TRAINING = {"dropout": ("attention_dropout",)}
+"""The dropout of the attention weights (meshtrain's Llama has no other), which training may choose."""
+
+
 def read(hf: dict[str, Any], where: Path, kind: str = "llama") -> dict[str, Any]:
-    """``[model]`` keys of a ``LlamaForCausalLM`` (or, with ``kind``, a relative's) ``config.json``; the relatives
-    refuse their own options in their spec first."""
+    """``[model]`` keys of a ``LlamaForCausalLM`` (or, with ``kind``, a relative's) ``config.json``, already filled
+    with its family's ``transformers`` defaults (:func:`meshtrain.models.hf_io.with_defaults`); the relatives refuse
+    their own options in their spec first. RoPE is read as ``transformers`` 5 reads it
+    (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``): ``rope_scaling`` (the 4.x spelling) over
+    ``rope_parameters``, its ``rope_theta`` over the top-level one; Llama 3.1's ``original_max_position_embeddings``
+    defaults to ``max_position_embeddings`` (``standardize_rope_params``), its three factors have no default.
+
+    Raises:
+        HFFormatError: an option the model does not build, or a key missing (without a default) or ill-typed.
+    """
     heads, embd = number(hf, "num_attention_heads", where, int), number(hf, "hidden_size", where, int)
     refuse(hf, "hidden_act", ("silu",), where, "Llama's SwiGLU")
-    refuse(hf, "mlp_bias", (False,), where, "Llama's projections have no biases")
-    spelled = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4 spelling
+    spelled = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # transformers 4 / 5 spelling
     rope = hf.get(spelled) or {}
     if not isinstance(rope, dict):
         raise HFFormatError(f"'{where}': {spelled} = {rope!r:.60} must be an object (rope_type, factor, ...) or null")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", hf["rope_theta"])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    dim = hf.get("head_dim")
+    dim, kv = hf.get("head_dim"), hf.get("num_key_value_heads")
     keys = {"type": kind, "n_layer": number(hf, "num_hidden_layers", where, int), "n_head": heads, "n_embd": embd,
-            "n_kv_head": number(hf, "num_key_value_heads", where, int, heads),
+            "n_kv_head": heads if kv is None else number(hf, "num_key_value_heads", where, int),
             "head_dim": 0 if dim is None or dim == embd // heads else number(hf, "head_dim", where, int),
             "ffn_hidden": number(hf, "intermediate_size", where, int),
             "vocab_size": number(hf, "vocab_size", where, int),
-            "norm_eps": float(number(hf, "rms_norm_eps", where, (int, float), 1e-6)),
+            "norm_eps": float(number(hf, "rms_norm_eps", where, (int, float))),
             "rope_theta": float(number({"rope_theta": theta}, "rope_theta", where, (int, float))),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_scaling_factor": 0.0}
+            "tie_embeddings": bool(hf.get("tie_word_embeddings")), "rope_scaling_factor": 0.0,
+            "dropout": fraction(hf, "attention_dropout", where)}
     if rope_type == "llama3":
+        for factor in ("factor", "low_freq_factor", "high_freq_factor"):
+            if factor not in rope:
+                raise HFFormatError(f"'{where}': {spelled} of rope_type 'llama3' has no {factor}, which transformers "
+                                    f"has no default for: give factor, low_freq_factor and high_freq_factor "
+                                    f"(Llama 3.1: 8, 1, 4)")
+        original = rope.get("original_max_position_embeddings", hf["max_position_embeddings"])
         keys.update(rope_scaling_factor=float(number(rope, "factor", where, (int, float))),
                     rope_low_freq_factor=float(number(rope, "low_freq_factor", where, (int, float))),
                     rope_high_freq_factor=float(number(rope, "high_freq_factor", where, (int, float))),
-                    rope_original_max_positions=number(rope, "original_max_position_embeddings", where, int))
+                    rope_original_max_positions=number({"original_max_position_embeddings": original},
+                                                       "original_max_position_embeddings", where, int))
     elif rope_type != "default":
         raise HFFormatError(f"'{where}': rope type {rope_type!r} is not supported: meshtrain builds 'default' and "
                             f"'llama3' (Llama 3.1's frequency scaling)")
@@ -176,7 +210,9 @@ def read(hf: dict[str, Any], where: Path, kind: str = "llama") -> dict[str, Any]
 
 
 def read_llama(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    hf = with_defaults(hf, HF_DEFAULTS)
     refuse(hf, "attention_bias", (False,), where, "Llama's projections have no biases")
+    refuse(hf, "mlp_bias", (False,), where, "Llama's projections have no biases")
     return read(hf, where)
 
 
@@ -251,4 +287,4 @@ def family(name: str, summary: str, model: str, hf: HFFormat, qkv_bias: bool = F
 FAMILY = family("llama", "Llama (RMSNorm, RoPE with Llama 3.1 scaling, SwiGLU, grouped-query attention)",
                 "meshtrain.models.llama.model:Llama",
                 HFFormat(architectures=("LlamaForCausalLM",), model_type="llama", read=read_llama, write=write,
-                         sources=sources, shapes=shapes))
+                         sources=sources, shapes=shapes, defaults=HF_DEFAULTS, training=TRAINING))

@@ -169,25 +169,51 @@ def expert_shapes(layer: str, names: tuple[str, str, str], fused: str | None, m:
     return out
 
 
+TRAINING = {**llama.TRAINING, "router_aux_loss_coef": ("router_aux_loss_coef",)}
+"""The attention's dropout and the load-balancing loss's weight, which training may choose (the folder's unless the
+run sets them)."""
+
+
+def aux_loss_coef(hf: dict[str, Any], where: Any) -> float:
+    """``router_aux_loss_coef`` of a ``config.json`` filled with its defaults: a finite number >= 0.
+
+    Raises:
+        HFFormatError: not a number, negative or not finite.
+    """
+    value = hf.get("router_aux_loss_coef")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise HFFormatError(f"'{where}': router_aux_loss_coef = {value!r} must be a finite number >= 0")
+    return float(value)
+
+
 def qwen_moe_keys(hf: dict[str, Any], where: Any) -> dict[str, Any]:
-    """The experts' ``[model]`` keys of a Qwen MoE ``config.json`` (Qwen2-MoE's and Qwen3-MoE's spelling): expert
-    width ``moe_intermediate_size``, ``num_experts`` (``num_local_experts`` in ``transformers`` 5), top-k,
-    ``norm_topk_prob`` (false unless given).
+    """The experts' ``[model]`` keys of a Qwen MoE ``config.json`` (Qwen2-MoE's and Qwen3-MoE's spelling, filled
+    with the family's defaults): expert width ``moe_intermediate_size``, ``num_experts`` (Qwen3-MoE's
+    ``num_local_experts`` is an alias, its family's :attr:`meshtrain.models.family.HFFormat.aliases`), top-k,
+    ``norm_topk_prob``, the load-balancing loss's weight.
 
     Raises:
         HFFormatError: dense layers among the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``), or a
             ``norm_topk_prob`` that is not a boolean.
     """
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers") not in (None, []):
+    if hf.get("decoder_sparse_step") != 1 or hf.get("mlp_only_layers") not in (None, []):
         raise HFFormatError(f"'{where}': decoder_sparse_step = {hf.get('decoder_sparse_step')!r} and mlp_only_layers "
                             f"= {hf.get('mlp_only_layers')!r} are not supported (dense layers among the sparse ones): "
                             f"meshtrain builds 1 and [] (experts in every layer)")
-    norm = hf.get("norm_topk_prob", False)
+    norm = hf.get("norm_topk_prob")
     if not isinstance(norm, bool):
         raise HFFormatError(f"'{where}': norm_topk_prob = {norm!r} must be true or false")
     return dict(ffn_hidden=number(hf, "moe_intermediate_size", where, int),
-                num_experts=number(hf, "num_experts" if "num_experts" in hf else "num_local_experts", where, int),
-                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm)
+                num_experts=number(hf, "num_experts", where, int),
+                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int), norm_topk_prob=norm,
+                router_aux_loss_coef=aux_loss_coef(hf, where))
+
+
+QWEN_MOE_DEFAULTS: dict[str, Any] = {
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
+"""The expert keys whose defaults ``Qwen2MoeConfig`` and ``Qwen3MoeConfig`` share (``transformers`` 5.24;
+``mlp_only_layers``: None in the signature, [] after ``__post_init__``); the sizes (``moe_intermediate_size``,
+``num_experts``, ``num_experts_per_tok``) are each class's own."""
 
 
 def qwen_moe_config(m: Any, expert_width: int) -> dict[str, Any]:
@@ -196,6 +222,13 @@ def qwen_moe_config(m: Any, expert_width: int) -> dict[str, Any]:
     return dict(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
                 router_aux_loss_coef=m.router_aux_loss_coef, moe_intermediate_size=expert_width, decoder_sparse_step=1,
                 mlp_only_layers=[], output_router_logits=False)
+
+
+def without_dense_width(config: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen MoE ``config.json`` without ``intermediate_size``: the width of the dense MLPs of ``mlp_only_layers``,
+    which a model with experts in every layer has none of (``transformers`` fills its default; an export from a
+    Hugging Face folder keeps the folder's, :func:`meshtrain.models.hf_carry.carried_config`)."""
+    return {k: v for k, v in config.items() if k != "intermediate_size"}
 
 
 def fused_prefix(present: Collection[str], fused: str) -> str | None:

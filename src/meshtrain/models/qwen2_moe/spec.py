@@ -19,15 +19,25 @@ from typing import Any
 
 from meshtrain.errors import require
 from meshtrain.models.family import HFFormat
-from meshtrain.models.hf_io import number, refuse
+from meshtrain.models.hf_io import number, refuse, with_defaults
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.moe import spec as moe
+from meshtrain.models.qwen2 import spec as qwen2
 
 PUBLISHED = "mlp"
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
+HF_DEFAULTS: dict[str, Any] = {
+    **qwen2.HF_DEFAULTS, **moe.QWEN_MOE_DEFAULTS, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60, "qkv_bias": True}
+"""``Qwen2MoeConfig``'s defaults (``transformers`` 5.24, ``models/qwen2_moe/configuration_qwen2_moe.py``) of every key
+:func:`read` reads: Qwen2's with these sizes and the experts' keys."""
+
+
 def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    hf = with_defaults(hf, HF_DEFAULTS)
     experts = moe.qwen_moe_keys(hf, where)
     refuse(hf, "use_sliding_window", (False,), where, "full causal attention in every layer")
     refuse(hf, "qkv_bias", (True,), where, "Qwen2's q, k and v biases")
@@ -43,7 +53,7 @@ def write(m: Any, vocab_size: int) -> dict[str, Any]:
         config.pop(key)
     config.update(**moe.qwen_moe_config(m, config["intermediate_size"]),
                   shared_expert_intermediate_size=m.shared_expert_ffn, qkv_bias=True)
-    return config
+    return moe.without_dense_width(config)
 
 
 def check(m: Any) -> None:
@@ -56,5 +66,6 @@ FAMILY = moe.moe_family(
     "meshtrain.models.qwen2_moe.model:Qwen2MoE",
     HFFormat(architectures=("Qwen2MoeForCausalLM",), model_type="qwen2_moe", read=read, write=write,
              sources=partial(moe.moe_sources, published=PUBLISHED, names=EXPERT_NAMES, qkv_bias=True),
-             shapes=partial(moe.moe_shapes, published=PUBLISHED, names=EXPERT_NAMES, qkv_bias=True)),
+             shapes=partial(moe.moe_shapes, published=PUBLISHED, names=EXPERT_NAMES, qkv_bias=True),
+             defaults=HF_DEFAULTS, training=moe.TRAINING),
     qkv_bias=True, check_family=check)

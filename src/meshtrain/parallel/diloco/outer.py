@@ -201,8 +201,10 @@ class DiLoCo:
         background = self.delay > 0
         if self.precision == "int8":
             codes, scales = quantize_int8(delta)
-            all_codes = torch.empty(self.workers, codes.numel(), dtype=torch.int8, device=codes.device)
-            all_scales = torch.empty(self.workers, scales.numel(), dtype=scales.dtype, device=scales.device)
+            # flat outputs (gloo's all-gather checks each worker's slice against the input's shape: a (W, n)
+            # buffer's slices are (1, n)); row w is worker w's
+            all_codes = torch.empty(self.workers * codes.numel(), dtype=torch.int8, device=codes.device)
+            all_scales = torch.empty(self.workers * scales.numel(), dtype=scales.dtype, device=scales.device)
             work = [dist.all_gather_into_tensor(all_codes, codes, group=self.group, async_op=background),
                     dist.all_gather_into_tensor(all_scales, scales, group=self.group, async_op=background)]
             buffers: tuple[torch.Tensor, ...] = (all_codes, all_scales, torch.tensor(delta.numel()))  # n: CPU
@@ -226,7 +228,8 @@ class DiLoCo:
             work.wait()
         if self.precision == "int8":
             codes, scales, n = exchange.buffers
-            average = sum(dequantize_int8(c, s, int(n)) for c, s in zip(codes, scales)) / self.workers
+            rows = zip(codes.view(self.workers, -1), scales.view(self.workers, -1))
+            average = sum(dequantize_int8(c, s, int(n)) for c, s in rows) / self.workers
         else:
             average = exchange.buffers[0].float() / self.workers
         self._outer_step(frag, average, alpha)

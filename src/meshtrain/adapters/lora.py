@@ -1,0 +1,133 @@
+"""Low-rank adapters (LoRA) on a model's linear maps, after tensor parallelism has split them, and the frozen base.
+
+``h = W x + s * B(A(dropout(x)))`` with ``A`` (r, in) and ``B`` (out, r) trained and ``W`` frozen (Hu et al. 2021,
+arXiv:2106.09685, Eq. 3; ``s`` from :func:`meshtrain.adapters.spec.lora_scaling`). Initialised as peft does it
+(``LoraLayer.reset_lora_parameters``): ``A`` uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (``nn.Linear``'s own
+initialisation, Kaiming-uniform with ``a = sqrt(5)``), ``B`` zero, so the adapted model starts equal to the base.
+
+Adapters are added to a module that is already tensor-parallel, by giving it two more linear maps and the forward
+above (its class becomes :class:`LoRALinear`, a subclass of ``nn.Linear``, in place, as FSDP2's ``fully_shard``
+changes a module's class): the module keeps its name, its weight and the input/output hooks the tensor-parallel
+plan put on it, so checkpoints, Hugging Face import and the plan are unchanged. The adapters follow their base
+(Megatron-LM's layout, Shoeybi et al. 2019, Sec. 3):
+
+- column-parallel ``W`` (``Shard(0)``: out/tp rows per rank): ``A`` replicated, ``B`` sharded by output rows, so
+  each rank computes its out/tp features of ``B A x``; ``A``'s gradient is a partial sum over the tp ranks
+  (each holds out/tp rows of ``B``) that :func:`meshtrain.parallel.reduce.reduce_partial_grads` all-reduces;
+- row-parallel ``W`` (``Shard(1)``): ``A`` sharded by input columns, ``B`` replicated: each rank's ``B A_i x_i``
+  is a partial sum that the base's own all-reduce (reduce-scatter with sequence parallelism) adds up with
+  ``W_i x_i``, so the forward needs no collective of its own; ``B``'s gradient is a partial sum, all-reduced.
+
+Shape legend: in, out the base's features (global), r the rank.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from meshtrain.adapters.spec import is_adapter, lora_scaling, targeted_paths
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` ``W`` (out, in) with a low-rank adapter: ``lora_A`` (r, in), ``lora_B`` (out, r), both
+    without bias, ``lora_dropout`` on the adapter's input and the factor ``scaling``. Made by :func:`add_lora`."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., in) -> (..., out): ``W x + b + scaling * B A dropout(x)`` (under tp: this rank's features, or
+        a partial sum the base's reduction finishes)."""
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def _placements(weight: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """The placements of ``A`` and ``B`` that follow the base ``weight`` (a DTensor on a 1-D tp mesh), see the module
+    docstring; None for a plain tensor."""
+    if not isinstance(weight, DTensor):
+        return None
+    kind = weight.placements[0]
+    if isinstance(kind, Shard) and kind.dim == 0:  # column-parallel
+        return (Replicate(),), (Shard(0),)
+    if isinstance(kind, Shard) and kind.dim == 1:  # row-parallel
+        return (Shard(1),), (Replicate(),)
+    return (Replicate(),), (Replicate(),)
+
+
+def add_lora(linear: nn.Linear, rank: int, scaling: float, dropout: float, seed: int) -> LoRALinear:
+    """Give ``linear`` (plain, or tensor-parallel: a DTensor weight) an adapter of rank ``rank``, in place; return it.
+
+    ``A`` is drawn from a CPU generator seeded with ``seed`` (the same on every rank and layout), ``B`` is zero;
+    under tp each rank keeps its slice of them (``distribute_tensor`` of equal tensors, no communication).
+    """
+    weight = linear.weight
+    out_features, in_features = weight.shape  # global, for a DTensor too
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1 / math.sqrt(in_features)  # nn.Linear's Kaiming-uniform (a = sqrt(5)), peft's init of A
+    a = (torch.rand(rank, in_features, generator=generator, dtype=torch.float32) * 2 - 1) * bound
+    b = torch.zeros(out_features, rank)
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    a, b = (t.to(device=local.device, dtype=local.dtype) for t in (a, b))
+    placements = _placements(weight)
+    if placements is not None:
+        a, b = (distribute_tensor(t, weight.device_mesh, p, src_data_rank=None) for t, p in zip((a, b), placements))
+    linear.lora_A = _linear_of(a)
+    linear.lora_B = _linear_of(b)
+    linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    linear.scaling = scaling
+    linear.__class__ = LoRALinear
+    return linear
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` without bias whose weight (out, in) is ``weight`` (plain or DTensor)."""
+    module = nn.Linear(1, 1, bias=False, device="meta")
+    module.weight = nn.Parameter(weight)
+    module.in_features, module.out_features = weight.shape[1], weight.shape[0]
+    return module
+
+
+def add_adapters(model: nn.Module, adapter, model_cfg) -> list[str]:
+    """Adapt the modules of every block of ``model`` (a whole model or a pipeline chunk, after tp) that
+    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names.
+
+    ``adapter``: the ``[adapter]`` section (``lora_rank`` > 0); ``model_cfg``: the ``[model]`` section. Each
+    adapter's ``A`` is seeded from the model's ``init_seed`` and the module's name, so it is the same whichever
+    layout or pipeline stage holds it.
+    """
+    paths = targeted_paths(model_cfg, list(adapter.lora_targets))
+    scaling = lora_scaling(adapter.lora_alpha, adapter.lora_rank, adapter.use_rslora)
+    names = []
+    for key, block in model.blocks.items():
+        for path in paths:
+            name = f"blocks.{key}.{path}"
+            seed = (model.init_seed + zlib.crc32(name.encode())) % 2**63
+            add_lora(block.get_submodule(path), adapter.lora_rank, scaling, adapter.lora_dropout, seed)
+            names.append(name)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return names
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> int:
+    """Fold every adapter of ``model`` (one process, plain tensors) into its base, ``W <- W + scaling * B A`` (Hu et
+    al. 2021, Sec. 4.1: "we can explicitly compute and store W = W0 + BA"), and make the module a plain
+    ``nn.Linear`` again, so the state is a plain model's (an ``export --format hf --merge``). Returns how many
+    modules were merged."""
+    merged = 0
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.weight += module.scaling * (module.lora_B.weight @ module.lora_A.weight)  # (out, r) @ (r, in)
+            del module.lora_A, module.lora_B, module.lora_dropout, module.scaling
+            module.__class__ = nn.Linear
+            merged += 1
+    return merged

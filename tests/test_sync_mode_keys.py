@@ -1,0 +1,67 @@
+"""A sync mode's own keys (``meshtrain.axes.SYNC_MODE_KEYS``: DiLoCo's, local SGD's, the parameter server's, the
+hierarchical all-reduce's) set under another ``parallel.sync_mode`` are refused in one line naming the key, the
+mode it belongs to and the default to use, as a model family's keys are under another family; at their defaults
+(as the example config writes every one of them) they are accepted under every mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import CONFIG, TINY, override_args, run_cli
+
+OTHER_VALUES = {"diloco_precision": "bf16", "stale_policy": "wait", "diloco_lighthouse": "http://127.0.0.1:29510"}
+"""A valid value other than the default of the string keys (numbers: the default + 1, booleans: the other one)."""
+
+
+def _other(key: str) -> str:
+    from meshtrain.config import ParallelConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}[key]
+    if isinstance(default, bool):
+        return str(not default).lower()
+    if isinstance(default, int | float) and key != "outer_momentum":
+        return str(default + 1)
+    return OTHER_VALUES.get(key, "0.5")
+
+
+def _cases() -> list[tuple[str, str, str]]:
+    from meshtrain.axes import SYNC_MODE_KEYS, SYNC_MODES
+
+    return [(key, mode, other) for mode, keys in SYNC_MODE_KEYS.items() for key in keys
+            for other in SYNC_MODES if other != mode]
+
+
+@pytest.mark.parametrize("key,owner,mode", _cases())
+def test_a_sync_modes_key_under_another_mode_is_refused_in_one_line(key, owner, mode):
+    from meshtrain.config import ConfigError, load_config
+
+    value = _other(key)
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIG, {**TINY, "parallel.sync_mode": mode, f"parallel.{key}": value})
+    message = str(error.value)
+    assert "\n" not in message
+    if key == "hierarchical_allreduce":  # its own line says what it needs (sync, zero_stage 0, tp 1)
+        assert message.startswith("parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce"), message
+        return
+    assert message.startswith(f"parallel.{key} = ") and f"applies to parallel.sync_mode = '{owner}' only" in message
+    assert f"--parallel.sync_mode {owner}" in message
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "local-sgd", "diloco"])
+def test_every_key_at_its_default_is_accepted_under_every_mode(mode):
+    from meshtrain.config import load_config
+
+    assert load_config(CONFIG, {**TINY, "parallel.sync_mode": mode}).parallel.sync_mode == mode
+
+
+def test_diloco_keys_with_sync_are_refused_before_launch(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out),
+                   *override_args({**TINY, "parallel.diloco_inner_steps": "4", "parallel.outer_lr": "0.5"}))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0] == ("meshtrain train: error: parallel.diloco_inner_steps = 4 applies to parallel.sync_mode = "
+                        "'diloco' only: use 8 with sync_mode = 'sync', or set --parallel.sync_mode diloco")
+    assert not out.exists()
