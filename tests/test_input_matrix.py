@@ -61,11 +61,21 @@ class InputFile:
     data_only: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Damages only the data shows (damage -> readers): they pass every check before launch, and the rank that
     reads the data stops with one line (``tests/test_binary_damage.py`` checks that line)."""
+    read_back: bool = False
+    """A file meshtrain wrote and reads back (a run's record, a profile, prepared metadata): it also gets
+    :data:`READ_BACK_DAMAGES`, which :func:`meshtrain.fileio.read_checked` refuses before anything parses it."""
 
 
+FINISHED = "finished"
+"""A run folder as a finished run leaves it (:func:`artefacts` adds it): metrics.jsonl, summary.json and the
+plan_vs_actual.json that ``plan --calibrate-from`` reads."""
+CALIBRATE_FROM = (*PLAN, "--calibrate-from", f"{{w}}/{FINISHED}")
+PROFILE = "profile/hardware_profile.toml"
+"""A calibrated hardware profile (:func:`artefacts` copies the reference machine's, which has its format)."""
 EXTRA_KEY = "written_by_a_newer_tool"
 EXTRA = f"an extra key ({EXTRA_KEY})"
-ALL = ("train", "train --nproc 2", "train --resume", "plan", "prepare", "generate", "export", "export --format hf")
+ALL = ("train", "train --nproc 2", "train --resume", "plan", "prepare", "generate", "export", "export --format hf",
+       "plan --calibrate-from", "plan --profile")
 """Every reader (:attr:`InputFile.valid` ``damage -> readers``; a file's own readers are those it lists)."""
 
 FILES = [
@@ -82,7 +92,7 @@ FILES = [
               {"format": "meshtrain-other", "format_version": 99, "vocab_size": 0, "dtype": "float64",
                "tokenizer": None, "tokenizer.kind": "bogus", "splits": None, "splits.train": None,
                "splits.train.tokens": -1, "splits.train.documents": -1, "splits.train.shards": None,
-               "splits.val.tokens": 10**30}, valid={EXTRA: ALL}),
+               "splits.val.tokens": 10**30}, valid={EXTRA: ALL}, read_back=True),
     InputFile("prepared/train_00000.bin", "binary", {"train": (*TRAIN, *PREPARED), "train --nproc 2": (*TRAIN2, *PREPARED)},
               data_only={"garbage of its size": ("train", "train --nproc 2")}),
     InputFile("prepared/val_00000.bin", "binary", {"train": (*TRAIN, *PREPARED), "train --nproc 2": (*TRAIN2, *PREPARED)},
@@ -102,7 +112,8 @@ FILES = [
               {"architectures": ["MistralForCausalLM"], "n_layer": 0, "n_head": 0, "n_embd": 0, "n_positions": 0,
                "vocab_size": 0, "layer_norm_epsilon": -1.0, "activation_function": "relu"},
               valid={EXTRA: ALL, **{f"{key}: missing": ALL  # transformers' defaults; the family from model_type
-                                    for key in ("architectures", "layer_norm_epsilon", "activation_function")}}),
+                                    for key in ("architectures", "layer_norm_epsilon", "activation_function")},
+                     "vocab_size: missing": ("plan",)}),  # plan reads config.json alone: GPT-2's default 50257
     InputFile("hf/model.safetensors.index.json", "json", {"train": (*TRAIN, *HF), "train --nproc 2": (*TRAIN2, *HF),
                                                           "generate": (*GENERATE, "{w}/hf")},
               {"weight_map": {}}, valid={EXTRA: ALL}),
@@ -111,6 +122,16 @@ FILES = [
     InputFile("hf/tokenizer.json", "json", {"generate": (*GENERATE, "{w}/hf")},
               {"model": None, "model.vocab": None}),
     InputFile("export/model.safetensors", "binary", {"generate": (*GENERATE, "{w}/export/model.safetensors")}),
+    InputFile(f"{FINISHED}/plan_vs_actual.json", "json", {"plan --calibrate-from": CALIBRATE_FROM},
+              {"predicted": None, "predicted.time_breakdown_s": None, "predicted.time_breakdown_s.compute": -1.0,
+               "predicted.time_breakdown_s.total": 0, "predicted.layout": None, "predicted.device": "cuda",
+               "measured": None, "measured.step_time_s": 1e6},
+              valid={EXTRA: ALL, "predicted.layout: missing": ALL,  # records name the layout for the user only
+                     "predicted.device: missing": ALL},  # records before the field: the profile's name says cpu
+              read_back=True),
+    InputFile(PROFILE, "toml", {"plan --profile": (*PLAN, "--profile", f"{{w}}/{PROFILE}")},
+              valid={"missing": ALL},  # no profile: the reference machine's (meshtrain plan --calibrate writes one)
+              read_back=True),
 ]
 ACCEPTED = "accepted: still a valid input of this command"
 """The doc's line for a damage that leaves a valid input (:attr:`InputFile.valid`)."""
@@ -143,6 +164,22 @@ DAMAGES = {
 }
 """Damage name -> what it does to the file. "not UTF-8" applies to text kinds only, "a byte appended" to binary
 ones, "garbage of its size" to the files whose :attr:`InputFile.data_only` names it."""
+
+
+def _sparse_garbage(path: Path) -> None:
+    path.write_bytes(GARBAGE)
+    os.truncate(path, 2**30)
+
+
+READ_BACK_DAMAGES = {
+    "/dev/zero": lambda p: _replace(p, lambda q: q.symlink_to("/dev/zero")),
+    "a symlink loop": lambda p: _replace(p, lambda q: q.symlink_to(q.name)),
+    "unreadable": lambda p: p.chmod(0),
+    "1 GiB of garbage (sparse)": _sparse_garbage,
+}
+"""Damages of the files meshtrain reads back (:attr:`InputFile.read_back`), besides :data:`DAMAGES` (a FIFO and a
+folder among them): a device that never ends, a link to itself, a file no one may read (refused for root too, who
+could read it), and a file far larger than any record, made sparse so that it costs no disk."""
 
 
 def _wrong_type(value: Any) -> Any:
@@ -188,6 +225,8 @@ def damages(f: InputFile) -> dict[str, Any]:
     only = {"not UTF-8": f.kind != "binary", "a byte appended": f.kind == "binary",
             "garbage of its size": "garbage of its size" in f.data_only}
     out = {name: hurt for name, hurt in DAMAGES.items() if only.get(name, True)}
+    if f.read_back:
+        out.update(READ_BACK_DAMAGES)
     for dotted, bad in f.fields.items():
         out[f"{dotted}: wrong type"] = lambda p, d=dotted: _set_field(p, d, _wrong_type)
         if bad is not None:
@@ -211,6 +250,32 @@ def case_keys() -> list[tuple[str, str, str]]:
 
 CASES = [pytest.param(f, damage, command, id=f"{f.path}|{damage}|{command}")
          for f in FILES for damage in damages(f) for command in f.readers]
+
+
+# --- the files a finished run leaves -----------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def artefacts(artefacts: Path) -> Path:  # noqa: F811 (conftest's, plus what a finished run and a calibration leave)
+    """conftest's artefacts plus :data:`FINISHED` (the 2-step run's metrics.jsonl and summary.json, and the
+    plan_vs_actual.json meshtrain train writes after a run, predicted for its config and measured at twice the
+    prediction) and :data:`PROFILE` (the reference machine's profile, in the format plan --calibrate writes)."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
+    from meshtrain.planner.hardware import CPU_REFERENCE
+
+    finished = artefacts / FINISHED
+    if not finished.exists():
+        finished.mkdir()
+        for name in ("metrics.jsonl", "summary.json"):
+            shutil.copy2(artefacts / "run" / name, finished / name)
+        summary = json.loads((finished / "summary.json").read_text())
+        cfg = load_config(artefacts / "config.toml")
+        predicted = predict_for_run(cfg, 1, summary["vocab_size"], "cpu", artefacts / "no_profile.toml", threads=1)
+        write_plan_vs_actual(predicted, {"step_time_s": 2 * predicted["step_time_s"],
+                                         "peak_memory_bytes": summary["peak_memory_bytes"]}, finished)
+        (artefacts / PROFILE).parent.mkdir()
+        shutil.copy2(CPU_REFERENCE, artefacts / PROFILE)
+    return artefacts
 
 
 # --- running a case ----------------------------------------------------------------------------------------
@@ -311,3 +376,56 @@ def test_the_installed_cli_says_the_same_line(artefacts, tmp_path, f, command):
     _, err, _ = run_cli_here(argv)
     assert proc.returncode == 2 and proc.stderr.strip() == err.strip() and proc.stdout == "", proc.stderr[-2000:]
     assert snapshot(w) == before
+
+
+# --- each reader of a file meshtrain reads back, called directly ----------------------------------------------
+
+def _readers() -> dict[str, tuple[str, Any]]:
+    """Reader name -> (the file it reads, in the artefacts; a function of that file's path that reads it)."""
+    from meshtrain.data.shards import read_prepared_meta
+    from meshtrain.metrics import read_metrics
+    from meshtrain.planner.hardware import get_hardware, load_hardware_file
+    from meshtrain.planner.stack import run_dir_speed
+
+    return {"read_metrics": (f"{FINISHED}/metrics.jsonl", lambda p: read_metrics(p.parent)),
+            "run_dir_speed": (f"{FINISHED}/plan_vs_actual.json", lambda p: run_dir_speed(p.parent, "cpu")),
+            "get_hardware --profile": (PROFILE, lambda p: get_hardware("cpu", profile=p)),
+            "load_hardware_file": (PROFILE, load_hardware_file),
+            "read_prepared_meta": ("prepared/meta.json", lambda p: read_prepared_meta(p.parent))}
+
+
+FILE_DAMAGES = ("a FIFO", "a folder", *READ_BACK_DAMAGES)
+"""What each reader of :func:`_readers` meets in place of its file: every one is refused before it is parsed."""
+
+
+@pytest.mark.parametrize("damage", FILE_DAMAGES)
+@pytest.mark.parametrize("reader", list(_readers()))
+def test_each_reader_checks_its_file_before_parsing_it(artefacts, tmp_path, reader, damage):
+    """The reader raises ConfigError, one line naming the file, within 10 s (a FIFO would block a read, and
+    /dev/zero or 1 GiB of garbage fill the memory), and leaves the folder as it was; undamaged, it reads the file."""
+    import signal
+
+    from meshtrain.config import ConfigError
+
+    name, read = _readers()[reader]
+    folder = tmp_path / name.split("/")[0]
+    shutil.copytree(artefacts / name.split("/")[0], folder, symlinks=True)
+    target = tmp_path / name
+    read(target)  # the control
+    (DAMAGES | READ_BACK_DAMAGES)[damage](target)
+    before = snapshot(folder)
+
+    def up(signum, frame):
+        raise TimeoutError(f"HANG: {reader} on {damage}")
+
+    old = signal.signal(signal.SIGALRM, up)
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        with pytest.raises(ConfigError) as raised:
+            read(target)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    line = str(raised.value)
+    assert "\n" not in line and target.name in line, line
+    assert snapshot(folder) == before

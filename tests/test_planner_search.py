@@ -247,7 +247,8 @@ def test_plan_a_llama_config_with_the_overrides_of_train(capsys, tmp_path):
 def test_plan_overrides_need_a_config(capsys):
     code, _, err = plan(capsys, "--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8",
                         "--tp", "2")
-    assert code == 2 and "config file '2' does not exist; overrides such as --tp 2 follow a training config" in err
+    assert code == 2 and ("config file '2' does not exist, or '2' is the value of --tp, which is not an option of "
+                          "plan; overrides such as --tp 2 follow a training config") in err
     code, _, err = plan(capsys, "--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "8",
                         "--tp=2")
     assert code == 2 and "unrecognized arguments: --tp=2 (overrides such as --tp 2 follow" in err

@@ -200,7 +200,9 @@ def test_layout_from_config_carries_every_field_it_shares_with_the_config(name):
 
 @pytest.mark.parametrize("sync_mode, world", [("sync", 2), ("local-sgd", 2), ("async", 3), ("diloco", 2)])
 def test_layout_from_config_keeps_the_sync_mode_fields_of_other_modes_off(sync_mode, world):
-    cfg = load_config(None, {"parallel.sync_mode": sync_mode, "parallel.diloco_group": "1"})
+    # another mode's keys are refused off their defaults (tests/test_sync_mode_keys.py): DiLoCo's only under DiLoCo
+    cfg = load_config(None, {"parallel.sync_mode": sync_mode, **({"parallel.diloco_group": "1"} if sync_mode == "diloco"
+                                                                  else {})})
     layout = Layout.from_config(cfg, world)
     assert layout.local_sgd_steps == (cfg.parallel.local_sgd_steps if sync_mode == "local-sgd" else 0)
     assert layout.ps_servers == (cfg.parallel.ps_servers if sync_mode == "async" else 0)

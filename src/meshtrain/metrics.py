@@ -38,11 +38,38 @@ REFRESH_PER_S = 2
 on a terminal (2.4% of a core that the training threads share); 2 costs ~8 ms."""
 
 
+MAX_METRICS_BYTES = 512 * 2**20
+"""Most bytes a metrics.jsonl may hold: a record is ~250 bytes, so this is ~2 M logged steps (a larger file is not
+one meshtrain wrote: it would be read whole before being refused)."""
+
+
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``OUT/metrics.jsonl`` (none without the file), checked as a file first
+    (:func:`meshtrain.fileio.read_checked`).
+
+    Raises:
+        ConfigError: it is not a regular file of at most :data:`MAX_METRICS_BYTES`, not UTF-8, or a line is not a
+            JSON object with a ``step`` (one line naming the file and the line).
+    """
+    from meshtrain.config import ConfigError
+    from meshtrain.fileio import read_text_checked
+
     path = Path(out_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fix = "move it away (or delete it) to start the run's metrics afresh"
+    text = read_text_checked(path, "metrics file", fix, MAX_METRICS_BYTES, missing_ok=True)
+    records = []
+    for number, line in enumerate((text or "").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(f"metrics file '{path}': line {number} is not a record of meshtrain's (a JSON object "
+                              f"with a step): {fix}")
+        records.append(record)
+    return records
 
 
 class TensorBoardSink:

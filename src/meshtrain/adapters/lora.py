@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshtrain.adapters.spec import is_adapter, lora_scaling, targeted_paths
+from meshtrain.adapters.spec import ALL_LINEAR, is_adapter, lora_scaling, targeted_paths
 
 
 class LoRALinear(nn.Linear):
@@ -43,10 +43,14 @@ class LoRALinear(nn.Linear):
     lora_dropout: nn.Module
     scaling: float
 
+    def base_output(self, x: torch.Tensor) -> torch.Tensor:
+        """``W x + b``: the frozen base's output (NF4-stored in :class:`meshtrain.adapters.nf4.NF4LoRALinear`)."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., in) -> (..., out): ``W x + b + scaling * B A dropout(x)`` (under tp: this rank's features, or
         a partial sum the base's reduction finishes)."""
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return self.base_output(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def _placements(weight: torch.Tensor) -> tuple[tuple, tuple] | None:
@@ -95,9 +99,11 @@ def _linear_of(weight: torch.Tensor) -> nn.Linear:
     return module
 
 
-def add_adapters(model: nn.Module, adapter, model_cfg) -> list[str]:
+def add_adapters(model: nn.Module, adapter, model_cfg, quantize: bool = True) -> list[str]:
     """Adapt the modules of every block of ``model`` (a whole model or a pipeline chunk, after tp) that
-    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names.
+    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names. With
+    ``adapter.quantize_base = "nf4"`` (and ``quantize``; False on the meta device) every linear map of the blocks
+    that LoRA could target is then stored as NF4 (:mod:`meshtrain.adapters.nf4`, QLoRA), adapted or not.
 
     ``adapter``: the ``[adapter]`` section (``lora_rank`` > 0); ``model_cfg``: the ``[model]`` section. Each
     adapter's ``A`` is seeded from the model's ``init_seed`` and the module's name, so it is the same whichever
@@ -114,15 +120,26 @@ def add_adapters(model: nn.Module, adapter, model_cfg) -> list[str]:
             names.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if adapter.quantize_base == "nf4" and quantize:
+        from meshtrain.adapters.nf4 import quantize_linear
+
+        for block in model.blocks.values():
+            for path in targeted_paths(model_cfg, [ALL_LINEAR]):
+                quantize_linear(block.get_submodule(path))
     return names
 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> int:
-    """Fold every adapter of ``model`` (one process, plain tensors) into its base, ``W <- W + scaling * B A`` (Hu et
+    """Fold every adapter of ``model`` (one process, plain tensors; an NF4 base dequantized first) into its base, ``W <- W + scaling * B A`` (Hu et
     al. 2021, Sec. 4.1: "we can explicitly compute and store W = W0 + BA"), and make the module a plain
     ``nn.Linear`` again, so the state is a plain model's (an ``export --format hf --merge``). Returns how many
     modules were merged."""
+    from meshtrain.adapters.nf4 import dequantize_linear
+
+    for module in model.modules():
+        if hasattr(module, "nf4_data"):  # QLoRA: the base as it trained, dequantized
+            dequantize_linear(module)
     merged = 0
     for module in model.modules():
         if isinstance(module, LoRALinear):

@@ -21,6 +21,10 @@ from meshtrain.errors import ConfigError, require
 ALL_LINEAR = "all-linear"
 """``lora_targets`` value that targets every module that qualifies (peft's ``"all-linear"``; the output head is
 never one)."""
+QUANTIZATIONS = ("none", "nf4")
+"""``adapter.quantize_base`` values."""
+NF4_BLOCK = 64
+"""Weights per NF4 block (QLoRA, Sec. 3); :data:`meshtrain.adapters.nf4.BLOCK`."""
 ADAPTER_MARK = ".lora_"
 """In every adapter parameter's name (``blocks.0.attn.q.lora_A.weight``), in no base parameter's."""
 ROUTER = "router"
@@ -79,6 +83,26 @@ def targeted_paths(m: Any, targets: list[str]) -> tuple[str, ...]:
     return tuple(path for name, paths in modules.items() if name in targets for path in paths)
 
 
+def _check_nf4(cfg: Any) -> None:
+    """What QLoRA's NF4 base needs (:mod:`meshtrain.adapters.nf4`): bitsandbytes, no tensor parallelism, and input
+    widths that are multiples of its 64-weight blocks. Raises ConfigError."""
+    import importlib.util
+
+    m, p = cfg.model, cfg.parallel
+    require(importlib.util.find_spec("bitsandbytes") is not None,
+            "adapter.quantize_base = 'nf4' needs bitsandbytes, which is not installed: pip install 'meshtrain[qlora]'")
+    require(p.tp == 1, f"adapter.quantize_base = 'nf4' with parallel.tp = {p.tp}: an NF4 weight's blocks run along "
+                       f"its rows, which tensor parallelism would cut; use tp = 1 (dp, FSDP2, pp and sp work)")
+    from meshtrain.models.registry import family
+
+    fmt = family(m.type).hf
+    sources, shapes = fmt.sources(m, ()), fmt.shapes(m, 1, ())
+    for path in targeted_paths(m, [ALL_LINEAR]):
+        width = shapes[sources[f"blocks.0.{path}.weight"].name][1]
+        require(width % NF4_BLOCK == 0, f"adapter.quantize_base = 'nf4': blocks.*.{path} takes {width} inputs, not a "
+                                        f"multiple of NF4's {NF4_BLOCK}-weight blocks; use quantize_base = 'none'")
+
+
 def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
     """The factor of the adapter's output: ``alpha / r`` (Hu et al. 2021, Sec. 4.1), or ``alpha / sqrt(r)`` with
     rank-stabilised LoRA (Kalajdzievski 2023, Theorem 3.2), as peft's ``LoraLayer.update_layer`` computes it."""
@@ -94,6 +118,11 @@ def check_adapter(cfg: Any) -> None:
     """
     a, p = cfg.adapter, cfg.parallel
     require(a.lora_rank >= 0, f"adapter.lora_rank = {a.lora_rank} must be >= 0 (0 = no adapters)")
+    require(a.quantize_base in QUANTIZATIONS, f"adapter.quantize_base = {a.quantize_base!r} is not one of "
+                                              f"{', '.join(map(repr, QUANTIZATIONS))}")
+    require(a.lora_rank > 0 or a.quantize_base == "none",
+            f"adapter.quantize_base = {a.quantize_base!r} quantizes the frozen base of LoRA adapters, and "
+            f"adapter.lora_rank = 0 trains every parameter: set lora_rank > 0, or quantize_base = 'none'")
     if a.lora_rank == 0:
         return
     require(a.lora_alpha > 0, f"adapter.lora_alpha = {a.lora_alpha} must be > 0 (peft's default is 8)")
@@ -104,6 +133,8 @@ def check_adapter(cfg: Any) -> None:
     require(a.lora_dropout == 0 or p.tp == 1,
             f"adapter.lora_dropout = {a.lora_dropout} with parallel.tp = {p.tp}: the adapters' dropout is not "
             f"split across tp ranks yet; use lora_dropout = 0 or tp = 1")
+    if a.quantize_base == "nf4":
+        _check_nf4(cfg)
     require(p.sync_mode == "sync",
             f"adapter.lora_rank = {a.lora_rank} with parallel.sync_mode = {p.sync_mode!r}: adapters train with the "
             f"synchronous sync_mode only; use sync_mode = 'sync'")

@@ -282,7 +282,7 @@ def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
             from meshtrain.models.hf import load_hf_weights
 
             load_hf_weights(model, m.init_from, m)
-        add_adapters(model, adapter, m)
+        add_adapters(model, adapter, m, quantize=base)  # QLoRA: quantized after reading it
     return model
 
 

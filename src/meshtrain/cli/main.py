@@ -21,12 +21,21 @@ SUBCOMMANDS = ("train", "plan", "batch", "generate", "export", "tokenizer", "pre
 """The subcommands, each the module ``meshtrain.cli.<name>`` with an ``add_parser(subparsers)``."""
 
 
+class WholeFlagsParser(OneLineParser):
+    """:class:`OneLineParser` that takes whole option names only (``allow_abbrev=False``): argparse would otherwise
+    take ``plan --ep 2`` as ``--epochs 2``. Every subcommand's parser, and a subcommand's own subparsers, are of
+    this class (argparse makes subparsers of their parent's class)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{**kwargs, "allow_abbrev": False})
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line parser; ``only``: register that subcommand alone (its module is the only one imported, so
     ``meshtrain plan`` does not import what ``prepare`` needs: parsing its arguments is the same)."""
     import importlib
 
-    parser = OneLineParser(prog="meshtrain", description=DESCRIPTION)
+    parser = WholeFlagsParser(prog="meshtrain", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name in SUBCOMMANDS if only is None else (only,):
         importlib.import_module(f"meshtrain.cli.{name}").add_parser(sub)

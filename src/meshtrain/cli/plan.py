@@ -100,8 +100,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     from meshtrain.planner import report
 
     args.overrides = _config_overrides(args.config, extra or [])
-    if args.calibrate == "one-per-source" and args.validate is None:
-        raise ConfigError("--calibrate one-per-source goes with --validate [FILE]; --calibrate alone measures this machine")
+    _check_modes(args)
     if args.calibrate == "machine":
         from meshtrain.planner.calibrate import calibrate
         path = calibrate(args.profile)
@@ -125,8 +124,10 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         from meshtrain.planner.layout import parse_layout
         layout = parse_layout(args.explain, ctx.job.num_devices, ctx.job.global_batch_size)
         return report.explain(ctx, layout, as_json=args.json)
+    from meshtrain.planner.layout import pinned_model_errors
     from meshtrain.planner.search import search
     fixed = parse_fix(args.fix)
+    pinned_model_errors(fixed, ctx.model)
     mine = report.config_estimate(ctx)  # ranked among all: the search predicts every layout that may be faster
     fitting = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, top=args.top,
                      through=mine.time.total if mine is not None else None)
@@ -150,6 +151,46 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     return 0
 
 
+MACHINE_ONLY = ("profile", "json", "calibrate")
+"""The options ``--calibrate`` (machine) takes: where to save the profile and how to print its path."""
+VALIDATE_ONLY = ("profile", "json", "markdown", "validate", "calibrate")
+"""The options ``--validate`` takes; every other plan option would be ignored by it."""
+
+
+NOT_OPTIONS = ("command", "func", "accepts_overrides", "overrides")
+"""What ``args`` holds besides plan's options (the subcommand, its function, the config overrides)."""
+
+
+def _given(args: argparse.Namespace, keep: tuple[str, ...]) -> list[str]:
+    """The options of ``args`` other than ``keep`` given a value (not their default), as flags; the config and its
+    overrides as CONFIG."""
+    defaults = {"top": 10}
+    return [("CONFIG" if key == "config" else f"--{key.replace('_', '-')}") for key, value in vars(args).items()
+            if key not in (*NOT_OPTIONS, *keep) and value not in (None, False, "", defaults.get(key))]
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """Raise ConfigError for options the mode given would silently drop: ``--calibrate`` (measure this machine) takes
+    only ``--profile`` and ``--json``; ``--validate`` only ``--profile``, ``--json``, ``--markdown`` and
+    ``--calibrate one-per-source``; ``--markdown`` and ``--calibrate one-per-source`` go with ``--validate``."""
+    if args.calibrate == "machine":
+        extra = _given(args, MACHINE_ONLY)
+        if extra:
+            hint = (" (--calibrate one-per-source calibrates the --validate runs)" if "--validate" in extra else "")
+            raise ConfigError(f"--calibrate measures this machine and saves its profile; it takes --profile and --json "
+                              f"only, not {', '.join(extra)}{hint}: run the calibration alone, then plan")
+    elif args.validate is not None:
+        extra = _given(args, VALIDATE_ONLY)
+        if extra:
+            raise ConfigError(f"--validate predicts the runs of its file and takes --profile, --json, --markdown and "
+                              f"--calibrate one-per-source only, not {', '.join(extra)}: plan your job without "
+                              f"--validate")
+    elif args.calibrate == "one-per-source":
+        raise ConfigError("--calibrate one-per-source goes with --validate [FILE]; --calibrate alone measures this machine")
+    elif args.markdown:
+        raise ConfigError("--markdown prints the table of --validate: give --validate [FILE], or --json for a plan")
+
+
 def _config_overrides(config: str | None, extra: list[str]) -> dict[str, str]:
     """``meshtrain train``'s overrides (``--tp 2``, ``--model.n_layer 8``) after a training config.
 
@@ -162,7 +203,8 @@ def _config_overrides(config: str | None, extra: list[str]) -> dict[str, str]:
     if not config:
         raise ConfigError(f"unrecognized arguments: {' '.join(extra)} ({hint})")
     if not Path(config).is_file():  # argparse gives CONFIG the value after an unknown flag: --model X --tp 2
-        raise ConfigError(f"config file '{config}' does not exist; {hint}")
+        raise ConfigError(f"config file '{config}' does not exist, or '{config}' is the value of {extra[0]}, which is "
+                          f"not an option of plan; {hint}")
     from meshtrain.config import parse_overrides
 
     return parse_overrides(extra)
@@ -291,20 +333,21 @@ def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
     if args.measured and args.calibrate_from:
         raise ConfigError("give --measured or --calibrate-from, not both: one run calibrates the plan")
     if args.calibrate_from:
-        factor, what = stack.run_dir_speed(args.calibrate_from)
+        factor, what = stack.run_dir_speed(args.calibrate_from, ctx.hw.device.name)
         speed = stack.calibrated_speed(factor, what, ctx.hw.device.name)
     elif args.measured:
+        from meshtrain.planner.layout import pinned_model_errors
         from meshtrain.planner.search import search
 
         fixed, key, value = stack.parse_measured(args.measured)
+        pinned_model_errors(fixed, ctx.model, "--measured")
         found = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
         if not found:
             raise ConfigError(f"--measured {args.measured!r}: no valid layout of {ctx.model.name} on "
                               f"{ctx.job.num_devices} devices with global_batch_size {ctx.job.global_batch_size} "
                               f"has those fields")
         best = ([e for e in found if e.fits] or found)[0]
-        seconds = stack.measured_step_time(key, value, best)
-        factor = stack.layout_speed(ctx.model, best.layout, ctx.hw, ctx.precision, ctx.framework, seconds)
+        factor, seconds = stack.measured_speed(key, value, best, ctx.model, ctx.hw, ctx.precision, ctx.framework)
         speed = stack.calibrated_speed(factor, f"{best.layout.label()} at {seconds:.4g} s/step", ctx.hw.device.name)
     else:
         speed = stack.speed_for(stack_name, ctx.hw.device.name, peak_source=ctx.hw.device.peak_source)

@@ -264,6 +264,10 @@ class AdapterConfig:
     ``q_proj`` and ``v_proj``. On the command line ``--adapter.lora_targets q_proj,v_proj``."""
     use_rslora: bool = False
     """Rank-stabilised LoRA (Kalajdzievski 2023): scale by ``alpha / sqrt(r)``."""
+    quantize_base: str = "none"
+    """"nf4": QLoRA (Dettmers et al. 2023): the frozen base's linear maps in the blocks stored as 4-bit NormalFloat
+    with double-quantized scales (~0.52 bytes a weight) and dequantized in the forward (bitsandbytes' code:
+    ``pip install 'meshtrain[qlora]'``); "none": the base in the run's dtype."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ import numpy as np
 
 from meshtrain.config import TOKENIZER_KINDS, ConfigError
 from meshtrain.data.chat import PREFERENCE
+from meshtrain.fileio import read_text_checked
 from meshtrain.paths import path_problem
 
 FORMAT = "meshtrain-prepared"
@@ -304,15 +305,13 @@ def read_prepared_meta(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise ConfigError(f"prepared data '{folder}' does not exist: make it with meshtrain prepare")
     path = folder / META_FILE
-    problem = path_problem(path)
-    if problem == "does not exist":
+    text = read_text_checked(path, "prepared metadata", "run meshtrain prepare again", missing_ok=True)
+    if text is None:
         raise ConfigError(f"'{folder}' is not a complete prepared dataset (no {META_FILE}): run meshtrain prepare "
                           f"again")
-    if problem:
-        raise ConfigError(f"'{path}' {problem}: run meshtrain prepare again")
     try:
-        meta = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
+        meta = json.loads(text)
+    except ValueError as e:
         raise ConfigError(f"'{path}' cannot be read ({e}): run meshtrain prepare again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(f"'{path}' is not the meta.json of a meshtrain prepared dataset: run meshtrain prepare")

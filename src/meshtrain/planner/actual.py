@@ -70,17 +70,25 @@ def hardware_for_run(device: str, profile: Path, threads: int) -> tuple[Hardware
 def corpus_rss_bytes(cfg: Config, profile: Path) -> float:
     """Bytes of RSS a CPU rank adds by loading ``cfg``'s corpus: its size times the profile's measured
     ``corpus_bytes_per_char`` (or :data:`CORPUS_BYTES_PER_CHAR` without one)."""
+    from meshtrain.fileio import read_text_checked
+    from meshtrain.planner.hardware import PROFILE, PROFILE_FIX
+
     per_char = CORPUS_BYTES_PER_CHAR
-    path = profile.expanduser()
-    if path.is_file():
-        per_char = float(tomllib.loads(path.read_text()).get("trainer", {}).get("corpus_bytes_per_char", per_char))
+    text = read_text_checked(profile.expanduser(), PROFILE, PROFILE_FIX, missing_ok=True)
+    if text is not None:
+        try:
+            per_char = float(tomllib.loads(text).get("trainer", {}).get("corpus_bytes_per_char", per_char))
+        except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{PROFILE} '{profile}': no corpus_bytes_per_char in [trainer] ({e}): "
+                              f"{PROFILE_FIX}") from None
     return per_char * cfg.data.resolved_path().stat().st_size
 
 
 def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
                     profile: Path = DEFAULT_PROFILE, threads: int | None = None) -> dict[str, Any]:
-    """Predicted ``step_time_s`` (seconds per optimizer step), ``peak_memory_bytes`` (per rank) and the
-    ``profile`` used, for the trainer's GPT and layout of ``cfg`` on ``world_size`` ranks.
+    """Predicted ``step_time_s`` (seconds per optimizer step), ``peak_memory_bytes`` (per rank), the ``device``
+    ("cpu" or "cuda": ``plan --calibrate-from`` calibrates plans of that kind only) and the ``profile`` used, for the
+    trainer's GPT and layout of ``cfg`` on ``world_size`` ranks.
 
     ``threads`` defaults to torch's thread count in this process (torchrun gives each rank 1 thread
     when it starts more than one). On CPU the peak adds the corpus the rank holds; with an unknown
@@ -102,8 +110,8 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)
     speed = speed_for(framework.name, hw.device.name, peak_source=hw.device.peak_source)
     ranges = {"step_time_s": nulls(speed.step_time_range(time.total)), "peak_memory_bytes": list(memory_range(peak))}
-    return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "profile": description, "ranges": ranges,
-            "range_basis": speed.basis,
+    return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "device": device, "profile": description,
+            "ranges": ranges, "range_basis": speed.basis,
             "threads_per_rank": threads, "layout": layout.label(),
             "memory_breakdown_bytes": {k: int(v) for k, v in memory.to_dict().items()},
             "time_breakdown_s": time.to_dict()}

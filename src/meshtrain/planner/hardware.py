@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError, read_toml
+from meshtrain.config import ConfigError
 
 GiB = 2**30
 DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "meshtrain" / "hardware_profile.toml"
@@ -295,9 +295,9 @@ def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | N
             raise ConfigError(f"{flag} = {value} must be >= 1")
     known = catalog()
     path = (profile or DEFAULT_PROFILE).expanduser()
-    if path.is_file():  # a calibrated profile: its peaks are this machine's fastest measured GEMM
+    if os.path.lexists(path):  # a calibrated profile: its peaks are this machine's fastest measured GEMM
         known.update({k: replace(h, device=replace(h.device, peak_source="measured matmul"))
-                      for k, h in load_hardware_file(path).items()})
+                      for k, h in load_hardware_file(path, PROFILE).items()})
     if hardware_file is not None:
         known.update(load_hardware_file(hardware_file))
     lookup = {k.lower(): k for k in known} | {k.lower(): v for k, v in ALIASES.items()}
@@ -383,7 +383,14 @@ def network_with(net: Network, table: dict[str, Any], where: str) -> Network:
     return replace(net, **kw)
 
 
-def load_hardware_file(path: Path) -> dict[str, Hardware]:
+PROFILE = "hardware profile"
+"""What a calibrated profile is called in errors (:func:`load_hardware_file`'s ``what``)."""
+PROFILE_FIX = ("write it again with meshtrain plan --calibrate [--profile FILE], or remove it (without a profile the "
+               "planner takes the reference machine's)")
+"""What to do about a damaged profile (:func:`meshtrain.fileio.read_checked`'s ``fix``)."""
+
+
+def load_hardware_file(path: Path, what: str = "hardware file") -> dict[str, Hardware]:
     """Devices of a user file or of a calibrated profile.
 
     Format: ``[[device]]`` tables (name, peak_bf16_flops, peak_fp32_flops, memory_bytes, memory_bandwidth,
@@ -393,12 +400,26 @@ def load_hardware_file(path: Path) -> dict[str, Hardware]:
     and one ``[network]`` table shared by them (devices_per_node, intra_node_bandwidth,
     inter_node_bandwidth, optional latencies, efficiencies and measured ``collectives``).
 
+    ``what`` names the file in errors: a ``--hardware`` file, or the calibrated :data:`PROFILE`.
+
     Raises:
-        ConfigError: missing file, bad TOML, or a missing/non-positive number (named).
+        ConfigError: missing file, not a regular file of a record's size (:func:`meshtrain.fileio.read_checked`),
+            empty or bad TOML, or a missing/non-positive number (named).
     """
-    data = read_toml(path, "hardware file")
+    import tomllib
+
+    from meshtrain.fileio import read_text_checked
+
+    fix = PROFILE_FIX if what == PROFILE else "give a TOML file with [[device]] tables and a [network] table"
+    text = read_text_checked(path, what, fix)
+    if not text.strip():
+        raise ConfigError(f"{what} '{path}' is empty: {fix}")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML ({e}): {fix}") from None
     if "network" not in data or "device" not in data:
-        raise ConfigError(f"hardware file '{path}' needs [[device]] tables and a [network] table")
+        raise ConfigError(f"{what} '{path}' needs [[device]] tables and a [network] table")
     net = _network_from_table(data["network"], "network")
     return {d.name: Hardware(d, net) for d in
             (_device_from_table(t, f"device[{i}]") for i, t in enumerate(data["device"]))}

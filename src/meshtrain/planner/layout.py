@@ -609,33 +609,46 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> Layout:
     return Layout(**values)
 
 
-def parse_fix(text: str) -> dict:
+def parse_fix(text: str, flag: str = "--fix") -> dict:
     """``"tp=8,recompute=full"`` -> ``{"tp": 8, "recompute": "full"}`` (ints where the Layout field is int): the
-    layout fields ``meshtrain plan --fix`` and ``meshtrain train --layout auto`` (its pinned keys) hold fixed.
+    layout fields ``meshtrain plan --fix`` (and ``--measured``, named by ``flag`` in errors) and ``meshtrain train
+    --layout auto`` (its pinned keys) hold fixed.
 
     Raises:
-        ConfigError: unknown key, a value of the wrong type, a recompute/pp_schedule/zero_stage/sp_mode not
-            valid, or a degree, micro-batch size, accumulation or virtual stage count below 1.
+        ConfigError: unknown key, a key given twice, a value of the wrong type, a recompute/pp_schedule/zero_stage/
+            sp_mode not valid, or a degree, micro-batch size, accumulation or virtual stage count below 1.
     """
     kinds = field_kinds()
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or key not in kinds:
-            raise ConfigError(f"--fix item '{item}' is not key=value with a key among {', '.join(kinds)}")
+            raise ConfigError(f"{flag} item '{item}' is not key=value with a key among {', '.join(kinds)}")
+        if key in out:
+            raise ConfigError(f"{flag} {text!r} gives {key} twice: give each field once")
         try:
             out[key] = int(value) if kinds[key] == "int" else (value.lower() in ("1", "true", "yes")
                                                                  if kinds[key] == "bool" else value)
         except ValueError:
-            raise ConfigError(f"--fix {key} = {value!r} is not a valid {kinds[key]}") from None
+            raise ConfigError(f"{flag} {key} = {value!r} is not a valid {kinds[key]}") from None
     for key, valid in (("recompute", RECOMPUTE), ("pp_schedule", PP_SCHEDULES), ("zero_stage", ZERO_STAGES),
                        ("sp_mode", SP_MODES)):
         if key in out and out[key] not in valid:
-            raise ConfigError(f"--fix {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
+            raise ConfigError(f"{flag} {key} = {out[key]!r} is not valid: use one of {', '.join(map(str, valid))}")
     for key in (*axes.SHORT_FLAGS, "micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
         if key in out and out[key] < 1:
-            raise ConfigError(f"--fix {key} = {out[key]} must be >= 1")
+            raise ConfigError(f"{flag} {key} = {out[key]} must be >= 1")
     return out
+
+
+def pinned_model_errors(fixed: dict, model: ModelSpec, flag: str = "--fix") -> None:
+    """Raise ConfigError where pinned layout fields ``fixed`` (:func:`parse_fix`) ask ``model`` for what it does not
+    have: ``ep`` > 1 on a dense model (expert parallelism splits a mixture of experts' experts)."""
+    ep = fixed.get("ep", 1)
+    if ep > 1 and not model.experts:
+        raise ConfigError(f"{flag} ep = {ep}: {model.name} is a dense model (no experts), and ep splits a mixture of "
+                          f"experts' experts: drop ep (or give ep=1), or plan a model with experts (e.g. --model "
+                          f"mixtral-8x7b)")
 
 
 def sequences_per_sample(cfg: Config) -> int:

@@ -354,6 +354,9 @@ def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
 
 def model_from_toml(path: Path) -> ModelSpec:
     """Read the ``[model]`` table of ``path`` (planner style or training-config style). Raises ConfigError."""
+    from meshtrain.fileio import check_readable
+
+    check_readable(path, "model file", "give a TOML file with a [model] table, or a preset name")
     table = read_toml(path, "model file").get("model")
     if not isinstance(table, dict):
         raise ConfigError(f"'{path}' has no [model] table")

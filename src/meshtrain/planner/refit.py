@@ -21,7 +21,10 @@ def cpu_spread(path: Path) -> dict[str, Any]:
     import statistics
 
     errors = []
-    for layout in json.loads(path.read_text())["layouts"]:
+    from meshtrain.fileio import read_text_checked
+
+    text = read_text_checked(path, "benchmark results", "run python bench/plan_vs_actual.py again")
+    for layout in json.loads(text)["layouts"]:
         runs = [r for r in layout["runs"] if "step_time_s" in r.get("measured", {})]
         if runs:
             predicted = statistics.median(r["predicted"]["step_time_s"] for r in runs)

@@ -139,7 +139,8 @@ def expert_degrees(model: ModelSpec, fixed: dict[str, Any], batch_degree: int) -
     """The ``ep`` degrees to try: every divisor of both the expert count and ``batch_degree`` (the ranks ep borrows:
     dp*sp, or tp*dp*sp with ``Framework.expert_folding``) for a model with experts, else 1; a pinned one alone."""
     if "ep" in fixed:
-        return [fixed["ep"]] if model.experts % fixed["ep"] == 0 and batch_degree % fixed["ep"] == 0 else []
+        ep = fixed["ep"]
+        return [ep] if (model.experts or ep == 1) and model.experts % ep == 0 and batch_degree % ep == 0 else []
     return list(divisors(math.gcd(model.experts, batch_degree))) if model.experts else [1]
 
 

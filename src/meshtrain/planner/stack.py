@@ -50,6 +50,8 @@ attention kernel (``flash2``: FlashAttention-2, below the GEMM rate on Hopper,
 :data:`~meshtrain.planner.hardware.FLASH2_HOPPER`; ``flash-triton`` slower still),
 ``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
 fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`)."""
+RUN_RECORD = "plan_vs_actual.json"
+"""The record of a finished run ``--calibrate-from RUN_DIR`` reads (:func:`meshtrain.planner.actual.write_plan_vs_actual`)."""
 SPEED_BOUNDS = (1 / 20, 20.0)
 """The speed factors :func:`fit_speed` searches: a run 20x off the model is a wrong input, not a stack."""
 _TIME_KEYS = tuple(k for k in HOST_KEYS if k.endswith("_s"))
@@ -122,7 +124,8 @@ def parse_stack(text: str) -> tuple[str, Framework]:
     gets: the same framework ran 1.3x apart in two releases (docs/planner.md, "Stacks and calibration").
 
     Raises:
-        ConfigError: an unknown framework or option (with the valid ones), or a malformed version.
+        ConfigError: an unknown framework or option (with the valid ones), two options that set the same thing
+            differently (``flash+flash2``, ``tp-comm-overlap+no-tp-comm-overlap``), or a malformed version.
     """
     head, *options = [p.strip() for p in text.strip().split("+")]
     base, at, version = (part.strip() for part in head.partition("@"))
@@ -132,9 +135,15 @@ def parse_stack(text: str) -> tuple[str, Framework]:
         raise ConfigError(f"--stack {text!r}: version {version!r} must be letters, digits, '.', '_' or '-' after the "
                           f"'@', e.g. megatron-core@nemo-24.09")
     fw = FRAMEWORKS[base]
+    set_by: dict[str, str] = {}
     for option in options:
         if option not in STACK_OPTIONS:
             raise ConfigError(f"--stack {text!r}: unknown option {option!r}: valid are {', '.join(STACK_OPTIONS)}")
+        for field_name, value in STACK_OPTIONS[option].items():
+            other = set_by.setdefault(field_name, option)
+            if STACK_OPTIONS[other][field_name] != value:
+                raise ConfigError(f"--stack {text!r}: options {other!r} and {option!r} contradict each other (each sets "
+                                  f"the {field_name.replace('_', ' ')} its own way): keep one of them")
         fw = replace(fw, **STACK_OPTIONS[option])
     name = "+".join([f"{base}@{version}" if at else base, *sorted(set(options))])
     return name, replace(fw, name=name) if name != base else fw
@@ -142,7 +151,11 @@ def parse_stack(text: str) -> tuple[str, Framework]:
 
 def load_stacks(path: Path = STACKS_FILE) -> dict[str, Any]:
     """The fitted table: ``{"stack": {name: {factor, low, high, runs, sources}}, "pooled": {...}, "calibrated": {...}}``."""
-    return tomllib.loads(path.read_text()) if path.is_file() else {}
+    from meshtrain.fileio import read_text_checked
+
+    text = read_text_checked(path, "stacks table", "reinstall meshtrain (python -m meshtrain.planner.refit writes it)",
+                             missing_ok=True)
+    return {} if text is None else tomllib.loads(text)
 
 
 def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak_source: str = "datasheet") -> Speed:
@@ -239,24 +252,31 @@ def parse_measured(text: str) -> tuple[dict[str, Any], str, float]:
     The measurement is one of :data:`MEASURED_KEYS`; the other items are layout fields as ``--fix`` takes them.
 
     Raises:
-        ConfigError: no measurement, two of them, or a value that is not a number > 0 (the layout fields are checked
-            by :func:`meshtrain.planner.layout.parse_fix`).
+        ConfigError: no measurement, two of them, a value that is not a number > 0 or an MFU over 100% (the layout
+            fields are checked by :func:`meshtrain.planner.layout.parse_fix`; what the measurement implies for the
+            layout, by :func:`check_measured`).
     """
     from meshtrain.planner.layout import parse_fix
 
     items = [p.strip() for p in text.split(",") if p.strip()]
     found = [p for p in items if p.split("=")[0].strip() in MEASURED_KEYS]
     if len(found) != 1:
-        raise ConfigError(f"--measured {text!r} needs exactly one of {', '.join(MEASURED_KEYS)} "
+        keys = [p.split("=")[0].strip() for p in found]
+        given = ("has no measurement" if not keys else f"gives {keys[0]} {len(keys)} times" if len(set(keys)) == 1
+                 else f"gives {' and '.join(dict.fromkeys(keys))}")
+        raise ConfigError(f"--measured {text!r} {given}: give exactly one of {', '.join(MEASURED_KEYS)} "
                           f"(e.g. --measured tp=8,pp=4,step_time_s=12.9)")
-    key, _, value = found[0].partition("=")
+    key, _, value = (part.strip() for part in found[0].partition("="))
     try:
         number = float(value)
     except ValueError:
         number = math.nan
     if not 0 < number < math.inf:
-        raise ConfigError(f"--measured {key.strip()} = {value.strip()!r} must be a number > 0")
-    return parse_fix(",".join(p for p in items if p is not found[0])), key.strip(), number
+        raise ConfigError(f"--measured {key} = {value!r} must be a number > 0")
+    if key == "mfu_percent" and number > 100:
+        raise ConfigError(f"--measured mfu_percent = {value} is over 100: MFU is the percentage of the devices' peak "
+                          f"FLOP/s a run reaches; give a value in (0, 100] (e.g. mfu_percent=41.5)")
+    return parse_fix(",".join(p for p in items if p is not found[0]), "--measured"), key, number
 
 
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu_percent")
@@ -289,33 +309,134 @@ def breakdown_speed(parts: dict[str, float], measured_s: float) -> float:
     return work / (measured_s - comm) if measured_s > comm and work > 0 and math.isfinite(measured_s) else math.nan
 
 
-def run_dir_speed(run_dir: Path) -> tuple[float, str]:
+def run_dir_speed(run_dir: Path, plan_device: str | None = None) -> tuple[float, str]:
     """The speed factor a finished meshtrain run implies: from its ``plan_vs_actual.json`` (the prediction for its own
     layout and the step time it measured), the ``s`` at which the predicted compute, bubble and optimizer times
     divided by ``s`` plus the predicted communication equal the measured step time (the communication a CPU rank
-    cannot overlap is kept as predicted). Returns (factor, description).
+    cannot overlap is kept as predicted). Returns (factor, description). ``plan_device``: the device type of the plan
+    it calibrates (a run on a CPU calibrates a CPU plan only, a run on a GPU a GPU plan only).
 
     Raises:
-        ConfigError: no readable ``plan_vs_actual.json`` with a step time, or a measured time shorter than the
-            predicted communication alone.
+        ConfigError: no ``plan_vs_actual.json``, one that is not a regular file of a record's size
+            (:func:`meshtrain.fileio.read_checked`), not JSON, a field missing or out of range, a measured time
+            not above the predicted communication alone or implying a speed factor outside :data:`SPEED_BOUNDS`,
+            or a run on another kind of device than ``plan_device``.
     """
     import json
 
-    path = Path(run_dir) / "plan_vs_actual.json"
+    from meshtrain.fileio import read_text_checked
+
+    path = Path(run_dir) / RUN_RECORD
+    fix = "give --calibrate-from the --out folder of a finished meshtrain train run, or re-run it to write it again"
+    text = read_text_checked(path, "run record", fix, missing_ok=True)
+    if text is None:
+        raise ConfigError(f"--calibrate-from {run_dir}: no {RUN_RECORD} there: give the --out folder of a finished "
+                          f"meshtrain train run")
     try:
-        data = json.loads(path.read_text())
-        parts = data["predicted"]["time_breakdown_s"]
-        measured = float(data["measured"]["step_time_s"])
-        factor = breakdown_speed(parts, measured)
-    except FileNotFoundError:
-        raise ConfigError(f"--calibrate-from {run_dir}: no plan_vs_actual.json there: give the --out folder of a "
-                          f"finished meshtrain train run") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--calibrate-from {run_dir}: {path} is not a plan-vs-actual record ({e.__class__.__name__}"
-                          f": {e}): re-run the training to write it again") from None
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"run record '{path}' is not JSON ({e}): {fix}") from None
+    parts, measured, layout, device = _record_fields(data, path, fix)
+    factor = breakdown_speed(parts, measured)
     if math.isnan(factor):
-        comm = float(parts["total"]) - sum(float(parts[k]) for k in WORK_PARTS)
-        raise ConfigError(f"--calibrate-from {run_dir}: its measured step time {measured:.4g} s is not above the "
-                          f"predicted communication {comm:.4g} s: nothing to calibrate the compute with")
-    layout = data["predicted"].get("layout", "?")
+        comm = parts["total"] - sum(parts[k] for k in WORK_PARTS)
+        raise ConfigError(f"--calibrate-from {run_dir}: the measured step time {measured:.4g} s of its {RUN_RECORD} is "
+                          f"not above the predicted communication {comm:.4g} s: nothing to calibrate the compute with")
+    if not SPEED_BOUNDS[0] <= factor <= SPEED_BOUNDS[1]:
+        raise ConfigError(f"--calibrate-from {run_dir}: the measured step time {measured:.4g} s of its {RUN_RECORD} "
+                          f"against the predicted {parts['total']:.4g} s implies a speed factor of {factor:.3g}, outside "
+                          f"{SPEED_BOUNDS[0]:g}-{SPEED_BOUNDS[1]:g}: the record is damaged, or something else slowed "
+                          f"the run (re-run it on an idle machine)")
+    if plan_device is not None and device is not None and device != device_kind(plan_device):
+        ran, other = (("a CPU", "a run on that GPU (or --measured), or plan for --gpu cpu") if device == "cpu" else
+                      ("a GPU", "a run on this CPU, or plan for the run's GPU with --gpu"))
+        raise ConfigError(f"--calibrate-from {run_dir}: its {RUN_RECORD} is of a run on {ran}, and this plan is for "
+                          f"{plan_device}: one kind of device's speed says nothing of another's; calibrate from {other}")
     return factor, f"{run_dir} ({layout}, {measured:.4g} s/step measured)"
+
+
+def device_kind(device: str) -> str:
+    """``"cpu"`` for a CPU device type of the catalog (``cpu``, ``cpu-4threads``), else ``"cuda"``."""
+    return "cpu" if device.startswith("cpu") else "cuda"
+
+
+def _record_fields(data: Any, path: Path, fix: str) -> tuple[dict[str, float], float, str, str | None]:
+    """(time breakdown, measured step time, layout label, device kind or None) of a run record, each checked. The
+    device is the record's ``predicted.device``, or for a record written before that field its hardware description
+    (``catalog H100-...`` on a GPU, a cpu profile on a CPU); None where neither tells."""
+    def bad(key: str, value: Any, want: str) -> ConfigError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return ConfigError(f"run record '{path}': '{key}' = {shown} must be {want}: {fix}")
+
+    def seconds(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+    predicted = data.get("predicted") if isinstance(data, dict) else None
+    if not isinstance(predicted, dict):
+        raise bad("predicted", predicted, "a table (the planner's prediction for the run)")
+    parts = predicted.get("time_breakdown_s")
+    if not isinstance(parts, dict):
+        raise bad("predicted.time_breakdown_s", parts, f"a table of seconds with {', '.join(WORK_PARTS)} and total")
+    for key, value in ({k: None for k in (*WORK_PARTS, "total")} | parts).items():
+        if not seconds(value) or (key == "total" and not value):
+            raise bad(f"predicted.time_breakdown_s.{key}", value, f"a number of seconds {'>' if key == 'total' else '>='} 0")
+    measured = data.get("measured")
+    if not isinstance(measured, dict):
+        raise bad("measured", measured, "a table (what the run measured)")
+    step = measured.get("step_time_s")
+    if not seconds(step) or not step:
+        raise bad("measured.step_time_s", step, "a number of seconds > 0")
+    layout = predicted.get("layout", "?")
+    if not isinstance(layout, str):
+        raise bad("predicted.layout", layout, "a layout label such as 'dp2 tp1 pp1 sp1 z0 mbs4 ga1 none'")
+    device = predicted.get("device")
+    if device is None:
+        profile = predicted.get("profile")
+        device = None if not isinstance(profile, str) else "cuda" if profile.startswith("catalog ") else (
+            "cpu" if "cpu" in profile else None)
+    elif device not in ("cpu", "cuda"):
+        raise bad("predicted.device", device, "'cpu' or 'cuda'")
+    return {k: float(v) for k, v in parts.items()}, float(step), layout, device
+
+
+
+MEASURED_UNITS = {"step_time_s": "seconds per optimizer step", "tokens_per_s": "tokens per second of the whole job",
+                  "tokens_per_s_per_gpu": "tokens per second of one device", "mfu_percent": "percent of peak"}
+
+
+def _measured_value(key: str, seconds: float, e: Any) -> float:
+    """The value of ``key`` a step time of ``seconds`` means for the layout of estimate ``e`` (the inverse of
+    :func:`measured_step_time`)."""
+    return {"step_time_s": seconds, "tokens_per_s": e.tokens_per_step / seconds,
+            "tokens_per_s_per_gpu": e.tokens_per_step / (seconds * e.layout.world_size),
+            "mfu_percent": e.time.total * e.mfu / seconds * 100}[key]
+
+
+def measured_speed(key: str, value: float, e: Any, model: Any, hw: Hardware, precision: Any,
+                   framework: Framework) -> tuple[float, float]:
+    """(speed factor, step time in seconds) of ``--measured KEY=VALUE`` for the layout of estimate ``e``.
+
+    A measurement is possible when its step time lies between the fastest one allowed, the larger of the layout's
+    time at the top of :data:`SPEED_BOUNDS` and its time at 100% MFU (its model FLOPs at the devices' peak), and its
+    time at the bottom of the bounds (:func:`fit_speed`).
+
+    Raises:
+        ConfigError: a measurement outside that range, with the range in ``key``'s own unit.
+    """
+    from meshtrain.planner.cost import step_time
+
+    seconds = measured_step_time(key, value, e)
+    layout_time = lambda h: step_time(model, e.layout, h, precision, framework).total  # noqa: E731
+    fastest = max(layout_time(scaled(hw, SPEED_BOUNDS[1])), e.time.total * e.mfu)
+    slowest = layout_time(scaled(hw, SPEED_BOUNDS[0]))
+    if not fastest <= seconds <= slowest:
+        mfu = e.time.total * e.mfu / seconds
+        means = (f"faster than the devices' peak ({mfu:.3g}x it)" if mfu > 1 else
+                 f"{'faster' if seconds < fastest else 'slower'} than any speed factor in "
+                 f"{SPEED_BOUNDS[0]:g}-{SPEED_BOUNDS[1]:g} makes this layout")
+        low, high = sorted((_measured_value(key, fastest, e), _measured_value(key, slowest, e)))
+        raise ConfigError(f"--measured {key} = {value:g} is not possible for {e.layout.label()} of {model.name} on "
+                          f"{e.layout.world_size} x {hw.device.name}: a step of {seconds:.4g} s is {means}; for this "
+                          f"layout give {key} in {low:.4g}-{high:.4g} ({MEASURED_UNITS[key]}), or check the layout "
+                          f"fields")
+    return fit_speed(layout_time, hw, seconds), seconds

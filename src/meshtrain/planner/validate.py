@@ -366,6 +366,9 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True, c
     Raises:
         ConfigError: missing file, bad TOML, or a malformed run.
     """
+    from meshtrain.fileio import check_readable
+
+    check_readable(path, "validation file", "give a TOML file of [[run]] tables, e.g. planner/data/published_runs.toml")
     runs = read_toml(path, "validation file").get("run", [])
     if not runs:
         raise ConfigError(f"validation file '{path}' has no [[run]] tables")

@@ -89,6 +89,9 @@ class Trainer:
         self.setup = set_up(cfg, self.device)
         conversations = isinstance(self.setup.corpus.train, Conversations)  # targets outside the loss
         a = cfg.adapter
+        quantized = a.quantize_base != "none"  # QLoRA: the base is quantized as the adapters are added: read it first
+        if quantized and cfg.model.init_from:
+            load_hf_weights(self.setup.model, cfg.model.init_from, cfg.model)  # whole, on each rank, then quantized
         if a.lora_rank and self.rank == 0:
             n = adapter_parameters(cfg.model, list(a.lora_targets), a.lora_rank)
             print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
@@ -130,8 +133,9 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         adapters = cfg.adapter.lora_rank > 0  # the frozen base is not in the checkpoints: read it on resume too
-        if cfg.model.init_from and (self.start_step == 0 or adapters):
+        if cfg.model.init_from and (self.start_step == 0 or adapters) and not quantized:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
+        if cfg.model.init_from and (self.start_step == 0 or adapters):
             self.source_hf_config = self.source_hf_config or source_hf_config(cfg.model.init_from)
         if adapters and self.rank == 0:  # what a resume, export or generate checks the base against
             self.adapter_base = base_record(cfg.model.init_from, cfg.train.seed)
