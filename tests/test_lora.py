@@ -335,13 +335,15 @@ BAD = {  # overrides on MODEL: (what the one line must name)
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_adapter_settings_are_one_line_before_launch(case, tmp_path):
-    """Through the real CLI: exit 2, one line naming the key and value, no run folder."""
+    assert_refused_before_launch({**MODEL, **BAD[case][0]}, BAD[case][1], tmp_path)
+
+
+def assert_refused_before_launch(overrides: dict[str, str], named: str, tmp_path) -> None:
+    """``meshtrain train`` through the real CLI at 2 ranks: exit 2, one line that holds ``named``, no run folder."""
     from conftest import CONFIG, override_args
 
-    overrides, named = BAD[case]
     out = tmp_path / "run"
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out), *override_args({**MODEL, **overrides}),
-                   timeout=60)
+    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out), *override_args(overrides), timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr[-1500:]
     assert not out.exists()

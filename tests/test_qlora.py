@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, check_layout, run_cli
+from conftest import TINY, check_layout
 from layout_worker import layout_launcher, reference_run
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -56,7 +56,7 @@ def test_dequantized_weights_equal_bitsandbytes_bit_for_bit(rows, blocks, scale,
 
 
 def test_a_qlora_model_computes_lora_on_the_dequantized_base():
-    from meshtrain.adapters.lora import add_adapters
+    from meshtrain.adapters.apply import adapt
     from meshtrain.config import AdapterConfig, load_config
     from meshtrain.models import build_model
 
@@ -70,7 +70,7 @@ def test_a_qlora_model_computes_lora_on_the_dequantized_base():
                 for name, p in models[kind].named_parameters():
                     if name.startswith("blocks.") and p.dim() == 2:
                         p.copy_(_reference_weight(p.detach().clone()))
-        add_adapters(models[kind], AdapterConfig(lora_rank=4, lora_targets=["all-linear"], quantize_base=kind), cfg)
+        adapt(models[kind], AdapterConfig(lora_rank=4, lora_targets=["all-linear"], quantize_base=kind), cfg)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         adapters = {n: p for n, p in models["nf4"].named_parameters() if ".lora_" in n}
@@ -115,11 +115,6 @@ def test_qlora_layout_matches_one_process(reference, launched, name):
     ({"adapter.quantize_base": "int4"}, "adapter.quantize_base = 'int4' is not one of"),
 ], ids=["tp2", "width-96", "no-adapters", "unknown"])
 def test_what_nf4_cannot_do_is_one_line_before_launch(overrides, named, tmp_path):
-    from conftest import CONFIG, override_args
+    from test_lora import assert_refused_before_launch
 
-    out = tmp_path / "run"
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out), *override_args({**MODEL, **overrides}),
-                   timeout=60)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr[-1500:]
-    assert not out.exists()
+    assert_refused_before_launch({**MODEL, **overrides}, named, tmp_path)

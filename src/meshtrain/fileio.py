@@ -158,7 +158,10 @@ def _checked(path: Path, what: str, fix: str, max_bytes: int, missing_ok: bool, 
         elif read:
             os.set_blocking(fd, True)
             with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(max_bytes + 1)
+                # read(n) allocates n bytes first: ask for the size fstat gave (+1, to see growth), never the bound
+                data = f.read(min(st.st_size, max_bytes) + 1)
+                if st.st_size < len(data) <= max_bytes:  # it grew after fstat: read on, up to the bound
+                    data += f.read(max_bytes + 1 - len(data))
             if len(data) > max_bytes:  # it grew after fstat
                 problem = f"is {limit}"
     except OSError as e:

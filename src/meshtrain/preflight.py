@@ -16,9 +16,13 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.resolved import ResolvedRun
+
+if TYPE_CHECKING:
+    from meshtrain.data.growth import VocabGrowth
 
 
 def preflight(run: ResolvedRun) -> None:
@@ -27,6 +31,7 @@ def preflight(run: ResolvedRun) -> None:
     cfg = run.config
     from meshtrain import checkpoint as ckpt
     from meshtrain.data.corpus import corpus_of
+    from meshtrain.data.growth import vocab_growth
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
@@ -40,8 +45,9 @@ def preflight(run: ResolvedRun) -> None:
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
     if cfg.model.init_from and not resume:
-        check_init_from(cfg, corpus.tokenizer.vocab_size)
-    if 0 < cfg.model.vocab_size < corpus.tokenizer.vocab_size:  # the ranks' own check, before they start
+        check_init_from(cfg, corpus.tokenizer.vocab_size, corpus.added_tokens)
+    growth = vocab_growth(cfg, corpus.tokenizer.vocab_size, corpus.added_tokens)
+    if 0 < cfg.model.vocab_size < corpus.tokenizer.vocab_size and not growth:  # the ranks' own check, before they start
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of data.path = "
                           f"'{cfg.data.resolved_path()}' ({corpus.tokenizer.vocab_size} ids): use 0 or >= that")
     if resume:
@@ -55,7 +61,7 @@ def preflight(run: ResolvedRun) -> None:
         check_same_start(cfg, meta, found)
         check_adapter_resume(cfg, meta, found)
         check_global_batch(run, meta, found)
-        check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found)
+        check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found, growth)
         check_same_tensors(cfg, meta, found)
         check_same_data(cfg, meta, corpus.sha256, found)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
@@ -190,11 +196,13 @@ def foreign_entries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if not is_ours(p))
 
 
-def check_init_from(cfg: Config, corpus_vocab: int) -> None:
+def check_init_from(cfg: Config, corpus_vocab: int, added: dict[int, str] | None = None) -> None:
     """``model.init_from``'s weights can start this run (one that does not resume): every tensor of the model
     in whole files with the shapes its ``config.json`` gives (headers only,
-    :func:`meshtrain.models.registry.check_hf_weights`), and a vocabulary that holds the corpus's tokens.
+    :func:`meshtrain.models.registry.check_hf_weights`), and a vocabulary that holds the corpus's tokens, or that
+    grows by the tokens ``added`` by prepare (:func:`meshtrain.data.growth.vocab_growth`).
     Raises ConfigError with one actionable line."""
+    from meshtrain.data.growth import vocab_growth
     from meshtrain.models import hf_io as hf
     from meshtrain.models.registry import check_hf_weights
 
@@ -203,15 +211,7 @@ def check_init_from(cfg: Config, corpus_vocab: int) -> None:
         check_hf_weights(Path(m.init_from).expanduser(), m)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
-    if m.vocab_size < corpus_vocab and cfg.data.tokenizer != "char":
-        raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
-                          f"the {corpus_vocab} of data.tokenizer = '{cfg.data.tokenizer}': use the model's own "
-                          f"tokenizer, --data.tokenizer '{m.init_from}'")
-    if m.vocab_size < corpus_vocab:
-        raise ConfigError(f"model.init_from = '{m.init_from}' has a vocabulary of {m.vocab_size} tokens, fewer than "
-                          f"the {corpus_vocab} of data.path = '{cfg.data.resolved_path()}': use a corpus its "
-                          f"tokenizer covers (prepared conversations add the ChatML tokens after the tokenizer's ids: "
-                          f"pretrain with a model.vocab_size that leaves room for them)")
+    vocab_growth(cfg, corpus_vocab, added or {})
 
 
 def check_adapter_resume(cfg: Config, meta: dict, found: Path) -> None:
@@ -246,10 +246,11 @@ def check_same_start(cfg: Config, meta: dict, found: Path) -> None:
                           f": {keep}, or drop --resume to start from '{given}'")
 
 
-def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> None:
+def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path, growth: VocabGrowth | None = None) -> None:
     """The checkpoint's model and tokenizer are the config's: the shapes DCP loads into (type, layers,
     width, and the family's other :attr:`meshtrain.models.family.Family.resume_keys`) and the tokenizer (the characters of the corpus, or the
-    same tokenizer file contents, :func:`meshtrain.data.tokenizers.same_tokenizer`). Raises ConfigError
+    same tokenizer file contents, :func:`meshtrain.data.tokenizers.same_tokenizer`), and its vocabulary
+    (``model.init_from``'s as ``growth`` grows it for the tokens prepare added, as the ranks will). Raises ConfigError
     naming the override that makes it loadable."""
     from meshtrain.data.tokenizers import same_tokenizer
 
@@ -274,7 +275,11 @@ def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path) -> N
     if not same_tokenizer(saved_tok, tokenizer):
         raise ConfigError(f"checkpoint {found} was trained on a text with other characters than data.path = "
                           f"'{cfg.data.resolved_path()}': resume it with the data it was trained on")
-    if cfg.model.vocab_size and cfg.model.vocab_size != meta["vocab_size"]:
+    if growth and growth.new != meta["vocab_size"]:
+        raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, and this run grows model.init_from's "
+                          f"{growth.old} rows to {growth.new} (the tokenizer's ids padded to a multiple of 128 * tp, "
+                          f"tp = {cfg.parallel.tp}): resume it at the tp it was trained with")
+    if cfg.model.vocab_size and not growth and cfg.model.vocab_size != meta["vocab_size"]:
         raise ConfigError(f"checkpoint {found} has vocab_size {meta['vocab_size']}, this config "
                           f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshtrain.adapters.spec import ALL_LINEAR, is_adapter, lora_scaling, targeted_paths
+from meshtrain.adapters.spec import is_adapter, lora_scaling, targeted_paths
 
 
 class LoRALinear(nn.Linear):
@@ -99,11 +99,10 @@ def _linear_of(weight: torch.Tensor) -> nn.Linear:
     return module
 
 
-def add_adapters(model: nn.Module, adapter, model_cfg, quantize: bool = True) -> list[str]:
+def add_adapters(model: nn.Module, adapter, model_cfg) -> list[str]:
     """Adapt the modules of every block of ``model`` (a whole model or a pipeline chunk, after tp) that
-    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names. With
-    ``adapter.quantize_base = "nf4"`` (and ``quantize``; False on the meta device) every linear map of the blocks
-    that LoRA could target is then stored as NF4 (:mod:`meshtrain.adapters.nf4`, QLoRA), adapted or not.
+    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names
+    (:func:`meshtrain.adapters.apply.adapt` also quantizes the base for QLoRA).
 
     ``adapter``: the ``[adapter]`` section (``lora_rank`` > 0); ``model_cfg``: the ``[model]`` section. Each
     adapter's ``A`` is seeded from the model's ``init_seed`` and the module's name, so it is the same whichever
@@ -120,26 +119,16 @@ def add_adapters(model: nn.Module, adapter, model_cfg, quantize: bool = True) ->
             names.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
-    if adapter.quantize_base == "nf4" and quantize:
-        from meshtrain.adapters.nf4 import quantize_linear
-
-        for block in model.blocks.values():
-            for path in targeted_paths(model_cfg, [ALL_LINEAR]):
-                quantize_linear(block.get_submodule(path))
     return names
 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> int:
-    """Fold every adapter of ``model`` (one process, plain tensors; an NF4 base dequantized first) into its base, ``W <- W + scaling * B A`` (Hu et
+    """Fold every adapter of ``model`` (one process, plain tensors; an NF4 base dequantized first, by
+    :func:`meshtrain.adapters.apply.merge`) into its base, ``W <- W + scaling * B A`` (Hu et
     al. 2021, Sec. 4.1: "we can explicitly compute and store W = W0 + BA"), and make the module a plain
     ``nn.Linear`` again, so the state is a plain model's (an ``export --format hf --merge``). Returns how many
     modules were merged."""
-    from meshtrain.adapters.nf4 import dequantize_linear
-
-    for module in model.modules():
-        if hasattr(module, "nf4_data"):  # QLoRA: the base as it trained, dequantized
-            dequantize_linear(module)
     merged = 0
     for module in model.modules():
         if isinstance(module, LoRALinear):

@@ -264,7 +264,7 @@ def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
     device, before the checkpoint's tensors are loaded into it (:func:`load`): built from its config, and with
     LoRA adapters (``[adapter]``) its frozen base as the run had it -- ``train.seed``'s weights, then ``model.init_from``'s
     when set (``base``: read them; False on the meta device) -- and the adapters added."""
-    from meshtrain.adapters.lora import add_adapters
+    from meshtrain.adapters.apply import adapt
     from meshtrain.config import ModelConfig, saved_adapter
     from meshtrain.models import build_model
 
@@ -282,7 +282,7 @@ def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
             from meshtrain.models.hf import load_hf_weights
 
             load_hf_weights(model, m.init_from, m)
-        add_adapters(model, adapter, m, quantize=base)  # QLoRA: quantized after reading it
+        adapt(model, adapter, m, quantize=base)  # QLoRA: quantized after reading it
     return model
 
 

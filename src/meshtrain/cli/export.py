@@ -14,7 +14,7 @@ export is what to hand to someone else, consolidated from any layout:
   as ``LlamaForCausalLM`` (:mod:`meshtrain.models.hf`).
 - ``--format peft``: a LoRA run's adapters as the folder ``OUT`` that ``peft.PeftModel.from_pretrained(base, OUT)``
   loads (:mod:`meshtrain.adapters.export`); ``--merge`` instead folds them into the base for the two formats above
-  (:func:`meshtrain.adapters.lora.merge_adapters`), which refuse a run with adapters without it.
+  (:func:`meshtrain.adapters.apply.merge`), which refuse a run with adapters without it.
 
 safetensors holds only a JSON header and raw tensor bytes, so reading it cannot run code. ``meshtrain
 generate --checkpoint OUT`` samples from either. Nothing is ever overwritten: outputs are written under a
@@ -191,11 +191,11 @@ def plain_model(checkpoint: str | Path, merge: bool):
 
     Raises:
         ConfigError: as :func:`load_checkpoint_model`, or a run with adapters and no ``merge``."""
-    from meshtrain.adapters.lora import merge_adapters
+    from meshtrain.adapters import apply
 
     model, meta, found = load_checkpoint_model(checkpoint)
     if merge:
-        merge_adapters(model)
+        apply.merge(model)
     elif any(".lora_" in name for name, _ in model.named_parameters()):
         raise ConfigError(f"checkpoint {found} holds LoRA adapters: export them with --format peft, or the base with "
                           f"the adapters folded in with --merge")

@@ -9,7 +9,7 @@ token ids (characters, with the char tokenizer) are train, the rest val. The bun
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,9 @@ class Corpus:
     sha256: str = ""
     """Hex SHA-256 of the text's UTF-8 bytes (of a prepared folder's ``meta.json``): a checkpoint records it, so
     a resume on other data is refused."""
+    added_tokens: dict[int, str] = field(default_factory=dict)
+    """The ids ``meshtrain prepare`` added to the tokenizer it was given (a prepared folder's ``added_tokens``: ChatML's
+    tokens) -> their tokens; a starting model may grow its vocabulary by these (:mod:`meshtrain.data.growth`)."""
 
 
 class PreparedTokens:
@@ -98,6 +101,7 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
     train, val = (PreparedTokens(data.tokens(split), data.vocab_size, f"prepared data '{folder}' ({split} split)")
                   for split in ("train", "val"))
     digest = hashlib.sha256((Path(folder) / META_FILE).read_bytes()).hexdigest()
+    added = added_tokens(data.meta, tok, Path(folder) / META_FILE)
     pairs = data.meta.get("content") == "preference"
     if pairs != (objective == "dpo"):
         raise ConfigError(f"data.path = '{folder}' holds preference pairs: set train.objective = 'dpo'" if pairs else
@@ -107,7 +111,7 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
     if data.has_masks:
         train, val = (_conversations(data, split, tokens, block_size, packing, tok, folder, pairs)
                       for split, tokens in (("train", train), ("val", val)))
-        return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
+        return Corpus(train=train, val=val, tokenizer=tok, sha256=digest, added_tokens=added)
     if packing not in TEXT_PACKINGS:
         raise ConfigError(f"data.packing = '{packing}' is for prepared conversations, and data.path = '{folder}' holds "
                           f"text: use 'concat' or 'document'")
@@ -115,7 +119,26 @@ def load_prepared(folder: Path, block_size: int, tokenizer: str = TOKENIZER_KIND
         if len(split) < block_size + 1:
             raise ConfigError(f"data.path = '{folder}' has a {name} split of {len(split)} tokens; model.block_size = "
                               f"{block_size} needs >= {block_size + 1}: use a smaller block_size or more data")
-    return Corpus(train=train, val=val, tokenizer=tok, sha256=digest)
+    return Corpus(train=train, val=val, tokenizer=tok, sha256=digest, added_tokens=added)
+
+
+def added_tokens(meta: dict, tok: Tokenizer, where: Path) -> dict[int, str]:
+    """{id: token} of a prepared folder's ``added_tokens`` (:mod:`meshtrain.data.preprocess`: the ids prepare added to
+    the tokenizer it was given, the last ones of its tokenizer); {} where it added none.
+
+    Raises:
+        ConfigError: an entry that is not such an id of the folder's tokenizer (the meta.json was edited).
+    """
+    entries = meta.get("added_tokens", [])
+    ok = isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("id"), int)
+                                           and isinstance(e.get("content"), str) for e in entries)
+    added = {e["id"]: e["content"] for e in entries} if ok else {}
+    lookup = getattr(getattr(tok, "tokenizer", None), "token_to_id", None)  # the tokenizers library's (hf kind)
+    if not ok or (added and (lookup is None or any(lookup(t) != i for i, t in added.items())
+                             or sorted(added) != list(range(tok.vocab_size - len(added), tok.vocab_size)))):
+        raise ConfigError(f"'{where}': 'added_tokens' = {str(entries)[:60]} are not the last ids of its tokenizer: the "
+                          f"prepared data is damaged or was edited; run meshtrain prepare again")
+    return added
 
 
 def _conversations(data, split: str, tokens: PreparedTokens, block_size: int, packing: str, tok: Tokenizer,

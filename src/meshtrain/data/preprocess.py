@@ -11,7 +11,9 @@ Conversations (``--format chat|prompt-completion``, :mod:`meshtrain.data.chat`):
 is one record, one document: its ids only (no EOS added: the template's end-of-turn token ends it) and a loss
 mask written beside the tokens. A tokenizer without a template and without the ChatML tokens gets them: the
 extended ``tokenizer.json`` (and a ``tokenizer_config.json`` with the template) is written into the folder and is
-meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``). Every split needs a supervised token.
+meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``, the ids added are ``added_tokens``: a
+model started from the one given grows its vocabulary by them, :mod:`meshtrain.data.growth`). Every split needs a
+supervised token.
 Preference pairs (``--format preference``, :mod:`meshtrain.data.preference`): each record is two consecutive
 documents, chosen then rejected, with their masks.
 
@@ -116,11 +118,11 @@ def prepare(tokenizer: str, inputs: list[str], out: str | Path, *, text_field: s
     tmp = out.with_name(out.name + ".tmp")
     lock, removed = _claim(tmp)
     try:
-        entry = recipe["tokenizer"]
+        entry, given_vocab = recipe["tokenizer"], tok.vocab_size
         if extension:
             tok = _extend_tokenizer(tmp, extension)
             entry = tok.to_dict() | {"path": str(out / "tokenizer.json")}  # where it lies after the rename
-        meta = _write(tmp, tok, chat, entry, sources, recipe, workers, progress)
+        meta = _write(tmp, tok, chat, entry, sources, recipe, workers, progress, given_vocab)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
     except BaseException:
@@ -224,8 +226,9 @@ def _claim(tmp: Path):
 
 
 def _write(tmp: Path, tok, chat: ChatFormat | None, tokenizer_entry: dict[str, Any], sources: list[InputFile],
-           recipe: dict[str, Any], workers: int, progress: Progress | None) -> dict[str, Any]:
-    """Tokenize into ``tmp``: shards (and mask shards for ``chat``) and indices, then meta.json. Returns the meta."""
+           recipe: dict[str, Any], workers: int, progress: Progress | None, given_vocab: int) -> dict[str, Any]:
+    """Tokenize into ``tmp``: shards (and mask shards for ``chat``) and indices, then meta.json (``given_vocab``: the
+    ids of the tokenizer given, before prepare extended it). Returns the meta."""
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     opts = recipe["options"]
     writers = {split: ShardWriter(tmp, split, TOKEN_DTYPES[dtype], opts["shard_tokens"], masks=chat is not None)
@@ -249,7 +252,7 @@ def _write(tmp: Path, tok, chat: ChatFormat | None, tokenizer_entry: dict[str, A
             "shard_tokens": opts["shard_tokens"], "split_rule": rule.replace("F", str(opts["val_fraction"])),
             "splits": splits, "options": opts, "inputs": recipe["inputs"]}
     if chat is not None:
-        meta |= _chat_meta(chat, recipe["tokenizer"], tokenizer_entry)
+        meta |= _chat_meta(chat, recipe["tokenizer"], tokenizer_entry, tok, given_vocab)
     with open(tmp / META_FILE, "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
         f.flush()
@@ -258,14 +261,19 @@ def _write(tmp: Path, tok, chat: ChatFormat | None, tokenizer_entry: dict[str, A
     return meta
 
 
-def _chat_meta(chat: ChatFormat, given: dict[str, Any], used: dict[str, Any]) -> dict[str, Any]:
-    """meta.json's keys for conversations: ``content``, ``loss_mask``, ``chat_template``, and ``source_tokenizer``
-    (the tokenizer given) when prepare extended it."""
+def _chat_meta(chat: ChatFormat, given: dict[str, Any], used: dict[str, Any], tok,
+               given_vocab: int) -> dict[str, Any]:
+    """meta.json's keys for conversations: ``content``, ``loss_mask``, ``chat_template``, and when prepare extended
+    the tokenizer, ``source_tokenizer`` (the tokenizer given) and ``added_tokens`` (``[{"id", "content"}]`` of the ids
+    it added: those of ``tok``, the extended tokenizer, past the ``given_vocab`` ids of the one given; a starting
+    model's vocabulary may grow by them, :mod:`meshtrain.data.growth`)."""
     meta = {"content": chat.content, "loss_mask": True,
             "chat_template": {"source": chat.source, "sha256": chat.template_sha256,
                               "generation_markers": chat.markers}}
     if used is not given:
         meta["source_tokenizer"] = given
+        meta["added_tokens"] = [{"id": i, "content": tok.tokenizer.id_to_token(i)}
+                                for i in range(given_vocab, tok.vocab_size)]
     return meta
 
 

@@ -36,6 +36,7 @@ from meshtrain.models import hf_io as hf
 from meshtrain.models.family import Source
 from meshtrain.models.hf_carry import carried_config
 from meshtrain.models.registry import check_hf_weights, hf_format
+from meshtrain.models.resize import GROWN, GrownRows
 
 
 def _format(cfg: ModelConfig) -> Any:
@@ -106,9 +107,12 @@ def _names(source: Source) -> list[str]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> int:
+def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig, grown: GrownRows | None = None) -> int:
     """Copy the weights of the Hugging Face folder into ``model`` (this rank's part: plain modules, DDP,
     FSDP2/tensor-parallel DTensors, pipeline stages). Returns the number of elements this rank read.
+    ``grown``: the model's vocabulary extends the checkpoint's (:mod:`meshtrain.data.growth`): the embedding's and
+    head's rows past the checkpoint's are made as ``transformers``' ``resize_token_embeddings`` makes them
+    (:class:`meshtrain.models.resize.GrownRows`).
 
     Raises:
         ConfigError: a weights file that is missing or truncated, or a parameter of ``model`` the checkpoint
@@ -137,6 +141,9 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
                     raise ConfigError(f"'{folder / file}' cannot be read: {e}") from None
             return handles[file].get_slice(name)
 
+        if grown is not None:
+            grown.read = lambda name, r0, r1: part(name)[r0:r1]
+            grown.embedding = sources[GROWN[0]].name
         for name, param in get_model_state_dict(model).items():
             source = sources.get(name)
             if (source is not None and not source.name) or is_adapter(name):  # no Hugging Face tensor holds it
@@ -146,9 +153,13 @@ def load_hf_weights(model: nn.Module, folder: str | Path, cfg: ModelConfig) -> i
                 raise ConfigError(f"'{folder}' holds no tensor for parameter {name} "
                                   f"({missing[0] if missing else 'no Hugging Face name'})")
             local, offset = _chunk(param)
-            if local.numel():
+            if local.numel() and grown is not None and name in GROWN:
+                read += grown.fill(local, offset, source.name, lambda at, shape: _read(part, source, at, shape))
+            elif local.numel():
                 local.copy_(_read(part, source, offset, local.shape))
                 read += local.numel()
+        if grown is not None:
+            grown.read = None  # the files close here
     return read
 
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from collections.abc import Callable
 
-from meshtrain.adapters.lora import add_adapters
+from meshtrain.adapters.apply import adapt
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config import Config, ConfigError, ParallelConfig
 from meshtrain.data.packing import document_positions, pack_documents
@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     compiled = blocks_compiled(cfg.train.compile, compile_eligible(cfg.model.type, p.sync_mode),
                                device_type)
     blockwise = {"recompute": cfg.train.recompute, "compiled": compiled,
-                 "adapt": (lambda part: add_adapters(part, cfg.adapter, cfg.model)) if cfg.adapter.lora_rank else None}
+                 "adapt": (lambda part: adapt(part, cfg.adapter, cfg.model)) if cfg.adapter.lora_rank else None}
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
@@ -208,7 +208,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     ``model`` provides ``tp_plan``, ``tie_weights``, ``tp_split_dropout_modules``, ``blocks`` and
     ``inner_attention`` submodules (:class:`meshtrain.models.gpt.model.GPT` does). ``recompute``: ``train.recompute``
     ("none", "selective", "full"); ``compiled``: ``torch.compile`` each block (:mod:`meshtrain.parallel.recompute`);
-    ``adapt``: adds LoRA adapters to the sharded model and freezes its base (:func:`meshtrain.adapters.lora.add_adapters`),
+    ``adapt``: adds LoRA adapters to the sharded model and freezes its base (:func:`meshtrain.adapters.apply.adapt`),
     before dp wraps it so that DDP and FSDP2 see which parameters train. With pp > 1 use :func:`parallelize_pipeline`.
 
     Raises:

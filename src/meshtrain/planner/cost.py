@@ -37,9 +37,10 @@ from meshtrain import axes
 from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, stage_layers, stage_loads, stage_params,
-                                     torchtitan_gemms)
-from meshtrain.planner.model_specs import ModelSpec, attention_flops_per_token, dense_flops_per_token
+from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, nf4_params, stage_layers, stage_loads,
+                                     stage_params, torchtitan_gemms, trained_params)
+from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token,
+                                           dense_flops_per_token)
 
 
 def expert_flops_per_token(model: ModelSpec) -> float:
@@ -103,10 +104,13 @@ def gemm_traffic_bytes(rows: float, shapes: tuple[tuple[float, float], ...], ele
 
 
 def model_flops(model: ModelSpec, samples: int) -> float:
-    """Model FLOPs of forward + backward over ``samples`` sequences (Korthikanti et al. 2022, Eq. 7)."""
-    per_token = model.layers * (dense_flops_per_token(model) + attention_flops_per_token(model))
-    per_token += 2.0 * model.hidden * model.vocab
-    return 3.0 * samples * model.seq_len * per_token
+    """Model FLOPs of forward + backward over ``samples`` sequences (Korthikanti et al. 2022, Eq. 7): the forward's
+    three times; with LoRA adapters the weight GEMMs' twice (a frozen GEMM's backward computes its input's gradient
+    only; the adapters' own r/h of the GEMMs left out) and attention's three times (both its operands are
+    activations), so that MFU counts the work a LoRA step needs."""
+    weights = model.layers * dense_flops_per_token(model) + 2.0 * model.hidden * model.vocab
+    passes = 2.0 if model.adapter_layer_params else 3.0
+    return samples * model.seq_len * (passes * weights + 3.0 * model.layers * attention_flops_per_token(model))
 
 
 def recomputed_gemm_fraction(model: ModelSpec, selective: str) -> float:
@@ -290,7 +294,15 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)
     gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
-    return block, recompute, head, dev.microstep_host_s / 3, gemm
+    # LoRA: a frozen GEMM's backward computes its input's gradient only, one GEMM instead of two (the adapters' own
+    # GEMMs, r/h of the block's, are left out); QLoRA dequantizes each NF4 weight in the forward, the backward and
+    # a recomputed forward (read the 4-bit data, write fp32 weights: :mod:`meshtrain.adapters.nf4`)
+    dequant = model.nf4_layer_params / t * (NF4_BYTES + 4) / bw
+    block += dequant
+    if layout.recompute == "full":  # selective recomputation runs no GEMM again here
+        recompute += dequant
+    not_in_backward = (dense if model.adapter_layer_params else 0.0) + dequant  # of backward = 2 x forward
+    return block, recompute, head, dev.microstep_host_s / 3, gemm, not_in_backward
 
 
 def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
@@ -328,13 +340,13 @@ def micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     key = ("layer work", recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
            ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
-    block, recompute, head, host, tp, sp, ep = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
+    block, recompute, head, host, tp, sp, ep, frozen = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
     # the busiest pipeline rank: its blocks (with their collectives) and, on the loss's rank, the head
     passes, per_block = recompute_passes(layout), tp + sp + ep
     blocks, heads = max(stage_loads(model, layout, fw),
                         key=lambda load: load[0] * (3 * block + passes * recompute + per_block) + load[1] * 3 * head)
     forward = blocks * block + heads * head + host
-    backward = 2 * forward + passes * blocks * recompute
+    backward = 2 * forward + passes * blocks * recompute - blocks * frozen
     tp, sp, ep = blocks * tp, blocks * sp, blocks * ep
     if layout.pp > 1 and layout.pp_schedule in ("zero-bubble", "zbv"):
         backward *= hw.device.split_backward_factor  # their backward runs as an input pass and a weight pass
@@ -360,8 +372,9 @@ def _stage_send_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Preci
 def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
                 fw: Framework) -> tuple[float, ...]:
     """One block's and the head's parts of :class:`MicroBatch` (:func:`_compute`), and one block's tp, sp and ep
-    collectives: (block forward, block recomputation, head forward, host time, block tp, block sp, block ep)."""
-    block, recompute, head, host, gemm = _compute(model, layout, hw, prec, fw)
+    collectives: (block forward, block recomputation, head forward, host time, block tp, block sp, block ep, the part
+    of twice the block's forward its backward does not run: frozen weights' gradients, :func:`_compute`)."""
+    block, recompute, head, host, gemm, frozen = _compute(model, layout, hw, prec, fw)
     net = hw.network
     # Tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more when fully recomputed
     # (Shoeybi et al. 2019, Sec. 3); with sequence parallelism each is an all-gather + reduce-scatter pair
@@ -382,7 +395,7 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     tp, sp = comm["tp"], comm["sp"]
     if fw.tp_comm_overlap:  # per block: overlapped() scales with the blocks, so a stage's is blocks times a block's
         tp = overlapped(tp, gemm, hw.device.overlap_slowdown)
-    return block, recompute, head, host, tp, sp, comm["ep"]
+    return block, recompute, head, host, tp, sp, comm["ep"], frozen
 
 
 @dataclass(frozen=True)
@@ -567,7 +580,10 @@ def _dp_collectives(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precis
     per_node = layout.ranks_per_node("dp", dpn) * layout.ranks_per_node("sp", dpn) if spans else 1  # dp*sp group
     scalars = (3 if layout.zero_stage >= 2 else 2) * collective_time(hw, "all-reduce", n, 8, spans, per_node)
     p = stage_params(model, layout, fw)
-    grads, weights = p * prec.grad_bytes, p * (2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes)
+    # gradients: of the trained parameters only (LoRA: the adapters); weights: the base's (QLoRA: NF4 bytes)
+    value = 2 if prec.compute_dtype == "bfloat16" else prec.weight_bytes
+    grads = trained_params(model, layout, fw) * prec.grad_bytes
+    weights = p * value - nf4_params(model, layout) * (value - NF4_BYTES)
     z = layout.zero_stage
     units, per_unit = fsdp_unit_shape(model, layout, fw)
     back = max(units - 1, 0)  # stage 3 gathers again before backward: every unit but the last
@@ -649,7 +665,7 @@ def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precisi
     """AdamW step, memory-bound: read and write weights and states, read gradients 3x (norm, clip,
     update) for each parameter this device updates (1/(dp*sp) of its stage with ZeRO >= 1), plus the
     host time per parameter tensor (FSDP2's sharded DTensor parameters at zero_stage >= 2 cost more)."""
-    p = stage_params(model, layout, fw) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)
+    p = trained_params(model, layout, fw) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)  # LoRA: adapters
     nbytes = p * (2 * (prec.weight_bytes + prec.optimizer_bytes) + 3 * prec.grad_bytes)
     dev = hw.device
     per_tensor = dev.sharded_tensor_update_host_s if layout.zero_stage >= 2 else dev.tensor_update_host_s
@@ -659,8 +675,11 @@ def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precisi
 def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
     """A pipeline whose tied embedding and head sit on different ranks all-reduces their (V, h/tp)
     gradients once per step between the first and last stage (Megatron-LM's embedding group; the
-    trainer's ``Pipeline.sync_tied_gradients``). None under a V placement (both on pipeline rank 0)."""
+    trainer's ``Pipeline.sync_tied_gradients``). None under a V placement (both on pipeline rank 0), nor with LoRA
+    adapters (the embedding is frozen)."""
     if layout.pp == 1 or not model.tied_embeddings or RULES[layout.pp_schedule].placement == "v":
+        return 0.0
+    if model.adapter_layer_params:
         return 0.0
     nbytes = model.vocab * model.hidden / layout.tp * prec.grad_bytes
     return collective_time(hw, "all-reduce", 2, nbytes, layout.spans_nodes("pp", hw.network.devices_per_node))

@@ -643,12 +643,17 @@ def parse_fix(text: str, flag: str = "--fix") -> dict:
 
 def pinned_model_errors(fixed: dict, model: ModelSpec, flag: str = "--fix") -> None:
     """Raise ConfigError where pinned layout fields ``fixed`` (:func:`parse_fix`) ask ``model`` for what it does not
-    have: ``ep`` > 1 on a dense model (expert parallelism splits a mixture of experts' experts)."""
+    have: ``ep`` > 1 on a dense model (expert parallelism splits a mixture of experts' experts), ``tp`` > 1 with an
+    NF4 base (QLoRA, :mod:`meshtrain.adapters.nf4`)."""
     ep = fixed.get("ep", 1)
     if ep > 1 and not model.experts:
         raise ConfigError(f"{flag} ep = {ep}: {model.name} is a dense model (no experts), and ep splits a mixture of "
                           f"experts' experts: drop ep (or give ep=1), or plan a model with experts (e.g. --model "
                           f"mixtral-8x7b)")
+    tp = fixed.get("tp", 1)
+    if tp > 1 and model.nf4_layer_params:
+        raise ConfigError(f"{flag} tp = {tp}: adapter.quantize_base = 'nf4' runs at tp = 1 only (an NF4 weight's blocks "
+                          f"run along its rows, which tp would cut): drop tp, or plan with quantize_base = 'none'")
 
 
 def sequences_per_sample(cfg: Config) -> int:

@@ -38,7 +38,7 @@ from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk_ranks, split_layers
 from meshtrain.parallel.pipeline.rules import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.model_specs import ModelSpec, attention_flops_per_token, dense_flops_per_token
+from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token
 from meshtrain.rules.support import fsdp_units
 
 
@@ -477,14 +477,23 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     # Folded into tp too (Framework.expert_folding), the experts' shards spread over tp*dp*sp ranks.
     sharded = _rank_params(model, layout.tp, 1, *_split_key(layout, framework)) / shard
     sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / framework.expert_fold(layout.tp)) / shard
-    weights = sharded * precision.weight_bytes if z >= 3 else p * precision.weight_bytes
+    # LoRA: the adapters (t, split over tp with their base) are trained, the rest frozen; QLoRA stores q of the
+    # frozen weights as NF4. Without adapters t = p and q = 0.
+    t, q = trained_params(model, layout, framework), nf4_params(model, layout)
+    nf4_saving = precision.weight_bytes - NF4_BYTES  # per quantized weight
+    adapters = t if model.adapter_layer_params else 0.0  # weights beside the base's
+    if z >= 3:
+        weights = sharded * precision.weight_bytes + (adapters * precision.weight_bytes - q * nf4_saving) / shard
+    else:
+        weights = p * precision.weight_bytes + adapters * precision.weight_bytes - q * nf4_saving
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
     # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
     pipelined = layout.pp > 1
     grads_sharded = z >= 2 and not pipelined and (layout.gradient_accumulation_steps == 1
                                                   or framework.grad_sync_every_microstep)
-    grads = (sharded if grads_sharded else p) * precision.grad_bytes
-    optimizer = (sharded if z >= 1 else p) * precision.optimizer_bytes
+    trained = t / shard if model.adapter_layer_params else sharded  # what a ZeRO shard holds of the trained ones
+    grads = (trained if grads_sharded else t) * precision.grad_bytes
+    optimizer = (trained if z >= 1 else t) * precision.optimizer_bytes
     block = model.layer_params() / layout.tp
     gathered = 0.0
     if z >= 2:
@@ -495,13 +504,31 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
         live = root + min(units, 1) * unit if grads_sharded else 0.0  # unsharded gradients not yet reduced
         # the reduce-scatter's flat input: a copy of the largest unit's gradients (FSDP2 foreach_reduce);
         # unsharded gradients have the gathered weights' dtype, the reduce-scatter's input the gradients'
-        gathered = (held + live) * precision.weight_bytes + max(unit, root) * precision.grad_bytes
+        share = t / p  # of the gradients: the trained parameters' (LoRA: the adapters')
+        gathered = (held * precision.weight_bytes - held / p * q * nf4_saving + live * share * precision.weight_bytes
+                    + max(unit, root) * share * precision.grad_bytes)
     if z <= 1 and shard > 1 and framework.torch_buffers:  # DDP's gradient buckets (zero_stage 1 is DDP too)
-        gathered += p * precision.grad_bytes
+        gathered += t * precision.grad_bytes
     return StateMemory(weights=weights, grads=grads, optimizer=optimizer, gathered=gathered,
-                       fixed=gathered + p * precision.weight_cast_bytes,
-                       optimizer_peak=(sharded if z >= 1 else p) * 4 if framework.torch_buffers else 0.0,
+                       fixed=gathered + (p - q) * precision.weight_cast_bytes,  # NF4 is dequantized a layer at a time
+                       optimizer_peak=(trained if z >= 1 else t) * 4 if framework.torch_buffers else 0.0,
                        overhead=hw.device.framework_overhead_bytes)
+
+
+def trained_params(model: ModelSpec, layout: Layout, framework: Framework | None = None) -> float:
+    """Parameters with gradients and optimizer states on one device of the busiest pipeline rank, before ZeRO: all
+    of :func:`stage_params`, or with LoRA adapters (``model.adapter_layer_params``) its blocks' adapters, split over
+    tp with their base linear maps (the replicated half of each pair, ``A`` of a column-parallel map or ``B`` of a
+    row-parallel one, is counted split too: r/h of a block's weights, left out)."""
+    if not model.adapter_layer_params:
+        return stage_params(model, layout, framework)
+    return stage_layers(model, layout) * model.adapter_layer_params / layout.tp
+
+
+def nf4_params(model: ModelSpec, layout: Layout) -> float:
+    """QLoRA: frozen weights stored as NF4 on one device of the busiest pipeline rank, before ZeRO (tp is refused
+    with NF4, so ``/ tp`` only keeps the formula general)."""
+    return stage_layers(model, layout) * model.nf4_layer_params / layout.tp
 
 
 class RecomputeMemory:

@@ -73,6 +73,14 @@ class ModelSpec:
     shared_ffn: int = 0
     """Width of a shared expert every token runs besides its routed ones, with a (1, h) sigmoid gate (Qwen2-MoE);
     0 = none. Replicated over tp and ep like the router."""
+    adapter_layer_params: int = 0
+    """LoRA (:mod:`meshtrain.adapters`): one block's adapter parameters, ``r * (in + out)`` per adapted linear map
+    (:func:`meshtrain.adapters.spec.adapter_parameters` over the layers); 0 = full training. With adapters they
+    alone have gradients, optimizer states and gradient traffic; every other parameter is frozen, and a frozen
+    GEMM's backward computes its input's gradient only."""
+    nf4_layer_params: int = 0
+    """QLoRA: one block's base weights stored as NF4 (:data:`NF4_BYTES` each instead of the weight dtype's bytes),
+    dequantized once per forward and once per backward (and per recomputation)."""
     expert_imbalance: float = 1.0
     """The busiest expert rank's routed rows over the mean (>= 1; 1 = every expert rank gets ``tokens*k/ep``): a
     stated factor, not predicted. Every rank waits for the busiest at each MoE layer's combine, so the routed
@@ -317,9 +325,43 @@ def corpus_vocab_size(cfg: Config) -> int:
     return len(set(read_text_corpus(path)))
 
 
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per NF4 weight: 4 bits, an 8-bit scale per 64 weights, a fp32 scale per 256 scales (QLoRA, Dettmers et al.
+2023, Sec. 3; :data:`meshtrain.adapters.nf4.BYTES_PER_WEIGHT`)."""
+
+
+def adapter_numbers(cfg: Config) -> dict[str, int]:
+    """:class:`ModelSpec`'s ``adapter_layer_params`` and ``nf4_layer_params`` of a config's ``[adapter]`` (none without
+    adapters): per block, from the family's Hugging Face shapes (:mod:`meshtrain.adapters.spec`)."""
+    a, m = cfg.adapter, cfg.model
+    if not a.lora_rank:
+        return {}
+    from meshtrain.adapters.spec import ALL_LINEAR, adapter_parameters
+
+    numbers = {"adapter_layer_params": adapter_parameters(m, list(a.lora_targets), a.lora_rank) // m.n_layer}
+    if a.quantize_base == "nf4":  # every linear map of a block, A and B of rank 1 being in + out of each
+        numbers["nf4_layer_params"] = _linear_weights_per_block(m, [ALL_LINEAR])
+    return numbers
+
+
+def _linear_weights_per_block(m: Any, targets: list[str]) -> int:
+    """The weights of one block's linear maps that ``targets`` name (in x out each)."""
+    from meshtrain.adapters.spec import targeted_paths
+    from meshtrain.models.registry import family
+
+    fmt = family(m.type).hf
+    sources, shapes = fmt.sources(m, ()), fmt.shapes(m, 1, ())
+    total = 0
+    for path in targeted_paths(m, targets):
+        out_features, in_features = shapes[sources[f"blocks.0.{path}.weight"].name]
+        total += out_features * in_features
+    return total
+
+
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: its family's planner numbers
-    (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``). ``vocab_size`` overrides the
+    (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``) and its adapters'
+    (:func:`adapter_numbers`). ``vocab_size`` overrides the
     config; with neither, the vocabulary is the trainer's (:func:`corpus_vocab_size`: the corpus's distinct
     characters, or the padded tokenizer size).
 
@@ -332,7 +374,7 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
         modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
-    return ModelSpec("config", **numbers(m, vocab_size or m.vocab_size or corpus_vocab_size(cfg)))
+    return ModelSpec("config", **numbers(m, vocab_size or m.vocab_size or corpus_vocab_size(cfg)), **adapter_numbers(cfg))
 
 
 def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:

@@ -35,7 +35,7 @@ from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility
                                      recompute_modes)
 from meshtrain.planner.memory import (ActivationMemory, MemoryBreakdown, Precision, RecomputeMemory, composite_norms,
                                      stage_params_floor)
-from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec
 
 
 @lru_cache(maxsize=1024)
@@ -91,7 +91,9 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
     degrees = divisors(world)
     modes = [m for m in _choices(fixed, "recompute", list(RECOMPUTE)) if m in framework.recompute]
     zeros = [z for z in _choices(fixed, "zero_stage", list(framework.zero_stages)) if z in framework.zero_stages]
-    tps = _choices(fixed, "tp", degrees if framework.tensor_parallel else [1])
+    # QLoRA's NF4 blocks run along a weight's rows, which tp would cut: the trainer refuses tp > 1 with it
+    # (meshtrain.adapters.spec), so the planner never ranks one
+    tps = _choices(fixed, "tp", degrees if framework.tensor_parallel and not model.nf4_layer_params else [1])
     schedules: dict[tuple[int, int, int], list[tuple[str, int]]] = {}  # by (pp, ga, dp*sp)
     sync = {k: v for k, v in fixed.items() if k in SYNC_FIELDS}  # pinned only: the search ranks synchronous layouts
     for tp, sp, pp in itertools.product(tps, _choices(fixed, "sp", degrees), _choices(fixed, "pp", degrees)):
@@ -303,5 +305,10 @@ def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int
     experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts)."""
     ep = math.gcd(model.experts, shard) if model.experts else 1
     p = stage_params_floor(model, tp, pp, ep)  # whatever split and schedule the layouts of these degrees run
-    return (p * precision.weight_bytes / (shard if zero >= 3 else 1) + p * precision.grad_bytes / (shard if zero >= 2 else 1)
-            + p * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)
+    t, weights = p, p * precision.weight_bytes
+    if model.adapter_layer_params:  # LoRA: the average rank's adapters train; QLoRA: at most its busiest rank's NF4
+        t = model.layers / pp * model.adapter_layer_params / tp
+        weights += t * precision.weight_bytes - (math.ceil(model.layers / pp) * model.nf4_layer_params / tp
+                                                 * (precision.weight_bytes - NF4_BYTES))
+    return (weights / (shard if zero >= 3 else 1) + t * precision.grad_bytes / (shard if zero >= 2 else 1)
+            + t * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)

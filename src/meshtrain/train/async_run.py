@@ -25,6 +25,7 @@ mode runs on the CPU.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from meshtrain.config import Config, ConfigError
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights
+from meshtrain.models.resize import GrownRows
 from meshtrain.optim import build_optimizer, lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
@@ -70,7 +72,11 @@ class AsyncRun:
         self.batch = self.resolved.global_batch_size  # one worker's: one gradient
         self.resume = ckpt.resume_checkpoint(cfg)
         if not self.resume and cfg.model.init_from:
-            load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # every rank holds the whole model
+            growth = self.setup.growth  # every rank holds the whole model
+            grown = growth and GrownRows(growth.old, growth.new, cfg.train.seed)
+            load_hf_weights(self.model, cfg.model.init_from, cfg.model, grown)
+            if grown and self.rank == 0:
+                print(growth.describe(cfg.model.init_from, cfg.train.seed, grown.sampled), file=sys.stderr, flush=True)
         meta = ckpt.read_meta(self.resume) if self.resume else {}
         self.start = int(meta.get("step", 0))
         state = meta.get("async", {})

@@ -37,6 +37,7 @@ from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights, source_hf_config
+from meshtrain.models.resize import GrownRows
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
@@ -90,8 +91,9 @@ class Trainer:
         conversations = isinstance(self.setup.corpus.train, Conversations)  # targets outside the loss
         a = cfg.adapter
         quantized = a.quantize_base != "none"  # QLoRA: the base is quantized as the adapters are added: read it first
-        if quantized and cfg.model.init_from:
-            load_hf_weights(self.setup.model, cfg.model.init_from, cfg.model)  # whole, on each rank, then quantized
+        grown = self.setup.growth and GrownRows(self.setup.growth.old, self.setup.growth.new, cfg.train.seed)
+        if quantized and cfg.model.init_from:  # whole, on each rank, then quantized
+            load_hf_weights(self.setup.model, cfg.model.init_from, cfg.model, grown)
         if a.lora_rank and self.rank == 0:
             n = adapter_parameters(cfg.model, list(a.lora_targets), a.lora_rank)
             print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
@@ -134,7 +136,10 @@ class Trainer:
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         adapters = cfg.adapter.lora_rank > 0  # the frozen base is not in the checkpoints: read it on resume too
         if cfg.model.init_from and (self.start_step == 0 or adapters) and not quantized:
-            load_hf_weights(self.model, cfg.model.init_from, cfg.model)  # each rank reads the slices it holds
+            load_hf_weights(self.model, cfg.model.init_from, cfg.model, grown)  # each rank reads the slices it holds
+            if grown and self.rank == 0:
+                print(self.setup.growth.describe(cfg.model.init_from, cfg.train.seed, grown.sampled),
+                      file=sys.stderr, flush=True)
         if cfg.model.init_from and (self.start_step == 0 or adapters):
             self.source_hf_config = self.source_hf_config or source_hf_config(cfg.model.init_from)
         if adapters and self.rank == 0:  # what a resume, export or generate checks the base against

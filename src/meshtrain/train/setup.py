@@ -12,6 +12,7 @@ import torch
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.data.corpus import Corpus, corpus_of
+from meshtrain.data.growth import VocabGrowth, vocab_growth
 from meshtrain.data.tokenizers import model_vocab_size
 from meshtrain.models import build_model
 from meshtrain.models.base import LayeredLM
@@ -24,9 +25,12 @@ class RunSetup:
 
     corpus: Corpus
     vocab_size: int
-    """V: ``model.vocab_size``, or the corpus tokenizer's when it is 0 (a non-char tokenizer's padded up to a
-    multiple of 128 * tp, :func:`meshtrain.data.tokenizers.model_vocab_size`)."""
+    """V: ``model.vocab_size``, or the corpus tokenizer's when it is 0 or ``growth`` grows it (a non-char tokenizer's
+    padded up to a multiple of 128 * tp, :func:`meshtrain.data.tokenizers.model_vocab_size`)."""
     model: LayeredLM
+    growth: VocabGrowth | None
+    """How the vocabulary extends ``model.init_from``'s for the tokens prepare added (:mod:`meshtrain.data.growth`);
+    None where it does not."""
     dtype: str
     """What ``train.dtype`` resolves to on this device: "float32" or "bfloat16"."""
     autocast: contextlib.AbstractContextManager
@@ -34,21 +38,25 @@ class RunSetup:
 
 
 def set_up(cfg: Config, device: torch.device) -> RunSetup:
-    """Load the corpus, check the vocabulary, build the model from ``train.seed`` on ``device``.
+    """Load the corpus, check the vocabulary (grown for ``model.init_from`` by the tokens prepare added), build the
+    model from ``train.seed`` on ``device``.
 
     Raises:
-        ConfigError: ``model.vocab_size`` is set below the corpus's vocabulary.
+        ConfigError: ``model.vocab_size`` is set below the corpus's vocabulary, or what
+            :func:`meshtrain.data.growth.vocab_growth` refuses.
     """
     corpus = corpus_of(cfg)
     tok = corpus.tokenizer
-    vocab_size = model_vocab_size(tok.kind, tok.vocab_size, cfg.model.vocab_size, cfg.parallel.tp)
+    growth = vocab_growth(cfg, tok.vocab_size, corpus.added_tokens)
+    vocab_size = growth.new if growth else model_vocab_size(tok.kind, tok.vocab_size, cfg.model.vocab_size,
+                                                            cfg.parallel.tp)
     if vocab_size < corpus.tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size = {vocab_size} is smaller than the corpus vocabulary "
                           f"({corpus.tokenizer.vocab_size}): use 0 or >= that")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, vocab_size).to(device)
     dtype = compute_dtype(cfg.train.dtype, device.type)
-    return RunSetup(corpus, vocab_size, model, dtype, autocast(dtype, device.type))
+    return RunSetup(corpus, vocab_size, model, growth, dtype, autocast(dtype, device.type))
 
 
 def checkpoint_meta(cfg: Config, run: RunSetup, sampler: dict[str, Any], layout: dict[str, int],
