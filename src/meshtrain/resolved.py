@@ -120,10 +120,13 @@ class ResolvedRun:
             ConfigError: no such file, not JSON, another format or version, a key that is not valid, or
                 ``degrees`` / ``global_batch_size`` that disagree with the config.
         """
+        from meshtrain.fileio import read_text_checked
+
         path = Path(path)
+        text = read_text_checked(path, "resolved run", "start the run with meshtrain train")  # a file, bounded, first
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
             raise ConfigError(f"resolved run '{path}' cannot be read ({e}): start the run with meshtrain train") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ConfigError(f"'{path}' is not a meshtrain resolved run of version {VERSION}: start the run with "

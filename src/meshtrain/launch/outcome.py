@@ -15,11 +15,13 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
     planner failing never fails a finished run: it costs one warning line."""
     from meshtrain.metrics import SUMMARY_FILE, TIMING_WARMUP_STEPS
 
+    from meshtrain.fileio import read_text_checked
+
     path = Path(cfg.train.out_dir) / SUMMARY_FILE
     if not path.is_file():
         return
     try:
-        summary = json.loads(path.read_text())
+        summary = json.loads(read_text_checked(path, "run summary", "the run's ranks write it; train again"))
         if summary.get("step_time_s") is None:
             print(f"meshtrain train: no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} steps of a "
                   f"run are warm-up and not timed, and this one ran no step past them (train.steps = "
