@@ -61,14 +61,20 @@ def dequantized(module: nn.Module) -> torch.Tensor:
     "default" backend, which equal its compiled CPU kernels bit for bit, ``tests/test_qlora.py``): the compiled ones
     run their own OpenMP threads, which contend with torch's and took 16 ms instead of 0.07 ms per call here at 2
     threads."""
-    _functional()
-    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute, _dequantize_blockwise_compute
-
+    blockwise, four_bit = _portable_kernels()
     packed, scales = (_local(t) for t in (module.nf4_data, module.nf4_scales))
-    absmax = _dequantize_blockwise_compute(scales.reshape(-1), module.nf4_scales2, module.nf4_code2, 256,
-                                           torch.float32) + module.nf4_offset
-    return _dequantize_4bit_compute(packed.reshape(-1), absmax, module.nf4_code, BLOCK, module.nf4_shape,
-                                    torch.float32)
+    absmax = blockwise(scales.reshape(-1), module.nf4_scales2, module.nf4_code2, 256, torch.float32) + module.nf4_offset
+    return four_bit(packed.reshape(-1), absmax, module.nf4_code, BLOCK, module.nf4_shape, torch.float32)
+
+
+def _portable_kernels():
+    """bitsandbytes' portable dequantization kernels (blockwise 8-bit, 4-bit), as plain torch code: bitsandbytes wraps
+    them in ``torch.compile(dynamic=False)``, which compiles again for every weight shape (seconds each); the
+    functions under the wrapper (``__wrapped__``) are the same operations run eagerly."""
+    _functional()
+    from bitsandbytes.backends.default import ops
+
+    return tuple(getattr(f, "__wrapped__", f) for f in (ops._dequantize_blockwise_compute, ops._dequantize_4bit_compute))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
