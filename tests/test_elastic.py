@@ -64,8 +64,10 @@ def assert_took_over_the_same_state(out: Path, source: Path) -> None:
     assert metas[0]["scheduler"]["last_epoch"] == metas[1]["scheduler"]["last_epoch"]
 
 
-@pytest.mark.parametrize("ranks,precision", [  # the variants in make test-slow, for make test's time
-    (1, "fp32"), pytest.param(2, "fp32", marks=pytest.mark.slow), pytest.param(1, "bf16", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("ranks,precision", [  # in make test-slow, for make test's time (44 s of it here): make test
+    # keeps an elastic job's rejoin (test_a_killed_worker_rejoins_while_the_other_goes_on) and the lighthouse checks
+    pytest.param(1, "fp32", marks=pytest.mark.slow), pytest.param(2, "fp32", marks=pytest.mark.slow),
+    pytest.param(1, "bf16", marks=pytest.mark.slow)],
     ids=["1-rank-workers", "dp2-workers", "bf16-exchange"])
 def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks, precision):
     """Both jobs join before step 1 (the lighthouse waits for 2), so every outer step averages both

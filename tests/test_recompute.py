@@ -123,7 +123,7 @@ def _pp(schedule: str) -> dict[str, str]:
 GPT_LAYOUTS: dict[str, tuple[int, dict[str, str], bool]] = {  # name: (world size, overrides, slow)
     "ddp-selective": (2, {**DP2, **SEL}, True),
     "fsdp2-zero3-full": (2, {**DP2, **FULL, "parallel.zero_stage": "3", "parallel.fsdp_unit_mb": "0"}, True),
-    "tp2-seqpar-selective": (2, {**SEQPAR, **SEL}, False),
+    "tp2-seqpar-selective": (2, {**SEQPAR, **SEL}, True),  # slow since 2026-11-29 (38 s); make test keeps the Llama's
     "pp2-zbv-full": (2, {**_pp("zbv"), **FULL}, True),
     **{f"pp2-{s}-{m}": (2, {**_pp(s), "train.recompute": m}, True) for s in SCHEDULES for m in ("selective", "full")
        if s != "zbv" and (m, s) not in SELECTIVE_REFUSED},
