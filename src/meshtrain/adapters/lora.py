@@ -49,8 +49,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., in) -> (..., out): ``W x + b + scaling * B A dropout(x)`` (under tp: this rank's features, or
-        a partial sum the base's reduction finishes)."""
-        return self.base_output(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        a partial sum the base's reduction finishes). The scaling multiplies ``B`` (out x r), not the adapter's
+        output (tokens x out) as peft does: one small product instead of an activation-sized one and its backward
+        (the same value up to rounding)."""
+        h = self.lora_A(self.lora_dropout(x))  # (..., r)
+        return self.base_output(x) + F.linear(h, self.lora_B.weight * self.scaling)
 
 
 def _placements(weight: torch.Tensor) -> tuple[tuple, tuple] | None:
