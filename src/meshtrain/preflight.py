@@ -51,19 +51,7 @@ def preflight(run: ResolvedRun) -> None:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of data.path = "
                           f"'{cfg.data.resolved_path()}' ({corpus.tokenizer.vocab_size} ids): use 0 or >= that")
     if resume:
-        found = ckpt.resolve_checkpoint(resume, verify=True)
-        cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here
-        meta = ckpt.read_meta(found)
-        ckpt.read_metadata(found)  # refuses a crafted .metadata here, before any rank would unpickle it
-        if meta["step"] >= cfg.train.steps:
-            raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
-                              f"{meta['step']}: give --steps larger than {meta['step']}")
-        check_same_start(cfg, meta, found)
-        check_adapter_resume(cfg, meta, found)
-        check_global_batch(run, meta, found)
-        check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found, growth)
-        check_same_tensors(cfg, meta, found)
-        check_same_data(cfg, meta, corpus.sha256, found)
+        found, meta = check_resume(run, corpus, growth)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if resuming_here:
         interval, last = cfg.checkpoint.interval, cfg.train.steps
@@ -212,6 +200,29 @@ def check_init_from(cfg: Config, corpus_vocab: int, added: dict[int, str] | None
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
     vocab_growth(cfg, corpus_vocab, added or {})
+
+
+def check_resume(run: ResolvedRun, corpus, growth) -> tuple[Path, dict]:
+    """The checkpoint ``checkpoint.resume`` names, verified and continuable by this run (the same start, adapters,
+    global batch, model, tensors and data; :func:`check_same_start` and its siblings), resolved in the config so the
+    ranks load exactly it; returns (its step folder, its meta.json). Raises ConfigError (one line)."""
+    from meshtrain import checkpoint as ckpt
+
+    cfg = run.config
+    found = ckpt.resolve_checkpoint(cfg.checkpoint.resume, verify=True)
+    cfg.checkpoint.resume = str(found)  # the ranks load exactly the checkpoint checked here
+    meta = ckpt.read_meta(found)
+    ckpt.read_metadata(found)  # refuses a crafted .metadata here, before any rank would unpickle it
+    if meta["step"] >= cfg.train.steps:
+        raise ConfigError(f"train.steps = {cfg.train.steps} but checkpoint {found} is already at step "
+                          f"{meta['step']}: give --steps larger than {meta['step']}")
+    check_same_start(cfg, meta, found)
+    check_adapter_resume(cfg, meta, found)
+    check_global_batch(run, meta, found)
+    check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found, growth)
+    check_same_tensors(cfg, meta, found)
+    check_same_data(cfg, meta, corpus.sha256, found)
+    return found, meta
 
 
 def check_adapter_resume(cfg: Config, meta: dict, found: Path) -> None:

@@ -294,15 +294,21 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
     passes = recompute_passes(layout)
     gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
-    # LoRA: a frozen GEMM's backward computes its input's gradient only, one GEMM instead of two (the adapters' own
-    # GEMMs, r/h of the block's, are left out); QLoRA dequantizes each NF4 weight in the forward, the backward and
-    # a recomputed forward (read the 4-bit data, write fp32 weights: :mod:`meshtrain.adapters.nf4`)
-    dequant = model.nf4_layer_params / t * (NF4_BYTES + 4) / bw
+    dequant, not_in_backward = _adapter_costs(model, layout, dense, bw)
     block += dequant
     if layout.recompute == "full":  # selective recomputation runs no GEMM again here
         recompute += dequant
-    not_in_backward = (dense if model.adapter_layer_params else 0.0) + dequant  # of backward = 2 x forward
     return block, recompute, head, dev.microstep_host_s / 3, gemm, not_in_backward
+
+
+def _adapter_costs(model: ModelSpec, layout: Layout, dense: float, bandwidth: float) -> tuple[float, float]:
+    """(seconds of one block's NF4 dequantization per pass, seconds of twice the block's forward its backward does
+    not run) with LoRA / QLoRA; (0, 0) without. A frozen GEMM's backward computes its input's gradient only, one GEMM
+    instead of two (the adapters' own GEMMs, r/h of the block's, are left out); QLoRA dequantizes each NF4 weight in
+    the forward, the backward and a recomputed forward (read the 4-bit data, write fp32 weights:
+    :mod:`meshtrain.adapters.nf4`). ``dense``: the block's weight-GEMM seconds forward."""
+    dequant = model.nf4_layer_params / layout.tp * (NF4_BYTES + 4) / bandwidth
+    return dequant, (dense if model.adapter_layer_params else 0.0) + dequant
 
 
 def ep_ranks_per_node(layout: Layout, fw: Framework, devices_per_node: int) -> int:
