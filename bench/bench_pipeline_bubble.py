@@ -9,7 +9,7 @@ allows it), one real ``meshtrain train`` run of an 8-layer ``configs/shakespeare
 - measured: the trainer's bubble (``OUT/summary.json`` -> ``pipeline.bubble_measured``: 1 - mean over
   pipeline ranks of their forward/backward time / the step's span, median over the steps after the
   first 3);
-- theory: ``meshtrain.parallel.pipeline.rules.bubble_fraction`` (equal stage times);
+- theory: ``meshtrain.rules.pipeline.bubble_fraction`` (equal stage times);
 - planner: the share of the planner's predicted pipeline time that a rank spends outside forward and
   backward, as the trainer measures it (``OUT/plan_vs_actual.json``: (bubble + p2p) / (compute + p2p +
   bubble)), from the calibrated CPU profile.
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, meshtrain_command, write_results  # noqa: E402
 
-from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction, schedule_error  # noqa: E402
+from meshtrain.rules.pipeline import RULES, bubble_fraction, schedule_error  # noqa: E402
 
 CONFIG = "configs/shakespeare_char.toml"
 SCHEDULES = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2, "zbv": 2}
@@ -76,7 +76,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     notes = [f"{LAYERS}-layer {CONFIG} model, micro-batch 2, {args.steps} steps per run; measured = median over "
              "the steps after the first 3 of 1 - mean(rank compute) / step span",
-             "theory = meshtrain.parallel.pipeline.rules.bubble_fraction (equal stage times, no communication; zero-bubble at "
+             "theory = meshtrain.rules.pipeline.bubble_fraction (equal stage times, no communication; zero-bubble at "
              "F = I = W); planner = (bubble + p2p) / (compute + p2p + bubble) of the calibrated CPU prediction",
              "pp = 4 runs 4 ranks on 2 cores: ranks share cores, so waiting ranks lend theirs and compute "
              "stretches; compare schedules within one pp",

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from meshtrain.config import ModelConfig
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
-from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction, microbatches_in_flight, schedule_error
+from meshtrain.rules.pipeline import RULES, bubble_fraction, microbatches_in_flight, schedule_error
 
 
 def _brute_force_best(n_layer: int, n_chunks: int, costs: tuple[float, float, float]) -> float:
@@ -138,6 +138,6 @@ def test_bubble_and_in_flight_formulas():
 def test_every_schedule_of_the_vocabulary_has_its_rules():
     """``meshtrain.axes.PP_SCHEDULES`` (what config, CLI and planner accept) and the schedules' rules name the same set."""
     from meshtrain.axes import PP_SCHEDULES
-    from meshtrain.parallel.pipeline.rules import RULES
+    from meshtrain.rules.pipeline import RULES
 
     assert set(RULES) == set(PP_SCHEDULES) and len(PP_SCHEDULES) == len(set(PP_SCHEDULES))

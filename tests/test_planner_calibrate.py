@@ -303,7 +303,7 @@ def test_pipeline_action_host_time_is_charged_per_action(schedule, v, actions):
     from meshtrain.planner.layout import FRAMEWORKS, Layout
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import from_config
-    from meshtrain.parallel.pipeline.rules import bubble_fraction
+    from meshtrain.rules.pipeline import bubble_fraction
 
     hw = get_hardware("cpu")
     model = from_config(load_config(CONFIG), 65)

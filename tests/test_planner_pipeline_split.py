@@ -12,7 +12,7 @@ import pytest
 
 from meshtrain.config import load_config
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
-from meshtrain.parallel.pipeline.rules import RULES
+from meshtrain.rules.pipeline import RULES
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout

@@ -113,7 +113,7 @@ ULYSSES, RING = {"parallel.sp": "2"}, {"parallel.sp": "2", "parallel.sp_mode": "
 
 
 SELECTIVE_REFUSED = {("selective", "zero-bubble"), ("selective", "zbv")}
-"""Refused by config (meshtrain.parallel.pipeline.rules.ScheduleRule.selective_recompute)."""
+"""Refused by config (meshtrain.rules.pipeline.ScheduleRule.selective_recompute)."""
 
 
 def _pp(schedule: str) -> dict[str, str]:

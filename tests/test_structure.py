@@ -154,7 +154,7 @@ def test_a_cycle_is_found():
 @pytest.mark.parametrize("module", ["meshtrain.preflight", "meshtrain.train", "meshtrain.config",
                                     "meshtrain.rules.support", "meshtrain.cli.main", "meshtrain.runlock",
                                     "meshtrain.checkpoint", "meshtrain.checkpoint.schema", "meshtrain.models.registry", "meshtrain.axes",
-                                    "meshtrain.parallel.pipeline.rules", "meshtrain.parallel.pipeline.balance",
+                                    "meshtrain.rules.pipeline", "meshtrain.parallel.pipeline.balance",
                                     "meshtrain.resolved"])
 def test_imported_before_torch_without_torch(module):
     """The launcher's checks and a rank's entry (``python -m meshtrain.train``, whose stop handler must be in

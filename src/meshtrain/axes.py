@@ -205,7 +205,7 @@ SP_MODES = ("ulysses", "ring")
 """``parallel.sp_mode``: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023, arXiv:2309.14509) or ring
 attention passing K/V around the sp ranks (Liu et al. 2023, arXiv:2310.01889)."""
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv")
-"""``parallel.pp_schedule`` (each one's rules: :data:`meshtrain.parallel.pipeline.rules.RULES`)."""
+"""``parallel.pp_schedule`` (each one's rules: :data:`meshtrain.rules.pipeline.RULES`)."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 """``train.recompute`` (:mod:`meshtrain.parallel.recompute`)."""
 ZERO_STAGES = (0, 1, 2, 3)

@@ -239,7 +239,7 @@ def _validate_support(cfg: Config, schedule: bool = True) -> None:
                  f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp > 1 (it is 1): set pp >= 2, or "
                  f"pp_schedule = '1f1b'")
     if p.pp > 1 and schedule:
-        from meshtrain.parallel.pipeline.rules import schedule_error
+        from meshtrain.rules.pipeline import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, max(p.dp, 1) * p.sp, p.zero_stage)  # dp = -1: resolve_world
@@ -477,7 +477,7 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} ({names} = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
     if p.pp > 1 and schedule:
-        from meshtrain.parallel.pipeline.rules import schedule_error
+        from meshtrain.rules.pipeline import schedule_error
 
         error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, dp * p.sp, p.zero_stage)

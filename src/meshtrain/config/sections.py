@@ -74,7 +74,7 @@ class ParallelConfig(ParallelDegrees):
     """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble" or "zbv"
-    (:mod:`meshtrain.parallel.pipeline.rules`); its micro-batches are the ``gradient_accumulation_steps``."""
+    (:mod:`meshtrain.rules.pipeline`); its micro-batches are the ``gradient_accumulation_steps``."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank: 1, >= 2 for "interleaved-1f1b", 2 for "zbv"."""
     tp_sequence_parallel: bool = False

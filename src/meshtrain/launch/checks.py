@@ -120,7 +120,7 @@ def print_pipeline_split(cfg: Config) -> None:
     """Print where the pipeline cuts the model (the split the ranks will make, :mod:`meshtrain.parallel.pipeline.balance`)."""
     from meshtrain.parallel.pipeline.balance import chunk_ranks, describe_split, model_item_costs, split_layers
     from meshtrain.planner.model_specs import corpus_vocab_size
-    from meshtrain.parallel.pipeline.rules import RULES
+    from meshtrain.rules.pipeline import RULES
 
     m, p, b = cfg.model, cfg.parallel, cfg.batch
     vocab = m.vocab_size or corpus_vocab_size(cfg)

@@ -3,7 +3,7 @@
 and how they compose: :func:`parallelize` (:mod:`meshtrain.parallel.compose`), the one function the trainer calls.
 
 Importing this package imports no torch, so that the torch-free rules of a strategy (the pipeline's schedule
-rules and cost-balanced split, :mod:`meshtrain.parallel.pipeline.rules` and :mod:`.pipeline.balance`) can be
+rules and cost-balanced split, :mod:`meshtrain.rules.pipeline` and :mod:`.pipeline.balance`) can be
 read by config validation and the planner; :func:`parallelize` and the other names of :mod:`.compose` load on
 first use.
 """

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 
 from meshtrain import axes
 from meshtrain.planner.hardware import Hardware
-from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
+from meshtrain.rules.pipeline import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, nf4_params, stage_layers, stage_loads,
                                      stage_params, torchtitan_gemms, trained_params)
@@ -476,7 +476,7 @@ def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) ->
 
 def bubble_time(layout: Layout, mb: MicroBatch) -> float:
     """Idle time of the busiest stage per step: a bubble fraction ``f`` of the step
-    (:func:`meshtrain.parallel.pipeline.rules.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
+    (:func:`meshtrain.rules.pipeline.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
     busy time idle. Busy time is ``m`` micro-batch times (compute, tp/sp and p2p): ``(p-1)/v`` micro-batch
     times for GPipe, 1F1B and interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), ``(p-1)/(3v)`` for
     zero-bubble at F = I = W (Qi et al. 2024), ``(p-1) * m`` for naive model parallelism."""

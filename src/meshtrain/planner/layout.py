@@ -16,7 +16,7 @@ from typing import Any
 from meshtrain import axes, batch_math
 from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
 from meshtrain.planner.model_specs import ModelSpec
-from meshtrain.parallel.pipeline.rules import RULES, schedule_error
+from meshtrain.rules.pipeline import RULES, schedule_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
 from meshtrain.axes import OUTER_PRECISIONS, PP_SCHEDULES, SP_MODES, ZERO_STAGES
@@ -421,7 +421,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
     (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
     2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
     needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2), and each pipeline schedule
-    its own rules (:func:`meshtrain.parallel.pipeline.rules.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
+    its own rules (:func:`meshtrain.rules.pipeline.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
     head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
     2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
     """
@@ -553,7 +553,7 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
 def selective_runs(framework: Framework, layout: Layout) -> bool:
     """False where ``layout`` asks for "selective" recomputation under a pipeline schedule whose split backward
     the framework's selective mode does not take (op-level under zero-bubble and zbv:
-    :attr:`meshtrain.parallel.pipeline.rules.ScheduleRule.selective_recompute`), else True."""
+    :attr:`meshtrain.rules.pipeline.ScheduleRule.selective_recompute`), else True."""
     return not (layout.recompute == "selective" and framework.per_operator_selective and layout.pp > 1
                 and layout.pp_schedule in RULES and not RULES[layout.pp_schedule].selective_recompute)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk_ranks, split_layers
-from meshtrain.parallel.pipeline.rules import RULES, loss_rank_in_flight, microbatches_in_flight
+from meshtrain.rules.pipeline import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token
 from meshtrain.rules.support import fsdp_units
@@ -328,7 +328,7 @@ def alternate_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
 
 def in_flight_microbatches(layout: Layout) -> float:
     """Micro-batches whose activations the first (fullest) stage holds at its peak
-    (:func:`meshtrain.parallel.pipeline.rules.microbatches_in_flight`, the trainer's schedules)."""
+    (:func:`meshtrain.rules.pipeline.microbatches_in_flight`, the trainer's schedules)."""
     return microbatches_in_flight(layout.pp_schedule, layout.pp, layout.gradient_accumulation_steps,
                                   layout.virtual_stages)
 
@@ -340,7 +340,7 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
     - the first rank: its stored layers x in-flight micro-batches (:func:`in_flight_microbatches`) and one layer
       being recomputed or back-propagated (its full activations);
     - the rank with the loss (the same one at pp = 1 and under zbv): its stored layers x its in-flight
-      micro-batches (:func:`meshtrain.parallel.pipeline.rules.loss_rank_in_flight`), the fp32 log-softmax of
+      micro-batches (:func:`meshtrain.rules.pipeline.loss_rank_in_flight`), the fp32 log-softmax of
       each waiting micro-batch (4 bytes per logit), and the larger of the loss's backward
       (``Framework.loss_backward_bytes`` per logit, ``loss_parallel_bytes`` under tp) and one layer's backward:
       the logits are freed before the

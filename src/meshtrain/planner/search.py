@@ -29,7 +29,7 @@ from typing import Any
 from meshtrain.planner.cost import bubble_time, micro_batch
 from meshtrain.planner.estimate import Job, estimate
 from meshtrain.planner.hardware import Hardware
-from meshtrain.parallel.pipeline.rules import runs_with_data_parallel, schedule_error
+from meshtrain.rules.pipeline import runs_with_data_parallel, schedule_error
 from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
@@ -47,7 +47,7 @@ def divisors(n: int) -> tuple[int, ...]:
 
 def _schedules(model: ModelSpec, pp: int, ga: int, allowed: tuple[str, ...], batch_degree: int) -> Iterator[tuple[str, int]]:
     """(pp_schedule, virtual_stages) pairs the framework runs for ``pp`` stages and ``ga`` micro-batches:
-    the trainer's own rules (:func:`meshtrain.parallel.pipeline.rules.schedule_error`), virtual stages from the
+    the trainer's own rules (:func:`meshtrain.rules.pipeline.schedule_error`), virtual stages from the
     divisors of a stage's layers."""
     if pp == 1:
         yield "1f1b", 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshtrain.axes import PP_SCHEDULES, RECOMPUTE_MODES, SP_MODES, ZERO_STAGES
 from meshtrain.models.registry import attention_families, family
-from meshtrain.parallel.pipeline.rules import RULES
+from meshtrain.rules.pipeline import RULES
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Embedding and head: when they sit in different chunks the head gets its own copy
 hold them -- Megatron-LM's embedding group -- so both copies stay equal to the single tied weight of
 one process. The gradient norm counts that weight once.
 
-Modules: ``rules.py`` (each schedule's rules, torch-free: what config validation and the planner check),
+Each schedule's rules (torch-free: what config validation and the planner check) are :mod:`meshtrain.rules.pipeline`.
+Modules:
 ``balance.py`` (the cut into chunks balanced by cost, torch-free: the launcher prints it), ``split.py`` (:func:`split_model`: this rank's chunks; :func:`embedding_group`),
 ``schedule.py`` (:data:`SCHEDULES`, with their bubbles, and :class:`Pipeline`, which runs this rank's
 stages), ``naive.py`` (the naive schedule), ``trace.py`` (what each rank did when: Chrome trace,
@@ -28,8 +29,8 @@ _HOMES = {"SCHEDULES": "schedule", "Pipeline": "schedule", "embedding_group": "s
 
 
 def __getattr__(name: str) -> Any:
-    """:data:`__all__`'s names, imported on first use: the package stays torch-free, so that its rules
-    (``rules.py``, ``balance.py``) can be read before torch loads (PEP 562)."""
+    """:data:`__all__`'s names, imported on first use: the package stays torch-free, so that its split
+    (``balance.py``) can be read before torch loads (PEP 562)."""
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -43,7 +43,7 @@ from meshtrain.parallel.pipeline.naive import ScheduleNaive
 from meshtrain.parallel.pipeline.trace import (PipelineTracer, TimedStage, chrome_trace, gather, measured_bubble,
                                                plot_timeline)
 from meshtrain.parallel.reduce import local_value
-from meshtrain.parallel.pipeline.rules import RULES, bubble_fraction
+from meshtrain.rules.pipeline import RULES, bubble_fraction
 from meshtrain.parallel.pipeline.balance import Chunk, chunk_ranks
 
 SCHEDULES: dict[str, type] = {

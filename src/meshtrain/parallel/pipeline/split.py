@@ -2,7 +2,7 @@
 
 :func:`split_model` cuts a whole model into ``pp * virtual_stages`` chunks balanced by cost
 (:mod:`meshtrain.parallel.pipeline.balance`), placed on the pipeline ranks as the schedule wants
-(:mod:`meshtrain.parallel.pipeline.rules`), and keeps this rank's. :func:`embedding_group` is the
+(:mod:`meshtrain.rules.pipeline`), and keeps this rank's. :func:`embedding_group` is the
 process group over which the embedding and the head's copy of it sum their gradients.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.parallel.pipeline.rules import RULES
+from meshtrain.rules.pipeline import RULES
 from meshtrain.parallel.pipeline.balance import Chunk, chunk_ranks, model_item_costs, split_layers
 from meshtrain.runtime.distributed import collective_timeout
 
