@@ -149,7 +149,7 @@ def meshtrain_result(out: Path, overrides: dict[str, str] | None = None) -> dict
     from contenders import val_loss
 
     from meshtrain.cli.export import load_checkpoint_model
-    from meshtrain.config import DataConfig
+    from meshtrain.config.sections import DataConfig
     from meshtrain.data.corpus import load_corpus
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -181,7 +181,7 @@ def matmul_peak(dtype: str, n: int = 1024, repeats: int = 20) -> float:
 def step_flops(overrides: dict[str, str]) -> float:
     """Model FLOPs of one optimizer step of the main job's model (with ``overrides``) at GLOBAL_BATCH samples
     (forward + backward)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.cost import model_flops
     from meshtrain.planner.model_specs import from_config
 
@@ -274,7 +274,7 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (20 if args.large else 200)
     args.rounds = args.rounds or (2 if args.large else 3)
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     model = LARGE if args.large else {}
     name = args.name or ("contenders_large" if args.large else "contenders")

@@ -143,7 +143,7 @@ def meshtrain_result(out: Path) -> dict:
     on the hand-written loops' val windows (evaluated on the GPU)."""
     from contenders import val_loss
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.corpus import load_corpus
     from meshtrain.cli.export import load_checkpoint_model
 
@@ -158,8 +158,8 @@ def meshtrain_result(out: Path) -> dict:
 
 def step_flops(batch: int) -> tuple[float, int, int]:
     """(model FLOPs of one step at ``batch`` sequences, parameter count, parameters one token runs through)."""
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.planner.cost import model_flops
     from meshtrain.planner.model_specs import from_config
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_results  # noqa: E402
 
-from meshtrain.config import load_config  # noqa: E402
+from meshtrain.config.load import load_config  # noqa: E402
 from meshtrain.data.sampler import ShardedSampler  # noqa: E402
 from meshtrain.optim import build_optimizer  # noqa: E402
 from meshtrain.parallel.diloco import INT8_BLOCK, dequantize_int8, quantize_int8  # noqa: E402

@@ -46,9 +46,9 @@ def final_weights_equal(a: Path, b: Path) -> bool:
     """Whether two runs' final checkpoints hold equal weights, bit for bit."""
     import torch
 
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.checkpoint import store as ckpt
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     weights = []
     for out in (a, b):

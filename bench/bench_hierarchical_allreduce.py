@@ -68,7 +68,7 @@ def worker(spec: dict) -> None:
     reused) in the middle of a later measurement."""
     import torch.distributed as dist
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.train.loop import Trainer
 
     results = {}

@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     block = load_config(CONFIG).model.block_size
     runs = contenders(args.steps)

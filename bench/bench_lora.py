@@ -108,7 +108,8 @@ def initial_adapters(ckpt: Path, out: Path) -> Path:
     config and written as peft's ``adapter_model.safetensors`` to ``out``; returns ``out``."""
     from meshtrain.adapters.export import write_peft_folder
     from meshtrain.checkpoint.store import described_model, read_meta
-    from meshtrain.config import ModelConfig, saved_adapter
+    from meshtrain.config.load import saved_adapter
+    from meshtrain.models.registry import ModelConfig
 
     meta = read_meta(ckpt)
     model = described_model(meta, base=True)  # the base, then add_adapters from train.seed: step 0's adapters

@@ -42,7 +42,7 @@ def cpu_flags() -> str:
 
 def layer_times(rounds: int) -> list[list]:
     """Median ms of forward + backward of one MoE layer (12 x 128 tokens, C = 128, E = 8, k = 2, F = 176 and 704)."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import MoE
 
     rows = []
@@ -73,7 +73,7 @@ def bucketed_times(rounds: int) -> list[list]:
     """Median ms of the experts alone (:class:`GroupedExperts`, C = 128, F = 176, E = 8) in bf16, forward + backward,
     with a new routing each call (12 x 128 x 2 rows split over the experts at random, as a router's draw changes from
     step to step): rows padded to buckets (``pad_rows``, the default on a CPU) vs exact rows."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import GroupedExperts
 
     torch.manual_seed(0)
@@ -133,8 +133,8 @@ def versus_transformers(rounds: int) -> list[list]:
     starts from the same weights and sees the same batches: the last loss of each is reported beside its speed."""
     import transformers
 
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
     from meshtrain.models.hf import write_hf_folder
     from meshtrain.runtime.device import compute_dtype
 

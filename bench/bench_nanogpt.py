@@ -63,7 +63,7 @@ RUNNER = ("import runpy, sys, torch; seed = int(sys.argv[1]); manual_seed = torc
 def nanogpt_data(nanogpt: Path, work: Path) -> Path:
     """nanoGPT's ``data/shakespeare_char`` (train.bin, val.bin, meta.pkl) made by its own ``prepare.py`` from the
     bundled Tiny Shakespeare (the script downloads the same file when no input.txt is there)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     folder = work / "nanogpt-data" / "shakespeare_char"
     if (folder / "meta.pkl").exists():
@@ -137,7 +137,7 @@ def nanogpt_model(nanogpt: Path, ckpt: Path):
 
 
 def corpus():
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.corpus import load_corpus
 
     cfg = load_config(bench_seeds.CONFIG)
@@ -184,8 +184,8 @@ def same_start(nanogpt: Path, steps: int, seed: int = 1337) -> list[list[float]]
 
     import numpy as np
 
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.optim import build_optimizer
 
     sys.path.insert(0, str(nanogpt))

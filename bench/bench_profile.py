@@ -52,7 +52,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from meshtrain.config import load_config, parse_overrides
+    from meshtrain.config.load import load_config, parse_overrides
     from meshtrain.parallel.reduce import batch_mean
     from meshtrain.parallel.rng import seed_step
     from meshtrain.train.loop import Trainer

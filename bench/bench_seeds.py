@@ -118,9 +118,9 @@ def eval_noise(model, corpus, block: int, windows: int = 240) -> float:
 def meshtrain_curve(out: Path) -> tuple[list[list[float]], dict[int, float], float]:
     """([step, whole-val loss, 96-window loss] for every checkpoint of the run, {step: its own logged val loss},
     the final model's :func:`eval_noise`); kept in ``out/val_curve.json`` once computed."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.cli.export import load_checkpoint_model
-    from meshtrain.config import DataConfig
+    from meshtrain.config.sections import DataConfig
     from meshtrain.data.corpus import load_corpus
 
     kept = out / "val_curve.json"

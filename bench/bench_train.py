@@ -56,7 +56,7 @@ def threads_per_rank(nproc: int) -> int:
 def global_batch_size(nproc: int) -> int:
     """Samples per step of the config on ``nproc`` ranks (dp fills the ranks)."""
     from meshtrain.batch_math import plan_batch
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     b = load_config(REPO / CONFIG).batch
     return plan_batch(nproc, b.micro_batch_size, b.gradient_accumulation_steps).global_batch_size

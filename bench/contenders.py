@@ -43,9 +43,9 @@ VAL_WINDOWS = 96
 def setup(args):
     """(config, corpus, model) of the main job with ``args.set`` overrides (``model.n_layer=24``, ...), the
     model's weights drawn from ``args.seed``, on ``args.device``."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.corpus import load_corpus
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
 
     overrides = dict(kv.split("=", 1) for kv in args.set)
     cfg = load_config(args.config, {"train.steps": str(args.steps), **overrides})

@@ -61,7 +61,7 @@ def hardware(source: str, threads: int):
 def predict(record: dict[str, Any], hw) -> Any:
     """The planner's step time (:class:`meshtrain.planner.cost.StepTime`) of a results row's layout on ``hw``, built
     as ``bench/plan_vs_actual.py`` ran it (its fixed arguments, then the row's overrides)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.layout import Layout, meshtrain_framework
     from meshtrain.planner.memory import PRECISIONS

@@ -79,8 +79,8 @@ def count(block, x: torch.Tensor, *extra) -> float:
 
 
 def meshtrain_block(kind: str, h: int, heads: int, kv: int, multiple_of: int):
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
 
     overrides = {"model.n_layer": "1", "model.n_head": str(heads), "model.n_embd": str(h), "model.block_size": str(T),
                  "model.dropout": "0.0"}

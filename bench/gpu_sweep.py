@@ -96,7 +96,7 @@ def planner_run(name: str, out: Path, overrides: dict[str, str], summary: dict[s
     """The published-runs entry of one run: its model as the planner reads it, its layout, what it measured."""
     from dataclasses import asdict
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.model_specs import PLANNER_KEYS, from_config
 
     cfg = load_config(CONFIG, overrides)

@@ -30,7 +30,7 @@ MIB = 2**20
 
 def run(sp: int, mode: str, mbs: int, steps: int) -> dict:
     """Train a few steps; return the run's summary.json and the planner's prediction for it."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.actual import predict_for_run
 
     with tempfile.TemporaryDirectory(prefix="meshtrain-mem-") as tmp:

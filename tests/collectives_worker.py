@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.parallel.reduce import clip_grad_norm_
 from meshtrain.parallel.rng import seed_step
 from meshtrain.train.loop import Trainer

@@ -76,7 +76,7 @@ def train_cli(out: Path, nproc: int, **overrides: str) -> list[dict]:
 
 def train_here(out: Path, **overrides: str) -> list[dict]:
     """Train in this process (a 1-rank group, no launcher); return the metrics records."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.train.entry import train
 
     train(load_config(CONFIG, {**TINY, **overrides, "train.out_dir": str(out)}))
@@ -144,7 +144,7 @@ def adamw_drift_bound(cfg_overrides: dict[str, str]) -> float:
     decay multiplies both by the same factor < 1, which only shrinks the gap.) This bound is loose by
     design: the losses of every step and the step-1 gradients carry the tight checks.
     """
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.optim import lr_at
 
     cfg = load_config(CONFIG, {**TINY, **cfg_overrides})
@@ -161,7 +161,7 @@ def assert_close_params(got: dict, want: dict, atol: float) -> None:
 
 def final_params(out: Path) -> dict:
     """Parameters of the run's latest checkpoint, loaded into a plain single-process model."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     path = ckpt.resolve_checkpoint(out)
     model = ckpt.described_model(ckpt.read_meta(path))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.parallel.reduce import batch_mean
 from meshtrain.train.loop import Trainer
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.parallel.model import ReplicatedModel
 from meshtrain.parallel.reduce import reduce_partial_grads
 from meshtrain.parallel.rng import seed_step

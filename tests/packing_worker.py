@@ -10,7 +10,7 @@ documents without loosening that rule for anyone else:
   so every line ends a document: with blocks of 32 characters, most windows hold 1-3 documents, and blank
   lines give one-token documents.
 
-Everything else is the real trainer: sampler, :func:`meshtrain.parallel.parallelize` and the loop.
+Everything else is the real trainer: sampler, :func:`meshtrain.parallel.compose.parallelize` and the loop.
 """
 
 from __future__ import annotations

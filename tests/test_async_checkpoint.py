@@ -25,7 +25,8 @@ ASYNC = {**RUN, "checkpoint.async_save": "true"}
 
 
 def test_async_save_is_refused_with_the_parameter_server():
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
 
     overrides = {**TINY, "checkpoint.async_save": "true"}
     assert load_config(CONFIG, overrides).checkpoint.async_save is True
@@ -65,7 +66,7 @@ def slow_writer(monkeypatch):
 
 
 def test_background_save_is_a_snapshot_and_resumes_exactly(blocking, slow_writer, tmp_path):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     ref_dir, ref_losses = blocking
     out = tmp_path / "async"
@@ -86,7 +87,7 @@ def test_background_save_is_a_snapshot_and_resumes_exactly(blocking, slow_writer
 
 
 def test_a_stop_waits_for_the_write_in_flight_and_commits_both(blocking, slow_writer, tmp_path, monkeypatch):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.runtime.faults import STOP, Stopped
     from meshtrain.train.loop import Trainer
 

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from meshtrain import axes
 from meshtrain.axes import AXES, AXIS_TABLE, BATCH_AXES, REPLICA_AXES
-from meshtrain.config import ConfigError, ParallelConfig, load_config
+from meshtrain.config.load import load_config
+from meshtrain.config.sections import ParallelConfig
+from meshtrain.errors import ConfigError
 from meshtrain.resolved import ResolvedRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def test_the_degree_fields_of_config_layout_and_dims_are_the_table_in_its_order(
 
 def test_every_axis_is_a_flag_a_pin_and_a_fix():
     from meshtrain.cli.main import build_parser
-    from meshtrain.config import SHORT_FLAGS
+    from meshtrain.config.load import SHORT_FLAGS
     from meshtrain.launch.auto import PINNABLE
     from meshtrain.planner.validate import FIXABLE
 

@@ -253,7 +253,7 @@ class _Payload:
 
 def _checkpoint_copy(run: Path, to: Path) -> Path:
     """A copy of ``run``'s newest step folder at ``to``."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     shutil.copytree(ckpt.resolve_checkpoint(run), to)
     return to
@@ -261,7 +261,7 @@ def _checkpoint_copy(run: Path, to: Path) -> Path:
 
 def _rerecord(step_folder: Path) -> None:
     """meta.json's recorded sizes and digests made to match the folder's files."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     meta = json.loads((step_folder / "meta.json").read_text())
     meta["files"] = ckpt.file_digests(step_folder)

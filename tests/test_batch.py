@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from meshtrain.batch_math import data_parallel_size, open_sora_log, plan_batch, scaled_lr, steps_per_epoch
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 degree = st.integers(1, 8)
 size = st.integers(1, 64)
@@ -203,7 +203,7 @@ def test_trainer_runs_the_scaled_schedule(tmp_path):
     """Global batch 8 against a reference of 2 with linear scaling: every logged lr is 4x the unscaled
     schedule's (warmup and cosine shape unchanged; both are computed by the same lr_at)."""
     from conftest import CONFIG, TINY, train_here
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.optim import lr_at
 
     overrides = {"batch.micro_batch_size": "8", "optim.lr_scaling": "linear", "optim.reference_batch_size": "2"}

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import JSON_VALUES, json_paths
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 DAMAGES = st.one_of(
     st.tuples(st.just("cut"), st.floats(0, 1)),
@@ -94,7 +94,7 @@ def test_a_damaged_hugging_face_folder_is_one_line_for_generate_and_train(scratc
     """Any file of a Hugging Face folder (a weights shard, the index, config.json, tokenizer.json): what ``generate``
     loads, and what ``train`` with ``model.init_from`` checks before launch (headers only)."""
     from meshtrain.cli.generate import _load
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.preflight import check_init_from
 
     name = data.draw(st.sampled_from(_hf_files(artefacts)))
@@ -128,7 +128,7 @@ def test_an_edited_safetensors_header_is_refused_before_launch_or_loads(scratch,
     them (the file's total size right). The check ``train`` runs before launch (headers only) refuses it in one line,
     or it is a file ``generate`` then loads whole: no header damage is left for a rank to find."""
     from meshtrain.cli.generate import _load
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.preflight import check_init_from
 
     shard = data.draw(st.sampled_from([n for n in _hf_files(artefacts) if n.endswith(".safetensors")]))
@@ -194,7 +194,7 @@ def test_byte_ranges_swapped_between_tensors_of_two_sizes_are_refused_before_lau
     """The lie a byte-level check cannot see: two tensors of different sizes trade their byte ranges, each range
     shifted so that the ranges still tile the file (its size is right). Before launch the header check names the
     tensor whose range does not hold its shape."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.preflight import check_init_from
 
     shard = [n for n in _hf_files(artefacts) if n.endswith(".safetensors")][0]

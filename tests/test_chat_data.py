@@ -20,7 +20,7 @@ import pytest
 
 from conftest import run_cli
 from meshtrain.cli.main import main
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data import preprocess as prep
 from meshtrain.data.chat import ChatFormat, chat_format, encode_record
 from meshtrain.data.shards import PreparedData

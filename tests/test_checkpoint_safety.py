@@ -34,7 +34,7 @@ def run(tmp_path_factory):
 
 
 def _checkpoint(run):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     return ckpt.resolve_checkpoint(run)
 
@@ -43,7 +43,7 @@ def _rerecord(step_folder) -> None:
     """Make meta.json's recorded sizes and digests match the folder's current files."""
     import json
 
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     meta = json.loads((step_folder / "meta.json").read_text())
     meta["files"] = ckpt.file_digests(step_folder)
@@ -51,7 +51,7 @@ def _rerecord(step_folder) -> None:
 
 
 def test_a_real_checkpoint_names_only_allowed_globals(run):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     metadata = ckpt.read_metadata(_checkpoint(run))
     assert "model.tok_emb.weight" in metadata.state_dict_metadata
@@ -103,10 +103,10 @@ def test_export_holds_the_checkpoints_weights_and_samples_the_same_text(run, tmp
 
     import torch
 
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ModelConfig
+    from meshtrain.checkpoint import store as ckpt
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.cli.export import load_export
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
 
     out = tmp_path / "model.safetensors"
     proc = run_cli("export", "--checkpoint", str(run), "--out", str(out))
@@ -161,7 +161,7 @@ def test_a_damaged_shard_is_refused_before_sampling(run, tmp_path, damage, messa
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     run = tmp_path / "run"
     train_here(run, **{"train.steps": "2", "checkpoint.interval": "1", "checkpoint.keep": "2"})
@@ -212,8 +212,8 @@ def meta_copy(run, tmp_path_factory):
 def test_meta_json_is_checked_against_its_schema(meta_copy, key, damage, value):
     import json
 
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ConfigError
+    from meshtrain.checkpoint import store as ckpt
+    from meshtrain.errors import ConfigError
 
     path = meta_copy / "meta.json"
     good = path.read_text()
@@ -256,8 +256,8 @@ def test_an_uncommitted_tmp_step_folder_is_never_resumed(run, tmp_path):
     resume nor a resume naming it uses it."""
     import shutil
 
-    from meshtrain import checkpoint as ckpt
-    from meshtrain.config import ConfigError
+    from meshtrain.checkpoint import store as ckpt
+    from meshtrain.errors import ConfigError
 
     copy = tmp_path / "run"
     shutil.copytree(run, copy)

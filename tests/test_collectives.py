@@ -61,7 +61,7 @@ def _per_layer(traced: dict, name: str) -> Counter:
 
 
 def _planned(name: str) -> Counter:
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.layout import Layout
     from meshtrain.planner.cost import layer_collectives, layer_step_collectives
     from meshtrain.planner.memory import PRECISIONS

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import (Config, ConfigError, load_config, parse_overrides, resolve_world, set_key,
-                              validate)
+from meshtrain.config.checks import resolve_world, validate
+from meshtrain.config.load import load_config, parse_overrides, set_key
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data.corpus import CharTokenizer, load_corpus
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 

@@ -50,7 +50,7 @@ def assert_took_over_the_same_state(out: Path, source: Path) -> None:
     worker's AdamW would count only the steps since it joined and its sampler only the samples it read."""
     import torch.distributed.checkpoint as dcp
 
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     metas, steps = [], []
     for run in (out, source):
@@ -214,7 +214,8 @@ REFUSED = {  # key: values an elastic run refuses (each alone on ELASTIC)
 
 @pytest.mark.parametrize("key,value", [(k, v) for k, values in REFUSED.items() for v in values])
 def test_what_elastic_workers_do_not_support_is_refused_naming_the_key(key, value):
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
 
     load_config(CONFIG, ELASTIC)  # the base is valid
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:

@@ -113,7 +113,7 @@ def test_a_second_job_claiming_a_running_workers_index_is_refused(tmp_path):
 def test_the_check_passes_a_free_index_at_a_lighthouse():
     """The same lighthouse and heartbeat, checked in this process: worker 1 is free."""
     torchft = pytest.importorskip("torchft._torchft")
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
     from meshtrain.preflight import check_lighthouse
 
     lighthouse = started(Lighthouse(min_replicas=2))

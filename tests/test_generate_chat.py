@@ -90,8 +90,8 @@ def chain_model(folder: Path, tok: HFTokenizer, chain: list[int], out: Path) -> 
     """A Hugging Face folder of a 1-block Llama that, greedily, follows ``chain``: after ``chain[k]`` comes
     ``chain[k + 1]``. The block adds nothing (its output projections are 0), token ``chain[k]`` embeds as the
     basis vector e_k, and the head's row of ``chain[k + 1]`` is e_k: its logit is sqrt(C), every other is 0."""
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
     from meshtrain.models.hf import write_hf_folder
 
     vocab = 384

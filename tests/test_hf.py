@@ -32,7 +32,8 @@ from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.cli.export import export_hf
 from meshtrain.cli.main import main as cli_main
-from meshtrain.models.hf import load_hf_model, write_hf_folder
+from meshtrain.cli.export import load_hf_model
+from meshtrain.models.hf import write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,9 +140,9 @@ def test_transformers_loads_every_export_as_the_same_model(model, tmp_path):
     """A meshtrain model (a GPT without biases too: GPT-2 with zero biases) exported in shards with an index
     loads in ``transformers`` with no missing or unexpected keys and computes the same logits; a character
     tokenizer comes out as a ``tokenizer.json`` that encodes and decodes as meshtrain's does."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.data.corpus import CharTokenizer
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, multiple_of=16, **model)
     torch.manual_seed(0)
@@ -192,7 +193,7 @@ def trained(tmp_path_factory):
     One process first (checkpoints at steps 2 and 3), then one 2-rank launch, which also resumes the one-process
     step-2 checkpoint at tp = 2 and trains an imported GPT-2 at tp = 2 with Megatron-SP (the 4-rank layouts:
     :func:`trained_four`)."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     root = tmp_path_factory.mktemp("hf_layouts")
     folders = {"llama": llama(root / "llama", max_position_embeddings=32), "gpt2": gpt2(root / "gpt2")}
@@ -219,7 +220,7 @@ def trained_four(trained):
 def first_batch_loss(folder: Path) -> tuple[float, float]:
     """(``transformers``' mean loss on the first step's batch, its tolerance): the batch the trainer's sampler
     draws for step 1 at one process (the same global batch every layout splits)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.corpus import load_corpus
     from meshtrain.data.sampler import ShardedSampler
 
@@ -281,7 +282,7 @@ def test_imported_llama_resumes_at_another_layout(trained):
 def test_tp2_pp2_run_exported_generates_as_transformers(trained_four, tmp_path):
     """Train at tp=2 x pp=2 from the import, export to Hugging Face: ``transformers``' greedy continuation of a
     prompt is meshtrain's ``generate --temperature 0`` on the run, token for token."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.cli.generate import sample
     from meshtrain.data.corpus import CharTokenizer
 
@@ -463,9 +464,9 @@ def test_export_copies_a_hugging_face_tokenizer(tmp_path):
     """A run on a ``tokenizer.json`` (``data.tokenizer``) exports it with the model, byte for byte, and
     ``generate`` on the export reads the prompt with it."""
     from meshtrain.cli.generate import sample
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.data.tokenizers import load_tokenizer
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
     from meshtrain.models.hf import char_tokenizer_json
 
     source = tmp_path / "tok" / hf.TOKENIZER_FILE
@@ -485,8 +486,9 @@ def test_an_export_reimports_with_the_config_it_was_trained_with(tmp_path):
     """configs/llama_tiny.toml says ``ffn_hidden = 0`` and ``vocab_size = 0`` ("derive"): an export of its model
     writes the derived values (352 by Llama's rule, the corpus's 65 characters), which the same config accepts with
     ``model.init_from``; a derive key whose rule gives another value than the folder's is still a contradiction."""
-    from meshtrain.config import ConfigError, load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
+    from meshtrain.models.build import build_model
 
     tiny = ROOT / "configs" / "llama_tiny.toml"
     cfg = load_config(tiny)
@@ -533,7 +535,8 @@ def test_any_value_in_any_config_json_field_is_one_config_error(families, tmp_pa
     """``model.init_from`` at a folder whose config.json has any JSON value at any key path (or the key removed):
     the config and the launcher's check of the weights raise ConfigError with one line, or accept a model they can
     build; never another exception."""
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
     from meshtrain.preflight import check_init_from
 
     source = families[data.draw(st.sampled_from(sorted(families)))]

@@ -181,7 +181,7 @@ def test_mixtral_without_rope_theta_and_eps_computes_transformers_logits(tmp_pat
     ``test_hf.logits_tolerance``."""
     from test_hf import assert_logits_equal, reference
 
-    from meshtrain.models.hf import load_hf_model
+    from meshtrain.cli.export import load_hf_model
 
     args = {k: v for k, v in TINY["mixtral"].items() if k not in ("rope_theta", "rms_norm_eps", "head_dim")}
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def saved(name: str, folder: Path, drop: tuple[str, ...] = (), **overrides) -> P
 
 
 def loaded(folder: Path, **overrides: str):
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     return load_config(None, {"model.init_from": str(folder), **overrides}).model
 
@@ -238,7 +238,7 @@ def test_router_aux_loss_coef_is_the_folders_unless_the_run_sets_it(tmp_path):
 def test_gpt2_dropout_is_the_folders_and_unequal_dropouts_need_the_run(tmp_path):
     """GPT-2's three dropouts are meshtrain's one ``model.dropout``: equal, they are its value; unequal, the run must
     set it (one line), and then its value is used."""
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
 
     assert loaded(saved("gpt", tmp_path / "gpt")).dropout == 0.05
     unequal = saved("gpt", tmp_path / "unequal", embd_pdrop=0.0)
@@ -304,7 +304,7 @@ def test_a_tensor_config_json_has_no_place_for_is_refused_in_one_line(case, tens
 def test_what_transformers_drops_itself_is_accepted(tmp_path):
     """GPT-2's causal-mask buffers (``h.{i}.attn.bias``, older files) and a tied head saved anyway are no weights
     of the model: accepted, as ``transformers`` accepts them."""
-    from meshtrain.models.hf import load_hf_model
+    from meshtrain.cli.export import load_hf_model
 
     folder = saved("gpt", tmp_path / "gpt")
     with_tensors(folder, {"h.0.attn.bias": torch.ones(1, 1, 32, 32), "h.1.attn.masked_bias": torch.tensor(-1e4),

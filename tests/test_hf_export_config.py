@@ -16,7 +16,8 @@ import pytest
 
 from conftest import override_args, run_cli
 from meshtrain.models import hf_io as hf
-from meshtrain.models.hf import hf_config, load_hf_model, write_hf_folder
+from meshtrain.cli.export import load_hf_model
+from meshtrain.models.hf import hf_config, write_hf_folder
 from test_hf_defaults import HF_FAMILIES, TINY, fmt, loaded, named, saved
 
 transformers = pytest.importorskip("transformers")
@@ -82,7 +83,7 @@ def test_transformers_4_spelling_stays_and_a_changed_rope_keeps_the_sources_spel
 def test_a_qwen_moe_export_from_scratch_writes_no_dense_width(name):
     """A model with experts in every layer has no dense MLP: its own export leaves ``intermediate_size`` (the
     width of ``mlp_only_layers``' MLPs) to transformers' default instead of writing the expert width there."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
 
     m = ModelConfig(type=name, n_layer=1, n_embd=32, n_head=4, ffn_hidden=16, num_experts=4, num_experts_per_tok=2,
                     shared_expert_ffn=24 if name == "qwen2_moe" else 0)

@@ -259,7 +259,7 @@ def artefacts(artefacts: Path) -> Path:  # noqa: F811 (conftest's, plus what a f
     """conftest's artefacts plus :data:`FINISHED` (the 2-step run's metrics.jsonl and summary.json, and the
     plan_vs_actual.json meshtrain train writes after a run, predicted for its config and measured at twice the
     prediction) and :data:`PROFILE` (the reference machine's profile, in the format plan --calibrate writes)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.actual import predict_for_run, write_plan_vs_actual
     from meshtrain.planner.hardware import CPU_REFERENCE
 
@@ -405,7 +405,7 @@ def test_each_reader_checks_its_file_before_parsing_it(artefacts, tmp_path, read
     /dev/zero or 1 GiB of garbage fill the memory), and leaves the folder as it was; undamaged, it reads the file."""
     import signal
 
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
 
     name, read = _readers()[reader]
     folder = tmp_path / name.split("/")[0]

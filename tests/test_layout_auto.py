@@ -10,7 +10,8 @@ import json
 import pytest
 
 from conftest import CONFIG, TINY, override_args, run_cli
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config.load import load_config
+from meshtrain.errors import ConfigError
 
 MODEL = {**TINY, "model.n_layer": "4", "model.n_head": "4", "train.steps": "3"}
 RUN = {"train.steps": "8", "train.log_interval": "4"}

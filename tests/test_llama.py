@@ -14,8 +14,10 @@ import torch
 
 from conftest import TINY, check_layout
 from layout_worker import layout_launcher, reference_run
-from meshtrain.config import ConfigError, ModelConfig, load_config
-from meshtrain.models import build_model
+from meshtrain.config.load import load_config
+from meshtrain.errors import ConfigError
+from meshtrain.models.registry import ModelConfig
+from meshtrain.models.build import build_model
 
 EPS32 = torch.finfo(torch.float32).eps
 

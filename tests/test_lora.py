@@ -91,7 +91,7 @@ def test_lora_slow_layout_matches_one_process(references, launched_slow, name):
 
 def test_the_base_stays_frozen_and_only_b_moves_at_step_one(references, tmp_path_factory):
     """The reference's base at the end equals the seed's initial weights; at step 1 A's gradients are 0 (B = 0)."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     _, grads, params = references["plain"]
     root = tmp_path_factory.getbasetemp()
@@ -132,8 +132,8 @@ def test_logits_and_adapter_gradients_equal_peft(case, tmp_path):
     transformers = pytest.importorskip("transformers")
     from meshtrain.adapters.lora import add_adapters
     from meshtrain.adapters.spec import peft_names, targeted_paths
-    from meshtrain.config import AdapterConfig
-    from meshtrain.models.hf import load_hf_model
+    from meshtrain.config.sections import AdapterConfig
+    from meshtrain.cli.export import load_hf_model
     from test_hf import V, logits_tolerance
 
     kind, targets, rank, alpha, rslora = PEFT_CASES[case]
@@ -199,7 +199,7 @@ def _checkpoint_model(run):
 
 
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_states_only(imported_run):
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     _, run = imported_run
     found = ckpt.resolve_checkpoint(run)

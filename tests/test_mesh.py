@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, ParallelDims
 from meshtrain.runtime.distributed import init_distributed
 

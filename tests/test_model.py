@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.config import ModelConfig
+from meshtrain.models.registry import ModelConfig
 from meshtrain.models.gpt.model import GPT
 
 V = 11

@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from conftest import assert_close_grads, assert_close_losses, losses, read_records
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
-from meshtrain.models.hf import load_hf_model, write_hf_folder
+from meshtrain.cli.export import load_hf_model
+from meshtrain.models.hf import write_hf_folder
 from conftest import ROOT
 from test_hf import FINETUNE, EPS32, PIPE, V, assert_logits_equal, model_overrides, reference
 from test_qwen import generates_as_transformers
@@ -150,8 +151,8 @@ def test_grouped_gemm_equals_the_per_expert_loop():
     """``moe_compute = "grouped"`` and ``"loop"`` compute each (token, expert) pair's SwiGLU with the same sums
     (of C or F products, in another order at most): outputs within ``2 * max(C, F) * eps`` of their scale, and the
     gradients of every parameter within the same relative bound (the backward's sums are over N*k rows at most)."""
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     results = {}
     for compute in ("grouped", "loop"):
@@ -203,7 +204,7 @@ def test_bucketed_bf16_experts_equal_the_unpadded_grouped_gemm():
     every gradient equal the unpadded grouped GEMM's within three bf16 roundings of their scale (the gate/up GEMM's
     output, the SwiGLU product and the down GEMM's output may each round one ulp, 2^-8 relative, the other way when
     the padded GEMM sums in another order), and the padding rows add nothing."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import GroupedExperts, grouped_swiglu
 
     cfg = ModelConfig(type="mixtral", n_embd=32, ffn_hidden=48, num_experts=4)
@@ -234,8 +235,8 @@ def test_bucketed_bf16_experts_equal_the_unpadded_grouped_gemm():
 
 @pytest.mark.parametrize("model", [{"type": "mixtral"}, {"type": "qwen3_moe", "head_dim": 16, "norm_topk_prob": False}])
 def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=24, block_size=32, num_experts=4,
                       **model)
@@ -252,7 +253,7 @@ def test_routing_biases_move_towards_balance():
     """Auxiliary-loss-free balancing (DeepSeek-V3): after a step, each bias moves by the rate towards the mean count
     of the step's training forwards (``b_i += rate * sign(mean - c_i)``); an evaluation forward counts nothing;
     the biases pick the experts, the probabilities weigh them."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import MoE
 
     cfg = ModelConfig(type="mixtral", n_embd=32, ffn_hidden=24, num_experts=4, router_bias_update_rate=0.5)
@@ -286,7 +287,7 @@ def _bias_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import MoE
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -329,7 +330,7 @@ EP_TOKENS = 12  # per rank: with 8 experts and top-2, some rank sends some exper
 
 
 def _ep_layer():
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import MoE
 
     torch.manual_seed(0)
@@ -419,8 +420,9 @@ def test_expert_parallel_dispatch_equals_one_process(tmp_path):
 
 
 def test_an_export_refuses_routing_biases(tmp_path):
-    from meshtrain.config import ConfigError, ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.errors import ConfigError
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     cfg = ModelConfig(type="mixtral", n_layer=1, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=24, block_size=32,
                       num_experts=4, router_bias_update_rate=0.001)
@@ -449,8 +451,8 @@ def test_moe_presets_are_the_model_the_trainer_builds(name):
     the preset."""
     from dataclasses import replace
 
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import PRESETS, from_config, preset
 
     assert {n for n, m in PRESETS.items() if m.experts} == set(MOE_PRESETS)
@@ -472,8 +474,8 @@ figure may be cut rather than rounded (3.35 B is Qwen's "3.3 B")."""
 def test_active_params_are_the_built_model_less_the_unchosen_experts(name):
     """The planner's active parameters are the built model's parameters less (E - k)/E of its expert stacks, and
     match the published count to its rounding."""
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import preset
 
     spec = preset(name)
@@ -506,15 +508,21 @@ def test_the_planner_splits_experts_over_ep():
     assert stage_params(model, one) - stage_params(model, eight) == pytest.approx(experts * 7 / 8, rel=1e-12)
     assert step_time(model, one, hw, prec, fw).ep_comm == 0 < step_time(model, eight, hw, prec, fw).ep_comm
     assert divisibility_errors(model, eight) == []
-    assert divisibility_errors(model, Layout(dp=6, ep=3)) == ["ep = 3 does not divide experts = 8"]
-    assert divisibility_errors(model, Layout(dp=2, ep=4)) == ["ep = 4 does not divide tp*dp*sp = 2 (its ranks are "
-                                                              "borrowed from them)"]
+    assert divisibility_errors(model, Layout(dp=6, ep=3)) == [
+        "model.num_experts = 8 is not divisible by parallel.ep = 3: each ep rank holds num_experts/ep whole experts; "
+        "use an ep that divides 8"]
+    assert divisibility_errors(model, Layout(dp=2, ep=4)) == [
+        "parallel.ep = 4 does not divide tp*dp*sp = 2: parallel folding borrows expert ranks from them"]
     folded = Layout(dp=2, tp=2, ep=4, tp_sequence_parallel=True)  # Megatron's parallel folding: ep over tp x dp
     assert divisibility_errors(model, folded) == framework_errors(FRAMEWORKS["megatron-core"], folded, model) == []
-    assert framework_errors(fw, folded, model) == [
-        "tp_sequence_parallel with experts is not available in meshtrain: tp replicates the experts, which take the "
-        "whole sequence", "ep = 4 does not divide dp*sp = 2 (its ranks are borrowed from them in meshtrain)"]
-    assert divisibility_errors(preset("llama3-8b"), Layout(dp=2, ep=2)) == ["ep = 2 needs a model with experts"]
+    assert framework_errors(fw, folded, model) == [  # the trainer's rule book (rules/layout.py), in its words
+        "parallel.tp_sequence_parallel = true is not supported with model 'mixtral-8x7b' (tensor parallelism "
+        "replicates its experts, which take every token of the sequence): use tp_sequence_parallel = false",
+        "parallel.ep = 4 does not divide dp*sp = 2*1 = 2: expert parallelism borrows its ranks from the data- and "
+        "sequence-parallel ones; use ep in 1, 2, or more dp ranks"]
+    assert divisibility_errors(preset("llama3-8b"), Layout(dp=2, ep=2)) == [
+        "parallel.ep = 2 splits a mixture of experts' experts, and model 'llama3-8b' has none: use ep = 1, or a model "
+        "with experts (mixtral and qwen3_moe and qwen2_moe)"]
     job = Job(num_devices=16, global_batch_size=64)
     assert {layout.ep for layout, _ in candidate_layouts(model, job, fw, {"pp": 4, "tp": 1})} == {1, 2, 4}
 
@@ -545,7 +553,7 @@ def test_expert_imbalance_slows_the_routed_experts_and_the_dispatch():
     network with no latency, the terms isolate); x < 1 is refused."""
     from dataclasses import replace
 
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
     from meshtrain.planner.cost import routed_flops_per_token, step_time
     from meshtrain.planner.hardware import Device, Hardware, Network
     from meshtrain.planner.layout import FRAMEWORKS, Layout
@@ -602,7 +610,7 @@ def test_the_planner_plans_experts(capsys):
     import json
 
     from meshtrain.cli.main import main as cli_main
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.cost import dense_flops_per_token
     from meshtrain.planner.model_specs import from_config
 
@@ -635,7 +643,8 @@ def test_the_planner_plans_experts(capsys):
     ({"model.type": "llama", "model.num_experts": "4"}, "model.num_experts = 4 applies to model.type = 'mixtral' or"),
 ])
 def test_bad_moe_keys_are_one_line(overrides, expected):
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")) as e:
         load_config(FINETUNE, {"model.n_kv_head": "2", **overrides})
@@ -813,7 +822,7 @@ def test_a_capacity_factor_drops_each_experts_assignments_past_its_capacity_in_t
     token's output is the weighted sum over its kept experts alone (weights not renormalised), computed here token by
     token from the routing; the load-balancing loss is the dropless one. Tolerance: each output element is a sum of
     k <= 2 products of C = 16 / F = 8 wide dot products: fp32 rounding, 1e-6 relative plus absolute."""
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.moe.layer import MoE
 
     def layer(capacity: float) -> MoE:

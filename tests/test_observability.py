@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import CONFIG, train_cli, train_here
 
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config.load import load_config
+from meshtrain.errors import ConfigError
 
 
 def tensorboard_scalars(out: Path, tag: str) -> dict[int, float]:

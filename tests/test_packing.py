@@ -10,9 +10,13 @@ import torch.nn.functional as F
 import packing_worker
 from conftest import TINY, check_layout
 from layout_worker import layout_launcher, load_result, run_in_process
-from meshtrain.config import Config, ConfigError, ModelConfig, load_config, validate
+from meshtrain.config.checks import validate
+from meshtrain.config.load import load_config
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
+from meshtrain.models.registry import ModelConfig
 from meshtrain.data.packing import document_ids, document_positions, pack_documents
-from meshtrain.models import build_model
+from meshtrain.models.build import build_model
 from meshtrain.models.attention import document_causal_mask
 from packing_worker import newline_documents
 
@@ -187,9 +191,9 @@ def test_concat_is_the_default_and_document_is_accepted_where_it_runs(monkeypatc
 
 
 def test_a_tokenizer_file_without_eos_is_refused_when_the_trainer_reads_it():
-    """A file's special tokens are known once it is loaded: :func:`meshtrain.parallel.parallelize` refuses
+    """A file's special tokens are known once it is loaded: :func:`meshtrain.parallel.compose.parallelize` refuses
     "document" without an ``eos_id``, in one line."""
-    from meshtrain.parallel import _packing_eos
+    from meshtrain.parallel.compose import _packing_eos
 
     cfg = Config()
     cfg.data.tokenizer, cfg.data.packing = "tokenizer.json", "document"

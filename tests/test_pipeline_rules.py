@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshtrain.config import ModelConfig
+from meshtrain.models.registry import ModelConfig
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
 from meshtrain.rules.pipeline import RULES, bubble_fraction, microbatches_in_flight, schedule_error
 

@@ -133,7 +133,7 @@ def test_two_measurements_are_refused(capsys, twice):
 @pytest.mark.parametrize("flag", ["--measured", "--fix"])
 def test_ep_on_a_dense_model_is_refused_and_on_experts_taken(capsys, flag):
     suffix = ",step_time_s=10" if flag == "--measured" else ""
-    one_line(*plan(capsys, *DENSE, flag, f"ep=2{suffix}"), f"{flag} ep = 2", "llama3-8b is a dense model")
+    one_line(*plan(capsys, *DENSE, flag, f"ep=2{suffix}"), f"{flag} ep = 2", "model 'llama3-8b' has none")
     code, out, err = plan(capsys, *MOE, flag, f"ep=8{suffix}", "--top", "1", "--json")
     assert code == 0 and json.loads(out)[0]["ep"] == 8, err
 

@@ -59,7 +59,7 @@ def planned(world: int) -> dict[str, dict[str, str]]:
 def test_planned_overrides_give_back_the_ranked_layout(world):
     """No process group: the overrides of each planned layout pass config validation and read back as that
     very layout (``Layout.from_config``), so the launch below trains what the planner ranked."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.layout import Layout
 
     chosen = {}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.planner.cost import (_elementwise_bytes_per_token, attention_flops_per_token, dense_flops_per_token, gemm_traffic_bytes, hardware_flops, layer_gemm_shapes,
                                     model_flops, overlapped, ring_time, step_time)
 from meshtrain.planner.hardware import GiB, Device, Hardware, Network, get_hardware
@@ -44,7 +44,7 @@ def test_preset_parameter_counts_match_the_released_models(name, params):
 def test_gpt_config_with_gpt2s_options_is_gpt2_small():
     """The trainer's GPT with ``model.bias`` at GPT-2 small's shape has the released 124,439,808 parameters
     (the planner's count of a config equals the built model's: tests/test_llama.py)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.model_specs import from_config
 
     cfg = load_config(None, {"model.n_layer": "12", "model.n_head": "12", "model.n_embd": "768",
@@ -265,7 +265,7 @@ def test_ring_collectives_use_the_nics_of_the_group_on_each_node():
 def test_divisibility_rules_name_the_value():
     m = preset("llama3-70b")  # 64 heads, 8 kv heads
     assert any("tp = 3" in e for e in divisibility_errors(m, Layout(dp=1, tp=3)))
-    assert any("heads per tp rank" in e for e in divisibility_errors(m, Layout(dp=1, tp=8, sp=16)))
+    assert any("n_head = 64 is not divisible by tp*sp = 128" in e for e in divisibility_errors(m, Layout(dp=1, tp=8, sp=16)))
     assert any("multiple of pp" in e for e in divisibility_errors(
         m, Layout(dp=1, pp=4, gradient_accumulation_steps=6, pp_schedule="interleaved-1f1b", virtual_stages=2)))
     assert divisibility_errors(m, Layout(dp=4, tp=8, pp=4, sp=2, gradient_accumulation_steps=8)) == []

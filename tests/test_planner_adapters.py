@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.planner.hardware import get_hardware
 from meshtrain.planner.layout import FRAMEWORKS, Layout
 from meshtrain.planner.memory import PRECISIONS, Precision, memory_breakdown
@@ -29,7 +29,7 @@ def test_the_planner_counts_the_parameters_the_trainer_trains_and_quantizes(case
     if "qlora" in case:
         pytest.importorskip("bitsandbytes")
     from meshtrain.adapters.apply import adapt
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
 
     cfg = load_config(None, {**TINY, **ADAPTERS[case]})
     spec = from_config(cfg)

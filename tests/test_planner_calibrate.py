@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.planner.actual import hardware_for_run, predict_for_run, write_plan_vs_actual
 from meshtrain.planner.hardware import CPU_REFERENCE, HOST_KEYS, get_hardware, load_hardware_file
 

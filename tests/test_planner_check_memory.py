@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config.load import load_config
+from meshtrain.errors import ConfigError
 from meshtrain.launch import checks
 from meshtrain.resolved import ResolvedRun
 

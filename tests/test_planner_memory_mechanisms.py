@@ -171,7 +171,7 @@ def test_loss_parallel_bytes_per_logit(tmp_path):
 
 
 def _llama(layers: int, vocab: int):
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     return load_config(CONFIG, {"model.type": "llama", "model.n_layer": str(layers), "model.n_head": "4",
                                 "model.n_kv_head": "2", "model.n_embd": "128", "model.block_size": "64",
@@ -186,7 +186,7 @@ def test_torchtitan_policy_keeps_what_the_planner_counts(monkeypatch):
     from collections import defaultdict
 
     import meshtrain.parallel.recompute as rc
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import from_config
 
     kept: list[int] = []
@@ -227,8 +227,8 @@ def test_step_peak_is_the_planned_activations(kind, mode):
     4 vectors of width h per token. The Llama's blocks keep what eager PyTorch keeps on a CPU: K and V repeated to
     the query heads, SwiGLU's four f-wide tensors, each composite RMSNorm's normalised input (``composite_norms``)."""
     import meshtrain.parallel.recompute as rc
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import from_config
 
     vocab, b = 2048, 8

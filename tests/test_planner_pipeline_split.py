@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.parallel.pipeline.balance import chunk_ranks, model_item_costs, split_layers
 from meshtrain.rules.pipeline import RULES
 from meshtrain.planner.cost import step_time

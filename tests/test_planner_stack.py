@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli.main import main
-from meshtrain.config import ConfigError, read_toml
+from meshtrain.config.load import read_toml
+from meshtrain.errors import ConfigError
 from meshtrain.planner import refit, stack
 from meshtrain.planner.actual import write_plan_vs_actual
 from meshtrain.planner.cost import step_time
@@ -148,7 +149,8 @@ def test_search_json_carries_ranges_and_their_basis(capsys, tmp_path):
     (("--stack", "torchtitan", "--framework", "fsdp"), "not both"),
     (("--measured", f"{LAYOUT},step_time_s=7", "--calibrate-from", "x"), "not both"),
     (("--calibrate-from", "no-such-run"), "no plan_vs_actual.json there"),
-    (("--measured", "tp=3,step_time_s=7"), "no valid layout"),
+    (("--measured", "tp=3,step_time_s=7"), "--measured tp = 3: model.n_head = 32 is not divisible by parallel.tp = 3"),
+    (("--measured", "pp=64,step_time_s=7"), "no valid layout"),
     (("--measured", f"{LAYOUT},step_time_s=1e-9"), "is faster than the devices' peak"),
 ])
 def test_bad_calibration_arguments_are_one_line(capsys, tmp_path, monkeypatch, args, message):
@@ -347,7 +349,7 @@ def test_the_trainer_as_configured_is_its_stack(compile_mode, device, name):
     """``meshtrain_framework``: a config whose blocks compile (``train.compile`` "on", or "auto" on CUDA) is the stack
     ``meshtrain+compile``, so the plan of a compiled run (plan vs actual, ``--layout auto``, ``plan CONFIG``) takes the
     compiled runs' fitted speed; its element-wise kernels are the fused ones, the eager count where not compiled."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.layout import meshtrain_framework
 
     config = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"

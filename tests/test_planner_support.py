@@ -10,7 +10,10 @@ import pytest
 
 from conftest import CONFIG
 from meshtrain.cli.main import main
-from meshtrain.config import BatchConfig, Config, ConfigError, ParallelConfig, load_config, validate
+from meshtrain.config.checks import validate
+from meshtrain.config.load import load_config
+from meshtrain.config.sections import BatchConfig, Config, ParallelConfig
+from meshtrain.errors import ConfigError
 from meshtrain.planner.estimate import Job
 from meshtrain.planner.layout import FRAMEWORKS, Layout, divisibility_errors, framework_errors
 from meshtrain.planner.model_specs import ModelSpec
@@ -122,7 +125,7 @@ def test_the_planner_counts_the_trainers_fsdp_units():
     is all root. Time: fewer units, fewer collectives to pay for."""
     from dataclasses import replace
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.cost import step_time
     from meshtrain.planner.hardware import get_hardware
     from meshtrain.planner.layout import meshtrain_framework

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from meshtrain.cli.main import main
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.planner.validate import PREDICTABLE, validate_file
 
 # "mosaicml-mpt-a100-7B" of the shipped published_runs.toml without its measured table.

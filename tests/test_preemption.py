@@ -288,7 +288,7 @@ def kill_in_save_trial(tmp_path: Path, rank: int, point: str, async_save: bool =
     """Checkpoints at steps 3 and 6 (``async_save``: written in the background); rank ``rank`` dies at
     ``point`` of the second save. Returns the checkpoint a resume would use, after checking it is complete
     and loads."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.cli.export import load_checkpoint_model
 
     proc = fault_run(tmp_path, f"kill-in-save:{rank}:{point}",

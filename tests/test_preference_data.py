@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, run_cli
 from meshtrain.cli.main import main
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data import preprocess as prep
 from meshtrain.data.chat import chat_format
 from meshtrain.data.preference import encode_pair

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, damaged_json_copy, run_cli
 from meshtrain.cli.main import main
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data import preprocess as prep
 from meshtrain.data.shards import PreparedData
 

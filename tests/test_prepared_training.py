@@ -106,7 +106,7 @@ def test_prepared_run_resumes_at_another_layout(prepared, tmp_path):
               "data.path": str(data), "train.steps": "4", "checkpoint.interval": "2", "checkpoint.keep": "2",
               "batch.micro_batch_size": "4"}
     whole = losses(train_here(tmp_path / "whole", **common))
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     step2 = ckpt.step_dir(tmp_path / "whole", 2)
     args = [tok for k, v in {**common, "batch.micro_batch_size": "2", "train.out_dir": str(tmp_path / "resumed"),

@@ -57,8 +57,9 @@ def test_dequantized_weights_equal_bitsandbytes_bit_for_bit(rows, blocks, scale,
 
 def test_a_qlora_model_computes_lora_on_the_dequantized_base():
     from meshtrain.adapters.apply import adapt
-    from meshtrain.config import AdapterConfig, load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.config.sections import AdapterConfig
+    from meshtrain.models.build import build_model
 
     cfg = load_config(None, {k: v for k, v in MODEL.items() if k.startswith("model.")}).model
     models = {}

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from conftest import assert_close_grads, assert_close_losses
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
-from meshtrain.models.hf import load_hf_model, write_hf_folder
+from meshtrain.cli.export import load_hf_model
+from meshtrain.models.hf import write_hf_folder
 from test_hf import FINETUNE, PIPE, V, assert_logits_equal, first_batch_loss, model_overrides, reference
 
 transformers = pytest.importorskip("transformers")
@@ -93,8 +94,8 @@ def test_import_export_round_trip_is_bit_identical(case, tmp_path):
 def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
     """A meshtrain model (its biases and norms at their init) exported loads in ``transformers`` with no missing
     key and the same logits."""
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, multiple_of=16, **model)
     torch.manual_seed(0)
@@ -116,8 +117,9 @@ def test_a_built_model_exports_as_transformers_computes_it(model, tmp_path):
 def test_planner_parameter_count_equals_the_built_model(model):
     """The planner's N (:class:`meshtrain.planner.model_specs.ModelSpec`, from the family's planner numbers) is the
     built model's parameter count, a tied head counted once."""
-    from meshtrain.config import Config, ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.config.sections import Config
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import from_config
 
     cfg = Config(model=ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, multiple_of=16, **model))
@@ -212,7 +214,7 @@ def test_tp2_pp2_run_exported_generates_as_transformers(trained_slow, trained, t
 def generates_as_transformers(run: Path, tmp_path: Path, architecture: str = "Qwen3ForCausalLM") -> None:
     """Export ``run`` to Hugging Face (as ``architecture``); ``transformers``' greedy continuation of a prompt is
     meshtrain's ``generate --temperature 0`` on the run and on the export, token for token."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.cli.export import export_hf
     from meshtrain.cli.generate import sample
     from meshtrain.data.corpus import CharTokenizer

@@ -47,7 +47,8 @@ from layout_worker import layout_launcher, reference_run
 ])
 def test_config_takes_recompute_and_compile_where_the_trainer_runs_them(overrides, error):
     """One line naming the key and what is valid (the support table's rules), or no error."""
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
 
     if error is None:
         load_config(CONFIG, overrides)
@@ -66,8 +67,8 @@ def test_selective_keeps_what_the_planner_counts(monkeypatch, overrides):
     import torch
 
     import meshtrain.parallel.recompute as rc
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.planner.layout import MESHTRAIN, Layout
     from meshtrain.planner.memory import PRECISIONS, layer_activation_bytes
     from meshtrain.planner.model_specs import from_config

@@ -33,7 +33,7 @@ CHANGES = {  # id: (saved run, the resume's overrides, the key named, the checkp
 
 
 def _preflight(saved, run: str, overrides: dict[str, str]) -> None:
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.preflight import preflight
     from meshtrain.resolved import ResolvedRun
 
@@ -44,7 +44,7 @@ def _preflight(saved, run: str, overrides: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_changed_expert_key_is_refused_naming_the_key_and_the_checkpoints_value(saved, change):
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
 
     run, overrides, key, value = CHANGES[change]
     with pytest.raises(ConfigError) as error:

@@ -36,10 +36,11 @@ def test_tp_region_stream_is_separate_from_the_default_stream():
 
 
 def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
-    from meshtrain.config import ModelConfig, ParallelConfig
+    from meshtrain.config.sections import ParallelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.mesh import ParallelDims
     from meshtrain.models.gpt.model import GPT
-    from meshtrain.parallel import parallelize_model
+    from meshtrain.parallel.compose import parallelize_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -72,8 +72,8 @@ def test_rnn_layout_matches_single_process_slow(launched_slow, references, kind,
 
 
 def _model(kind: str, tbptt: int = 0):
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     torch.manual_seed(0)
     return build_model(ModelConfig(type=kind, n_layer=2, n_embd=16, block_size=32, tbptt_steps=tbptt), 11)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIG, ROOT, TINY, free_port, override_args, read_records, run_cli, train_here
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.runlock import hold, holder_pid
 
 HOLD = "import sys, time; from meshtrain.runlock import hold; hold(sys.argv[1]); print('held', flush=True); time.sleep(60)"

@@ -123,7 +123,7 @@ def test_loss_equals_transformers_with_num_items_in_batch(chat_data, tmp_path):
     ``model(input_ids, labels=..., num_items_in_batch=N).loss`` over them, N the step's supervised tokens."""
     import torch.distributed as dist
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.train.loop import Trainer
     from test_hf import EPS32, logits_tolerance
     from test_qwen import saved

@@ -54,8 +54,8 @@ def test_bf16_attention_on_the_cpu_runs_the_fp32_kernel_under_autocast():
 
 
 def test_fused_adamw_is_chosen_for_plain_tensors_unless_turned_off():
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.optim import build_optimizer
 
     model = build_model(load_config(CONFIG, TINY).model, 65)
@@ -126,8 +126,8 @@ def test_fsdp2_wraps_the_units_that_fsdp_units_names():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshtrain.config import load_config
-    from meshtrain.models import build_model
+    from meshtrain.config.load import load_config
+    from meshtrain.models.build import build_model
     from meshtrain.parallel.data_parallel import apply_dp, local_bytes
     from meshtrain.rules.support import fsdp_units
 

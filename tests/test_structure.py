@@ -1,7 +1,9 @@
 """The architecture's import rules (docs/architecture.md, "Layers"), read from the source with
-``ast`` so that they stay true: no import cycle between files; the run never reaches up to the launcher,
-the CLI or the planner; the planner never imports the trainer; no parallel strategy imports another; and
-the modules a rank or the launcher imports before torch import no torch."""
+``ast`` so that they stay true: no import cycle between files and no upward import between rooms; the run never
+reaches up to the launcher, the CLI or the planner; the planner never imports the trainer; no parallel strategy
+imports another; every import can be followed (no module-level ``__getattr__``); no function over 60 lines but the
+pending ones; and the modules a rank or the launcher imports before torch, and ``meshtrain --help``, import no
+torch. The measurements are ``scripts/structure.py``'s (the instrument of issue 53)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+sys.path.insert(0, str(ROOT / "scripts"))
+import structure  # noqa: E402  (scripts/structure.py)
 
 RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtrain.models", "meshtrain.data",
        "meshtrain.runtime", "meshtrain.optim", "meshtrain.metrics", "meshtrain.mesh", "meshtrain.preflight",
@@ -20,20 +25,23 @@ RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtra
        "meshtrain.resolved")
 """The modules a rank runs: none may import the launcher, the CLI or the planner."""
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
-COMPOSERS = ("meshtrain.parallel", "meshtrain.parallel.compose")
-"""The package (its names load lazily from compose) and the one module that may import every strategy."""
+COMPOSERS = ("meshtrain.parallel.compose",)
+"""The one module that may import every strategy."""
 SHARED_PARALLEL = ("reduce", "rng", "model")
 """Modules of ``meshtrain.parallel`` every strategy may use: per-axis reductions, dropout streams, and the
 trainer-facing model (which itself imports no strategy)."""
 
 
+PENDING_LONG = {
+    "meshtrain.train.loop:Trainer.run",  # issue 53 §2: pending (train/loop.py is being split)
+    "meshtrain.train.loop:Trainer.__init__",  # issue 53 §2: pending
+}
+"""Functions still over :data:`structure.LONG` lines; remove a name once its function is split."""
+
+
 def module_files() -> dict[str, Path]:
     """``{"meshtrain.parallel.tensor": path, "meshtrain.parallel": path/__init__.py, ...}``."""
-    files = {}
-    for path in (SRC / "meshtrain").rglob("*.py"):
-        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
-        files[name.removesuffix(".__init__")] = path
-    return files
+    return structure.module_files(SRC)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -70,39 +78,9 @@ def is_in(module: str, *prefixes: str) -> bool:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one file (Tarjan), ignoring a package's ``__init__``
-    importing its own submodules (pkg -> pkg.sub is no cycle between files)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if is_in(w, v):  # a package importing its own submodule
-                continue
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    sys.setrecursionlimit(10_000)
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
+    """Strongly connected components of more than one file, ignoring a package's ``__init__`` importing its own
+    submodules (pkg -> pkg.sub is no cycle between files)."""
+    return structure.components({v: {w for w in targets if not is_in(w, v)} for v, targets in graph.items()})
 
 
 def broken_rules(graph: dict[str, set[str]]) -> list[str]:
@@ -147,11 +125,12 @@ def test_the_rules_catch_a_violation(edge, rule):
 
 def test_a_cycle_is_found():
     graph = import_graph()
-    graph["meshtrain.config"].add("meshtrain.train.loop")  # the loop imports config
+    graph["meshtrain.config.sections"].add("meshtrain.train.loop")  # the loop imports config.sections
     assert cycles(graph)
 
 
-@pytest.mark.parametrize("module", ["meshtrain.preflight", "meshtrain.train", "meshtrain.config",
+@pytest.mark.parametrize("module", ["meshtrain.preflight", "meshtrain.train", "meshtrain.config", "meshtrain.parallel",
+                                    "meshtrain.parallel.pipeline", "meshtrain.models", "meshtrain.rules.layout",
                                     "meshtrain.rules.support", "meshtrain.cli.main", "meshtrain.runlock",
                                     "meshtrain.checkpoint", "meshtrain.checkpoint.schema", "meshtrain.models.registry", "meshtrain.axes",
                                     "meshtrain.rules.pipeline", "meshtrain.parallel.pipeline.balance",
@@ -162,3 +141,56 @@ def test_imported_before_torch_without_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def parsed() -> tuple[dict[str, Path], dict[str, ast.Module]]:
+    files = module_files()
+    return files, structure.parse(files)
+
+
+def test_no_upward_import_between_rooms():
+    """No room (``config/``, ``models/``, ``fileio.py``, ...) imports one that imports it back, deferred imports
+    included: the rooms form the layers of docs/architecture.md."""
+    files, trees = parsed()
+    room_cycles, upward = structure.upward_imports(structure.import_edges(files, trees))
+    assert structure.upward_pairs(upward) == [] and room_cycles == []
+
+
+def test_an_upward_import_is_found():
+    files, trees = parsed()
+    edges = structure.import_edges(files, trees)
+    edges.append(structure.Edge("meshtrain.errors", "meshtrain.config.load", "load_config", 1, True))
+    assert structure.upward_pairs(structure.upward_imports(edges)[1]) == [
+        "meshtrain.errors -> meshtrain.config.load (load_config, line 1 deferred)"]
+
+
+def test_every_import_can_be_followed():
+    """No module-level ``__getattr__`` (PEP 562 names that go-to-definition and import greps cannot follow) and no
+    import by a computed name, but the planner's calibration loading the trainer's modules by name to measure them."""
+    _, trees = parsed()
+    assert structure.module_getattrs(trees) == []
+    assert [where.split(":")[0] for where in structure.dynamic_imports(trees)] == ["meshtrain.planner.calibrate"]
+
+
+def test_no_function_over_60_lines_but_the_pending_ones():
+    _, trees = parsed()
+    long = {name for name, lines in structure.functions(trees).items() if lines > structure.LONG}
+    assert sorted(long - PENDING_LONG) == [], "split it into named steps (STYLE.md: functions of ~10-30 lines)"
+    assert sorted(PENDING_LONG - long) == [], "no longer over the limit: remove it from PENDING_LONG"
+
+
+def test_every_family_model_is_a_plain_import():
+    """``models/build.py`` imports the class each family's spec names (``Family.model``) with a plain import."""
+    from meshtrain.models.registry import FAMILIES
+
+    tree = ast.parse((SRC / "meshtrain" / "models" / "build.py").read_text())
+    imported = {f"{node.module}:{alias.name}" for node in tree.body if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    assert sorted({f.model for f in FAMILIES.values()} - imported) == []
+
+
+def test_help_loads_no_torch_and_no_subcommand():
+    """``meshtrain --help`` lists the subcommands without importing them, and loads no torch."""
+    loaded = structure.help_modules()
+    assert loaded["torch"] is False
+    assert [m for m in loaded["modules"] if m.startswith("meshtrain.cli.")] == ["meshtrain.cli.main"]

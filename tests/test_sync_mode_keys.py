@@ -16,7 +16,7 @@ OTHER_VALUES = {"diloco_precision": "bf16", "stale_policy": "wait", "diloco_ligh
 
 
 def _other(key: str) -> str:
-    from meshtrain.config import ParallelConfig
+    from meshtrain.config.sections import ParallelConfig
 
     default = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}[key]
     if isinstance(default, bool):
@@ -35,7 +35,8 @@ def _cases() -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("key,owner,mode", _cases())
 def test_a_sync_modes_key_under_another_mode_is_refused_in_one_line(key, owner, mode):
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
 
     value = _other(key)
     with pytest.raises(ConfigError) as error:
@@ -51,7 +52,7 @@ def test_a_sync_modes_key_under_another_mode_is_refused_in_one_line(key, owner, 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "local-sgd", "diloco"])
 def test_every_key_at_its_default_is_accepted_under_every_mode(mode):
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
 
     assert load_config(CONFIG, {**TINY, "parallel.sync_mode": mode}).parallel.sync_mode == mode
 

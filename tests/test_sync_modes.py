@@ -144,7 +144,7 @@ def test_bad_sync_settings_are_refused_before_launch(tmp_path, args, message):
 def test_async_run_resumes_from_its_checkpoint(tmp_path):
     """A parameter-server run saved at gradient 10 continues to 20: the count, the servers' AdamW state
     and each worker's place in the data stream come back (the metrics run 1..20 once each)."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     run = tmp_path / "run"
     base = {**TINY, "parallel.sync_mode": "async", "checkpoint.interval": "10", "parallel.max_staleness": "1000"}

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from meshtrain.cli.main import main
 from meshtrain.cli.tokenizer import train_bpe
-from meshtrain.config import BUNDLED_CORPUS, ConfigError, load_config
+from meshtrain.config.load import load_config
+from meshtrain.config.sections import BUNDLED_CORPUS
+from meshtrain.errors import ConfigError
 from meshtrain.data.tokenizers import (TIKTOKEN_PAT_STR, CharTokenizer, load_tokenizer, model_vocab_size,
                                        padded_vocab_size, tokenizer_from_dict)
 

@@ -106,10 +106,10 @@ def test_prepare_records_the_added_tokens(setup):
 
 def test_new_rows_are_transformers_mean_resizing(setup):
     """Loaded in one process: the first OLD rows are the file's exactly, the new ones transformers' draw."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.corpus import corpus_of
     from meshtrain.data.growth import vocab_growth
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
     from meshtrain.models.hf import load_hf_weights
     from meshtrain.models.resize import GrownRows
 
@@ -217,7 +217,8 @@ def test_other_extra_ids_are_still_refused(setup, tmp_path):
 
 
 def test_adapters_are_refused(setup):
-    from meshtrain.config import ConfigError, load_config
+    from meshtrain.config.load import load_config
+    from meshtrain.errors import ConfigError
     from meshtrain.data.growth import vocab_growth
 
     cfg = load_config(FINETUNE, overrides(setup, **{"adapter.lora_rank": "4"}))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import layout_worker
-from meshtrain.config import load_config
+from meshtrain.config.load import load_config
 from meshtrain.models.resize import GROWN
 from meshtrain.train.loop import Trainer
 

@@ -1,7 +1,7 @@
 """The parallel axes and the option vocabularies, one table and one list each, torch-free.
 
 :data:`AXIS_TABLE` is the only place an axis is spelled: the degree fields of the config's ``[parallel]``
-section (:class:`meshtrain.config.ParallelConfig`), of the planner's :class:`~meshtrain.planner.layout.Layout`
+section (:class:`meshtrain.config.sections.ParallelConfig`), of the planner's :class:`~meshtrain.planner.layout.Layout`
 and of the run's :class:`~meshtrain.mesh.ParallelDims` are made from it (:func:`degrees_dataclass`), and so are
 the short flags (``--dp``), the ">= 1" checks, the world-size product, the mesh's dims and strides, and the
 axes a checkpoint records. Adding an axis is one row here plus what the axis does (its strategy module, its

@@ -20,7 +20,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.axes import REPLICA_AXES, product_text, replica_size
-from meshtrain.config import LR_SCALINGS, ConfigError
+from meshtrain.config.sections import LR_SCALINGS
+from meshtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -171,18 +172,8 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
         raise ConfigError(f"total_steps = {total_steps} must be >= 1")
     if time_per_step_s is not None and time_per_step_s <= 0:
         raise ConfigError(f"time_per_step = {time_per_step_s} must be > 0 seconds")
-    spe = mspe = None
-    if num_samples is not None:
-        spe = steps_per_epoch(num_samples, gbs)
-        mspe = spe * gradient_accumulation_steps
-        if epochs is not None:
-            total_steps = max(1, math.ceil(round(epochs * spe, 9)))  # 1.1 * 100 = 110.00000000000001 in floats
-        elif total_steps is not None:
-            epochs = total_steps / spe
-        else:
-            epochs, total_steps = 1.0, spe
-    elif epochs is not None:
-        raise ConfigError("epochs needs num_samples: give --num-samples too")
+    spe, epochs, total_steps = _run_length(num_samples, gbs, epochs, total_steps)
+    mspe = spe * gradient_accumulation_steps if spe is not None else None
     total_time = total_steps * time_per_step_s if (total_steps and time_per_step_s) else None
     if lr_scaling != "none" and lr is None:
         raise ConfigError(f"lr scaling '{lr_scaling}' needs the learning rate it scales: give --lr too")
@@ -191,15 +182,7 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
     scaled = scaled_lr(lr, gbs, reference_batch_size or 0, lr_scaling) if lr is not None else None
     diloco = {}
     if diloco_group:
-        replica = tp * pp * sp
-        if diloco_group < 1 or world_size % diloco_group or diloco_group % replica or world_size // diloco_group < 2:
-            raise ConfigError(f"diloco_group = {diloco_group} must split world_size = {world_size} into >= 2 workers "
-                              f"of whole replicas (a multiple of tp*pp*sp = {replica})")
-        if diloco_inner_steps < 1:
-            raise ConfigError(f"diloco_inner_steps = {diloco_inner_steps} must be >= 1")
-        workers = world_size // diloco_group
-        diloco = {"diloco_workers": workers, "worker_batch_size": gbs // workers, "diloco_inner_steps": diloco_inner_steps,
-                  "outer_steps": math.ceil(total_steps / diloco_inner_steps) if total_steps else None}
+        diloco = _diloco(world_size, tp * pp * sp, gbs, total_steps, diloco_group, diloco_inner_steps)
     return BatchPlan(**diloco, world_size=world_size, tp=tp, pp=pp, sp=sp, dp=dp, micro_batch_size=micro_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, global_batch_size=gbs,
                      seq_len=seq_len, tokens_per_step=tokens_per_step(gbs, seq_len) if seq_len else None,
@@ -207,6 +190,44 @@ def plan_batch(world_size: int, micro_batch_size: int, gradient_accumulation_ste
                      epochs=float(epochs) if epochs is not None else None, total_steps=total_steps,
                      time_per_step_s=time_per_step_s, total_time_s=total_time, base_lr=lr,
                      lr_scaling=lr_scaling, reference_batch_size=reference_batch_size, lr=scaled)
+
+
+def _run_length(num_samples: int | None, gbs: int, epochs: float | None,
+                total_steps: int | None) -> tuple[int | None, float | None, int | None]:
+    """(steps_per_epoch, epochs, total_steps) of :func:`plan_batch`: with ``num_samples``, the one of ``epochs`` and
+    ``total_steps`` not given follows from the other (one epoch when neither is); without, they stay as given.
+
+    Raises:
+        ConfigError: ``epochs`` without ``num_samples``, or ``num_samples`` < 1."""
+    if num_samples is None:
+        if epochs is not None:
+            raise ConfigError("epochs needs num_samples: give --num-samples too")
+        return None, epochs, total_steps
+    spe = steps_per_epoch(num_samples, gbs)
+    if epochs is not None:
+        total_steps = max(1, math.ceil(round(epochs * spe, 9)))  # 1.1 * 100 = 110.00000000000001 in floats
+    elif total_steps is not None:
+        epochs = total_steps / spe
+    else:
+        epochs, total_steps = 1.0, spe
+    return spe, epochs, total_steps
+
+
+def _diloco(world_size: int, replica: int, gbs: int, total_steps: int | None, diloco_group: int,
+            diloco_inner_steps: int) -> dict[str, int | None]:
+    """The DiLoCo fields of :func:`plan_batch`'s :class:`BatchPlan`: workers of ``diloco_group`` ranks (whole replicas
+    of ``replica`` = tp*pp*sp ranks), a worker's samples per inner step, H, and the outer steps of ``total_steps``.
+
+    Raises:
+        ConfigError: a group that does not split the ranks into >= 2 workers of whole replicas, or H < 1."""
+    if diloco_group < 1 or world_size % diloco_group or diloco_group % replica or world_size // diloco_group < 2:
+        raise ConfigError(f"diloco_group = {diloco_group} must split world_size = {world_size} into >= 2 workers "
+                          f"of whole replicas (a multiple of tp*pp*sp = {replica})")
+    if diloco_inner_steps < 1:
+        raise ConfigError(f"diloco_inner_steps = {diloco_inner_steps} must be >= 1")
+    workers = world_size // diloco_group
+    return {"diloco_workers": workers, "worker_batch_size": gbs // workers, "diloco_inner_steps": diloco_inner_steps,
+            "outer_steps": math.ceil(total_steps / diloco_inner_steps) if total_steps else None}
 
 
 @dataclass(frozen=True)

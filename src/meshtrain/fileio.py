@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 
 def _umask() -> int:
@@ -132,7 +132,7 @@ def read_checked(path: str | Path, what: str, fix: str, max_bytes: int = MAX_REC
 
 def check_readable(path: str | Path, what: str, fix: str, max_bytes: int = MAX_RECORD_BYTES) -> None:
     """:func:`read_checked`'s checks alone, for a file another function then reads and parses (a TOML file
-    :func:`meshtrain.config.read_toml` reads). Raises ConfigError as it does (a missing file too)."""
+    :func:`meshtrain.config.load.read_toml` reads). Raises ConfigError as it does (a missing file too)."""
     _checked(Path(path), what, fix, max_bytes, missing_ok=False, read=False)
 
 

@@ -2,7 +2,9 @@
 
 Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")`` (docs/architecture.md): tp is innermost so its
 ranks are neighbours (inside one node), pp outermost so stages cross nodes. Rank ``r`` has the
-coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``.
+coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``. ``ep`` is no axis of its own: it
+borrows its ranks from the flattened ``"dp_sp"`` mesh, unflattened into ``("edp", "ep")`` (consecutive ranks split
+the experts, the ``edp`` ranks hold the same ones).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtrain import axes
 from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 

@@ -51,7 +51,7 @@ def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
         ConfigError: it is not a regular file of at most :data:`MAX_METRICS_BYTES`, not UTF-8, or a line is not a
             JSON object with a ``step`` (one line naming the file and the line).
     """
-    from meshtrain.config import ConfigError
+    from meshtrain.errors import ConfigError
     from meshtrain.fileio import read_text_checked
 
     path = Path(out_dir) / METRICS_FILE

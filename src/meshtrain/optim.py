@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain.batch_math import scaled_lr
-from meshtrain.config import Config, OptimConfig
+from meshtrain.config.sections import Config, OptimConfig
 
 
 def adamw_kernels(params: list[nn.Parameter], optim: OptimConfig) -> dict[str, bool]:
@@ -57,7 +57,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: Config, global_batch_si
     With ``zero_group`` (``parallel.zero_stage = 1`` over DDP), torch's ``ZeroRedundancyOptimizer`` wraps
     the AdamW: each rank of the group keeps the states of its share of the parameters (about 1/n of
     them), updates those parameters, and broadcasts them to the others (ZeRO stage P_os, Rajbhandari et al.
-    2020, Sec. 5). Its checkpoints are those of a plain AdamW (:func:`meshtrain.checkpoint.save`)."""
+    2020, Sec. 5). Its checkpoints are those of a plain AdamW (:func:`meshtrain.checkpoint.store.save`)."""
     optim = scaled_optim(cfg.optim, global_batch_size)
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},

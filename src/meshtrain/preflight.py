@@ -2,7 +2,7 @@
 (never reuse a folder that holds another run) and the checkpoint to resume (the same model, data, order
 and global batch). Importing it imports no torch: ``meshtrain train`` runs it in the launcher before
 starting the ranks, and a rank started by ``torchrun`` directly runs it before joining the group.
-Every failed check raises :class:`meshtrain.config.ConfigError` with one actionable line.
+Every failed check raises :class:`meshtrain.errors.ConfigError` with one actionable line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.resolved import ResolvedRun
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def preflight(run: ResolvedRun) -> None:
     """Checks of a resolved run (its layout already fits its ranks) that need no process group. Raises
     ConfigError with one actionable line."""
     cfg = run.config
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
     from meshtrain.data.corpus import corpus_of
     from meshtrain.data.growth import vocab_growth
     from meshtrain.fileio import check_writable_dir
@@ -206,7 +207,7 @@ def check_resume(run: ResolvedRun, corpus, growth) -> tuple[Path, dict]:
     """The checkpoint ``checkpoint.resume`` names, verified and continuable by this run (the same start, adapters,
     global batch, model, tensors and data; :func:`check_same_start` and its siblings), resolved in the config so the
     ranks load exactly it; returns (its step folder, its meta.json). Raises ConfigError (one line)."""
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     cfg = run.config
     found = ckpt.resolve_checkpoint(cfg.checkpoint.resume, verify=True)
@@ -306,8 +307,8 @@ def check_same_tensors(cfg: Config, meta: dict, found: Path) -> None:
 
     import torch
 
-    from meshtrain.config import ModelConfig
-    from meshtrain.models import build_model
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     def shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         with torch.device("meta"):

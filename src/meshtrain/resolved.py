@@ -29,7 +29,10 @@ from typing import Any
 
 from meshtrain import axes
 from meshtrain.batch_math import global_batch_size
-from meshtrain.config import Config, ConfigError, diloco_workers, resolve_world, set_key, validate
+from meshtrain.config.checks import diloco_workers, resolve_world, validate
+from meshtrain.config.load import set_key
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 
 FORMAT = "meshtrain-resolved-run"
 VERSION = 1
@@ -55,7 +58,7 @@ class ResolvedRun:
         """``cfg`` fixed for ``world_size`` ranks (None: the world its own degrees give), ``cfg`` untouched.
 
         Raises:
-            ConfigError: the ranks do not suit the config (:func:`meshtrain.config.resolve_world`).
+            ConfigError: the ranks do not suit the config (:func:`meshtrain.config.checks.resolve_world`).
         """
         world, dp = resolve_world(cfg, world_size)
         config = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp))
@@ -114,7 +117,7 @@ class ResolvedRun:
     @classmethod
     def read(cls, path: str | Path) -> ResolvedRun:
         """The run :meth:`write` wrote: each config key typed and checked as a TOML file's
-        (:func:`meshtrain.config.set_key`, :func:`meshtrain.config.validate`).
+        (:func:`meshtrain.config.load.set_key`, :func:`meshtrain.config.checks.validate`).
 
         Raises:
             ConfigError: no such file, not JSON, another format or version, a key that is not valid, or

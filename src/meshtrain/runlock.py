@@ -16,7 +16,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 HELD_ENV = "MESHTRAIN_OUT_LOCK_PID"
 """Set by ``meshtrain train`` to its pid when it holds the lock, so that its ranks do not take it again."""

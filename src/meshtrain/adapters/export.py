@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from meshtrain.adapters.spec import is_adapter, peft_names, targeted_paths
-from meshtrain.config import ConfigError
+from meshtrain.adapters.spec import peft_names, targeted_paths
+from meshtrain.errors import ConfigError
 from meshtrain.fileio import fresh_temp_dir, unwritten
+from meshtrain.models.base import is_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshtrain.adapters.spec import is_adapter, lora_scaling, targeted_paths
+from meshtrain.adapters.spec import lora_scaling, targeted_paths
+from meshtrain.models.base import is_adapter
 
 
 class LoRALinear(nn.Linear):

@@ -25,15 +25,8 @@ QUANTIZATIONS = ("none", "nf4")
 """``adapter.quantize_base`` values."""
 NF4_BLOCK = 64
 """Weights per NF4 block (QLoRA, Sec. 3); :data:`meshtrain.adapters.nf4.BLOCK`."""
-ADAPTER_MARK = ".lora_"
-"""In every adapter parameter's name (``blocks.0.attn.q.lora_A.weight``), in no base parameter's."""
 ROUTER = "router"
 """The mixture of experts' router (:class:`meshtrain.models.moe.layer.MoE`): frozen, never adapted."""
-
-
-def is_adapter(name: str) -> bool:
-    """Whether the parameter named ``name`` is an adapter's (LoRA's ``A`` or ``B``, :mod:`meshtrain.adapters.lora`)."""
-    return ADAPTER_MARK in name
 
 
 def lora_modules(m: Any) -> dict[str, tuple[str, ...]]:
@@ -84,15 +77,13 @@ def targeted_paths(m: Any, targets: list[str]) -> tuple[str, ...]:
 
 
 def _check_nf4(cfg: Any) -> None:
-    """What QLoRA's NF4 base needs (:mod:`meshtrain.adapters.nf4`): bitsandbytes, no tensor parallelism, and input
-    widths that are multiples of its 64-weight blocks. Raises ConfigError."""
+    """What QLoRA's NF4 base needs (:mod:`meshtrain.adapters.nf4`): bitsandbytes, and input widths that are multiples
+    of its 64-weight blocks (no tensor parallelism: a layout rule, :mod:`meshtrain.rules.layout`). Raises ConfigError."""
     import importlib.util
 
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     require(importlib.util.find_spec("bitsandbytes") is not None,
             "adapter.quantize_base = 'nf4' needs bitsandbytes, which is not installed: pip install 'meshtrain[qlora]'")
-    require(p.tp == 1, f"adapter.quantize_base = 'nf4' with parallel.tp = {p.tp}: an NF4 weight's blocks run along "
-                       f"its rows, which tensor parallelism would cut; use tp = 1 (dp, FSDP2, pp and sp work)")
     from meshtrain.models.registry import family
 
     fmt = family(m.type).hf

@@ -1,9 +1,9 @@
 """The schema of a checkpoint's ``meta.json``: every key a save writes, its type and its range.
 
-:func:`meshtrain.checkpoint.read_meta` checks it before anything uses a checkpoint, so an edited or
+:func:`meshtrain.checkpoint.store.read_meta` checks it before anything uses a checkpoint, so an edited or
 damaged ``meta.json`` is one line naming the file and the key, not a ``KeyError`` deep in a rank. The
 files manifest ``files`` is required like the rest: deleting it does not turn off the size and SHA-256
-check of the shards (:func:`meshtrain.checkpoint.verify_files`). Importing it imports no torch.
+check of the shards (:func:`meshtrain.checkpoint.store.verify_files`). Importing it imports no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshtrain.axes import AXIS_TABLE
-from meshtrain.config import SAVED_KEYS, ConfigError, check_saved_config
+from meshtrain.config.load import SAVED_KEYS, check_saved_config
+from meshtrain.errors import ConfigError
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -38,7 +39,7 @@ def _manifest_ok(files: dict) -> bool:
 def _tokenizer_ok(tok: dict) -> bool:
     """A tokenizer's ``to_dict`` (:mod:`meshtrain.data.tokenizers`): "char" with a non-empty string of distinct
     characters, or a file kind with the file's path and SHA-256."""
-    from meshtrain.config import TOKENIZER_KINDS
+    from meshtrain.config.sections import TOKENIZER_KINDS
 
     if tok.get("kind") == "char":
         chars = tok.get("chars")

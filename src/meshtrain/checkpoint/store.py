@@ -45,9 +45,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from meshtrain.adapters.spec import is_adapter
 from meshtrain.checkpoint.schema import check_meta
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
+from meshtrain.models.base import is_adapter
 from meshtrain.paths import path_problem
 from meshtrain.fileio import write_json_atomic
 
@@ -265,8 +266,9 @@ def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
     LoRA adapters (``[adapter]``) its frozen base as the run had it -- ``train.seed``'s weights, then ``model.init_from``'s
     when set (``base``: read them; False on the meta device) -- and the adapters added."""
     from meshtrain.adapters.apply import adapt
-    from meshtrain.config import ModelConfig, saved_adapter
-    from meshtrain.models import build_model
+    from meshtrain.config.load import saved_adapter
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.build import build_model
 
     config = meta["config"]
     m = ModelConfig(**config["model"])

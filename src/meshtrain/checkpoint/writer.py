@@ -1,12 +1,12 @@
 """Where the trainer's checkpoints go: written inline, or in the background (``checkpoint.async_save``).
 
-Blocking (the default), a save is :func:`meshtrain.checkpoint.save`: every rank waits until its shards are
+Blocking (the default), a save is :func:`meshtrain.checkpoint.store.save`: every rank waits until its shards are
 on disk and rank 0 has committed the step. Asynchronous, :meth:`Checkpoints.save` copies the state to CPU
 memory (DCP's ``async_save`` stages it: the one part training waits for) and a background thread of each
 rank writes that copy to ``step_N.tmp`` while training goes on. The guarantees are those of a blocking save:
 
 - A step becomes visible only when complete: ``step_N.tmp`` is renamed to ``step_N`` (with ``meta.json``
-  and its files manifest, :func:`meshtrain.checkpoint.commit`) only after every rank's write finished.
+  and its files manifest, :func:`meshtrain.checkpoint.store.commit`) only after every rank's write finished.
   Ranks learn that together: :meth:`Checkpoints.commit_if_written` (an all-reduce over all ranks, once a
   step while a write is in flight) commits as soon as every rank's write is done, and
   :meth:`Checkpoints.wait` blocks for it; either ends with an all-reduce of "did my write fail" over the

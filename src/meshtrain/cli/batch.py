@@ -7,11 +7,11 @@ import json
 
 from meshtrain.argtypes import positive_float
 from meshtrain.axes import REPLICA_AXES, SPECS, degree, product_text, replica_size
-from meshtrain.config import LR_SCALINGS
+from meshtrain.config.sections import LR_SCALINGS
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("batch", help="batch arithmetic of a layout: global batch, tokens, steps, time",
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    p = sub.add_parser("batch", help=line,
                        description="Global batch = micro_batch_size * grad_accum * world_size / (pp*sp*tp). "
                                    "Only the dp factor multiplies the batch.")
     p.add_argument("--world-size", type=int, required=True, help="ranks = nnodes * nproc_per_node")

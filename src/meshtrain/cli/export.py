@@ -2,7 +2,7 @@
 share.
 
 A DCP checkpoint is a folder of shards and a pickled ``.metadata``. meshtrain reads that metadata with
-an allow-list (:class:`meshtrain.checkpoint.SafeFileSystemReader`), but other tools may not. The
+an allow-list (:class:`meshtrain.checkpoint.store.SafeFileSystemReader`), but other tools may not. The
 export is what to hand to someone else, consolidated from any layout:
 
 - ``--format safetensors`` (default): ``OUT.safetensors``, every weight under meshtrain's names (a tied
@@ -17,8 +17,10 @@ export is what to hand to someone else, consolidated from any layout:
   (:func:`meshtrain.adapters.apply.merge`), which refuse a run with adapters without it.
 
 safetensors holds only a JSON header and raw tensor bytes, so reading it cannot run code. ``meshtrain
-generate --checkpoint OUT`` samples from either. Nothing is ever overwritten: outputs are written under a
-temporary name and renamed into place, so a crash leaves no half-written output.
+generate --checkpoint OUT`` samples from either, with this module's loaders: a checkpoint's model
+(:func:`load_checkpoint_model`), an export's (:func:`load_export`) and a Hugging Face folder's
+(:func:`load_hf_model`). Nothing is ever overwritten: outputs are written under a temporary name and renamed into
+place, so a crash leaves no half-written output.
 """
 
 from __future__ import annotations
@@ -26,12 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from meshtrain.argtypes import positive_float
-from meshtrain.config import ConfigError
+from meshtrain.checkpoint.schema import META_SCHEMA
+from meshtrain.config.load import apply_init_from, check_saved_config, saved_adapter
+from meshtrain.errors import ConfigError
 from meshtrain.fileio import check_writable_dir, fresh_temp_file, unwritten
+from meshtrain.models import hf_io as hf
+from meshtrain.models.registry import ModelConfig, check_hf_weights, hf_max_positions
 
 SUFFIX = ".safetensors"
 FORMATS = ("safetensors", "hf", "peft")
@@ -40,8 +47,8 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 METADATA_KEY = "meshtrain"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as safetensors, a Hugging Face model folder or peft adapters",
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    p = sub.add_parser("export", help=line,
                        description="Consolidate a checkpoint (any layout) into OUT.safetensors plus OUT.json "
                                    "(--format safetensors), into a Hugging Face model folder OUT that "
                                    "transformers loads (--format hf), or a LoRA run's adapters into a folder OUT that "
@@ -110,7 +117,7 @@ def load_checkpoint_model(checkpoint: str | Path):
     Raises:
         ConfigError: no intact checkpoint there, or an unsafe one.
     """
-    from meshtrain import checkpoint as ckpt
+    from meshtrain.checkpoint import store as ckpt
 
     found = ckpt.resolve_checkpoint(checkpoint, key="--checkpoint", verify=True)
     meta = ckpt.read_meta(found)
@@ -121,17 +128,14 @@ def load_checkpoint_model(checkpoint: str | Path):
 
 def read_export(path: Path) -> dict[str, Any]:
     """The JSON of an export's header (model config, vocab_size, tokenizer, step), checked as a checkpoint's
-    meta.json is: the model config key by key (:func:`meshtrain.config.check_saved_config`), the vocabulary size and
-    the tokenizer record by :data:`meshtrain.checkpoint.schema.META_SCHEMA`'s rules.
+    meta.json is: the model config key by key (:func:`meshtrain.config.load.check_saved_config`), the vocabulary
+    size and the tokenizer record by :data:`meshtrain.checkpoint.schema.META_SCHEMA`'s rules.
 
     Raises:
         ConfigError: not a safetensors file, one without meshtrain's header entry, or an entry that is not that
             JSON (damaged or edited), naming the first wrong key.
     """
     from safetensors import SafetensorError, safe_open
-
-    from meshtrain.checkpoint.schema import META_SCHEMA
-    from meshtrain.config import check_saved_config
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -167,8 +171,7 @@ def load_export(path: Path):
     """
     from safetensors.torch import load_model
 
-    from meshtrain.config import check_saved_config
-    from meshtrain.models import build_model
+    from meshtrain.models.build import build_model
 
     info = read_export(path)
     model = build_model(check_saved_config({"model": info["model"]}), info["vocab_size"])
@@ -184,6 +187,49 @@ def load_export(path: Path):
         raise ConfigError(f"'{path}': its tensors do not match the model its header describes ({reason}): export the "
                           f"checkpoint again")
     return model, info
+
+
+def hf_model_config(folder: str | Path):
+    """The ModelConfig of a Hugging Face model folder (its ``config.json``,
+    :func:`meshtrain.config.load.apply_init_from`), ``block_size`` its declared positions (the context generation may
+    use).
+
+    Raises:
+        ConfigError: not a folder, or a ``config.json`` meshtrain cannot build.
+    """
+    cfg = ModelConfig(init_from=str(folder))
+    apply_init_from(cfg, {"model.dropout"})  # a model to run, not to train: no dropout, whatever the file says
+    where = Path(folder).expanduser() / hf.CONFIG_FILE
+    try:
+        limit = hf_max_positions(hf.read_json(where, "config"), where)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
+    try:
+        check_saved_config({"model": asdict(cfg)})
+    except ConfigError as e:
+        raise ConfigError(f"'{where}' describes a model meshtrain cannot build: {e}") from None
+    return cfg
+
+
+def load_hf_model(folder: str | Path):
+    """(the whole model, its ModelConfig) of a Hugging Face folder, in one process on the CPU: its config checked as
+    a saved one (:func:`hf_model_config`), its weights read by :func:`meshtrain.models.hf.load_hf_weights`.
+
+    Raises:
+        ConfigError: what :func:`hf_model_config` and :func:`meshtrain.models.registry.check_hf_weights` refuse.
+    """
+    from meshtrain.models.build import build_model
+    from meshtrain.models.hf import load_hf_weights
+
+    cfg = hf_model_config(folder)
+    try:
+        check_hf_weights(Path(folder).expanduser(), cfg)
+    except hf.HFFormatError as e:
+        raise ConfigError(str(e)) from None
+    model = build_model(cfg, cfg.vocab_size)
+    load_hf_weights(model, folder, cfg)
+    return model, cfg
 
 
 def plain_model(checkpoint: str | Path, merge: bool):
@@ -211,7 +257,6 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> list[Path]:
             or whose parent cannot be written.
     """
     from meshtrain.adapters.export import write_peft_folder
-    from meshtrain.config import saved_adapter
 
     folder = _new_folder(out)
     model, meta, _ = load_checkpoint_model(checkpoint)

@@ -22,10 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.argtypes import nonnegative_float, seed_int
+from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export, load_hf_model
+from meshtrain.data.chat import CHAT, CHATML_TOKENS, chat_format, checked_messages, pieces, render
+from meshtrain.data.tokenizers import HFTokenizer, tokenizer_from_dict
+from meshtrain.errors import ConfigError
+from meshtrain.models import hf_io as hf
+from meshtrain.paths import path_problem
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint",
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    p = sub.add_parser("generate", help=line,
                        description="Sample from a trained model. DIR is a run folder (its latest checkpoint) "
                                    "or a checkpoints/step_* folder.")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
@@ -59,8 +65,6 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
             (chat) a bad message list or a tokenizer without a chat template.
     """
     import torch
-
-    from meshtrain.config import ConfigError
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens = {max_new_tokens} must be >= 1")
@@ -96,8 +100,6 @@ def sample(checkpoint: str | Path, prompt: str, max_new_tokens: int, temperature
 
 def _encode(tokenizer, prompt: str) -> list[int]:
     """Ids of a plain ``prompt``. Raises ConfigError: text the tokenizer cannot encode, or no ids at all."""
-    from meshtrain.config import ConfigError
-
     try:
         ids = tokenizer.encode(prompt)
     except ValueError as e:
@@ -115,8 +117,6 @@ def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
         ConfigError: a ``[`` text that is not JSON, not a list of ``{"role", "content"}`` messages, a role other
             than system, user, assistant, or a system turn given twice.
     """
-    from meshtrain.config import ConfigError
-    from meshtrain.data.chat import checked_messages  # prepare's check of a message list
 
     if prompt.lstrip().startswith("["):
         try:
@@ -145,8 +145,6 @@ def chat_prompt(tokenizer, prompt: str, system: str | None) -> tuple[list[int], 
         ConfigError: what :func:`chat_messages` refuses; a tokenizer that is not a Hugging Face one, or has no
             template and lacks the ChatML tokens; a template that fails on the messages.
     """
-    from meshtrain.config import ConfigError
-    from meshtrain.data.chat import CHAT, CHATML_TOKENS, chat_format, pieces, render
 
     messages = chat_messages(prompt, system)
     if tokenizer.kind != "hf":
@@ -212,15 +210,9 @@ def _load(checkpoint: str | Path):
         ConfigError: nothing loadable there, a Hugging Face folder without ``tokenizer.json``, or a run's
             tokenizer file that is gone or changed since (:func:`meshtrain.data.tokenizers.tokenizer_from_dict`).
     """
-    from meshtrain.models import hf_io as hf
-    from meshtrain.cli.export import SUFFIX, load_checkpoint_model, load_export
-    from meshtrain.config import ConfigError
-    from meshtrain.data.tokenizers import HFTokenizer, tokenizer_from_dict
 
     path = Path(checkpoint).expanduser()
     if path.is_dir() and any(os.path.lexists(path / name) for name in (hf.CONFIG_FILE, hf.SINGLE_FILE, hf.INDEX_FILE)):
-        from meshtrain.paths import path_problem
-        from meshtrain.models.hf import load_hf_model
 
         model, _ = load_hf_model(path)
         problem = path_problem(path / hf.TOKENIZER_FILE)
@@ -248,8 +240,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     if args.chat and args.prompt is None:
-        from meshtrain.config import ConfigError
-
         raise ConfigError("--chat needs --prompt: the user's message, or a JSON list of messages")
     prompt = "\n" if args.prompt is None else args.prompt
     sample(args.checkpoint, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_text=write,

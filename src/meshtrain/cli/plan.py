@@ -2,7 +2,7 @@
 
 Modes: search (default), ``--explain LAYOUT``, ``--validate FILE``, ``--calibrate``. A training config
 takes the overrides ``meshtrain train`` takes (``--tp 2``, ``--model.n_layer 8``), so that the plan is of
-the run that command line would start. Every user mistake raises :class:`meshtrain.config.ConfigError`
+the run that command line would start. Every user mistake raises :class:`meshtrain.errors.ConfigError`
 (one line, exit code 2 from ``meshtrain.cli``).
 """
 
@@ -10,13 +10,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
 
 from meshtrain.argtypes import positive_float, positive_int
 from meshtrain.axes import SHORT_FLAGS
-from meshtrain.config import ConfigError
-from meshtrain.planner.layout import FRAMEWORKS, parse_fix, sequences_per_sample
-from meshtrain.planner.validate import PUBLISHED_RUNS
+from meshtrain.batch_math import global_batch_size
+from meshtrain.config.load import load_config, parse_overrides
+from meshtrain.errors import ConfigError
+from meshtrain.fileio import check_new_file
+from meshtrain.planner import report, stack
+from meshtrain.planner.actual import hardware_for_run
+from meshtrain.planner.estimate import Job
+from meshtrain.planner.hardware import DEFAULT_PROFILE, get_hardware
+from meshtrain.planner.layout import (FRAMEWORKS, Layout, framework_errors, meshtrain_framework, parse_fix, parse_layout,
+                                      pinned_model_errors, sequences_per_sample)
+from meshtrain.planner.memory import PRECISIONS
+from meshtrain.planner.model_specs import from_config, load_model
+from meshtrain.planner.report import Context
+from meshtrain.planner.search import search
+from meshtrain.planner.stack import estimate_ranges, parse_stack
+from meshtrain.planner.validate import PUBLISHED_RUNS, validate_file
+from meshtrain.resolved import ResolvedRun
 
 EPILOG = """examples:
   meshtrain plan --model llama3-70b --gpu H100-SXM-80GB --num-gpus 512 --global-batch-size 1024 --seq-len 8192
@@ -28,10 +44,10 @@ EPILOG = """examples:
   meshtrain plan --calibrate                              (measure this machine, save a cpu profile)"""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``plan`` on the ``meshtrain`` subparsers and set ``func``."""
-    p = sub.add_parser("plan", help="predict memory, step time, MFU and total time of layouts; pick the best",
-                       description="Enumerate every valid (dp, tp, pp, sp, zero_stage, micro_batch_size, "
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    """Register ``plan`` on the ``meshtrain`` subparsers (``line``: its line in ``meshtrain --help``), set ``func``."""
+    p = sub.add_parser("plan", help=line,
+                       description="Enumerate every valid (dp, tp, pp, sp, ep, zero_stage, micro_batch_size, "
                                    "gradient_accumulation_steps, recompute, pp_schedule) layout of a job, drop those "
                                    "that break a divisibility rule or do not fit in memory, rank the rest by time "
                                    "per step. Formulas and their sources: docs/planner.md.",
@@ -39,7 +55,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch; any of its "
                                              f"keys can follow as --section.key VALUE (or {'/'.join(f'--{a}' for a in SHORT_FLAGS)} N), "
                                              "as for meshtrain train")
-    g = p.add_argument_group("model and hardware")
+    _add_model_options(p.add_argument_group("model and hardware"))
+    _add_job_options(p.add_argument_group("calibration (one measured run fits the stack's speed; docs/planner.md)"),
+                     p.add_argument_group("job"))
+    _add_output_options(p.add_argument_group("output"))
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def _add_model_options(g: argparse._ArgumentGroup) -> None:
+    """``plan``'s options of the model, the devices, the precision and the software stack."""
     g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, mixtral-8x7b/8x22b, qwen3-30b-a3b) or a TOML "
                                    "file with a [model] table")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sample (overrides the model's)")
@@ -63,13 +87,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "materialized, tp-comm-overlap, no-tp-comm-overlap, fused-ce), e.g. torchtitan+compile or "
                         "torchtitan+flash2 (FlashAttention-2, slower on Hopper); its speed factor and range are fitted "
                         "on published runs (docs/planner.md, \"Stacks and calibration\")")
-    c = p.add_argument_group("calibration (one measured run fits the stack's speed; docs/planner.md)")
+
+
+def _add_job_options(c: argparse._ArgumentGroup, j: argparse._ArgumentGroup) -> None:
+    """``plan``'s options of a measured run to calibrate on (``c``) and of the job (``j``: devices, batch, length)."""
     c.add_argument("--measured", metavar="LAYOUT,KEY=VALUE",
                    help="a run you measured on this cluster: its layout fields as --fix takes them and one of "
                         "step_time_s, tokens_per_s, tokens_per_s_per_gpu, mfu_percent, e.g. tp=8,pp=4,step_time_s=12.9")
     c.add_argument("--calibrate-from", type=Path, metavar="RUN_DIR",
                    help="the --out folder of a finished meshtrain train run (its plan_vs_actual.json)")
-    j = p.add_argument_group("job")
     j.add_argument("--num-gpus", type=positive_int, help="devices in the job (world_size)")
     j.add_argument("--global-batch-size", type=positive_int, help="samples per optimizer step")
     j.add_argument("--global-batch-tokens", type=positive_int, help="tokens per optimizer step (instead of samples)")
@@ -77,7 +103,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--dataset-tokens", type=positive_float, help="tokens in one epoch")
     j.add_argument("--epochs", type=positive_float, help="epochs over the dataset (default 1)")
     j.add_argument("--token-budget", type=positive_float, help="tokens to train on (instead of a dataset)")
-    o = p.add_argument_group("output")
+
+
+def _add_output_options(o: argparse._ArgumentGroup) -> None:
+    """``plan``'s options of what it prints, writes, pins, explains, validates or calibrates."""
     o.add_argument("--top", type=positive_int, default=10, help="layouts to show (default 10)")
     o.add_argument("--fix", default="", help="pin layout fields in the search, e.g. tp=8,pp=4,recompute=full")
     o.add_argument("--explain", metavar="LAYOUT", help="explain one layout, e.g. tp=8,pp=4,zero_stage=1,"
@@ -91,14 +120,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--calibrate", nargs="?", const="machine", choices=("machine", "one-per-source"),
                    help="alone: measure this machine and save a cpu profile; with --validate, one-per-source: "
                         "calibrate on each source's first run and report the error on its others")
-    p.set_defaults(func=run, accepts_overrides=True)
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     """Dispatch the ``plan`` modes; ``extra`` are the config overrides after the known options.
     Raises ConfigError for any user mistake."""
-    from meshtrain.planner import report
-
     args.overrides = _config_overrides(args.config, extra or [])
     _check_modes(args)
     if args.calibrate == "machine":
@@ -107,7 +133,6 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         print(json.dumps({"profile": str(path)}) if args.json else f"saved hardware profile to {path}")
         return 0
     if args.validate is not None:
-        from meshtrain.planner.validate import validate_file
         result = validate_file(args.validate, args.profile, calibrate=args.calibrate == "one-per-source")
         if args.json:
             print(json.dumps(result, indent=1))
@@ -117,15 +142,11 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
             report.print_validation(result)
         return 0
     if args.plot is not None:
-        from meshtrain.fileio import check_new_file
         check_new_file(args.plot, "--plot")
     ctx = build_context(args)
     if args.explain is not None:
-        from meshtrain.planner.layout import parse_layout
         layout = parse_layout(args.explain, ctx.job.num_devices, ctx.job.global_batch_size)
         return report.explain(ctx, layout, as_json=args.json)
-    from meshtrain.planner.layout import pinned_model_errors
-    from meshtrain.planner.search import search
     fixed = parse_fix(args.fix)
     pinned_model_errors(fixed, ctx.model)
     mine = report.config_estimate(ctx)  # ranked among all: the search predicts every layout that may be faster
@@ -143,7 +164,6 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         from meshtrain.planner.plot import plot_breakdowns
         plot_breakdowns(fitting[: args.top] or [smallest], args.plot, ctx.hw.device.memory_bytes)
     if args.json:
-        from meshtrain.planner.stack import estimate_ranges
         print(json.dumps([r.to_dict() | estimate_ranges(r, ctx.speed) | ctx.speed.to_dict()
                           for r in fitting[: args.top]], indent=1))
     else:
@@ -205,8 +225,6 @@ def _config_overrides(config: str | None, extra: list[str]) -> dict[str, str]:
     if not Path(config).is_file():  # argparse gives CONFIG the value after an unknown flag: --model X --tp 2
         raise ConfigError(f"config file '{config}' does not exist, or '{config}' is the value of {extra[0]}, which is "
                           f"not an option of plan; {hint}")
-    from meshtrain.config import parse_overrides
-
     return parse_overrides(extra)
 
 
@@ -222,8 +240,6 @@ def _config_precision(dtype: str, gpu: str) -> str:
 
 def _raise_for_unavailable(framework, fixed: dict, model) -> None:
     """Raise ConfigError naming the pinned ``--fix`` fields ``framework`` cannot run (if any)."""
-    from meshtrain.planner.layout import Layout, framework_errors
-
     pinned = Layout(**{"dp": 1, **fixed})
     errors = framework_errors(framework, pinned, model)
     if errors:
@@ -239,27 +255,37 @@ MAX_BATCH = 2**40
 
 def build_context(args: argparse.Namespace):
     """Resolve model, hardware, precision, framework and job from the arguments (and a config)."""
-    from meshtrain.planner.report import Context
-    from meshtrain.planner.estimate import Job
-    from meshtrain.planner.hardware import get_hardware
-    from meshtrain.batch_math import global_batch_size
-    from meshtrain.planner.layout import Layout, meshtrain_framework
-    from meshtrain.planner.memory import PRECISIONS
-    from meshtrain.planner.model_specs import from_config, load_model
-
-    cfg = run = None
+    cfg = None
     if args.config:
-        from meshtrain.config import load_config
-        from meshtrain.resolved import ResolvedRun
         cfg = load_config(args.config, getattr(args, "overrides", None))
+    model = _model(args, cfg)
+    stack_name, framework, gpu = _framework(args, cfg)
+    run, hw = _hardware(args, cfg, gpu)
+    dtype = args.dtype or (_config_precision(cfg.train.dtype, gpu) if cfg is not None else framework.mixed_precision)
+    config_layout = None
+    if cfg is not None:
+        run = run or ResolvedRun.resolve(cfg, args.num_gpus)
+        config_layout = Layout.from_config(cfg, run.world_size)
+    job = _job(args, cfg, run, model)
+    ctx = Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)
+    return _calibrated(ctx, args, stack_name)
+
+
+def _model(args: argparse.Namespace, cfg):
+    """The planner's model of ``--model`` (a preset or a TOML file), else of the config's ``[model]``."""
     if args.model:
-        model = load_model(args.model, args.seq_len)
-    elif cfg is not None:
-        model = from_config(cfg)
-        if args.seq_len:
-            raise ConfigError("--seq-len cannot change a config's model: set model.block_size in the config")
-    else:
+        return load_model(args.model, args.seq_len)
+    if cfg is None:
         raise ConfigError("give --model (a preset or a TOML file) or a training config")
+    model = from_config(cfg)
+    if args.seq_len:
+        raise ConfigError("--seq-len cannot change a config's model: set model.block_size in the config")
+    return model
+
+
+def _framework(args: argparse.Namespace, cfg):
+    """(stack name, framework, device): ``--stack`` or ``--framework`` (:func:`_stack`), under meshtrain with the
+    config's FSDP2 unit size and compiled blocks, and ``--gpu`` (``cpu`` for a config without one)."""
     stack_name, framework = _stack(args)
     gpu = args.gpu or ("cpu" if cfg is not None else None)
     if cfg is not None and framework.name == "meshtrain":  # the config's FSDP2 unit size, compiled blocks or not
@@ -267,24 +293,28 @@ def build_context(args: argparse.Namespace):
         stack_name = framework.name  # meshtrain+compile where the config compiles its blocks: that stack's speed
     if gpu is None:
         raise ConfigError("give --gpu, e.g. --gpu H100-SXM-80GB (or cpu)")
+    return stack_name, framework, gpu
+
+
+def _hardware(args: argparse.Namespace, cfg, gpu: str):
+    """(the config's resolved run or None, the hardware): a config without ``--gpu`` runs on this machine's CPU (its
+    resolved run's threads, :func:`meshtrain.planner.actual.hardware_for_run`), anything else on ``--gpu``'s."""
     if cfg is not None and args.gpu is None:
-        import os
-        from meshtrain.planner.actual import hardware_for_run
-        from meshtrain.planner.hardware import DEFAULT_PROFILE
         run = ResolvedRun.resolve(cfg, args.num_gpus)
         hw, _ = hardware_for_run("cpu", args.profile or DEFAULT_PROFILE, (os.cpu_count() or 1) if run.world_size == 1 else 1)
-    else:
-        hw = get_hardware(gpu, args.hardware, args.profile, args.devices_per_node, args.nics_per_node)
-    dtype = args.dtype or (_config_precision(cfg.train.dtype, gpu) if cfg is not None else framework.mixed_precision)
+        return run, hw
+    return None, get_hardware(gpu, args.hardware, args.profile, args.devices_per_node, args.nics_per_node)
+
+
+def _job(args: argparse.Namespace, cfg, run, model):
+    """The job: its devices and global batch (in sequences: the planner's unit), from the arguments or the config's
+    resolved run, and its length (dataset, epochs, token budget, else the config's steps), each checked."""
     world = args.num_gpus
     gbs = args.global_batch_size
-    config_layout = None
     if cfg is not None:
-        run = run or ResolvedRun.resolve(cfg, args.num_gpus)
         world = run.world_size
         gbs = gbs or global_batch_size(cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps,
                                        run.dp) * sequences_per_sample(cfg)  # the planner counts sequences
-        config_layout = Layout.from_config(cfg, world)
     if args.global_batch_tokens:
         if args.global_batch_tokens % model.seq_len:
             raise ConfigError(f"--global-batch-tokens = {args.global_batch_tokens} is not a multiple of "
@@ -307,15 +337,11 @@ def build_context(args: argparse.Namespace):
             raise ConfigError(f"--dataset-tokens = {args.dataset_tokens:g} is less than one sample of seq_len = "
                               f"{model.seq_len} tokens: give at least {model.seq_len}")
     steps = cfg.train.steps if cfg is not None and not (samples or args.token_budget) else None
-    job = Job(world, gbs, num_samples=samples, epochs=args.epochs, token_budget=args.token_budget, total_steps=steps)
-    ctx = Context(model, hw, PRECISIONS[dtype], framework, job, config_layout)
-    return _calibrated(ctx, args, stack_name)
+    return Job(world, gbs, num_samples=samples, epochs=args.epochs, token_budget=args.token_budget, total_steps=steps)
 
 
 def _stack(args: argparse.Namespace):
     """(stack name, framework) of ``--stack`` or ``--framework`` (default meshtrain). Raises ConfigError for both."""
-    from meshtrain.planner.stack import parse_stack
-
     if args.stack and args.framework:
         raise ConfigError(f"give --stack {args.stack} or --framework {args.framework}, not both (a stack is a framework "
                           f"with options)")
@@ -326,19 +352,12 @@ def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
     """``ctx`` at the speed of its stack (:func:`meshtrain.planner.stack.speed_for`), or of the run given by
     ``--measured`` or ``--calibrate-from`` (:func:`meshtrain.planner.stack.fit_speed`), with the range that goes
     with it. Raises ConfigError for both, or a measurement no layout of this job reaches."""
-    from dataclasses import replace
-
-    from meshtrain.planner import stack
-
     if args.measured and args.calibrate_from:
         raise ConfigError("give --measured or --calibrate-from, not both: one run calibrates the plan")
     if args.calibrate_from:
         factor, what = stack.run_dir_speed(args.calibrate_from, ctx.hw.device.name)
         speed = stack.calibrated_speed(factor, what, ctx.hw.device.name)
     elif args.measured:
-        from meshtrain.planner.layout import pinned_model_errors
-        from meshtrain.planner.search import search
-
         fixed, key, value = stack.parse_measured(args.measured)
         pinned_model_errors(fixed, ctx.model, "--measured")
         found = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)

@@ -21,9 +21,8 @@ MAX_WORKERS = 1024
 """Most tokenizing processes ``--workers`` starts (2**63 overflowed the process pool)."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into token shards to train on "
-                            "(--format chat|prompt-completion|preference: conversations with a loss mask)",
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    p = sub.add_parser("prepare", help=line,
                        description="Tokenize documents (text files, jsonl, parquet) in worker processes into "
                                    "fixed-size token shards (uint16/uint32 memmaps), a document index per split "
                                    "and meta.json, written into DATA_DIR.tmp and renamed to DATA_DIR at the end. "

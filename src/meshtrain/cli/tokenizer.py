@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from meshtrain.argtypes import int_in
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN,)
@@ -26,8 +26,8 @@ MAX_VOCAB = 2**24
 (2**63 made it panic)."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tokenizer", help="train a tokenizer (byte-level BPE) for data.tokenizer",
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
+    p = sub.add_parser("tokenizer", help=line,
                        description="Tokenizer tools. 'train' fits a byte-level BPE on text files and writes a "
                                    "tokenizer.json for data.tokenizer.")
     actions = p.add_subparsers(dest="tokenizer_command", required=True, metavar="{train}")

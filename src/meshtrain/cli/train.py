@@ -28,8 +28,10 @@ from pathlib import Path
 
 from meshtrain.argtypes import nonnegative_int
 from meshtrain.axes import SHORT_FLAGS as AXIS_FLAGS
-from meshtrain.config import Config, ConfigError, load_config, parse_overrides, set_key, validate
-from meshtrain.config.load import init_from_origins
+from meshtrain.config.checks import validate
+from meshtrain.config.load import init_from_origins, load_config, parse_overrides, set_key
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.launch.checks import check_memory, print_pipeline_split, warn_slow_bf16
 from meshtrain.launch.rendezvous import check_rendezvous
 from meshtrain.launch.outcome import describe_run_folder, report_plan_vs_actual
@@ -41,9 +43,9 @@ SHORT = {**AXIS_FLAGS, "steps": "train.steps", "seed": "train.seed"}
 """The short flags of ``meshtrain train`` (one per axis, ``--steps``, ``--seed``) and the keys they set."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
     p = sub.add_parser(
-        "train", allow_abbrev=False, help="train a model on the device mesh (starts the ranks through torchrun)",
+        "train", allow_abbrev=False, help=line,
         description="Train CONFIG (TOML) on N local ranks, or on several nodes with --nnodes/--rdzv-endpoint. "
                     "Any config key can be overridden as --section.key VALUE, e.g. --parallel.zero_stage 3 "
                     "--train.dtype bfloat16.",
@@ -53,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, key in SHORT.items():
         p.add_argument(f"--{name}", type=str, help=f"short for --{key}")
     p.add_argument("--layout", choices=("config", "auto"), default="config",
-                   help="config: the config's layout (default); auto: the planner picks dp/tp/pp/sp, zero stage, "
+                   help="config: the config's layout (default); auto: the planner picks dp/tp/pp/sp/ep, zero stage, "
                         "micro-batch size, gradient accumulation, recompute and pipeline schedule for these ranks, "
                         "keeping the config's global batch (layout keys given here are pinned; docs/planner.md)")
     p.add_argument("--calibrate-from", type=Path, metavar="RUN_DIR",
@@ -179,6 +181,43 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     """The pre-launch checks, then the resolved run written to this launcher's temporary folder and its ranks
     under torchrun's engine, then the plan-vs-actual report."""
     cfg = resolved.config
+    _check_before_launch(resolved, nproc)
+
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    run_dir = Path(tempfile.mkdtemp(prefix="meshtrain-run-"))  # this launcher's: the resolved run, the local store
+    local_store = None if args.rdzv_endpoint else str(run_dir / "store")
+    torch_args = get_args_parser().parse_args(torchrun_argv(args, nproc, local_store, resolved.write(run_dir / FILE_NAME)))
+    threads = rank_threads(nproc)
+    reserved = _set_rank_environment(threads, local_store)
+    quiet = _QuietForwarding()
+    for name in _FORWARDING_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        torchrun(torch_args)
+    except SignalException as e:  # Ctrl-C, SIGTERM or SIGHUP here: torchrun forwarded it; rank 0 said where it stopped
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        return _failed(e, cfg)
+    finally:
+        _clear_rank_environment(reserved)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for name in _FORWARDING_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
+    if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
+        report_plan_vs_actual(cfg, threads)
+        print(describe_run_folder(Path(cfg.train.out_dir)), file=sys.stderr)
+    return 0
+
+
+def _check_before_launch(resolved: ResolvedRun, nproc: int) -> None:
+    """The checks of the resolved run before any rank starts (torch not loaded yet), and what the launcher says about
+    it: the memory check, a slow bf16, the training keys a Hugging Face ``config.json`` set, the pipeline split."""
+    cfg = resolved.config
     preflight(resolved)
     if cfg.train.check_memory:
         check_memory(resolved, nproc)
@@ -188,19 +227,13 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
     if cfg.parallel.pp > 1:
         print_pipeline_split(cfg)
 
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
+def _set_rank_environment(threads: int, local_store: str | None):
+    """Set the environment the ranks inherit (their threads, this launcher's pid, the stop signals, and on one machine
+    loopback sockets and the reserved store port). Returns the reserved port's socket, or None across machines."""
     from meshtrain.runtime.faults import LAUNCHER_PID_ENV
     from meshtrain.runtime.distributed import LOOPBACK_ENV, STORE_PORT_ENV, reserve_loopback_port
 
-    run_dir = Path(tempfile.mkdtemp(prefix="meshtrain-run-"))  # this launcher's: the resolved run, the local store
-    local_store = None if args.rdzv_endpoint else str(run_dir / "store")
-    torch_args = get_args_parser().parse_args(torchrun_argv(args, nproc, local_store, resolved.write(run_dir / FILE_NAME)))
-    threads = rank_threads(nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks inherit it (torchrun would set 1)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank checks it is still this process's child
     # A store of their own for each restart's ranks: on the agent's shared store, gloo's ranks of a later
@@ -213,38 +246,35 @@ def _launch(args: argparse.Namespace, resolved: ResolvedRun, nproc: int, nnodes:
         os.environ[STORE_PORT_ENV] = str(reserved.getsockname()[1])
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
-    quiet = _QuietForwarding()
-    for name in _FORWARDING_LOGGERS:
-        logging.getLogger(name).addFilter(quiet)
-    try:
-        torchrun(torch_args)
-    except SignalException as e:  # Ctrl-C, SIGTERM or SIGHUP here: torchrun forwarded it; rank 0 said where it stopped
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        if said_in_one_line(codes):
-            return 2
-        if said_in_one_line(codes, DIVERGED):  # train.max_nonfinite_steps: rank 0 said at which step
-            return DIVERGED
-        from meshtrain.checkpoint import resume_hint
+    return reserved
 
-        hint = resume_hint(Path(cfg.train.out_dir))
-        print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above. "
-              f"{hint[0].upper()}{hint[1:]}.", file=sys.stderr)
-        return 1
-    finally:
-        os.environ.pop(LAUNCHER_PID_ENV, None)
-        os.environ.pop(LOOPBACK_ENV, None)
-        os.environ.pop(STORE_PORT_ENV, None)
-        if reserved is not None:
-            reserved.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        for name in _FORWARDING_LOGGERS:
-            logging.getLogger(name).removeFilter(quiet)
-    if not args.node_rank:  # None (one node, or c10d) or 0; only the node holding summary.json reports
-        report_plan_vs_actual(cfg, threads)
-        print(describe_run_folder(Path(cfg.train.out_dir)), file=sys.stderr)
-    return 0
+
+def _clear_rank_environment(reserved) -> None:
+    """Undo what :func:`_set_rank_environment` set for this run only, and release the reserved port."""
+    from meshtrain.runtime.faults import LAUNCHER_PID_ENV
+    from meshtrain.runtime.distributed import LOOPBACK_ENV, STORE_PORT_ENV
+
+    os.environ.pop(LAUNCHER_PID_ENV, None)
+    os.environ.pop(LOOPBACK_ENV, None)
+    os.environ.pop(STORE_PORT_ENV, None)
+    if reserved is not None:
+        reserved.close()
+
+
+def _failed(e, cfg: Config) -> int:
+    """The launcher's exit code when ranks failed (``e``: torchrun's ``ChildFailedError``): 2 when they said why in
+    one line (a user's mistake), :data:`DIVERGED` when rank 0 stopped a diverging run, else 1 after the resume hint."""
+    codes = [f.exitcode for f in e.failures.values()]
+    if said_in_one_line(codes):
+        return 2
+    if said_in_one_line(codes, DIVERGED):  # train.max_nonfinite_steps: rank 0 said at which step
+        return DIVERGED
+    from meshtrain.checkpoint.store import resume_hint
+
+    hint = resume_hint(Path(cfg.train.out_dir))
+    print(f"meshtrain train: error: {len(e.failures)} rank(s) failed; see their output above. "
+          f"{hint[0].upper()}{hint[1:]}.", file=sys.stderr)
+    return 1
 
 
 DIVERGED = 3

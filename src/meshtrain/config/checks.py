@@ -8,19 +8,18 @@ import re
 from pathlib import Path
 
 from meshtrain import axes
-from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_KEYS, SYNC_MODES, degree_errors,
-                           expert_degree_error)
+from meshtrain.axes import OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_KEYS, SYNC_MODES, degree_errors
 from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
                                        OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config, ParallelConfig)
 from meshtrain.adapters.spec import check_adapter
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
-from meshtrain.models.registry import attention_families, check_model, expert_families, family
+from meshtrain.models.registry import attention_families, check_model, family
 from meshtrain.paths import path_problem
+from meshtrain.rules.layout import layout_errors, shape_of
+from meshtrain.rules.pipeline import pipeline_error
 from meshtrain.rules.support import compile_error, recompute_error
 
-CHUNKED_SCHEDULES = ("interleaved-1f1b", "zbv")
-"""Pipeline schedules that run several model chunks per pipeline rank (``virtual_stages`` >= 2): none at pp = 1."""
 MAX_SEED = 2**32 - 1
 """Largest ``train.seed``: per-step seeds ``(seed * 1_000_003 + step) * 1_009 + rank`` stay below torch's 2**64."""
 MAX_TIMEOUT_S = 1e9
@@ -137,7 +136,8 @@ def _validate_data(cfg: Config) -> None:
 
 def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     """The degrees (:func:`meshtrain.axes.degree_errors`), the batch split, what the trainer runs, what the
-    family's heads allow, packing, the sync mode and the sequence split."""
+    model's shapes allow (:func:`meshtrain.rules.layout.layout_errors`, the planner's rule book too), packing and the
+    sync mode."""
     p, b = cfg.parallel, cfg.batch
     if errors := degree_errors(p, "parallel."):
         raise ConfigError(errors[0])
@@ -145,11 +145,11 @@ def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     _require(b.gradient_accumulation_steps >= 1,
              f"batch.gradient_accumulation_steps = {b.gradient_accumulation_steps} must be >= 1")
     _validate_support(cfg, schedule)
-    family(cfg.model.type).check_layout(cfg.model, p)
+    if errors := layout_errors(shape_of(cfg), p, p.dp, p.sync_mode):
+        raise ConfigError(errors[0])
     _validate_packing(cfg)
     _validate_objective(cfg)
     _validate_sync_mode(cfg)
-    _validate_shapes(cfg)
 
 
 def _validate_optim(cfg: Config) -> None:
@@ -232,47 +232,15 @@ def _validate_support(cfg: Config, schedule: bool = True) -> None:
     _require(p.pp_schedule in S.pp_schedules,
              f"parallel.pp_schedule = {p.pp_schedule!r} is not valid: use one of {', '.join(S.pp_schedules)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
-    if p.pp == 1 and schedule:  # no pipeline runs: a setting that asks for model chunks says something that is not so
-        _require(p.virtual_stages == 1, f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp > 1 (it is 1): "
-                                        f"set pp >= 2, or virtual_stages = 1")
-        _require(p.pp_schedule not in CHUNKED_SCHEDULES,
-                 f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp > 1 (it is 1): set pp >= 2, or "
-                 f"pp_schedule = '1f1b'")
-    if p.pp > 1 and schedule:
-        from meshtrain.rules.pipeline import schedule_error
-
-        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
-                               cfg.model.n_layer, max(p.dp, 1) * p.sp, p.zero_stage)  # dp = -1: resolve_world
+    if schedule:  # dp = -1: resolve_world checks again with the ranks' dp
+        error = pipeline_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+                               cfg.model.n_layer, max(p.dp, 1) * p.sp, p.zero_stage)
         _require(error is None, error or "")
     _require(not p.tp_sequence_parallel or S.tp_sequence_parallel,
              "parallel.tp_sequence_parallel = true is not supported yet: use false")
-    _require(not p.tp_sequence_parallel or p.tp > 1,
-             f"parallel.tp_sequence_parallel = true needs parallel.tp > 1 (it is {p.tp}): set tp >= 2 or use false")
-    _validate_experts(cfg)
     _require(p.sp == 1 or cfg.model.dropout == 0 or p.sp_mode in S.attention_dropout_sp_modes,
              f"model.dropout = {cfg.model.dropout} is not supported with parallel.sp_mode = {p.sp_mode!r} "
              f"(ring attention has no attention dropout): use model.dropout = 0 or sp_mode = 'ulysses'")
-
-
-def _validate_experts(cfg: Config) -> None:
-    """Expert parallelism: a model with experts, ranks borrowed from dp*sp (known here unless dp = -1, else checked
-    by :func:`resolve_world`), the synchronous gradient all-reduce (the experts' gradients are reduced over the
-    ranks that hold them, not by a replacement of it)."""
-    p = cfg.parallel
-    if p.ep == 1:
-        return
-    _require(family(cfg.model.type).experts,
-             f"parallel.ep = {p.ep} splits a mixture of experts' experts, and model.type = {cfg.model.type!r} has none: "
-             f"use ep = 1, or a model with experts ({expert_families()})")
-    if p.dp != -1 and (p.dp * p.sp) % p.ep:
-        raise ConfigError(expert_degree_error(p.ep, p.dp, p.sp))
-    _require(p.sync_mode == "sync", f"parallel.ep = {p.ep} cannot be combined with parallel.sync_mode = "
-                                    f"{p.sync_mode!r}: the experts' ranks exchange tokens every step; use 'sync' or ep = 1")
-    _require(not p.hierarchical_allreduce, f"parallel.hierarchical_allreduce = true is not supported with parallel.ep "
-                                           f"= {p.ep}: use false or ep = 1")
-    _require(p.zero_stage != 1, f"parallel.zero_stage = 1 is not supported with parallel.ep = {p.ep} (the sharded "
-                                f"optimizer broadcasts whole parameters, and an ep rank holds some experts only): use "
-                                f"zero_stage 0, 2 or 3")
 
 
 def _validate_sync_mode(cfg: Config) -> None:
@@ -340,7 +308,6 @@ def _validate_diloco(p: ParallelConfig) -> None:
     _require(not p.hierarchical_allreduce, "parallel.hierarchical_allreduce = true cannot be combined with "
                                            "parallel.sync_mode = 'diloco' (its outer step is the cross-node exchange): "
                                            "use false")
-    _require(p.ep == 1, f"parallel.ep = {p.ep} cannot be combined with parallel.sync_mode = 'diloco': use ep = 1")
     if p.diloco_lighthouse:
         _validate_elastic(p)
     else:
@@ -434,19 +401,6 @@ def _validate_packing(cfg: Config) -> None:
                                      "(the parameter server's workers run windows whole): use 'sync' or 'local-sgd'")
 
 
-def _validate_shapes(cfg: Config) -> None:
-    """The sequence split across sp, 2*sp chunks for ring attention, and further across tp with
-    tp_sequence_parallel (what the heads need is the family's, :attr:`meshtrain.models.family.Family.check_layout`)."""
-    m, p = cfg.model, cfg.parallel
-    chunks = p.sp * (2 if p.sp > 1 and p.sp_mode == "ring" else 1) * (p.tp if p.tp_sequence_parallel else 1)
-    if chunks > 1:
-        what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", p.sp > 1 and p.sp_mode == "ring"),
-                                               ("tp (tp_sequence_parallel)", p.tp_sequence_parallel)) if on)
-        _require(m.block_size % chunks == 0,
-                 f"model.block_size = {m.block_size} is not divisible by {what} = {chunks}: each rank holds "
-                 f"block_size/{chunks} tokens of a sample; use a block_size that is a multiple of {chunks}")
-
-
 def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tuple[int, int]:
     """Return ``(world_size, dp)`` for launching ``cfg`` on ``nproc`` ranks (None: derive from the config);
     ``schedule=False`` leaves out the pipeline schedule's rules on the micro-batch split (as :func:`validate`).
@@ -476,14 +430,12 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
     _require(p.dp in (-1, dp),
              f"parallel.dp = {p.dp} does not match --nproc = {nproc} ({names} = {inner} gives dp = {dp}): "
              f"set --dp {dp} or --nproc {p.dp * inner}")
-    if p.pp > 1 and schedule:
-        from meshtrain.rules.pipeline import schedule_error
-
-        error = schedule_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
+    if schedule:
+        error = pipeline_error(p.pp_schedule, p.pp, p.virtual_stages, cfg.batch.gradient_accumulation_steps,
                                cfg.model.n_layer, dp * p.sp, p.zero_stage)
         _require(error is None, error or "")
-    if p.ep > 1 and (dp * p.sp) % p.ep:
-        raise ConfigError(expert_degree_error(p.ep, dp, p.sp))
+    if errors := layout_errors(shape_of(cfg), p, dp, p.sync_mode):  # the rules that wait for dp
+        raise ConfigError(errors[0])
     _require(p.sync_mode != "local-sgd" or dp >= 2,
              f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
     if p.sync_mode == "diloco":

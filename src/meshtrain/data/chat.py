@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 CHAT, PROMPT_COMPLETION, PREFERENCE = "chat", "prompt-completion", "preference"
 CONTENTS = (CHAT, PROMPT_COMPLETION, PREFERENCE)

@@ -3,7 +3,7 @@ character) and their train/val split.
 
 The split follows nanoGPT's ``shakespeare_char`` preparation: the first ``1 - val_fraction`` of the
 token ids (characters, with the char tokenizer) are train, the rest val. The bundled Tiny Shakespeare corpus
-(``meshtrain.config.BUNDLED_CORPUS``, ~1.1 MB) has a vocabulary of 65 characters.
+(``meshtrain.config.sections.BUNDLED_CORPUS``, ~1.1 MB) has a vocabulary of 65 characters.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
 from meshtrain.data.conversations import PACKINGS as CONVERSATION_PACKINGS
 from meshtrain.data.conversations import Conversations, Pairs
-from meshtrain.errors import DataError
+from meshtrain.errors import ConfigError, DataError
 from meshtrain.data.shards import TokenView
 from meshtrain.data.sampler import Tokens
 from meshtrain.data.tokenizers import TOKENIZER_KIND, CharTokenizer, Tokenizer, load_tokenizer
@@ -219,8 +219,8 @@ def load_corpus(path: Path, val_fraction: float, block_size: int, tokenizer: str
 
 
 def corpus_of(cfg: Config) -> Corpus:
-    """The corpus of a run's config (:class:`meshtrain.config.Config`): :func:`load_corpus` of its ``[data]``, block
-    size and objective. Raises what :func:`load_corpus` raises."""
+    """The corpus of a run's config (:class:`meshtrain.config.sections.Config`): :func:`load_corpus` of its
+    ``[data]``, block size and objective. Raises what :func:`load_corpus` raises."""
     d = cfg.data
     return load_corpus(d.resolved_path(), d.val_fraction, cfg.model.block_size, d.tokenizer, d.packing,
                        cfg.train.objective)

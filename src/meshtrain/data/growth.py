@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.data.tokenizers import padded_vocab_size
 
 @dataclass(frozen=True)

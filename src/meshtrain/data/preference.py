@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data.chat import ChatFormat, concat_documents, encode_pieces, prompt_completion
 
 KEYS = ("prompt", "chosen", "rejected")

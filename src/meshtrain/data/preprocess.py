@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.data.chat import CONTENTS, PREFERENCE, PROMPT_COMPLETION, ChatFormat, chat_format, encode_records
 from meshtrain.data.preference import encode_pairs
 from meshtrain.data.shards import (TOKEN_DTYPES, FORMAT, FORMAT_VERSION, META_FILE, SPLITS, PreparedData, ShardWriter,

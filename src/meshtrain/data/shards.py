@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import TOKENIZER_KINDS, ConfigError
+from meshtrain.config.sections import TOKENIZER_KINDS
+from meshtrain.errors import ConfigError
 from meshtrain.data.chat import PREFERENCE
 from meshtrain.fileio import read_text_checked
 from meshtrain.paths import path_problem

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.paths import path_problem
 
 TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"

@@ -8,7 +8,7 @@ a document cannot forge a separator), ``decode`` (an id outside the vocabulary, 
 vocabulary samples, becomes U+FFFD) and ``to_dict`` (JSON-able; checkpoints store it and
 :func:`tokenizer_from_dict` rebuilds it, refusing a tokenizer file that changed since).
 
-Kinds (:func:`meshtrain.config.tokenizer_kind` tells them apart from the path):
+Kinds (:func:`meshtrain.config.checks.tokenizer_kind` tells them apart from the path):
 
 - ``char``: one id per distinct character of the training text, in sorted order (nanoGPT's ``shakespeare_char``).
 - ``hf``: a ``tokenizer.json`` of the ``tokenizers`` library, or a Hugging Face model folder holding one.
@@ -29,7 +29,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from meshtrain.config import HF_TOKENIZER_FILE, ConfigError, tokenizer_kind
+from meshtrain.config.checks import tokenizer_kind
+from meshtrain.config.sections import HF_TOKENIZER_FILE
+from meshtrain.errors import ConfigError
 
 TOKENIZER_KIND = "char"
 VOCAB_MULTIPLE = 128

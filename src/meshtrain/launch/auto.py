@@ -3,7 +3,7 @@
 The search is ``meshtrain plan CONFIG --num-gpus N``'s (:func:`meshtrain.planner.search.search`) for the
 ranks of the command line (``--nproc`` x ``--nnodes``), on the hardware the run will use (the GPU's catalog
 entry, or this CPU's calibrated profile with the node's available memory shared by its ranks), keeping the
-config's global batch. It chooses dp, tp, pp, sp, zero stage, micro-batch size, gradient accumulation,
+config's global batch. It chooses dp, tp, pp, sp, ep (experts), zero stage, micro-batch size, gradient accumulation,
 recompute mode, pipeline schedule and virtual stages; layout keys given on the command line (``--tp 2``,
 ``--parallel.zero_stage 3``, ``--train.recompute full``) are pinned, not searched. The choice becomes
 config overrides (:meth:`meshtrain.planner.layout.Layout.to_overrides`) set on the launcher's config, which is
@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 
 from meshtrain.axes import SHORT_FLAGS
 from meshtrain.batch_math import global_batch_size
-from meshtrain.config import Config, ConfigError, resolve_world
+from meshtrain.config.checks import resolve_world
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.planner.estimate import Estimate
 from meshtrain.planner.stack import Speed
 
@@ -100,7 +102,7 @@ def reason(best: Estimate, other: Estimate) -> str:
 
 def config_global_batch(cfg: Config, world: int) -> int:
     """The global batch the config trains with on ``world`` ranks: ``micro_batch_size *
-    gradient_accumulation_steps * dp`` of its own layout (:func:`meshtrain.config.resolve_world`).
+    gradient_accumulation_steps * dp`` of its own layout (:func:`meshtrain.config.checks.resolve_world`).
 
     Raises:
         ConfigError: the config's layout does not suit ``world`` ranks, so it names no global batch there.
@@ -139,9 +141,7 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
         ConfigError: a model or sync mode the planner does not model, a global batch no layout can split, or
             no layout that fits (with the smallest one's memory).
     """
-    if cfg.train.objective == "dpo":
-        raise ConfigError("--layout auto does not choose layouts for train.objective = 'dpo' yet (a sample is two "
-                          "sequences): give the layout (--dp, --tp, --pp, --sp, batch sizes) and --layout config")
+    _check_plannable(cfg)
     from meshtrain.launch.checks import available_memory
     from meshtrain.planner.actual import corpus_rss_bytes, hardware_for_run
     from meshtrain.planner.estimate import Job
@@ -152,12 +152,6 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     from meshtrain.planner.search import search
     from meshtrain.runtime.device import compute_dtype
 
-    if cfg.model.family().planner is None:
-        raise ConfigError(f"--layout auto plans transformers: model.type = {cfg.model.type!r} has no planner model; "
-                          f"give the layout in the config")
-    if cfg.parallel.sync_mode != "sync":
-        raise ConfigError(f"--layout auto plans synchronous training: parallel.sync_mode = "
-                          f"{cfg.parallel.sync_mode!r}; use sync_mode = 'sync' or give the layout in the config")
     gbs = config_global_batch(cfg, world)
     what, available = available_memory()
     device = "cuda" if what == "GPU" else "cpu"
@@ -178,17 +172,37 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     fitting = search(model, hw, precision, framework, job, fixed=fixed, top=2)  # the choice and its runner-up
     if not fitting:
         unfit = search(model, hw, precision, framework, job, fixed=fixed, keep_unfit=True)
-        pins = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} pinned" if fixed else ""
-        if not unfit:
-            raise ConfigError(f"--layout auto: no layout of this model on {world} ranks{pins} splits the global batch "
-                              f"{gbs} (micro_batch_size * gradient_accumulation_steps * dp) and meets the divisibility "
-                              f"rules; change the batch, the ranks or the pins")
-        smallest = min(unfit, key=lambda e: e.memory.total)
-        raise ConfigError(f"--layout auto: no layout on {world} ranks{pins} fits in {per_rank / 2**30:,.2f} GiB per "
-                          f"rank; the smallest ({smallest.layout.label()}) needs {smallest.memory.total / 2**30:,.2f} "
-                          f"GiB: add ranks, shrink the model or the batch")
+        raise _no_fit(unfit, fixed, world, gbs, per_rank)
     return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, fitting.count, gbs, per_rank, description,
                   speed)
+
+
+def _check_plannable(cfg: Config) -> None:
+    """Raises ConfigError: a run ``--layout auto`` does not plan (DPO, a family without a planner model, a sync mode
+    other than "sync")."""
+    if cfg.train.objective == "dpo":
+        raise ConfigError("--layout auto does not choose layouts for train.objective = 'dpo' yet (a sample is two "
+                          "sequences): give the layout (--dp, --tp, --pp, --sp, batch sizes) and --layout config")
+    if cfg.model.family().planner is None:
+        raise ConfigError(f"--layout auto plans transformers: model.type = {cfg.model.type!r} has no planner model; "
+                          f"give the layout in the config")
+    if cfg.parallel.sync_mode != "sync":
+        raise ConfigError(f"--layout auto plans synchronous training: parallel.sync_mode = "
+                          f"{cfg.parallel.sync_mode!r}; use sync_mode = 'sync' or give the layout in the config")
+
+
+def _no_fit(unfit: list, fixed: dict, world: int, gbs: int, per_rank: float) -> ConfigError:
+    """Why no layout fits: none splits the batch and meets the rules (``unfit`` empty), or the smallest of ``unfit``
+    (every valid layout, fitting or not) needs more than ``per_rank`` bytes."""
+    pins = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} pinned" if fixed else ""
+    if not unfit:
+        return ConfigError(f"--layout auto: no layout of this model on {world} ranks{pins} splits the global batch "
+                           f"{gbs} (micro_batch_size * gradient_accumulation_steps * dp) and meets the divisibility "
+                           f"rules; change the batch, the ranks or the pins")
+    smallest = min(unfit, key=lambda e: e.memory.total)
+    return ConfigError(f"--layout auto: no layout on {world} ranks{pins} fits in {per_rank / 2**30:,.2f} GiB per "
+                       f"rank; the smallest ({smallest.layout.label()}) needs {smallest.memory.total / 2**30:,.2f} "
+                       f"GiB: add ranks, shrink the model or the batch")
 
 
 def apply(cfg: Config, overrides: dict[str, str], world: int, nproc: int, threads: int,

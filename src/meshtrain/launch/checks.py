@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.resolved import ResolvedRun
 
 
@@ -54,7 +55,7 @@ def published_memory_error(path: Path | None = None) -> float:
     """Largest |error| of the planner's peak memory per GPU against the published runs that report one
     (``peak_memory_gib`` in ``planner/data/published_runs.toml``, e.g. torchtitan's docs/performance.md
     tables); 0 when none does."""
-    from meshtrain.config import read_toml
+    from meshtrain.config.load import read_toml
     from meshtrain.planner.validate import PUBLISHED_RUNS, predict_run
 
     errors = [0.0]

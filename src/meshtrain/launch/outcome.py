@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 
 
 def report_plan_vs_actual(cfg: Config, threads: int) -> None:
@@ -40,8 +41,8 @@ def report_plan_vs_actual(cfg: Config, threads: int) -> None:
 
 def describe_run_folder(out_dir: Path) -> str:
     """One line naming the run folder and what is in it: its files and folders, the committed checkpoints
-    (:func:`meshtrain.checkpoint.list_checkpoints`) counted with the newest named."""
-    from meshtrain.checkpoint import list_checkpoints
+    (:func:`meshtrain.checkpoint.store.list_checkpoints`) counted with the newest named."""
+    from meshtrain.checkpoint.store import list_checkpoints
 
     out_dir = Path(out_dir)
     if not out_dir.is_dir():

@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 
 def check_rendezvous(args: argparse.Namespace, nnodes: int) -> None:

@@ -20,6 +20,16 @@ import torch.nn.functional as F
 
 from meshtrain.models.registry import ModelConfig, family
 
+ADAPTER_MARK = ".lora_"
+"""In every adapter parameter's name (``blocks.0.attn.q.lora_A.weight``, :mod:`meshtrain.adapters.lora`), in no
+model's own: what tells them apart in a state dict (Hugging Face weights in, adapters-only checkpoints)."""
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter named ``name`` is an adapter's (LoRA's ``A`` or ``B``, :mod:`meshtrain.adapters.lora`),
+    not the model's own."""
+    return ADAPTER_MARK in name
+
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                  generator: torch.Generator | None) -> torch.Tensor:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.errors import require
 
 OPTIMIZER_FLOPS_PER_PARAM = 16
 """FLOPs per parameter per step outside the matmuls, for a family's ``layer_costs``: AdamW's update (~12
@@ -116,7 +115,8 @@ class Family:
     summary: str
     """One line for docs and errors, e.g. "Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention)"."""
     model: str
-    """``"module:Class"`` of the torch module (imported only when a model is built)."""
+    """``"module:Class"`` of the torch module, by name (:data:`meshtrain.models.build.MODELS` imports the class and
+    builds it; a test checks the two agree)."""
     keys: type | None
     """Dataclass of this family's own ``[model]`` keys (defaults and a docstring under each); families that share
     keys share the class. :data:`meshtrain.models.registry.ModelConfig` holds every family's keys."""
@@ -124,9 +124,6 @@ class Family:
     """One of :data:`BLOCK_KINDS`."""
     check: Callable[[Any], None]
     """``ModelConfig`` -> None: the family's own rules (ranges, shapes). Raises ``ConfigError``."""
-    check_layout: Callable[[Any, Any], None]
-    """``(ModelConfig, ParallelConfig)`` -> None: what tensor and sequence parallelism need of its shapes (whole
-    heads and kv heads per rank). Raises ``ConfigError``."""
     layer_costs: Callable[[Any, int, int], tuple[float, float, float]]
     """``(ModelConfig, vocab_size, tokens)`` -> (embedding, one block, head) FLOPs per step for ``tokens`` tokens
     per pipeline rank (:mod:`meshtrain.parallel.pipeline.split`, which cuts the stages)."""
@@ -160,28 +157,3 @@ class Family:
         """Whether its blocks are attention blocks (tp, sp, compile, recompute and document masks apply)."""
         return self.blocks == "attention"
 
-
-def check_attention_layout(m: Any, p: Any, kv_heads: int | None = None) -> None:
-    """What tensor and sequence parallelism need of an attention model ``m`` under ``p`` (a ParallelConfig):
-    whole query heads per tp rank (Megatron), whole heads per tp*sp rank under Ulysses, and the same for the
-    ``kv_heads`` key/value heads of grouped-query attention when they are fewer.
-
-    Raises:
-        ConfigError: the first rule broken, naming the key, the value and what would be valid.
-    """
-    require(m.n_head % p.tp == 0,
-            f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: tensor parallelism splits "
-            f"whole heads across tp ranks; use a tp that divides {m.n_head}")
-    ulysses = p.sp > 1 and p.sp_mode == "ulysses"
-    if ulysses:
-        require(m.n_head % (p.tp * p.sp) == 0,
-                f"model.n_head = {m.n_head} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
-    kv = kv_heads or m.n_head
-    if kv != m.n_head:
-        require(kv % p.tp == 0,
-                f"model.n_kv_head = {kv} is not divisible by parallel.tp = {p.tp}: tensor parallelism gives each tp "
-                f"rank whole kv heads (grouped-query attention); use a tp that divides {kv}")
-        require(not ulysses or kv % (p.tp * p.sp) == 0,
-                f"model.n_kv_head = {kv} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                f"n_kv_head/(tp*sp) whole kv heads; use sp_mode = 'ring' or fewer ranks")

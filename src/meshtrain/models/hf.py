@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import asdict
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain.adapters.spec import is_adapter
-from meshtrain.config import ConfigError, ModelConfig, apply_init_from, check_saved_config
+from meshtrain.errors import ConfigError
 from meshtrain.fileio import fresh_temp_dir
 from meshtrain.models import hf_io as hf
+from meshtrain.models.base import is_adapter
 from meshtrain.models.family import Source
 from meshtrain.models.hf_carry import carried_config
-from meshtrain.models.registry import check_hf_weights, hf_format
+from meshtrain.models.registry import ModelConfig, hf_format
 from meshtrain.models.resize import GROWN, GrownRows
 
 
@@ -45,30 +44,6 @@ def _format(cfg: ModelConfig) -> Any:
         return hf_format(cfg.type)
     except hf.HFFormatError as e:
         raise ConfigError(str(e)) from None
-
-
-def hf_model_config(folder: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face model folder (its ``config.json``, :func:`meshtrain.config.apply_init_from`),
-    ``block_size`` its declared positions (the context generation may use).
-
-    Raises:
-        ConfigError: not a folder, or a ``config.json`` meshtrain cannot build.
-    """
-    from meshtrain.models.registry import hf_max_positions
-
-    cfg = ModelConfig(init_from=str(folder))
-    apply_init_from(cfg, {"model.dropout"})  # a model to run, not to train: no dropout, whatever the file says
-    where = Path(folder).expanduser() / hf.CONFIG_FILE
-    try:
-        limit = hf_max_positions(hf.read_json(where, "config"), where)
-    except hf.HFFormatError as e:
-        raise ConfigError(str(e)) from None
-    cfg.block_size = limit or cfg.block_size  # the whole context the model was built for
-    try:
-        check_saved_config({"model": asdict(cfg)})
-    except ConfigError as e:
-        raise ConfigError(f"'{where}' describes a model meshtrain cannot build: {e}") from None
-    return cfg
 
 
 def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -310,21 +285,3 @@ def _write_tokenizer(folder: Path, tokenizer: dict[str, Any] | None) -> None:
         return
     if not (folder / TOKENIZER_CONFIGS[0]).exists():
         (folder / TOKENIZER_CONFIGS[0]).write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
-
-
-def load_hf_model(folder: str | Path) -> tuple[nn.Module, ModelConfig]:
-    """(the whole model, its ModelConfig) of a Hugging Face folder, in one process on the CPU.
-
-    Raises:
-        ConfigError: what :func:`hf_model_config` and :func:`meshtrain.models.registry.check_hf_weights` refuse.
-    """
-    from meshtrain.models import build_model
-
-    cfg = hf_model_config(folder)
-    try:
-        check_hf_weights(Path(folder).expanduser(), cfg)
-    except hf.HFFormatError as e:
-        raise ConfigError(str(e)) from None
-    model = build_model(cfg, cfg.vocab_size)
-    load_hf_weights(model, folder, cfg)
-    return model, cfg

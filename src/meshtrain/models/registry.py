@@ -1,7 +1,8 @@
 """The model families meshtrain builds, one line each, and the only reader of ``model.type``. No torch.
 
 A family is a folder ``models/<family>/`` whose ``spec.py`` fills in :class:`meshtrain.models.family.Family`;
-adding one is that folder and a line in :data:`FAMILIES`. Config checks, the planner, the pre-launch checks,
+adding one is that folder, a line in :data:`FAMILIES` and its class in :data:`meshtrain.models.build.MODELS` (the
+torch side, which builds the model). Config checks, the planner, the pre-launch checks,
 the pipeline split, the tensor-parallel plan and Hugging Face import/export call :func:`family` and use what
 it provides. ``[model]`` is one table: :data:`ModelConfig` holds the generic keys (:class:`ModelKeys`) and every
 family's own keys; a key of another family than ``model.type``'s must keep its default (:func:`check_model`).
@@ -10,7 +11,6 @@ family's own keys; a key of another family than ``model.type``'s must keep its d
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +48,8 @@ class ModelKeys:
 
     type: str = "gpt"
     """Model family, one of :data:`FAMILIES`: "gpt" (GPT-2-style decoder), "llama" (RMSNorm, RoPE, SwiGLU,
-    grouped-query attention), "qwen2", "qwen3", the mixtures of experts "mixtral" and "qwen3_moe", "lstm" or "gru"
-    (recurrent); docs/models.md lists them all."""
+    grouped-query attention), "qwen2", "qwen3", the mixtures of experts "mixtral", "qwen3_moe" and "qwen2_moe",
+    "lstm" or "gru" (recurrent); docs/models.md lists them all."""
     n_layer: int = 4
     """Number of blocks: transformer blocks, or recurrent layers."""
     n_head: int = 4
@@ -155,7 +155,7 @@ def families_with(predicate: Any) -> list[str]:
 
 
 def expert_families() -> str:
-    """"mixtral and qwen3_moe": the families whose MLPs are mixtures of experts."""
+    """"mixtral and qwen3_moe and qwen2_moe": the families whose MLPs are mixtures of experts."""
     return " and ".join(families_with(lambda f: f.experts))
 
 
@@ -176,12 +176,6 @@ def hf_format(model_type: str) -> Any:
         raise HFFormatError(f"model.type = {model_type!r} has no Hugging Face architecture: export it with --format "
                             f"safetensors ({exporters} export as Hugging Face models)")
     return fmt
-
-
-def build_model(cfg: Any, vocab_size: int) -> Any:
-    """The torch module of ``cfg``'s family (:attr:`Family.model`), built on the CPU over ``vocab_size`` ids."""
-    module, _, name = family(cfg.type).model.partition(":")
-    return getattr(importlib.import_module(module), name)(cfg, vocab_size)
 
 
 # --- Hugging Face config.json -> family ---------------------------------------------------------------------

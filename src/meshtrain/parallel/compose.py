@@ -3,7 +3,7 @@
 Each strategy is ``apply_<x>(model, mesh, ...) -> model`` in its own module; they are applied in one fixed
 order (docs/architecture.md, "Layers"):
 
-1. pp split -- :func:`meshtrain.parallel.pipeline.split_model`: this rank's chunks of consecutive
+1. pp split -- :func:`meshtrain.parallel.pipeline.split.split_model`: this rank's chunks of consecutive
    layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;
 2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
 3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
@@ -26,7 +26,7 @@ FSDP2 wrap them, as torchtitan orders it), the pipeline schedule, local SGD's pa
 returns a :class:`ParallelModel` (:mod:`meshtrain.parallel.model`) whose methods the trainer calls, so the
 training loop holds no ``if strategy`` branch. (Composition lives in this module: it is the one module of the
 package that may import every strategy.) The parameter server is a loop of its own
-(:func:`meshtrain.parallel.async_ps.uses_parameter_server`).
+(:func:`meshtrain.rules.support.uses_parameter_server`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from collections.abc import Callable
 
 from meshtrain.adapters.apply import adapt
 from meshtrain.batch_math import global_batch_size, tokens_per_step
-from meshtrain.config import Config, ConfigError, ParallelConfig
+from meshtrain.config.sections import Config, ParallelConfig
+from meshtrain.errors import ConfigError
 from meshtrain.data.packing import document_positions, pack_documents
 from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis, ParallelDims
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
@@ -50,7 +51,8 @@ from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_grad
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
 from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
-from meshtrain.parallel.pipeline import Pipeline, embedding_group, split_model
+from meshtrain.parallel.pipeline.schedule import Pipeline
+from meshtrain.parallel.pipeline.split import embedding_group, split_model
 from meshtrain.parallel.recompute import apply_recompute, compile_blocks
 from meshtrain.parallel.rng import TPRegionRNG
 from meshtrain.parallel.reduce import cross_entropy, local_value, row_logps, supervised_count
@@ -169,7 +171,7 @@ def _packing_eos(cfg: Config, eos_id: int | None) -> int | None:
 
 class PipelineLoss:
     """The loss a pipeline's last stage computes per micro-batch, inside the schedule's ``loss_parallel``
-    (:class:`meshtrain.parallel.pipeline.Pipeline` enters it under tp): :func:`cross_entropy` summed over the
+    (:class:`meshtrain.parallel.pipeline.schedule.Pipeline` enters it under tp): :func:`cross_entropy` summed over the
     supervised tokens, times :attr:`scale` (the step's :func:`meshtrain.parallel.reduce.loss_scale`), as a plain
     tensor (``to_local`` of the replicated result, so that torch's schedules, which start the backward from a plain
     gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view: the zero-bubble

@@ -1,4 +1,4 @@
-"""What the trainer holds after :func:`meshtrain.parallel.parallelize`: this rank's parameters and how a step
+"""What the trainer holds after :func:`meshtrain.parallel.compose.parallelize`: this rank's parameters and how a step
 runs on them, the same methods whatever the layout.
 
 - :class:`ReplicatedModel` (pp = 1): the step's micro-batches one after another, gradients synchronised
@@ -8,7 +8,7 @@ runs on them, the same methods whatever the layout.
   ``torch.distributed.pipelining`` schedule; the loss exists on the last stage only.
 
 The strategy-specific pieces (the sp sharding of a micro-batch, DDP/FSDP2's gradient-sync switch, local
-SGD's averager, the pipeline) are handed in by :func:`meshtrain.parallel.parallelize`, so this module
+SGD's averager, the pipeline) are handed in by :func:`meshtrain.parallel.compose.parallelize`, so this module
 imports no strategy (docs/architecture.md, "Layers").
 """
 
@@ -37,14 +37,14 @@ the sampler yields them (CPU); packed conversations add their document ids, ``(x
 LocalBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """This rank's ``(x, y, positions, doc_ids)`` of a micro-batch: ``x, y`` (B, T/sp), their global positions
 (T/sp,), and None; with ``data.packing = "document"`` per-sample positions (B, T/sp) and the document ids
-(B, T) of the whole windows (:func:`meshtrain.parallel.local_batch`)."""
+(B, T) of the whole windows (:func:`meshtrain.parallel.compose.local_batch`)."""
 Sharder = Callable[[torch.Tensor, torch.Tensor], LocalBatch]
 """``(x, y)`` (B, T) -> this rank's :data:`LocalBatch`."""
 
 
 class ParallelModel:
     """This rank's part of the model (``model``: its parameters, for the optimizer, the checkpoint and the
-    gradient norm) and a step on it. Built by :func:`meshtrain.parallel.parallelize`."""
+    gradient norm) and a step on it. Built by :func:`meshtrain.parallel.compose.parallelize`."""
 
     compiled: bool = False
     """Whether the blocks run ``torch.compile``-d (:func:`meshtrain.rules.support.blocks_compiled`)."""
@@ -64,7 +64,7 @@ class ParallelModel:
 
     outer: Any = None
     """DiLoCo's outer loop (:class:`meshtrain.parallel.diloco.DiLoCo`), or None: set by
-    :func:`meshtrain.parallel.parallelize` with ``sync_mode = "diloco"``."""
+    :func:`meshtrain.parallel.compose.parallelize` with ``sync_mode = "diloco"``."""
 
     aux_loss: torch.Tensor | None = None
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
@@ -262,7 +262,8 @@ class ReplicatedModel(ParallelModel):
 
 
 class PipelineModel(ParallelModel):
-    """pp > 1: the step's micro-batches through this rank's stages (:class:`meshtrain.parallel.pipeline.Pipeline`)."""
+    """pp > 1: the step's micro-batches through this rank's stages
+    (:class:`meshtrain.parallel.pipeline.schedule.Pipeline`)."""
 
     def __init__(self, pipeline: Any, dims: ParallelDims, shard: Sharder,
                  autocast: contextlib.AbstractContextManager, *, compiled: bool = False,

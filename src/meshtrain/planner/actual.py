@@ -20,7 +20,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.fileio import write_json_atomic
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware

@@ -185,7 +185,7 @@ def _tiny_model(n_layer: int, width: int = 8):
 
     torch.manual_seed(0)
     try:
-        from meshtrain.config import ModelConfig
+        from meshtrain.models.registry import ModelConfig
         from meshtrain.models.gpt.model import GPT
         return GPT(ModelConfig(n_layer=n_layer, n_head=1, n_embd=width, block_size=8), 65)
     except ImportError:
@@ -227,7 +227,7 @@ def _update_time(params: list, min_time: float) -> float:
     the kernels the trainer picks for them (:func:`meshtrain.optim.adamw_kernels`)."""
     import torch
 
-    from meshtrain.config import OptimConfig
+    from meshtrain.config.sections import OptimConfig
     from meshtrain.optim import adamw_kernels
 
     optimizer = torch.optim.AdamW(params, **adamw_kernels(params, OptimConfig()))
@@ -399,7 +399,7 @@ PARALLEL_HOST = {  # profile key: the trainer's parallel config on the calibrati
 def _parallel_host(world: int, comm: dict) -> dict:
     """Host seconds per layer and micro-step that tp and sp add beyond their collectives' modeled ring
     time: the trainer's GPT at width 4*world (``n_head = world``, 16 tokens, so the arithmetic is
-    negligible) parallelized by :func:`meshtrain.parallel.parallelize_model` over all ranks, forward +
+    negligible) parallelized by :func:`meshtrain.parallel.compose.parallelize_model` over all ranks, forward +
     backward at 1 and 5 layers; per layer = the difference / 4, minus the plain model's per layer,
     minus :func:`~meshtrain.planner.cost.layer_collectives` at the measured gloo rates. This is
     DTensor's dispatch of every sharded operator, the autograd functions of Ulysses and ring attention,
@@ -407,10 +407,11 @@ def _parallel_host(world: int, comm: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from meshtrain.config import Config, ModelConfig, ParallelConfig
+    from meshtrain.config.sections import Config, ParallelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.mesh import Axis, ParallelDims
     from meshtrain.models.gpt.model import GPT
-    from meshtrain.parallel import local_batch, parallelize_model
+    from meshtrain.parallel.compose import local_batch, parallelize_model
     from meshtrain.parallel.reduce import backward_context, cross_entropy
     from meshtrain.parallel.rng import seed_step
     from meshtrain.planner.cost import layer_collectives, ring_time
@@ -460,7 +461,7 @@ def _parallel_host(world: int, comm: dict) -> dict:
 def _pipeline_host(world: int, comm: dict) -> dict:
     """Host seconds per pipeline action: the trainer's GPT at width 8 (one block per stage, 16 tokens per
     micro-batch, so the arithmetic is negligible) split over all ranks by
-    :func:`meshtrain.parallel.parallelize_pipeline` and run by 1F1B with 2 and 10 micro-batches; the
+    :func:`meshtrain.parallel.compose.parallelize_pipeline` and run by 1F1B with 2 and 10 micro-batches; the
     step grows by one forward and one backward per stage per micro-batch, so per action = (t10 - t2) / 8
     / 2, minus half the plain block's forward + backward and the modeled p2p of its activation (0 when it
     cannot be told from noise)."""
@@ -468,10 +469,11 @@ def _pipeline_host(world: int, comm: dict) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from meshtrain.config import ModelConfig, ParallelConfig
+    from meshtrain.config.sections import ParallelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.mesh import ParallelDims
     from meshtrain.models.gpt.model import GPT
-    from meshtrain.parallel import parallelize_pipeline
+    from meshtrain.parallel.compose import parallelize_pipeline
     from meshtrain.planner.cost import ring_time
 
     def loss_fn(logits, targets):
@@ -504,7 +506,7 @@ def _split_backward_factor() -> float:
     against 1F1B's B, timed with torch's own ``stage_backward_input`` and ``stage_backward_weight``."""
     import torch
 
-    from meshtrain.config import ModelConfig
+    from meshtrain.models.registry import ModelConfig
     from meshtrain.models.gpt.model import GPT
 
     torch.manual_seed(0)
@@ -527,10 +529,11 @@ def _split_backward_factor() -> float:
     return max(1.0, two / one) if one > 0 else 1.0
 
 
-TRAINER_MODULES = ("meshtrain.checkpoint.store", "meshtrain.config", "meshtrain.data.corpus", "meshtrain.data.sampler",
-                   "meshtrain.fileio", "meshtrain.preflight", "meshtrain.mesh", "meshtrain.metrics", "meshtrain.models",
-                   "meshtrain.models.gpt.model", "meshtrain.optim", "meshtrain.parallel.compose", "meshtrain.parallel.data_parallel",
-                   "meshtrain.parallel.reduce", "meshtrain.parallel.pipeline", "meshtrain.parallel.rng",
+TRAINER_MODULES = ("meshtrain.checkpoint.store", "meshtrain.config.load", "meshtrain.data.corpus",
+                   "meshtrain.data.sampler", "meshtrain.fileio", "meshtrain.preflight", "meshtrain.mesh",
+                   "meshtrain.metrics", "meshtrain.models.build", "meshtrain.models.gpt.model", "meshtrain.optim",
+                   "meshtrain.parallel.compose", "meshtrain.parallel.data_parallel", "meshtrain.parallel.reduce",
+                   "meshtrain.parallel.pipeline.schedule", "meshtrain.parallel.rng",
                    "meshtrain.runtime.device", "meshtrain.runtime.distributed", "meshtrain.runtime.faults",
                    "torch.optim.lr_scheduler")
 """What ``meshtrain.train`` imports (the planner never imports the trainer: docs/architecture.md, "Layers"):
@@ -540,7 +543,8 @@ the rest ``statistics``; 268 MiB peak either way, measured on this 2-core VM).""
 
 def _import_trainer_modules() -> None:
     """Import :data:`TRAINER_MODULES`, so that the runtime overhead counts what a rank has loaded
-    (a module missing from an older tree is skipped)."""
+    (a module missing from an older tree is skipped). By name, not by import statements: the planner measures what the
+    trainer loads without depending on it (no edge from the planner into the run in the import graph)."""
     import importlib
 
     for name in TRAINER_MODULES:
@@ -580,7 +584,7 @@ def _worker(rank: int, world: int, store_path: str, min_time: float, sizes: dict
 def _corpus_bytes_per_char() -> float:
     """Peak-RSS growth per character while the trainer loads the bundled corpus (0 if unavailable)."""
     try:
-        from meshtrain.config import BUNDLED_CORPUS
+        from meshtrain.config.sections import BUNDLED_CORPUS
         from meshtrain.data.corpus import load_corpus
     except ImportError:
         return 0.0

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from meshtrain.batch_math import steps_per_epoch, tokens_per_step
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors

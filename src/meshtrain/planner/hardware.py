@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 
 GiB = 2**30
 DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "meshtrain" / "hardware_profile.toml"

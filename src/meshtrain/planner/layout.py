@@ -14,9 +14,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from meshtrain import axes, batch_math
-from meshtrain.config import Config, ConfigError, ParallelConfig, resolve_world
+from meshtrain.config.checks import resolve_world
+from meshtrain.config.sections import Config, ParallelConfig
+from meshtrain.errors import ConfigError
 from meshtrain.planner.model_specs import ModelSpec
-from meshtrain.rules.pipeline import RULES, schedule_error
+from meshtrain.rules.layout import LayoutShape, layout_errors
+from meshtrain.rules.pipeline import RULES, pipeline_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
 from meshtrain.axes import OUTER_PRECISIONS, PP_SCHEDULES, SP_MODES, ZERO_STAGES
@@ -69,11 +72,11 @@ class Layout(LayoutDegrees):
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
         """The layout a training config runs with on ``world_size`` ranks (the trainer's ``--nproc``).
 
-        Every field ``Layout`` shares by name with :class:`~meshtrain.config.ParallelConfig` or
-        :class:`~meshtrain.config.BatchConfig` is taken from the config as it is; only the fields whose
+        Every field ``Layout`` shares by name with :class:`~meshtrain.config.sections.ParallelConfig` or
+        :class:`~meshtrain.config.sections.BatchConfig` is taken from the config as it is; only the fields whose
         meaning differs are spelled out here:
 
-        - ``dp``: the resolved data-parallel degree (:func:`meshtrain.config.resolve_world`; the
+        - ``dp``: the resolved data-parallel degree (:func:`meshtrain.config.checks.resolve_world`; the
           config's -1 fills the ranks; with ``sync_mode = "async"``, the number of workers);
         - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
         - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
@@ -83,7 +86,7 @@ class Layout(LayoutDegrees):
           and a rejected sequence, :class:`meshtrain.data.conversations.Pairs`).
 
         Raises:
-            ConfigError: ``world_size`` does not suit the config (:func:`meshtrain.config.resolve_world`).
+            ConfigError: ``world_size`` does not suit the config (:func:`meshtrain.config.checks.resolve_world`).
         """
         p = cfg.parallel
         _, dp = resolve_world(cfg, world_size)
@@ -98,8 +101,8 @@ class Layout(LayoutDegrees):
 
     def to_overrides(self) -> dict[str, str]:
         """The ``meshtrain train`` overrides (``section.key`` -> value text) that run this layout: the inverse
-        of :meth:`from_config`. Fields shared by name with :class:`~meshtrain.config.ParallelConfig` or
-        :class:`~meshtrain.config.BatchConfig` as they are, ``dp`` as ``parallel.dp``, ``recompute`` as
+        of :meth:`from_config`. Fields shared by name with :class:`~meshtrain.config.sections.ParallelConfig` or
+        :class:`~meshtrain.config.sections.BatchConfig` as they are, ``dp`` as ``parallel.dp``, ``recompute`` as
         ``train.recompute``; ``local_sgd_steps``, ``ps_servers`` and ``diloco_group`` (with DiLoCo's other keys) only
         when set (with the ``sync_mode`` they imply); otherwise ``sync_mode = "sync"``.
 
@@ -107,13 +110,11 @@ class Layout(LayoutDegrees):
             ValueError: a field the trainer has no key for holds another value than its default (a layout of
                 another framework's, e.g. from ``--framework megatron-core``).
         """
-        from meshtrain.config import BatchConfig
+        from meshtrain.config.sections import BatchConfig
 
         sections = {f.name: "parallel" for f in fields(ParallelConfig)} | {f.name: "batch" for f in fields(BatchConfig)}
         sections["recompute"] = "train"
-        sync_mode = ("local-sgd" if self.local_sgd_steps else "async" if self.ps_servers else
-                     "diloco" if self.diloco_group else "sync")
-        out = {"parallel.sync_mode": sync_mode}
+        out = {"parallel.sync_mode": self.sync_mode}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("local_sgd_steps", "ps_servers", "diloco_group") and not value:
@@ -125,6 +126,13 @@ class Layout(LayoutDegrees):
             elif value != f.default:
                 raise ValueError(f"layout field {f.name} = {value!r} has no key in the trainer's config")
         return out
+
+    @property
+    def sync_mode(self) -> str:
+        """The ``parallel.sync_mode`` this layout runs: "local-sgd", "async" or "diloco" when its field is set, else
+        "sync"."""
+        return ("local-sgd" if self.local_sgd_steps else "async" if self.ps_servers else
+                "diloco" if self.diloco_group else "sync")
 
     @property
     def world_size(self) -> int:
@@ -253,6 +261,10 @@ class Framework:
     """The zero_stage-0 gradient all-reduce can run hierarchically (node leaders only cross nodes)."""
     zero1_ddp_only: bool = False
     """zero_stage 1 only at tp = pp = 1 (meshtrain's ZeroRedundancyOptimizer, :func:`zero_stage_error`)."""
+    replicates_kv_heads: bool = True
+    """Whether tp may exceed the kv heads of grouped-query attention, each kv head replicated over ``tp / kv_heads``
+    ranks (Megatron-LM's ``num_query_groups``); False: tp splits whole kv heads (meshtrain,
+    :mod:`meshtrain.rules.layout`)."""
     expert_folding: bool = False
     """How expert parallelism meets tp. False (meshtrain, :mod:`meshtrain.parallel.expert`): ``ep`` borrows ranks from
     dp x sp only, and every tp rank runs the whole router and experts on the same tokens (replicated over tp).
@@ -341,7 +353,7 @@ PP_SPLITS = ("uniform", "balanced", "ends-as-blocks")
 MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 """Bytes per logit of Megatron's unfused vocab-parallel cross-entropy, forward + backward (see ``Framework``)."""
 
-MESHTRAIN = Framework("meshtrain", sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
+MESHTRAIN = Framework("meshtrain", replicates_kv_heads=False, sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
                       pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute, sp_modes=SUPPORTED.sp_modes,
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
@@ -413,17 +425,23 @@ FRAMEWORKS = {f.name: f for f in (
 )}
 
 
+def layout_shape(model: ModelSpec) -> LayoutShape:
+    """What the layout rules read of ``model`` (:class:`meshtrain.rules.layout.LayoutShape`): tp splits the dense MLP's
+    width, and leaves experts whole."""
+    return LayoutShape(f"model {model.name!r}", heads=model.heads, kv_heads=model.kv_heads,
+                       ffn_hidden=0 if model.experts else model.ffn_hidden, seq_len=model.seq_len, experts=model.experts,
+                       nf4_base=bool(model.nf4_layer_params))
+
+
 def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int | None = None,
                         schedule: bool = True) -> list[str]:
-    """Every rule ``layout`` breaks for ``model``, as one line each (empty list: the layout is valid).
+    """Every rule ``layout`` breaks for ``model`` in any framework, as one line each (empty list: some framework runs
+    it; :func:`framework_errors` adds what a given one refuses beyond these).
 
-    Rules: Megatron tensor parallelism splits heads, kv heads (or replicates them) and the MLP width
-    (Shoeybi et al. 2019, Sec. 3); Ulysses splits heads over sp and the sequence over sp (Jacobs et al.
-    2023, Sec. 3); Megatron sequence parallelism splits the sequence over tp; the interleaved schedule
-    needs micro-batches in multiples of pp (Narayanan et al. 2021, Sec. 2.2.2), and each pipeline schedule
-    its own rules (:func:`meshtrain.rules.pipeline.schedule_error`; ``schedule=False`` leaves them out). Ring attention needs no
-    head split but 2*sp sequence chunks (the zigzag layout that balances causal work, Brandon et al.
-    2023; the trainer's ``parallel/sequence``). These are the trainer's rules too (``config._validate_shapes``).
+    The model's rules are the trainer's rule book (:func:`meshtrain.rules.layout.layout_errors`) with every other
+    stack's difference allowed (kv heads replicated past tp, expert ranks folded into tp); then the pipeline
+    schedule's (:func:`meshtrain.rules.pipeline.pipeline_error`; ``schedule=False`` leaves out those on the
+    micro-batch split), the values each key may take, DiLoCo's, and the global batch.
     """
     L, e = layout, axes.degree_errors(layout)
     for key in ("micro_batch_size", "gradient_accumulation_steps", "virtual_stages"):
@@ -431,38 +449,15 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
             e.append(f"{key} = {getattr(L, key)} must be >= 1")
     if e:
         return e
-    if model.heads % L.tp:
-        e.append(f"tp = {L.tp} does not divide heads = {model.heads}")
-    if model.kv_heads % L.tp and L.tp % model.kv_heads:
-        e.append(f"tp = {L.tp} neither divides nor is a multiple of kv_heads = {model.kv_heads}")
-    if model.ffn_hidden % L.tp and not model.experts:  # tp leaves experts whole
-        e.append(f"tp = {L.tp} does not divide ffn_hidden = {model.ffn_hidden}")
-    if L.ep > 1:
-        if not model.experts:
-            e.append(f"ep = {L.ep} needs a model with experts")
-        elif model.experts % L.ep:
-            e.append(f"ep = {L.ep} does not divide experts = {model.experts}")
-        if (L.tp * L.dp * L.sp) % L.ep:  # the widest any framework borrows from (framework_errors: meshtrain's)
-            e.append(f"ep = {L.ep} does not divide tp*dp*sp = {L.tp * L.dp * L.sp} (its ranks are borrowed from them)")
-    ring = L.sp > 1 and L.sp_mode == "ring"
     if L.sp_mode not in SP_MODES:
         e.append(f"sp_mode = {L.sp_mode!r} is not one of {', '.join(SP_MODES)}")
-    elif not ring and (model.heads // max(1, L.tp)) % L.sp:
-        e.append(f"sp = {L.sp} does not divide heads per tp rank = {model.heads // L.tp} (Ulysses splits heads)")
-    seq_split = L.sp * (2 if ring else 1) * (L.tp if L.tp_sequence_parallel else 1)
-    if model.seq_len % seq_split:
-        what = "sp" + ("*2" if ring else "") + ("*tp" if L.tp_sequence_parallel else "")
-        e.append(f"seq_len = {model.seq_len} is not divisible by {what} = {seq_split}")
-    if L.tp_sequence_parallel and L.tp == 1:
-        e.append("tp_sequence_parallel needs tp > 1")
+    e += layout_errors(layout_shape(model), L, L.dp, L.sync_mode, replicate_kv_heads=True, expert_folding=True)
     if L.pp_schedule not in PP_SCHEDULES:
         e.append(f"pp_schedule = {L.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
-    elif L.pp > 1 and schedule:
-        error = schedule_error(L.pp_schedule, L.pp, L.virtual_stages, L.gradient_accumulation_steps, model.layers,
+    elif schedule or L.pp == 1:
+        error = pipeline_error(L.pp_schedule, L.pp, L.virtual_stages, L.gradient_accumulation_steps, model.layers,
                                L.dp * L.sp, L.zero_stage)
         e += [error] if error else []
-    elif L.virtual_stages > 1:
-        e.append(f"virtual_stages = {L.virtual_stages} needs pp > 1")
     if L.recompute not in RECOMPUTE:
         e.append(f"recompute = {L.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if L.zero_stage not in ZERO_STAGES:
@@ -496,30 +491,18 @@ def _diloco_errors(L: Layout) -> list[str]:
     return e
 
 
-def _expert_errors(framework: Framework, layout: Layout, model: ModelSpec | None) -> list[str]:
-    """What meshtrain's expert parallelism (``Framework.expert_folding`` False) refuses: ep beyond dp x sp, Megatron
-    sequence parallelism with experts (tp replicates them), and ep with zero_stage 1 or an asynchronous sync mode."""
-    if framework.expert_folding or model is None or not model.experts:
-        return []
-    L, e = layout, []
-    if L.tp_sequence_parallel:
-        e.append(f"tp_sequence_parallel with experts is not available in {framework.name}: tp replicates the experts, "
-                 f"which take the whole sequence")
-    if L.ep > 1 and (L.dp * L.sp) % L.ep:
-        e.append(f"ep = {L.ep} does not divide dp*sp = {L.dp * L.sp} (its ranks are borrowed from them in "
-                 f"{framework.name})")
-    if L.ep > 1 and (L.zero_stage == 1 or L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce
-                     or L.diloco_group):
-        e.append(f"ep = {L.ep} runs with the synchronous all-reduce and zero_stage 0, 2 or 3 only")
-    return e
-
-
 def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | None = None) -> list[str]:
-    """Features ``layout`` (of ``model``, when given) needs that ``framework`` does not have, one line each."""
+    """Features ``layout`` (of ``model``, when given) needs that ``framework`` does not have, one line each: the
+    rule book's refusals under the framework's differences (:func:`meshtrain.rules.layout.layout_errors`; the
+    trainer's own for ``meshtrain``) beyond those of :func:`divisibility_errors`, then its missing features."""
     e = []
+    if model is not None:
+        shape, L = layout_shape(model), layout
+        every = layout_errors(shape, L, L.dp, L.sync_mode, replicate_kv_heads=True, expert_folding=True)
+        e += [x for x in layout_errors(shape, L, L.dp, L.sync_mode, framework.replicates_kv_heads,
+                                       framework.expert_folding) if x not in every]
     if layout.tp > 1 and not framework.tensor_parallel:
         e.append(f"tp = {layout.tp} is not available in {framework.name} (it has no tensor parallelism)")
-    e += _expert_errors(framework, layout, model)
     if layout.sp > 1 and layout.sp_mode not in framework.sp_modes:
         e.append(f"sp_mode = {layout.sp_mode!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.sp_modes) or 'no sequence parallelism'})")
@@ -642,18 +625,13 @@ def parse_fix(text: str, flag: str = "--fix") -> dict:
 
 
 def pinned_model_errors(fixed: dict, model: ModelSpec, flag: str = "--fix") -> None:
-    """Raise ConfigError where pinned layout fields ``fixed`` (:func:`parse_fix`) ask ``model`` for what it does not
-    have: ``ep`` > 1 on a dense model (expert parallelism splits a mixture of experts' experts), ``tp`` > 1 with an
-    NF4 base (QLoRA, :mod:`meshtrain.adapters.nf4`)."""
-    ep = fixed.get("ep", 1)
-    if ep > 1 and not model.experts:
-        raise ConfigError(f"{flag} ep = {ep}: {model.name} is a dense model (no experts), and ep splits a mixture of "
-                          f"experts' experts: drop ep (or give ep=1), or plan a model with experts (e.g. --model "
-                          f"mixtral-8x7b)")
-    tp = fixed.get("tp", 1)
-    if tp > 1 and model.nf4_layer_params:
-        raise ConfigError(f"{flag} tp = {tp}: adapter.quantize_base = 'nf4' runs at tp = 1 only (an NF4 weight's blocks "
-                          f"run along its rows, which tp would cut): drop tp, or plan with quantize_base = 'none'")
+    """Raise ConfigError where the pinned ``tp`` and ``ep`` of ``fixed`` (:func:`parse_fix`) break a rule of the rule
+    book for ``model`` whatever the other degrees (:func:`meshtrain.rules.layout.layout_errors` with every stack's
+    differences allowed and dp not known: heads, kv heads and the MLP width tp splits, experts ep splits, an NF4 base)."""
+    pinned = Layout(dp=1, tp=fixed.get("tp", 1), ep=fixed.get("ep", 1))
+    errors = layout_errors(layout_shape(model), pinned, -1, replicate_kv_heads=True, expert_folding=True)
+    if errors:
+        raise ConfigError(f"{flag} {', '.join(f'{k} = {fixed[k]}' for k in ('tp', 'ep') if k in fixed)}: {errors[0]}")
 
 
 def sequences_per_sample(cfg: Config) -> int:

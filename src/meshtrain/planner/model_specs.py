@@ -26,7 +26,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ConfigError, read_toml
+from meshtrain.config.load import read_toml
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.models.registry import families_with
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -403,7 +405,7 @@ def model_from_toml(path: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ConfigError(f"'{path}' has no [model] table")
     if "n_layer" in table or "n_embd" in table:
-        from meshtrain.config import load_config
+        from meshtrain.config.load import load_config
         return from_config(load_config(path))
     return from_table(table, name=path.stem)
 

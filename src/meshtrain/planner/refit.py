@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import read_toml
+from meshtrain.config.load import read_toml
 from meshtrain.planner.stack import STACKS_FILE, load_stacks, write_stacks
 from meshtrain.planner.validate import PUBLISHED_RUNS, fit_stacks
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from meshtrain.config import ConfigError
+from meshtrain.errors import ConfigError
 from meshtrain.planner.hardware import EFFICIENCY_FROM, HOST_KEYS, Hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
 

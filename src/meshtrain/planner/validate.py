@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError, read_toml
+from meshtrain.config.load import read_toml
+from meshtrain.errors import ConfigError
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware, network_with
 from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, PP_SPLITS, Framework

@@ -46,6 +46,8 @@ RULES: dict[str, ScheduleRule] = {
     "zbv": ScheduleRule("2", ">=p", placement="v", ddp=False, selective_recompute=False, fsdp_zero3=False),
 }
 
+CHUNKED_SCHEDULES = tuple(name for name, rule in RULES.items() if rule.virtual_stages in ("2", ">=2"))
+"""Schedules that run several model chunks per pipeline rank (``virtual_stages`` >= 2): none at pp = 1."""
 
 def runs_with_data_parallel(schedule: str, batch_degree: int, zero_stage: int) -> bool:
     """Whether ``schedule`` runs under the data parallelism of ``zero_stage`` over ``batch_degree`` = dp*sp
@@ -86,6 +88,21 @@ def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: in
     if pp * v > n_layer:
         return (f"pp * virtual_stages = {pp * v} exceeds model.n_layer = {n_layer}: every pipeline chunk needs a "
                 f"block; use fewer stages or more layers")
+    return None
+
+
+def pipeline_error(schedule: str, pp: int, virtual_stages: int, microbatches: int, n_layer: int,
+                   batch_degree: int = 1, zero_stage: int = 0) -> str | None:
+    """:func:`schedule_error` for a pipeline (pp > 1); at pp = 1 no pipeline runs, and a setting that asks for model
+    chunks (``virtual_stages`` > 1, a schedule of :data:`CHUNKED_SCHEDULES`) says something that is not so. The one
+    check config validation and the planner both run."""
+    if pp > 1:
+        return schedule_error(schedule, pp, virtual_stages, microbatches, n_layer, batch_degree, zero_stage)
+    if virtual_stages != 1:
+        return (f"parallel.virtual_stages = {virtual_stages} needs parallel.pp > 1 (it is 1): set pp >= 2, or "
+                f"virtual_stages = 1")
+    if schedule in CHUNKED_SCHEDULES:
+        return f"parallel.pp_schedule = {schedule!r} needs parallel.pp > 1 (it is 1): set pp >= 2, or pp_schedule = '1f1b'"
     return None
 
 

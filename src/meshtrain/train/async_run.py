@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import store as ckpt
 from meshtrain.batch_math import tokens_per_step
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtrain.checkpoint import elastic_restart, resume_hint
-from meshtrain.config import Config, ConfigError, load_config, parse_overrides
-from meshtrain.errors import DataError
+from meshtrain.checkpoint.store import elastic_restart, resume_hint
+from meshtrain.config.load import load_config, parse_overrides
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError, DataError
 from meshtrain.resolved import ResolvedRun, config_of
 from meshtrain.rules.support import uses_parameter_server
 from meshtrain import runlock

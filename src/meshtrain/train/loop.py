@@ -4,7 +4,7 @@ One optimizer step = ``gradient_accumulation_steps`` forward/backward passes of 
 samples per dp rank (each sp rank holding 1/sp of every sample's tokens), gradient sync on the last
 one only, global-norm clipping, AdamW, LR schedule (linear warmup, cosine decay to ``min_lr``;
 :mod:`meshtrain.optim`). Every parallel strategy is chosen by one call,
-:func:`meshtrain.parallel.parallelize`, whose :class:`meshtrain.parallel.model.ParallelModel` runs the step;
+:func:`meshtrain.parallel.compose.parallelize`, whose :class:`meshtrain.parallel.model.ParallelModel` runs the step;
 the loss and norm reductions are those of :mod:`meshtrain.parallel.reduce`.
 
 Determinism: weights come from ``train.seed`` (built whole on every rank, then sharded); data order
@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from meshtrain import axes
 from meshtrain.adapters.spec import BASE_KEY, adapter_parameters, base_record
-from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import store as ckpt
 from meshtrain.checkpoint.writer import Checkpoints
 from meshtrain.batch_math import tokens_per_step
-from meshtrain.config import Config
+from meshtrain.config.sections import Config
 from meshtrain.data.conversations import Conversations
 from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
@@ -39,7 +39,7 @@ from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes
 from meshtrain.models.hf import load_hf_weights, source_hf_config
 from meshtrain.models.resize import GrownRows
 from meshtrain.optim import build_optimizer
-from meshtrain.parallel import parallelize
+from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
 from meshtrain.parallel.rng import seed_step
 from meshtrain.profiling import StepProfiler
@@ -60,7 +60,7 @@ class TrainingDiverged(RuntimeError):
 class Trainer:
     """Builds the mesh, model, optimizer and data of a resolved run on this rank and runs the loop.
 
-    ``run``: the launcher's :class:`~meshtrain.resolved.ResolvedRun`, or a :class:`~meshtrain.config.Config`
+    ``run``: the launcher's :class:`~meshtrain.resolved.ResolvedRun`, or a :class:`~meshtrain.config.sections.Config`
     (ranks started without the launcher, tests), resolved here for the process group's world.
     """
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from meshtrain.config import Config, ConfigError
+from meshtrain.config.sections import Config
+from meshtrain.errors import ConfigError
 from meshtrain.data.corpus import Corpus, corpus_of
 from meshtrain.data.growth import VocabGrowth, vocab_growth
 from meshtrain.data.tokenizers import model_vocab_size
-from meshtrain.models import build_model
+from meshtrain.models.build import build_model
 from meshtrain.models.base import LayeredLM
 from meshtrain.runtime.device import autocast, compute_dtype
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import require
-from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames, check_attention_layout
+from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames
 from meshtrain.models.hf_io import Undecided, fraction, number, refuse, with_defaults
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
@@ -171,7 +171,7 @@ def zeros(m: Any) -> dict[str, tuple[int, ...]]:
 FAMILY = Family(
     name="gpt", summary="GPT-2-style decoder (LayerNorm, learned positions, GELU MLP, tied head)",
     model="meshtrain.models.gpt.model:GPT", keys=GPTKeys, blocks="attention", check=check,
-    check_layout=check_attention_layout, layer_costs=layer_costs,
+    layer_costs=layer_costs,
     resume_keys=("type", "n_layer", "n_embd", "n_head", "block_size", "bias"), planner=planner,
     hf=HFFormat(architectures=("GPT2LMHeadModel",), model_type="gpt2", read=read, write=write, sources=sources,
                 shapes=shapes, zeros=zeros, defaults=HF_DEFAULTS, aliases=ALIASES, training={"dropout": DROPOUTS},

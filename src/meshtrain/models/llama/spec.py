@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import require
-from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames, check_attention_layout
+from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, HFFormat, Source, TPNames
 from meshtrain.models.hf_io import Derived, HFFormatError, fraction, number, refuse, with_defaults
 
 
@@ -99,10 +99,6 @@ def check(m: Any) -> None:
             f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
     require(m.rope_original_max_positions >= 1,
             f"model.rope_original_max_positions = {m.rope_original_max_positions} must be >= 1")
-
-
-def check_layout(m: Any, p: Any) -> None:
-    check_attention_layout(m, p, kv_heads(m))
 
 
 def block_params(m: Any, qkv_bias: bool = False, qk_norm: bool = False) -> int:
@@ -278,7 +274,7 @@ def family(name: str, summary: str, model: str, hf: HFFormat, qkv_bias: bool = F
     """A member of the Llama family: these keys and rules, with q/k/v biases (Qwen2) or q/k norms (Qwen3)."""
     tp = TPNames(TP.colwise, TP.rowwise, ("attn.q_norm", "attn.k_norm") if qk_norm else (), TP.extra_inputs)
     return Family(name=name, summary=summary, model=model, keys=LlamaKeys, blocks="attention", check=check,
-                  check_layout=check_layout, layer_costs=partial(layer_costs, qkv_bias=qkv_bias, qk_norm=qk_norm),
+                  layer_costs=partial(layer_costs, qkv_bias=qkv_bias, qk_norm=qk_norm),
                   resume_keys=RESUME_KEYS, kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=ffn_hidden,
                   planner=partial(planner, qkv_bias=qkv_bias, qk_norm=qk_norm), hf=hf, tp=tp,
                   derived={"n_kv_head": kv_heads, "head_dim": head_dim, "ffn_hidden": ffn_hidden})

@@ -204,8 +204,8 @@ class MoE(nn.Module):
     (``shared_gate``, (1, C)); ``forward(x)`` (B, T, C) -> (B, T, C) and sets :attr:`aux_loss`.
 
     ``balance_group``: the process group the global-batch counts are summed over (set by
-    :func:`meshtrain.parallel.parallelize` under dp or sp; None: this rank's tokens are the batch). ``dispatch``:
-    set by expert parallelism; None runs every expert here."""
+    :func:`meshtrain.parallel.compose.parallelize` under dp or sp; None: this rank's tokens are the batch).
+    ``dispatch``: set by expert parallelism; None runs every expert here."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

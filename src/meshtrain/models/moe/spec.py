@@ -1,5 +1,5 @@
 """Mixture-of-experts MLPs without torch: the ``[model]`` keys, checks, parameter and FLOP counts, and the Hugging
-Face names of a routed-experts MLP, shared by the MoE families (``mixtral``, ``qwen3_moe``; the module is
+Face names of a routed-experts MLP, shared by the MoE families (``mixtral``, ``qwen3_moe``, ``qwen2_moe``; the module is
 :mod:`meshtrain.models.moe.layer`).
 
 A MoE MLP replaces the SwiGLU of a Llama block by ``num_experts`` SwiGLU experts of width F (``ffn_hidden``) and a
@@ -34,7 +34,7 @@ EXPERT_COMPUTES = ("grouped", "loop")
 
 @dataclass
 class MoEKeys:
-    """The ``[model]`` keys of a mixture-of-experts MLP (mixtral, qwen3_moe)."""
+    """The ``[model]`` keys of a mixture-of-experts MLP (mixtral, qwen3_moe, qwen2_moe)."""
 
     num_experts: int = 8
     """moe: routed experts per MoE layer (E); each is a SwiGLU MLP of width ``ffn_hidden``."""
@@ -88,18 +88,6 @@ def check(m: Any) -> None:
             f"model.moe_capacity_factor = {m.moe_capacity_factor} must be a finite number >= 0 (0 = dropless)")
     require(m.moe_compute in EXPERT_COMPUTES,
             f"model.moe_compute = {m.moe_compute!r} is not valid: use one of {', '.join(EXPERT_COMPUTES)}")
-
-
-def check_layout(m: Any, p: Any) -> None:
-    """Tensor parallelism splits the attention and replicates the experts (each tp rank runs the MoE layer on the
-    same tokens), so it needs the whole sequence on every tp rank: no ``tp_sequence_parallel``. Expert parallelism
-    splits the experts whole: ``parallel.ep`` must divide the expert count."""
-    require(not p.tp_sequence_parallel, f"parallel.tp_sequence_parallel = true is not supported with model.type = "
-                                        f"{m.type!r} (tensor parallelism replicates its experts, which take every "
-                                        f"token of the sequence): use tp_sequence_parallel = false")
-    require(m.num_experts % p.ep == 0, f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {p.ep}: "
-                                       f"each ep rank holds num_experts/ep whole experts; use an ep that divides "
-                                       f"{m.num_experts}")
 
 
 def shared_params(m: Any) -> int:
@@ -241,18 +229,13 @@ def fused_prefix(present: Collection[str], fused: str) -> str | None:
 
 @dataclass
 class MoELlamaKeys(MoEKeys, LlamaKeys):
-    """The ``[model]`` keys of the Llama family's mixture-of-experts relatives (mixtral, qwen3_moe): the Llama's
+    """The ``[model]`` keys of the Llama family's mixture-of-experts relatives (mixtral, qwen3_moe, qwen2_moe): the Llama's
     (``ffn_hidden`` is each expert's width) and the experts'."""
 
 
 def check_moe_llama(m: Any) -> None:
     llama.check(m)
     check(m)
-
-
-def check_moe_layout(m: Any, p: Any) -> None:
-    llama.check_layout(m, p)
-    check_layout(m, p)
 
 
 def tp_names(qk_norm: bool) -> TPNames:
@@ -339,7 +322,7 @@ def moe_family(name: str, summary: str, model: str, hf: HFFormat, qkv_bias: bool
         if check_family is not None:
             check_family(m)
 
-    return replace(base, keys=MoELlamaKeys, check=check_all, check_layout=check_moe_layout,
+    return replace(base, keys=MoELlamaKeys, check=check_all,
                    layer_costs=partial(layer_costs, qkv_bias=qkv_bias, qk_norm=qk_norm),
                    planner=partial(planner, qkv_bias=qkv_bias, qk_norm=qk_norm),
                    tp=tp_names(qk_norm), experts=True, aux_loss=True,

@@ -31,14 +31,6 @@ def check(m: Any) -> None:
     require(m.tbptt_steps >= 0, f"model.tbptt_steps = {m.tbptt_steps} must be >= 0 (0 = the whole block_size)")
 
 
-def check_layout(m: Any, p: Any) -> None:
-    """A recurrence has neither a tensor-parallel plan nor a sequence split."""
-    require(p.tp == 1, f"parallel.tp = {p.tp} is not supported for model.type = {m.type!r}: recurrent layers "
-                       f"have no tensor-parallel plan; use tp = 1 (and dp or pp)")
-    require(p.sp == 1, f"parallel.sp = {p.sp} is not supported for model.type = {m.type!r}: a recurrence runs "
-                       f"its sequence in order on one rank; use sp = 1 (and model.tbptt_steps for long sequences)")
-
-
 def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, float]:
     """(embedding, block, head) FLOPs per step: a block is one recurrent layer, ``g`` gates of two C x C matmuls per
     token, ``2 * 2*g*C**2`` forward FLOPs (x3 with backward), ``g * (2*C**2 + 2*C)`` parameters; no position
@@ -50,7 +42,7 @@ def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, flo
 def _family(name: str, cell: str) -> Family:
     return Family(name=name, summary=f"{cell} language model (embedding, {cell} layers, tied head)",
                   model="meshtrain.models.rnn.model:RNNLM", keys=RecurrentKeys, blocks="recurrent", check=check,
-                  check_layout=check_layout, layer_costs=layer_costs, resume_keys=("type", "n_layer", "n_embd"))
+                  layer_costs=layer_costs, resume_keys=("type", "n_layer", "n_embd"))
 
 
 LSTM = _family("lstm", "LSTM")

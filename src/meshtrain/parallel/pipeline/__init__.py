@@ -12,25 +12,11 @@ hold them -- Megatron-LM's embedding group -- so both copies stay equal to the s
 one process. The gradient norm counts that weight once.
 
 Each schedule's rules (torch-free: what config validation and the planner check) are :mod:`meshtrain.rules.pipeline`.
-Modules:
-``balance.py`` (the cut into chunks balanced by cost, torch-free: the launcher prints it), ``split.py`` (:func:`split_model`: this rank's chunks; :func:`embedding_group`),
-``schedule.py`` (:data:`SCHEDULES`, with their bubbles, and :class:`Pipeline`, which runs this rank's
-stages), ``naive.py`` (the naive schedule), ``trace.py`` (what each rank did when: Chrome trace,
-timeline, measured bubble).
+Modules, each imported by name (this package imports nothing, so that ``balance.py`` is read before torch loads):
+``balance.py`` (the cut into chunks balanced by cost, torch-free: the launcher prints it), ``split.py``
+(:func:`~meshtrain.parallel.pipeline.split.split_model`: this rank's chunks;
+:func:`~meshtrain.parallel.pipeline.split.embedding_group`), ``schedule.py``
+(:data:`~meshtrain.parallel.pipeline.schedule.SCHEDULES`, with their bubbles, and
+:class:`~meshtrain.parallel.pipeline.schedule.Pipeline`, which runs this rank's stages), ``naive.py`` (the naive
+schedule), ``trace.py`` (what each rank did when: Chrome trace, timeline, measured bubble).
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-__all__ = ["SCHEDULES", "Pipeline", "embedding_group", "split_model"]
-_HOMES = {"SCHEDULES": "schedule", "Pipeline": "schedule", "embedding_group": "split", "split_model": "split"}
-
-
-def __getattr__(name: str) -> Any:
-    """:data:`__all__`'s names, imported on first use: the package stays torch-free, so that its split
-    (``balance.py``) can be read before torch loads (PEP 562)."""
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -24,6 +24,7 @@ every cut point in a fraction of its time, which the planner needs for every lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -90,16 +91,6 @@ def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float])
     def cost(chunk: int, start: int, end: int) -> float:
         return (end - start) * block + (emb if chunk == 0 else 0.0) + (head if chunk == last else 0.0)
 
-    def smallest(lo: int, hi: int, ok) -> int:
-        """The smallest x in [lo, hi] with ok(x) (ok monotone: False then True), or hi + 1."""
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                hi = mid - 1
-            else:
-                lo = mid + 1
-        return lo
-
     @cache
     def best(j: int, end: int) -> float:
         """The best costliest chunk of blocks [0, end) in chunks 0..j, none of them the last one (j < last)."""
@@ -114,29 +105,43 @@ def split_layers(n_layer: int, n_chunks: int, costs: tuple[float, float, float])
         return min(max(cost(0, 0, k), cost(1, 0, -(-(end - k) // j)))
                    for k in range(max(1, centre - 1), min(end - j, centre + 2) + 1))
 
-    def most(limit: float, extra: float) -> int:
-        """The most blocks a chunk with ``extra`` besides them holds at cost <= ``limit`` (its cost, as ``cost``)."""
-        k = max(int((limit - extra) / block), 0)
-        while (k + 1) * block + extra <= limit:
-            k += 1
-        while k > 0 and k * block + extra > limit:
-            k -= 1
-        return k
-
     if last == 0:
         return [Chunk(0, 0, n_layer, True, True, cost(0, 0, n_layer))]
     end = n_layer  # the whole split's best: the last chunk's start where its cost and the others' best cross
-    crossing = smallest(last, end - 1, lambda s: best(last - 1, s) >= cost(last, s, end))
+    crossing = _smallest(last, end - 1, lambda s: best(last - 1, s) >= cost(last, s, end))
     target = min(max(best(last - 1, x), cost(last, x, end)) for x in _around(crossing, last, end - 1))
     cuts = [n_layer]
     for j in range(last, 0, -1):  # chunk j starts at the latest block chunks 0..j-1 can end on within the best cost
         if j < last:
             target = best(j, cuts[-1])
-        cuts.append(min(cuts[-1] - 1, most(target, emb) + (j - 1) * most(target, 0.0)))
+        fits = _most_blocks(target, emb, block) + (j - 1) * _most_blocks(target, 0.0, block)
+        cuts.append(min(cuts[-1] - 1, fits))
     cuts.append(0)
     cuts.reverse()
     return [Chunk(i, cuts[i], cuts[i + 1], i == 0, i == last, cost(i, cuts[i], cuts[i + 1]))
             for i in range(n_chunks)]
+
+
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The smallest x in [lo, hi] with ok(x) (ok monotone: False then True), or hi + 1 (bisection)."""
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _most_blocks(limit: float, extra: float, block: float) -> int:
+    """The most blocks of cost ``block`` a chunk with ``extra`` besides them holds at cost <= ``limit`` (its cost as
+    :func:`split_layers` counts it)."""
+    k = max(int((limit - extra) / block), 0)
+    while (k + 1) * block + extra <= limit:
+        k += 1
+    while k > 0 and k * block + extra > limit:
+        k -= 1
+    return k
 
 
 def _around(x: int, lo: int, hi: int) -> tuple[int, ...]:
