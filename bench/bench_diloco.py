@@ -46,15 +46,15 @@ CONFIG = "configs/shakespeare_char.toml"
 PORT = 29500
 TARGET = 1.02
 """A mode reaches DDP's val loss when its own is at most 2% above that seed's DDP final val loss."""
-DILOCO = {"parallel.sync_mode": "diloco", "parallel.outer_lr": "0.7", "parallel.outer_momentum": "0.9"}
+DILOCO = {"parallel.sync_mode": "diloco", "diloco.outer_lr": "0.7", "diloco.outer_momentum": "0.9"}
 MODES = {  # name: (overrides, low-communication: runs --low-comm-factor times the steps)
     "DDP": ({}, False),
     "hierarchical all-reduce": ({"parallel.hierarchical_allreduce": "true"}, False),
-    "local SGD H=8": ({"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "8"}, True),
-    "DiLoCo H=8": ({**DILOCO, "parallel.diloco_inner_steps": "8"}, True),
-    "DiLoCo H=32": ({**DILOCO, "parallel.diloco_inner_steps": "32"}, True),
-    "Streaming DiLoCo H=32 F=4 tau=1": ({**DILOCO, "parallel.diloco_inner_steps": "32", "parallel.diloco_fragments": "4",
-                                         "parallel.diloco_delay": "1", "parallel.diloco_alpha": "0.5"}, True),
+    "local SGD H=8": ({"parallel.sync_mode": "local-sgd", "local_sgd.steps": "8"}, True),
+    "DiLoCo H=8": ({**DILOCO, "diloco.inner_steps": "8"}, True),
+    "DiLoCo H=32": ({**DILOCO, "diloco.inner_steps": "32"}, True),
+    "Streaming DiLoCo H=32 F=4 tau=1": ({**DILOCO, "diloco.inner_steps": "32", "diloco.fragments": "4",
+                                         "diloco.delay": "1", "diloco.alpha": "0.5"}, True),
 }
 
 

@@ -4,7 +4,7 @@
 
 The main job's GPT (fp32) is trained in this process as ``--workers`` workers (each a model copy with its own
 AdamW and its own samples, as ``tests/test_diloco.py``'s simulation) for H inner steps from the same start; their
-pseudo-gradients (start minus end) are averaged the three ways ``parallel.diloco_precision`` allows, exactly as
+pseudo-gradients (start minus end) are averaged the three ways ``diloco.precision`` allows, exactly as
 :mod:`meshtrain.parallel.diloco` does it: fp32; bf16 (each worker's rounded to bf16 and summed in bf16, as a bf16
 all-reduce does); int8 (each worker's blocks of 256 values scaled by their absolute maximum / 127, rounded,
 averaged in fp32). Reports the relative L2 error of each average against fp32, the largest error of one value

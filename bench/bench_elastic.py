@@ -70,7 +70,7 @@ def wait_for(ready, job, out: Path) -> None:
 
 def run(root: Path, args: argparse.Namespace, seed: int, kill: bool) -> dict:
     """One two-worker run; with ``kill``, worker 1's rank is killed once it has taken ``args.kill_after`` steps."""
-    overrides = {"train.steps": str(args.steps), "train.seed": str(seed), "parallel.diloco_inner_steps": "8",
+    overrides = {"train.steps": str(args.steps), "train.seed": str(seed), "diloco.inner_steps": "8",
                  "train.log_interval": "1", "train.eval_interval": "0", "checkpoint.interval": "0",
                  "train.dtype": "float32"}
     outs = [root / f"w{w}" for w in (0, 1)]
@@ -152,7 +152,7 @@ def main() -> None:
     columns = ["run", "worker 1 joined at step", "worker 0 wall s", "worker 1 wall s", "worker 0 longest step s", "worker 0 median step s",
                "steps worker 0 took alone after the kill", "kill to worker 1's next step s", "worker 1 rejoined at step",
                "worker 0 final val loss", "worker 1 final val loss", "final weights equal"]
-    notes = [f"Two elastic DiLoCo workers (parallel.diloco_lighthouse) of {CONFIG.relative_to(REPO)}, one rank each, "
+    notes = [f"Two elastic DiLoCo workers (diloco.lighthouse) of {CONFIG.relative_to(REPO)}, one rank each, "
              f"H = 8, {args.steps} steps, fp32, seeds {', '.join(map(str, args.seeds))}; mean ± sd over seeds.",
              f"torchft_lighthouse on 127.0.0.1, min_replicas 1, heartbeat timeout {args.heartbeat_ms} ms; each job "
              f"under --max-restarts 1, no checkpoints (the killed worker can only come back by taking over the "

@@ -39,12 +39,12 @@ def runs(nproc: int) -> dict[str, dict[str, str]]:
     async_ = {"parallel.sync_mode": "async"}
     return {
         "sync (DDP)": {},
-        "local-sgd H=4": {"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "4"},
-        "local-sgd H=16": {"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "16"},
-        "async wait s=0": {**async_, "parallel.stale_policy": "wait", "parallel.max_staleness": "0"},
-        "async wait s=2": {**async_, "parallel.stale_policy": "wait", "parallel.max_staleness": "2"},
-        "async wait s=8": {**async_, "parallel.stale_policy": "wait", "parallel.max_staleness": "8"},
-        "async drop s=2": {**async_, "parallel.stale_policy": "drop", "parallel.max_staleness": "2"},
+        "local-sgd H=4": {"parallel.sync_mode": "local-sgd", "local_sgd.steps": "4"},
+        "local-sgd H=16": {"parallel.sync_mode": "local-sgd", "local_sgd.steps": "16"},
+        "async wait s=0": {**async_, "parameter_server.stale_policy": "wait", "parameter_server.max_staleness": "0"},
+        "async wait s=2": {**async_, "parameter_server.stale_policy": "wait", "parameter_server.max_staleness": "2"},
+        "async wait s=8": {**async_, "parameter_server.stale_policy": "wait", "parameter_server.max_staleness": "8"},
+        "async drop s=2": {**async_, "parameter_server.stale_policy": "drop", "parameter_server.max_staleness": "2"},
     }
 
 

@@ -36,9 +36,9 @@ def start_worker(config: Path | str, lighthouse: Lighthouse, worker: int, worker
                  overrides: dict[str, str], *extra: str, ranks: int = 1) -> subprocess.Popen:
     """``meshtrain train CONFIG`` as worker ``worker`` of ``workers`` on ``ranks`` ranks (dp inside), output in ``out``,
     its console in ``out``.log; ``extra``: more launcher flags (``--max-restarts 1``)."""
-    args = {**overrides, "parallel.sync_mode": "diloco", "parallel.diloco_lighthouse": lighthouse.url,
-            "parallel.diloco_workers": str(workers), "parallel.diloco_worker": str(worker),
-            "parallel.diloco_group": str(ranks), "train.out_dir": str(out)}
+    args = {**overrides, "parallel.sync_mode": "diloco", "diloco.lighthouse": lighthouse.url,
+            "diloco.workers": str(workers), "diloco.worker": str(worker),
+            "diloco.group": str(ranks), "train.out_dir": str(out)}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(f"{out}.log", "w") as log:
         return subprocess.Popen([sys.executable, "-m", "meshtrain.cli", "train", str(config), "--nproc", str(ranks),

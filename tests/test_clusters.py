@@ -155,7 +155,7 @@ def shaped(pair: list[Host], rate: str = "100mbit"):
 
 
 DILOCO = {**TINY, "model.n_head": "4", "batch.micro_batch_size": "2", "train.steps": "8", "parallel.sync_mode": "diloco",
-          "parallel.diloco_inner_steps": "4", "checkpoint.interval": "0"}
+          "diloco.inner_steps": "4", "checkpoint.interval": "0"}
 
 
 def test_diloco_across_two_hosts_over_a_shaped_link(hosts, tmp_path):
@@ -184,7 +184,7 @@ def diloco_and_ddp_bytes(pair: list[Host], tmp_path: Path) -> tuple[int, int]:
 def check_diloco_against_ddp(tmp_path: Path, diloco_bytes: int, ddp_bytes: int) -> None:
     """The two-host DiLoCo run's losses are the loopback run's, it had 2 workers, and the link carried > 3x more for
     DDP (the theory of :func:`test_diloco_across_two_hosts_over_a_shaped_link`)."""
-    here = train_cli(tmp_path / "here", 4, **{**DILOCO, "parallel.diloco_group": "2"})
+    here = train_cli(tmp_path / "here", 4, **{**DILOCO, "diloco.group": "2"})
     assert_close_losses(losses(read_records(tmp_path / "diloco")), losses(here))
     assert json.loads((tmp_path / "diloco" / "summary.json").read_text())["diloco"]["workers"] == 2
     assert ddp_bytes > 3 * diloco_bytes, (ddp_bytes, diloco_bytes)

@@ -1,4 +1,4 @@
-"""Elastic DiLoCo workers (``parallel.diloco_lighthouse``, :mod:`meshtrain.parallel.diloco.elastic`): each worker its own
+"""Elastic DiLoCo workers (``diloco.lighthouse``, :mod:`meshtrain.parallel.diloco.elastic`): each worker its own
 ``meshtrain train`` job, joined through torchft's lighthouse on 127.0.0.1.
 
 - With every worker alive from the start, two worker jobs are the two-worker DiLoCo of one job: the same
@@ -29,7 +29,7 @@ from elastic_jobs import Lighthouse, logged_steps, rank_pid
 pytest.importorskip("torchft")
 
 MODEL = {**TINY, "model.n_head": "4", "model.dropout": "0.0", "batch.micro_batch_size": "2",
-         "parallel.sync_mode": "diloco", "parallel.diloco_group": "1", "parallel.diloco_inner_steps": "4",
+         "parallel.sync_mode": "diloco", "diloco.group": "1", "diloco.inner_steps": "4",
          "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "3"}
 """The two-worker DiLoCo of tests/test_diloco.py's runs (AdamW inside, H = 4, outer Nesterov 0.7/0.9)."""
 
@@ -75,7 +75,7 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks, p
     worker 0 and the final weights agree to the contract's tolerance (the runs order no sum differently). With
     dp2 inside, each rank sends half the pseudo-gradient through its own torchft group, as in one job; in bf16 the
     pseudo-gradients are rounded and summed in bf16 by both (the count of 2 is exact in bf16)."""
-    exchange = {"parallel.diloco_precision": precision}
+    exchange = {"diloco.precision": precision}
     lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
     try:
         jobs = [(start_worker(lighthouse, w, tmp_path / f"w{w}", exchange, ranks=ranks), tmp_path / f"w{w}")
@@ -84,7 +84,7 @@ def test_two_worker_jobs_are_the_two_worker_diloco_of_one_job(tmp_path, ranks, p
             finish(proc, out)
     finally:
         lighthouse.close()
-    one_job = {**MODEL, **exchange, "parallel.diloco_group": str(ranks), "train.out_dir": str(tmp_path / "one-job")}
+    one_job = {**MODEL, **exchange, "diloco.group": str(ranks), "train.out_dir": str(tmp_path / "one-job")}
     proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", str(CONFIG), "--nproc", str(2 * ranks),
                            *override_args(one_job)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
@@ -196,16 +196,16 @@ def test_a_tp2_worker_that_starts_late_takes_over_the_sharded_state(tmp_path):
     assert_took_over_the_same_state(outs[1], outs[0])
 
 
-ELASTIC = {**MODEL, "parallel.diloco_lighthouse": "http://127.0.0.1:29510", "parallel.diloco_workers": "2"}
+ELASTIC = {**MODEL, "diloco.lighthouse": "http://127.0.0.1:29510", "diloco.workers": "2"}
 REFUSED = {  # key: values an elastic run refuses (each alone on ELASTIC)
-    "parallel.diloco_lighthouse": ["127.0.0.1:29510", "http://127.0.0.1", "http://127.0.0.1:0", "http://h:70000",
+    "diloco.lighthouse": ["127.0.0.1:29510", "http://127.0.0.1", "http://127.0.0.1:0", "http://h:70000",
                                    "ftp://h:1"],
-    "parallel.diloco_workers": ["1", "0"],
-    "parallel.diloco_worker": ["2", "-1"],
-    "parallel.diloco_fragments": ["2", "4"],
-    "parallel.diloco_alpha": ["0.5"],
-    "parallel.diloco_delay": ["1"],
-    "parallel.diloco_precision": ["int8"],
+    "diloco.workers": ["1", "0"],
+    "diloco.worker": ["2", "-1"],
+    "diloco.fragments": ["2", "4"],
+    "diloco.alpha": ["0.5"],
+    "diloco.delay": ["1"],
+    "diloco.precision": ["int8"],
     "parallel.zero_stage": ["1"],
     "checkpoint.interval": ["6", "2"],
     "train.steps": ["10", "13"],
@@ -226,9 +226,9 @@ def test_what_elastic_workers_do_not_support_is_refused_naming_the_key(key, valu
 def test_diloco_workers_without_a_lighthouse_is_refused_before_launch(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", str(CONFIG), "--nproc", "2",
-                           *override_args({**MODEL, "parallel.diloco_workers": "2", "train.out_dir": str(out)})],
+                           *override_args({**MODEL, "diloco.workers": "2", "train.out_dir": str(out)})],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
                           timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "parallel.diloco_lighthouse" in proc.stderr.strip().splitlines()[-1]
+    assert "diloco.lighthouse" in proc.stderr.strip().splitlines()[-1]
     assert not out.exists()

@@ -2,7 +2,7 @@
 
 - nothing listening at the address: one line within a bounded time (the check's own wait plus start-up), exit 2;
 - an ordinary HTTP server (not a lighthouse) answering there: one line saying it is not a lighthouse, exit 2;
-- a lighthouse that already hears a running worker with this job's ``parallel.diloco_worker``: the job is refused
+- a lighthouse that already hears a running worker with this job's ``diloco.worker``: the job is refused
   in one line (two jobs of one index would read the same data share, and no job the other one's); another index
   passes the check.
 
@@ -23,8 +23,8 @@ import pytest
 from conftest import CONFIG, TINY, free_port, override_args, run_cli
 from elastic_jobs import Lighthouse
 
-ELASTIC = {**TINY, "parallel.sync_mode": "diloco", "parallel.diloco_group": "1", "parallel.diloco_inner_steps": "2",
-           "train.steps": "4", "parallel.diloco_workers": "2"}
+ELASTIC = {**TINY, "parallel.sync_mode": "diloco", "diloco.group": "1", "diloco.inner_steps": "2",
+           "train.steps": "4", "diloco.workers": "2"}
 
 
 def started(lighthouse: Lighthouse) -> Lighthouse:
@@ -45,7 +45,7 @@ def refused(url: str, tmp_path, worker: int = 0) -> tuple[str, float]:
     out = tmp_path / "out"
     start = time.monotonic()
     proc = run_cli("train", str(CONFIG), "--nproc", "1",
-                   *override_args({**ELASTIC, "parallel.diloco_lighthouse": url, "parallel.diloco_worker": str(worker),
+                   *override_args({**ELASTIC, "diloco.lighthouse": url, "diloco.worker": str(worker),
                                    "train.out_dir": str(out)}), timeout=120)
     took = time.monotonic() - start
     lines = proc.stderr.strip().splitlines()
@@ -59,7 +59,7 @@ def test_nothing_listening_is_said_in_one_line_within_a_bounded_time(tmp_path):
 
     url = f"http://127.0.0.1:{free_port()}"
     line, took = refused(url, tmp_path)
-    assert f"parallel.diloco_lighthouse = '{url}': nothing answers there" in line and "torchft_lighthouse" in line
+    assert f"diloco.lighthouse = '{url}': nothing answers there" in line and "torchft_lighthouse" in line
     assert took < LIGHTHOUSE_WAIT_S + 30  # the check's wait plus the interpreter's start-up, not torchft's 200 s
 
 
@@ -105,7 +105,7 @@ def test_a_second_job_claiming_a_running_workers_index_is_refused(tmp_path):
         stop.set()
         beater.join()
         lighthouse.close()
-    assert line.startswith("meshtrain train: error: parallel.diloco_worker = 0 is taken: the lighthouse at "
+    assert line.startswith("meshtrain train: error: diloco.worker = 0 is taken: the lighthouse at "
                            f"{lighthouse.url} hears a running worker 0"), line
     assert "another index in [0, 2)" in line
 
@@ -120,7 +120,7 @@ def test_the_check_passes_a_free_index_at_a_lighthouse():
     try:
         torchft.LighthouseClient(lighthouse.url, timedelta(seconds=5)).heartbeat("worker0:abc")
         check_lighthouse(lighthouse.url, 1, 2)
-        with pytest.raises(ConfigError, match="parallel.diloco_worker = 0 is taken"):
+        with pytest.raises(ConfigError, match="diloco.worker = 0 is taken"):
             check_lighthouse(lighthouse.url, 0, 2)
     finally:
         lighthouse.close()

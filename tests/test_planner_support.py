@@ -167,20 +167,24 @@ SHARED_FIELD_CASES = {
                         "batch.gradient_accumulation_steps": "2"}, 2),
     "tp_sequence_parallel": ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}, 2),
     "sp_mode": ({"parallel.sp": "2", "parallel.sp_mode": "ring"}, 2),
-    "local_sgd_steps": ({"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "7"}, 2),
+    "local_sgd_steps": ({"parallel.sync_mode": "local-sgd", "local_sgd.steps": "7"}, 2),
     "hierarchical_allreduce": ({"parallel.hierarchical_allreduce": "true"}, 2),
-    "ps_servers": ({"parallel.sync_mode": "async", "parallel.ps_servers": "2"}, 4),
-    **{key: ({"parallel.sync_mode": "diloco", "parallel.diloco_group": "2", f"parallel.{key}": value}, 4)
-       for key, value in (("diloco_group", "2"), ("diloco_inner_steps", "6"), ("diloco_fragments", "2"),
-                          ("diloco_delay", "1"), ("diloco_precision", "int8"))},
+    "ps_servers": ({"parallel.sync_mode": "async", "parameter_server.servers": "2"}, 4),
+    **{f"diloco_{key}": ({"parallel.sync_mode": "diloco", "diloco.group": "2", f"diloco.{key}": value}, 4)
+       for key, value in (("group", "2"), ("inner_steps", "6"), ("fragments", "2"), ("delay", "1"),
+                          ("precision", "int8"))},
 }
 
 
-def _shared_fields() -> dict[str, type]:
-    """Layout's field names that ParallelConfig or BatchConfig also has -> that config section's class."""
+def _shared_fields() -> dict[str, tuple[str, str]]:
+    """Layout's field names that ParallelConfig or BatchConfig also has, or a sync mode's section under its prefix
+    (``planner.layout.SYNC_FIELDS``) -> (that config section, its key)."""
+    from meshtrain.planner.layout import SYNC_FIELDS
+
     layout_names = {f.name for f in dataclasses.fields(Layout)}
-    return {f.name: section for section in (ParallelConfig, BatchConfig) for f in dataclasses.fields(section)
-            if f.name in layout_names}
+    return {f.name: (name, f.name) for name, section in (("parallel", ParallelConfig), ("batch", BatchConfig))
+            for f in dataclasses.fields(section) if f.name in layout_names} | {
+        field: (section, key) for field, (_, section, key) in SYNC_FIELDS.items()}
 
 
 def test_every_shared_field_has_a_case():
@@ -192,9 +196,9 @@ def test_every_shared_field_has_a_case():
 def test_layout_from_config_carries_every_field_it_shares_with_the_config(name):
     overrides, world = SHARED_FIELD_CASES[name]
     cfg = load_config(None, overrides)
-    section = cfg.batch if _shared_fields()[name] is BatchConfig else cfg.parallel
-    value = getattr(section, name)
-    defaults = {getattr(_shared_fields()[name](), name)} | {f.default for f in dataclasses.fields(Layout) if f.name == name}
+    section, key = _shared_fields()[name]
+    value = getattr(getattr(cfg, section), key)
+    defaults = {getattr(getattr(Config(), section), key)} | {f.default for f in dataclasses.fields(Layout) if f.name == name}
     assert value not in defaults, f"the case for {name} must set a value that is no default"
     layout = Layout.from_config(cfg, world)
     assert getattr(layout, name) == value
@@ -204,15 +208,14 @@ def test_layout_from_config_carries_every_field_it_shares_with_the_config(name):
 @pytest.mark.parametrize("sync_mode, world", [("sync", 2), ("local-sgd", 2), ("async", 3), ("diloco", 2)])
 def test_layout_from_config_keeps_the_sync_mode_fields_of_other_modes_off(sync_mode, world):
     # another mode's keys are refused off their defaults (tests/test_sync_mode_keys.py): DiLoCo's only under DiLoCo
-    cfg = load_config(None, {"parallel.sync_mode": sync_mode, **({"parallel.diloco_group": "1"} if sync_mode == "diloco"
-                                                                  else {})})
+    cfg = load_config(None, {"parallel.sync_mode": sync_mode, **({"diloco.group": "1"} if sync_mode == "diloco" else {})})
     layout = Layout.from_config(cfg, world)
-    assert layout.local_sgd_steps == (cfg.parallel.local_sgd_steps if sync_mode == "local-sgd" else 0)
-    assert layout.ps_servers == (cfg.parallel.ps_servers if sync_mode == "async" else 0)
+    assert layout.local_sgd_steps == (cfg.local_sgd.steps if sync_mode == "local-sgd" else 0)
+    assert layout.ps_servers == (cfg.parameter_server.servers if sync_mode == "async" else 0)
     assert layout.diloco_group == (1 if sync_mode == "diloco" else 0)
     overrides = layout.to_overrides()
     assert overrides["parallel.sync_mode"] == sync_mode
-    assert any(key.startswith("parallel.diloco_") for key in overrides) == (sync_mode == "diloco")
+    assert any(key.startswith("diloco.") for key in overrides) == (sync_mode == "diloco")
     assert (layout.dp, layout.recompute) == (world - layout.ps_servers, "none")
     assert layout.global_batch_size == cfg.batch.micro_batch_size * (1 if sync_mode == "async" else world)
 

@@ -252,7 +252,7 @@ def test_elastic_restarts_more_random_kills(reference, tmp_path, seed):
     elastic_run(reference, tmp_path, seed)
 
 
-DILOCO_SGD = {"parallel.sync_mode": "diloco", "parallel.diloco_group": "1", "parallel.diloco_inner_steps": str(INTERVAL),
+DILOCO_SGD = {"parallel.sync_mode": "diloco", "diloco.group": "1", "diloco.inner_steps": str(INTERVAL),
               "optim.name": "sgd", "optim.lr": "0.3"}
 """Two DiLoCo workers of one rank each, an outer step at every checkpoint; inner SGD keeps no state of its own."""
 

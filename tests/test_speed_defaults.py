@@ -109,7 +109,7 @@ def test_async_workers_train_in_the_dtype_asked_for(tmp_path):
 
     bf16 = {"train.dtype": "bfloat16", "train.steps": "3"}
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "async"),
-                   *override_args({**TINY, **bf16, "parallel.sync_mode": "async", "parallel.max_staleness": "1000"}))
+                   *override_args({**TINY, **bf16, "parallel.sync_mode": "async", "parameter_server.max_staleness": "1000"}))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((tmp_path / "async" / "summary.json").read_text())["dtype"] == "bfloat16"
     sync_bf16 = losses(train_here(tmp_path / "sync_bf16", **bf16))

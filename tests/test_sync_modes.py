@@ -52,7 +52,7 @@ def torchrun(nproc: int, probe: str, out, overrides: dict[str, str]) -> subproce
 
 def test_local_sgd_warmup_is_synchronous_data_parallelism(tmp_path_factory):
     """Within local_sgd_warmup the post-local-SGD hook all-reduces gradients: one process's run exactly."""
-    layouts = {"local-sgd-warmup": (2, {"parallel.sync_mode": "local-sgd", "parallel.local_sgd_warmup": "6",
+    layouts = {"local-sgd-warmup": (2, {"parallel.sync_mode": "local-sgd", "local_sgd.warmup": "6",
                                         "batch.micro_batch_size": "4"})}
     got = layout_launcher(tmp_path_factory, MODEL, layouts, "lsgd")(2)["local-sgd-warmup"]
     want = reference_run(tmp_path_factory.mktemp("ref"), MODEL)
@@ -62,7 +62,7 @@ def test_local_sgd_warmup_is_synchronous_data_parallelism(tmp_path_factory):
 def test_local_sgd_replicas_agree_exactly_after_each_average_and_only_then(tmp_path):
     steps = 12
     overrides = {**TINY, "train.steps": str(steps), "batch.micro_batch_size": "4", "parallel.sync_mode": "local-sgd",
-                 "parallel.local_sgd_steps": "3", "parallel.local_sgd_warmup": "2"}
+                 "local_sgd.steps": "3", "local_sgd.warmup": "2"}
     torchrun(2, "local-sgd", tmp_path, overrides)
     ranks = [json.loads((tmp_path / f"local_sgd_rank{r}.json").read_text()) for r in range(2)]
     averaged = [r["averaged"] for r in ranks[0]]
@@ -78,16 +78,16 @@ def test_local_sgd_replicas_agree_exactly_after_each_average_and_only_then(tmp_p
 @pytest.mark.parametrize("mode, extra", [
     # local-sgd (~10 s) in `make test-slow`: its averaging and warmup are checked exactly in `make test`
     # (test_local_sgd_*); both parameter-server policies' convergence stays
-    pytest.param("local-sgd", {"parallel.sync_mode": "local-sgd", "parallel.local_sgd_steps": "4",
+    pytest.param("local-sgd", {"parallel.sync_mode": "local-sgd", "local_sgd.steps": "4",
                                "batch.micro_batch_size": "4"}, marks=pytest.mark.slow),
     # async-drop counts a dropped gradient as a step: 150 steps with 7 of 150 dropped reached val 3.16, but a
     # loaded CI machine dropped more and ended at 3.32 (> 3.31); 400 steps (val 3.09 at 300) leave room
-    pytest.param("async-drop", {"parallel.sync_mode": "async", "parallel.max_staleness": "1", "train.steps": "400"},
+    pytest.param("async-drop", {"parallel.sync_mode": "async", "parameter_server.max_staleness": "1", "train.steps": "400"},
                  marks=pytest.mark.serial),  # how many gradients are dropped depends on the ranks' timing: alone
     # async-wait: a loaded CI run ended at 3.318 (> 3.309) after 150 steps (3.159 unloaded), the staleness depending
     # on the ranks' timing; 400 steps, as async-drop above (3.133 unloaded at 300)
-    pytest.param("async-wait", {"parallel.sync_mode": "async", "parallel.max_staleness": "1",
-                                "parallel.stale_policy": "wait", "train.steps": "400"}, marks=pytest.mark.serial),
+    pytest.param("async-wait", {"parallel.sync_mode": "async", "parameter_server.max_staleness": "1",
+                                "parameter_server.stale_policy": "wait", "train.steps": "400"}, marks=pytest.mark.serial),
 ])
 def test_runs_converge_below_the_unigram_entropy(tmp_path, mode, extra):
     proc = run_cli("train", str(CONFIG), "--nproc", "3" if "async" in mode else "2", "--out", str(tmp_path),
@@ -103,8 +103,8 @@ def test_staleness_bound_holds_with_a_slow_worker(tmp_path, policy):
     """Three workers, the first 50 ms slower per gradient than the others' ~5 ms: by the time its
     gradient arrives the others have made many updates."""
     s = 1
-    overrides = {**TINY, "train.steps": "60", "parallel.sync_mode": "async", "parallel.max_staleness": str(s),
-                 "parallel.stale_policy": policy, "train.eval_interval": "0"}
+    overrides = {**TINY, "train.steps": "60", "parallel.sync_mode": "async", "parameter_server.max_staleness": str(s),
+                 "parameter_server.stale_policy": policy, "train.eval_interval": "0"}
     torchrun(4, "slow-worker", tmp_path, overrides)
     stats = json.loads((tmp_path / "summary.json").read_text())["async"]
     assert stats["staleness_max"] <= s
@@ -117,21 +117,21 @@ def test_staleness_bound_holds_with_a_slow_worker(tmp_path, policy):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nproc", "1", "--parallel.sync_mode", "async"], "needs at least one worker besides parallel.ps_servers = 1"),
+    (["--nproc", "1", "--parallel.sync_mode", "async"], "needs at least one worker besides parameter_server.servers = 1"),
     (["--nproc", "1", "--parallel.sync_mode", "local-sgd"], "needs dp >= 2 replicas to average, got dp = 1"),
-    (["--nproc", "2", "--parallel.sync_mode", "async", "--parallel.max_staleness", "-1"],
-     "parallel.max_staleness = -1 must be >= 0"),
+    (["--nproc", "2", "--parallel.sync_mode", "async", "--parameter_server.max_staleness", "-1"],
+     "parameter_server.max_staleness = -1 must be >= 0"),
     (["--nproc", "4", "--parallel.sync_mode", "async", "--parallel.tp", "2"],
      "parallel.tp = 2 cannot be combined with parallel.sync_mode = 'async'"),
     (["--nproc", "4", "--parallel.sync_mode", "async", "--parallel.pp", "2", "--batch.gradient_accumulation_steps", "2"],
      "parallel.pp = 2 cannot be combined with parallel.sync_mode = 'async'"),
     (["--nproc", "2", "--parallel.sync_mode", "local-sgd", "--parallel.zero_stage", "3"],
      "parallel.zero_stage = 3 cannot be combined with parallel.sync_mode = 'local-sgd'"),
-    (["--nproc", "4", "--parallel.sync_mode", "async", "--parallel.ps_servers", "2", "--parallel.stale_policy", "wait"],
-     "parallel.stale_policy = 'wait' needs parallel.ps_servers = 1"),
+    (["--nproc", "4", "--parallel.sync_mode", "async", "--parameter_server.servers", "2", "--parameter_server.stale_policy", "wait"],
+     "parameter_server.stale_policy = 'wait' needs parameter_server.servers = 1"),
     (["--nproc", "2", "--parallel.sync_mode", "bulk"], "parallel.sync_mode = 'bulk' is not valid"),
-    (["--nproc", "2", "--parallel.sync_mode", "local-sgd", "--parallel.local_sgd_steps", "0"],
-     "parallel.local_sgd_steps = 0 must be >= 1"),
+    (["--nproc", "2", "--parallel.sync_mode", "local-sgd", "--local_sgd.steps", "0"],
+     "local_sgd.steps = 0 must be >= 1"),
 ])
 def test_bad_sync_settings_are_refused_before_launch(tmp_path, args, message):
     proc = run_cli("train", str(CONFIG), "--out", str(tmp_path / "run"), *args)
@@ -147,7 +147,7 @@ def test_async_run_resumes_from_its_checkpoint(tmp_path):
     from meshtrain.checkpoint import store as ckpt
 
     run = tmp_path / "run"
-    base = {**TINY, "parallel.sync_mode": "async", "checkpoint.interval": "10", "parallel.max_staleness": "1000"}
+    base = {**TINY, "parallel.sync_mode": "async", "checkpoint.interval": "10", "parameter_server.max_staleness": "1000"}
     for steps, extra in (("10", []), ("20", ["--resume"])):
         proc = run_cli("train", str(CONFIG), "--nproc", "3", "--out", str(run), *extra,
                        *override_args({**base, "train.steps": steps}))

@@ -213,18 +213,13 @@ ZERO_STAGES = (0, 1, 2, 3)
 SYNC_MODES = ("sync", "async", "local-sgd", "diloco")
 """``parallel.sync_mode``: gradients all-reduced every step, a parameter server, local SGD, or DiLoCo (workers of
 any synchronous layout joined by an outer optimizer, :mod:`meshtrain.parallel.diloco`)."""
-SYNC_MODE_KEYS: dict[str, tuple[str, ...]] = {
-    "sync": ("hierarchical_allreduce",),
-    "local-sgd": ("local_sgd_steps", "local_sgd_warmup"),
-    "async": ("ps_servers", "max_staleness", "stale_policy"),
-    "diloco": ("diloco_group", "diloco_inner_steps", "outer_lr", "outer_momentum", "diloco_fragments", "diloco_delay",
-               "diloco_alpha", "diloco_precision", "diloco_lighthouse", "diloco_worker", "diloco_workers"),
-}
-"""The ``[parallel]`` keys that belong to one sync mode: under any other they must keep their defaults
-(``config.checks`` refuses them in one line, as a model family's keys under another family)."""
+SYNC_MODE_SECTIONS: dict[str, str] = {"local-sgd": "local_sgd", "async": "parameter_server", "diloco": "diloco"}
+"""The config section of each sync mode's own keys: under any other mode they must keep their defaults
+(``config.checks`` refuses them in one line, as a model family's keys under another family). A new sync mode is its
+module, its section and a row here."""
 OUTER_PRECISIONS = ("fp32", "bf16", "int8")
-"""``parallel.diloco_precision``: how DiLoCo's pseudo-gradients cross between workers (:mod:`meshtrain.parallel.diloco`)."""
+"""``diloco.precision``: how DiLoCo's pseudo-gradients cross between workers (:mod:`meshtrain.parallel.diloco`)."""
 WORKER_MESH = "diloco"
 """Name of the mesh dimension outside every axis whose ranks are DiLoCo's workers (:class:`meshtrain.mesh.ParallelDims`)."""
 STALE_POLICIES = ("drop", "wait")
-"""``parallel.stale_policy`` of the parameter server."""
+"""``parameter_server.stale_policy``."""

@@ -36,12 +36,12 @@ def preflight(run: ResolvedRun) -> None:
     from meshtrain.fileio import check_writable_dir
     from meshtrain.metrics import METRICS_FILE
 
-    p = cfg.parallel
-    if p.elastic and importlib.util.find_spec("torchft") is None:
-        raise ConfigError(f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} needs torchft, which is not installed: "
+    d = cfg.diloco
+    if cfg.elastic and importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"diloco.lighthouse = {d.lighthouse!r} needs torchft, which is not installed: "
                           f"pip install 'meshtrain[elastic]' (torchft>=0.2), or run the workers as one job without it")
-    if p.elastic:
-        check_lighthouse(p.diloco_lighthouse, p.diloco_worker, p.diloco_workers)
+    if cfg.elastic:
+        check_lighthouse(d.lighthouse, d.worker, d.workers)
     corpus = corpus_of(cfg)
     out = Path(cfg.train.out_dir)
     resume = cfg.checkpoint.resume
@@ -96,12 +96,12 @@ LIVE_HEARTBEAT_S = 3.0
 def check_lighthouse(url: str, worker: int, workers: int) -> None:
     """An elastic worker's lighthouse answers at ``url`` (within :data:`LIGHTHOUSE_WAIT_S`, resolving the host
     included), is a torchft lighthouse (its ``/status`` page), and hears no living worker ``worker`` already (another
-    job with the same ``parallel.diloco_worker`` would read the same data share, and no job the other one's).
+    job with the same ``diloco.worker`` would read the same data share, and no job the other one's).
 
     Raises:
         ConfigError: one line: nothing answers, something that is not a lighthouse answers, or the worker is taken.
     """
-    key = f"parallel.diloco_lighthouse = {url!r}"
+    key = f"diloco.lighthouse = {url!r}"
     start = "start one there first (torchft_lighthouse --bind HOST:PORT --min_replicas 1), or fix the address"
     answer = _http_get(url.rstrip("/") + "/status", LIGHTHOUSE_WAIT_S)
     if answer is None:
@@ -118,9 +118,9 @@ def check_lighthouse(url: str, worker: int, workers: int) -> None:
     for amount, unit in re.findall(rf"\bworker{worker}:\S*: seen ([\d.]+)(ns|µs|us|ms|s) ago", answer[1]):
         age = float(amount) * {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
         if age < LIVE_HEARTBEAT_S:
-            raise ConfigError(f"parallel.diloco_worker = {worker} is taken: the lighthouse at {url} hears a running "
+            raise ConfigError(f"diloco.worker = {worker} is taken: the lighthouse at {url} hears a running "
                               f"worker {worker} (another job, last heard {age:.1f} s ago): give this job another index "
-                              f"in [0, {workers}) (parallel.diloco_workers), or stop the other job first")
+                              f"in [0, {workers}) (diloco.workers), or stop the other job first")
 
 
 def _http_get(url: str, wait_s: float) -> tuple[int, str] | Exception | None:

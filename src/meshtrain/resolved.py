@@ -81,10 +81,10 @@ class ResolvedRun:
 
     @property
     def workers(self) -> int:
-        """DiLoCo's workers in this job (``sync_mode = "diloco"``: ``world_size / parallel.diloco_group``; 1 for an
+        """DiLoCo's workers in this job (``sync_mode = "diloco"``: ``world_size / diloco.group``; 1 for an
         elastic worker, whose peers are other jobs), else 1."""
-        p = self.config.parallel
-        return diloco_workers(p, self.world_size) if p.sync_mode == "diloco" and not p.elastic else 1
+        cfg = self.config
+        return diloco_workers(cfg, self.world_size) if cfg.parallel.sync_mode == "diloco" and not cfg.elastic else 1
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -95,9 +95,9 @@ class ResolvedRun:
     def global_batch_size(self) -> int:
         """Samples per optimizer step, ``micro_batch_size * gradient_accumulation_steps * dp``
         (:func:`meshtrain.batch_math.global_batch_size`; an async run's step is one worker's batch; an elastic
-        DiLoCo worker's run counts every worker's, ``dp * parallel.diloco_workers``)."""
+        DiLoCo worker's run counts every worker's, ``dp * diloco.workers``)."""
         b, p = self.config.batch, self.config.parallel
-        shares = p.diloco_workers if p.elastic else 1
+        shares = self.config.diloco.workers if self.config.elastic else 1
         return global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps,
                                  1 if p.sync_mode == "async" else self.dp * shares)
 

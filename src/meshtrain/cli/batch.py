@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
     p.add_argument("--loader-batch-size", type=int,
                    help="Open-Sora-Plan's per-rank train_batch_size (b): also show what its log would print")
     p.add_argument("--diloco-group", type=int, default=0,
-                   help="ranks per DiLoCo worker (parallel.diloco_group): also show the workers and outer steps")
-    p.add_argument("--diloco-inner-steps", type=int, default=8, help="DiLoCo's H (parallel.diloco_inner_steps; 8)")
+                   help="ranks per DiLoCo worker (diloco.group): also show the workers and outer steps")
+    p.add_argument("--diloco-inner-steps", type=int, default=8, help="DiLoCo's H (diloco.inner_steps; 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 

@@ -149,8 +149,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         nproc = args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be >= 1")
-    if cfg.parallel.sync_mode == "diloco" and cfg.parallel.diloco_group == 0:
-        cfg.parallel.diloco_group = nproc  # one worker per node
+    if cfg.parallel.sync_mode == "diloco" and cfg.diloco.group == 0:
+        cfg.diloco.group = nproc  # one worker per node
     if args.calibrate_from is not None and args.layout != "auto":
         raise ConfigError(f"--calibrate-from {args.calibrate_from} goes with --layout auto (it ranks the layouts); "
                           f"the config's layout is run as it is")

@@ -10,10 +10,11 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  router_*, moe_compute, shared_expert_ffn, ...; lstm/gru tbptt_steps)
     [data]       path, val_fraction, tokenizer, packing
     [parallel]   dp, tp, pp, sp, ep, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages,
-                 tp_sequence_parallel, sync_mode, local_sgd_steps, local_sgd_warmup, ps_servers, max_staleness,
-                 hierarchical_allreduce, stale_policy, diloco_group, diloco_inner_steps, outer_lr, outer_momentum,
-                 diloco_fragments, diloco_delay, diloco_alpha, diloco_precision, diloco_lighthouse, diloco_worker,
-                 diloco_workers
+                 tp_sequence_parallel, sync_mode, hierarchical_allreduce
+    [local_sgd]  steps, warmup                                     (sync_mode = "local-sgd")
+    [parameter_server]  servers, max_staleness, stale_policy       (sync_mode = "async")
+    [diloco]     group, inner_steps, outer_lr, outer_momentum, fragments, delay, alpha, precision, lighthouse,
+                 worker, workers                                   (sync_mode = "diloco")
     [batch]      micro_batch_size, gradient_accumulation_steps
     [optim]      name, lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2, lr_scaling,
                  reference_batch_size, fused

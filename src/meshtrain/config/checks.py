@@ -4,13 +4,15 @@ a family checks its own keys, :func:`meshtrain.models.registry.check_model`) and
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 from meshtrain import axes
-from meshtrain.axes import OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_KEYS, SYNC_MODES, degree_errors
+from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_SECTIONS, SYNC_MODES,
+                            degree_errors)
 from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
-                                       OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config, ParallelConfig)
+                                       OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config)
 from meshtrain.adapters.spec import check_adapter
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
@@ -93,11 +95,10 @@ def validate(cfg: Config, schedule: bool = True) -> Config:
     c = cfg.checkpoint
     _require(c.interval >= 0, f"checkpoint.interval = {c.interval} must be >= 0 (0 = only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep = {c.keep} must be >= 1")
-    p = cfg.parallel
-    if p.elastic:  # elastic workers save at outer steps only
-        H = p.diloco_inner_steps
+    if cfg.elastic:  # elastic workers save at outer steps only
+        H = cfg.diloco.inner_steps
         for key, value in (("checkpoint.interval", c.interval), ("train.steps", cfg.train.steps)):
-            _require(value % H == 0, f"{key} = {value} is not a multiple of parallel.diloco_inner_steps = {H}: "
+            _require(value % H == 0, f"{key} = {value} is not a multiple of diloco.inner_steps = {H}: "
                                      f"elastic workers end and save at outer steps; use a multiple of {H}")
     _require(not c.async_save or cfg.parallel.sync_mode != "async",
              "checkpoint.async_save = true needs a synchronous parallel.sync_mode: the parameter server (sync_mode "
@@ -246,25 +247,25 @@ def _validate_support(cfg: Config, schedule: bool = True) -> None:
 def _validate_sync_mode(cfg: Config) -> None:
     """local-sgd and async replace the gradient all-reduce of plain data parallelism, so they run with
     dp only (no tp, pp, sp, FSDP); the rank counts they need are checked in :func:`resolve_world`."""
-    p = cfg.parallel
+    p, ls, ps = cfg.parallel, cfg.local_sgd, cfg.parameter_server
     _require(p.sync_mode in SYNC_MODES, f"parallel.sync_mode = {p.sync_mode!r} is not valid: use one of "
                                         f"{', '.join(SYNC_MODES)}")
-    _require(p.local_sgd_steps >= 1, f"parallel.local_sgd_steps = {p.local_sgd_steps} must be >= 1")
-    _require(p.local_sgd_warmup >= 0, f"parallel.local_sgd_warmup = {p.local_sgd_warmup} must be >= 0")
-    _require(p.ps_servers >= 1, f"parallel.ps_servers = {p.ps_servers} must be >= 1")
-    _require(p.max_staleness >= 0, f"parallel.max_staleness = {p.max_staleness} must be >= 0 (0 = only fresh gradients)")
-    _require(p.stale_policy in STALE_POLICIES,
-             f"parallel.stale_policy = {p.stale_policy!r} is not valid: use one of {', '.join(STALE_POLICIES)}")
-    _require(p.sync_mode != "async" or p.stale_policy != "wait" or p.ps_servers == 1,
-             f"parallel.stale_policy = 'wait' needs parallel.ps_servers = 1 (got {p.ps_servers}): bounded waiting is "
+    _require(ls.steps >= 1, f"local_sgd.steps = {ls.steps} must be >= 1")
+    _require(ls.warmup >= 0, f"local_sgd.warmup = {ls.warmup} must be >= 0")
+    _require(ps.servers >= 1, f"parameter_server.servers = {ps.servers} must be >= 1")
+    _require(ps.max_staleness >= 0, f"parameter_server.max_staleness = {ps.max_staleness} must be >= 0 (0 = only fresh gradients)")
+    _require(ps.stale_policy in STALE_POLICIES,
+             f"parameter_server.stale_policy = {ps.stale_policy!r} is not valid: use one of {', '.join(STALE_POLICIES)}")
+    _require(p.sync_mode != "async" or ps.stale_policy != "wait" or ps.servers == 1,
+             f"parameter_server.stale_policy = 'wait' needs parameter_server.servers = 1 (got {ps.servers}): bounded waiting is "
              f"decided by one server; use stale_policy = 'drop' with several servers")
     if p.hierarchical_allreduce:
         _require(p.sync_mode == "sync" and p.zero_stage == 0 and p.tp == 1,
                  f"parallel.hierarchical_allreduce = true replaces DDP's gradient all-reduce: it needs sync_mode = "
                  f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
-    _validate_sync_mode_keys(p)
+    _validate_sync_mode_sections(cfg)
     if p.sync_mode == "diloco":
-        _validate_diloco(p)
+        _validate_diloco(cfg)
     if p.sync_mode in ("sync", "diloco"):
         return
     for key, value in ((str(a), axes.degree(p, a)) for a in REPLICA_AXES):
@@ -274,84 +275,86 @@ def _validate_sync_mode(cfg: Config) -> None:
                                 f"{p.sync_mode!r}: every replica keeps whole parameters; use zero_stage = 0")
 
 
-def _validate_sync_mode_keys(p: ParallelConfig) -> None:
-    """The keys of another sync mode than ``p.sync_mode`` (:data:`meshtrain.axes.SYNC_MODE_KEYS`) keep their
-    defaults: set, they would do nothing."""
-    defaults = ParallelConfig()
-    for mode, keys in SYNC_MODE_KEYS.items():
-        for key in keys:
+def _validate_sync_mode_sections(cfg: Config) -> None:
+    """The section of another sync mode than ``parallel.sync_mode`` (:data:`meshtrain.axes.SYNC_MODE_SECTIONS`) keeps
+    its defaults: set, its keys would do nothing."""
+    mode_now = cfg.parallel.sync_mode
+    for mode, name in SYNC_MODE_SECTIONS.items():
+        section, defaults = getattr(cfg, name), type(getattr(cfg, name))()
+        for f in dataclasses.fields(section):
             value, default = (str(v).lower() if isinstance(v, bool) else repr(v)
-                              for v in (getattr(p, key), getattr(defaults, key)))
-            _require(mode == p.sync_mode or value == default,
-                     f"parallel.{key} = {value} applies to parallel.sync_mode = {mode!r} only: use {default} with "
-                     f"sync_mode = {p.sync_mode!r}, or set --parallel.sync_mode {mode}")
+                              for v in (getattr(section, f.name), getattr(defaults, f.name)))
+            _require(mode == mode_now or value == default,
+                     f"{name}.{f.name} = {value} applies to parallel.sync_mode = {mode!r} only: use {default} with "
+                     f"sync_mode = {mode_now!r}, or set --parallel.sync_mode {mode}")
 
 
-def _validate_diloco(p: ParallelConfig) -> None:
+def _validate_diloco(cfg: Config) -> None:
     """DiLoCo's own keys; inside a worker every synchronous layout runs, so only what replaces the cross-worker
     exchange is refused (the hierarchical all-reduce; ep, whose all-to-all would span workers)."""
-    _require(p.diloco_group >= 0, f"parallel.diloco_group = {p.diloco_group} must be >= 0 (0 = the ranks of one node)")
-    _require(p.diloco_inner_steps >= 1, f"parallel.diloco_inner_steps = {p.diloco_inner_steps} must be >= 1")
-    _require(p.outer_lr > 0, f"parallel.outer_lr = {p.outer_lr} must be > 0")
-    _require(0 <= p.outer_momentum < 1, f"parallel.outer_momentum = {p.outer_momentum} must be in [0, 1)")
-    _require(p.diloco_fragments >= 1, f"parallel.diloco_fragments = {p.diloco_fragments} must be >= 1")
-    _require(p.diloco_inner_steps % p.diloco_fragments == 0,
-             f"parallel.diloco_inner_steps = {p.diloco_inner_steps} is not divisible by parallel.diloco_fragments = "
-             f"{p.diloco_fragments}: a fragment syncs every H/F steps; use an H that is a multiple of F")
-    every = p.diloco_inner_steps // p.diloco_fragments
-    _require(0 <= p.diloco_delay < every,
-             f"parallel.diloco_delay = {p.diloco_delay} must be in [0, H/F = {every}): a fragment's exchange must "
+    p, d = cfg.parallel, cfg.diloco
+    _require(d.group >= 0, f"diloco.group = {d.group} must be >= 0 (0 = the ranks of one node)")
+    _require(d.inner_steps >= 1, f"diloco.inner_steps = {d.inner_steps} must be >= 1")
+    _require(d.outer_lr > 0, f"diloco.outer_lr = {d.outer_lr} must be > 0")
+    _require(0 <= d.outer_momentum < 1, f"diloco.outer_momentum = {d.outer_momentum} must be in [0, 1)")
+    _require(d.fragments >= 1, f"diloco.fragments = {d.fragments} must be >= 1")
+    _require(d.inner_steps % d.fragments == 0,
+             f"diloco.inner_steps = {d.inner_steps} is not divisible by diloco.fragments = "
+             f"{d.fragments}: a fragment syncs every H/F steps; use an H that is a multiple of F")
+    every = d.inner_steps // d.fragments
+    _require(0 <= d.delay < every,
+             f"diloco.delay = {d.delay} must be in [0, H/F = {every}): a fragment's exchange must "
              f"land before the next fragment's starts")
-    _require(0 <= p.diloco_alpha < 1, f"parallel.diloco_alpha = {p.diloco_alpha} must be in [0, 1)")
-    _require(p.diloco_precision in OUTER_PRECISIONS, f"parallel.diloco_precision = {p.diloco_precision!r} is not "
+    _require(0 <= d.alpha < 1, f"diloco.alpha = {d.alpha} must be in [0, 1)")
+    _require(d.precision in OUTER_PRECISIONS, f"diloco.precision = {d.precision!r} is not "
                                                      f"valid: use one of {', '.join(OUTER_PRECISIONS)}")
     _require(not p.hierarchical_allreduce, "parallel.hierarchical_allreduce = true cannot be combined with "
                                            "parallel.sync_mode = 'diloco' (its outer step is the cross-node exchange): "
                                            "use false")
-    if p.diloco_lighthouse:
-        _validate_elastic(p)
+    if d.lighthouse:
+        _validate_elastic(cfg)
     else:
-        _require(p.diloco_workers == 0, f"parallel.diloco_workers = {p.diloco_workers} is for elastic workers (separate "
-                                         f"jobs): set parallel.diloco_lighthouse too, or use 0")
+        _require(d.workers == 0, f"diloco.workers = {d.workers} is for elastic workers (separate "
+                                         f"jobs): set diloco.lighthouse too, or use 0")
 
 
-def _validate_elastic(p: ParallelConfig) -> None:
+def _validate_elastic(cfg: Config) -> None:
     """Elastic DiLoCo workers (:mod:`meshtrain.parallel.diloco.elastic`): the lighthouse's address, the worker's index, and
     what the elastic exchange does not do (it syncs the whole model at once, applied at once, in fp32 or bf16)."""
-    url = re.fullmatch(r"https?://[^\s/:]+:(\d{1,5})/?", p.diloco_lighthouse)
+    p, d = cfg.parallel, cfg.diloco
+    url = re.fullmatch(r"https?://[^\s/:]+:(\d{1,5})/?", d.lighthouse)
     _require(url is not None and 0 < int(url.group(1)) < 65536,
-             f"parallel.diloco_lighthouse = {p.diloco_lighthouse!r} is not an address: use http://HOST:PORT "
+             f"diloco.lighthouse = {d.lighthouse!r} is not an address: use http://HOST:PORT "
              f"(where torchft_lighthouse --bind listens)")
-    _require(p.diloco_workers >= 2, f"parallel.diloco_workers = {p.diloco_workers} must be >= 2 with a lighthouse: "
+    _require(d.workers >= 2, f"diloco.workers = {d.workers} must be >= 2 with a lighthouse: "
                                     f"the workers (jobs) of the run, whose shares of the data they read")
-    _require(0 <= p.diloco_worker < p.diloco_workers,
-             f"parallel.diloco_worker = {p.diloco_worker} must be in [0, {p.diloco_workers}) (diloco_workers)")
-    for key, value, plain in (("diloco_fragments", p.diloco_fragments, 1), ("diloco_delay", p.diloco_delay, 0),
-                              ("diloco_alpha", p.diloco_alpha, 0.0)):
-        _require(value == plain, f"parallel.{key} = {value} is not supported by elastic workers "
-                                 f"(parallel.diloco_lighthouse): they sync the whole model at once; use {plain}")
-    _require(p.diloco_precision in ("fp32", "bf16"), f"parallel.diloco_precision = {p.diloco_precision!r} is not "
+    _require(0 <= d.worker < d.workers,
+             f"diloco.worker = {d.worker} must be in [0, {d.workers}) (diloco.workers)")
+    for key, value, plain in (("fragments", d.fragments, 1), ("delay", d.delay, 0), ("alpha", d.alpha, 0.0)):
+        _require(value == plain, f"diloco.{key} = {value} is not supported by elastic workers "
+                                 f"(diloco.lighthouse): they sync the whole model at once; use {plain}")
+    _require(d.precision in ("fp32", "bf16"), f"diloco.precision = {d.precision!r} is not "
                                                      f"supported by elastic workers: use 'fp32' or 'bf16'")
     _require(p.zero_stage != 1, "parallel.zero_stage = 1 is not supported by elastic workers (a rejoining worker "
                                 "takes a peer's whole optimizer state): use 0, 2 or 3")
 
 
-def diloco_workers(p: ParallelConfig, world_size: int) -> int:
-    """DiLoCo's workers on ``world_size`` ranks: ``world_size / diloco_group`` (``diloco_group`` resolved, >= 1).
+def diloco_workers(cfg: Config, world_size: int) -> int:
+    """DiLoCo's workers on ``world_size`` ranks: ``world_size / diloco.group`` (``diloco.group`` resolved, >= 1).
 
     Raises:
         ConfigError: the group does not divide the ranks, holds no whole replica (pp*sp*tp), or leaves one worker.
     """
-    group, inner = p.diloco_group, axes.replica_size(p)
+    group, inner = cfg.diloco.group, axes.replica_size(cfg.parallel)
     names = axes.product_text(REPLICA_AXES)
-    _require(world_size % group == 0, f"parallel.diloco_group = {group} ranks per worker does not divide the "
+    _require(world_size % group == 0, f"diloco.group = {group} ranks per worker does not divide the "
                                       f"{world_size} ranks: use a divisor of {world_size}")
-    _require(group % inner == 0, f"parallel.diloco_group = {group} is not a multiple of {names} = {inner}: a "
+    _require(group % inner == 0, f"diloco.group = {group} is not a multiple of {names} = {inner}: a "
                                  f"worker holds whole replicas; use a multiple of {inner}")
     workers = world_size // group
     smaller = [g for g in range(inner, world_size // 2 + 1, inner) if world_size % g == 0]
     _require(workers >= 2, f"parallel.sync_mode = 'diloco' needs >= 2 workers, got {world_size} ranks in groups of "
-                           f"{group}: " + (f"set parallel.diloco_group to one of {', '.join(map(str, smaller))}"
+                           f"{group}: " + (f"set diloco.group to one of {', '.join(map(str, smaller))}"
                                            if smaller else f"use --nproc {2 * group} or more"))
     return workers
 
@@ -410,12 +413,12 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
     Raises:
         ConfigError: nproc is not divisible by ``pp*sp*tp``, or disagrees with an explicit dp.
     """
-    p = cfg.parallel
+    p, d = cfg.parallel, cfg.diloco
     if p.sync_mode == "async":
-        return _resolve_async_world(p, nproc)
+        return _resolve_async_world(cfg, nproc)
     inner, names = axes.replica_size(p), axes.product_text(REPLICA_AXES)
-    if nproc is None and p.sync_mode == "diloco" and p.dp == -1 and p.diloco_group >= 1:
-        nproc = p.diloco_group * (1 if p.diloco_lighthouse else 2)  # two workers; elastic: a job is one
+    if nproc is None and p.sync_mode == "diloco" and p.dp == -1 and d.group >= 1:
+        nproc = d.group * (1 if d.lighthouse else 2)  # two workers; elastic: a job is one
     if nproc is None:
         dp = 1 if p.dp == -1 else p.dp
         if p.sync_mode == "local-sgd":
@@ -439,25 +442,26 @@ def resolve_world(cfg: Config, nproc: int | None, schedule: bool = True) -> tupl
     _require(p.sync_mode != "local-sgd" or dp >= 2,
              f"parallel.sync_mode = 'local-sgd' needs dp >= 2 replicas to average, got dp = {dp}: use --nproc 2 or more")
     if p.sync_mode == "diloco":
-        _require(p.diloco_group >= 1, "parallel.diloco_group = 0 (one node per worker) is resolved by meshtrain "
+        _require(d.group >= 1, "diloco.group = 0 (one node per worker) is resolved by meshtrain "
                                       "train from --nproc; set it to the ranks of one worker")
-        if p.diloco_lighthouse:  # elastic: this job is one worker
-            _require(p.diloco_group == nproc, f"parallel.diloco_group = {p.diloco_group} must equal the job's "
-                                              f"{nproc} ranks with parallel.diloco_lighthouse: each job is one worker")
+        if d.lighthouse:  # elastic: this job is one worker
+            _require(d.group == nproc, f"diloco.group = {d.group} must equal the job's "
+                                              f"{nproc} ranks with diloco.lighthouse: each job is one worker")
         else:
-            diloco_workers(p, nproc)
+            diloco_workers(cfg, nproc)
     return nproc, dp
 
 
-def _resolve_async_world(p: ParallelConfig, nproc: int | None) -> tuple[int, int]:
-    """``(world_size, workers)`` of a parameter-server run: ``ps_servers`` server ranks plus the workers
-    (``parallel.dp``; -1 = every rank that is not a server)."""
+def _resolve_async_world(cfg: Config, nproc: int | None) -> tuple[int, int]:
+    """``(world_size, workers)`` of a parameter-server run: ``parameter_server.servers`` server ranks plus the
+    workers (``parallel.dp``; -1 = every rank that is not a server)."""
+    p, ps = cfg.parallel, cfg.parameter_server
     if nproc is None:
         workers = 2 if p.dp == -1 else p.dp
-        return p.ps_servers + workers, workers
-    workers = nproc - p.ps_servers
-    _require(workers >= 1, f"parallel.sync_mode = 'async' needs at least one worker besides parallel.ps_servers = "
-                           f"{p.ps_servers} server(s), got --nproc = {nproc}: use --nproc {p.ps_servers + 1} or more")
+        return ps.servers + workers, workers
+    workers = nproc - ps.servers
+    _require(workers >= 1, f"parallel.sync_mode = 'async' needs at least one worker besides parameter_server.servers = "
+                           f"{ps.servers} server(s), got --nproc = {nproc}: use --nproc {ps.servers + 1} or more")
     _require(p.dp in (-1, workers), f"parallel.dp = {p.dp} workers does not match --nproc = {nproc} with "
-                                    f"{p.ps_servers} server(s) (= {workers} workers): set --dp {workers} or -1")
+                                    f"{ps.servers} server(s) (= {workers} workers): set --dp {workers} or -1")
     return nproc, workers

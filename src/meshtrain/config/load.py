@@ -29,6 +29,17 @@ SHORT_FLAGS = {
 }
 
 
+MOVED_KEYS = {**{f"parallel.{old}": f"local_sgd.{new}" for old, new in (("local_sgd_steps", "steps"),
+                                                                            ("local_sgd_warmup", "warmup"))},
+              **{f"parallel.{old}": f"parameter_server.{new}" for old, new in (
+                  ("ps_servers", "servers"), ("max_staleness", "max_staleness"), ("stale_policy", "stale_policy"))},
+              **{f"parallel.{old}": f"diloco.{old.removeprefix('diloco_')}" for old in (
+                  "diloco_group", "diloco_inner_steps", "outer_lr", "outer_momentum", "diloco_fragments", "diloco_delay",
+                  "diloco_alpha", "diloco_precision", "diloco_lighthouse", "diloco_worker", "diloco_workers")}}
+"""Keys that moved (issue 53: each sync mode's keys in its own section) -> where they are now. Config files, command
+lines and saved run configs that use the old names keep working."""
+
+
 @functools.cache
 def _field_types(cls: type) -> dict[str, type]:
     """A config dataclass's field names -> their types (the annotations evaluated once per class: ``get_type_hints``
@@ -101,6 +112,7 @@ def set_key(cfg: Config, dotted: str, value: Any, from_text: bool = True) -> Non
     sections = _sections()
     if "." not in dotted:
         raise ConfigError(f"'{dotted}' is not a config key: use section.key, e.g. parallel.dp")
+    dotted = MOVED_KEYS.get(dotted, dotted)
     section, key = dotted.split(".", 1)
     if section not in sections:
         raise ConfigError(f"unknown config section '{section}': {_suggest(section, list(sections))}"
@@ -123,7 +135,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             (see :func:`validate`).
     """
     cfg = Config()
-    given: set[str] = set()
+    given: set[str] = set()  # the keys by their names now (MOVED_KEYS)
     if path is not None:
         p = Path(path)
         data = read_toml(p, "config file")
@@ -132,10 +144,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 raise ConfigError(f"'{section}' in {p} must be a [section] table, got {table!r}")
             for key, value in table.items():
                 set_key(cfg, f"{section}.{key}", value, from_text=False)
-                given.add(f"{section}.{key}")
+                given.add(MOVED_KEYS.get(f"{section}.{key}", f"{section}.{key}"))
     for dotted, value in (overrides or {}).items():
         set_key(cfg, dotted, value)
-        given.add(dotted)
+        given.add(MOVED_KEYS.get(dotted, dotted))
     apply_init_from(cfg.model, given)
     # '~/x' (quoted in a shell, or in a config file) is the user's home, as for data.path and model.init_from: the
     # run lock, the pre-launch checks and the ranks then all mean the same folder

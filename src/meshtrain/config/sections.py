@@ -81,55 +81,70 @@ class ParallelConfig(ParallelDegrees):
     """Megatron sequence parallelism: norms and dropouts split along the sequence inside the tp group."""
     sync_mode: str = "sync"
     """How dp replicas combine their work: "sync" (gradients all-reduced every step), "local-sgd" (each
-    replica steps alone, parameters averaged every ``local_sgd_steps``), "async" (a parameter server,
-    :mod:`meshtrain.parallel.async_ps`) or "diloco" (workers of ``diloco_group`` ranks, each a synchronous
-    layout, take ``diloco_inner_steps`` alone, then an outer Nesterov step on their averaged pseudo-gradient,
-    :mod:`meshtrain.parallel.diloco`)."""
-    local_sgd_steps: int = 4
-    """local-sgd: optimizer steps between two parameter averages (H of Lin et al. 2020)."""
-    local_sgd_warmup: int = 0
-    """local-sgd: synchronous steps (gradient all-reduce) before local SGD starts (post-local SGD)."""
-    ps_servers: int = 1
-    """async: ranks 0..ps_servers-1 hold the parameters and the optimizer; the other ranks are workers."""
-    max_staleness: int = 4
-    """async: a gradient computed on parameters more than this many updates old is not applied."""
+    replica steps alone, parameters averaged every ``local_sgd.steps``), "async" (a parameter server,
+    :mod:`meshtrain.parallel.async_ps`, ``[parameter_server]``) or "diloco" (workers of ``diloco.group`` ranks, each a
+    synchronous layout, take ``diloco.inner_steps`` alone, then an outer Nesterov step on their averaged
+    pseudo-gradient, :mod:`meshtrain.parallel.diloco`). Each mode other than "sync" has its own section of keys
+    (:data:`meshtrain.axes.SYNC_MODE_SECTIONS`), which keeps its defaults under another mode."""
     hierarchical_allreduce: bool = False
     """Reduce gradients inside each node first, then across nodes between one rank per node, then
     broadcast inside the node (:mod:`meshtrain.parallel.hierarchical`); DDP (zero_stage 0, tp 1) only."""
-    diloco_group: int = 0
-    """diloco: ranks per worker (a multiple of pp*sp*tp that divides the world); 0 = the ranks of one node (``--nproc``)."""
-    diloco_inner_steps: int = 8
-    """diloco: H, inner optimizer steps between two outer steps of a fragment (Douillard et al. 2023)."""
-    outer_lr: float = 0.7
-    """diloco: learning rate of the outer Nesterov SGD (DiLoCo's 0.7)."""
-    outer_momentum: float = 0.9
-    """diloco: momentum of the outer SGD (Nesterov; 0 = plain SGD)."""
-    diloco_fragments: int = 1
-    """diloco: F, contiguous groups of blocks synced in turn, one every H/F steps (Streaming DiLoCo); 1 = all at once."""
-    diloco_delay: int = 0
-    """diloco: tau, inner steps a fragment's outer all-reduce overlaps before it is applied (Streaming DiLoCo); < H/F."""
-    diloco_alpha: float = 0.0
-    """diloco: mixing, local <- alpha * local + (1 - alpha) * outer weights after a fragment's outer step (0 = replace)."""
-    diloco_precision: str = "fp32"
-    """diloco: how the pseudo-gradients cross between workers: "fp32", "bf16" (all-reduce in bf16) or "int8"
-    (each worker's quantized per row, all-gathered, averaged in fp32)."""
-    diloco_lighthouse: str = ""
-    """diloco: elastic workers: the torchft lighthouse (``http://HOST:PORT``, started with ``torchft_lighthouse``)
-    through which separately launched jobs, one worker each, form the outer all-reduce at every outer step; a
-    worker may leave and rejoin (``--max-restarts``), the others go on (:mod:`meshtrain.parallel.diloco.elastic`).
-    "" = the workers are this job's rank groups."""
-    diloco_worker: int = 0
-    """diloco, elastic: this job's worker, 0 .. ``diloco_workers - 1`` (which share of the data it reads)."""
-    diloco_workers: int = 0
-    """diloco, elastic: the workers of the run (the data is split in that many shares); 0 without a lighthouse."""
-    stale_policy: str = "drop"
-    """async: "drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers
-    wait for parameters so that no gradient is ever too stale)."""
 
-    @property
-    def elastic(self) -> bool:
-        """Whether this job is one elastic DiLoCo worker (``sync_mode = "diloco"`` with ``diloco_lighthouse``)."""
-        return self.sync_mode == "diloco" and bool(self.diloco_lighthouse)
+
+@dataclass
+class LocalSGDConfig:
+    """The ``[local_sgd]`` section: ``parallel.sync_mode = "local-sgd"`` (:mod:`meshtrain.parallel.local_sgd`)."""
+
+    steps: int = 4
+    """Optimizer steps between two parameter averages (H of Lin et al. 2020)."""
+    warmup: int = 0
+    """Synchronous steps (gradient all-reduce) before local SGD starts (post-local SGD)."""
+
+
+@dataclass
+class ParameterServerConfig:
+    """The ``[parameter_server]`` section: ``parallel.sync_mode = "async"`` (:mod:`meshtrain.parallel.async_ps`)."""
+
+    servers: int = 1
+    """Ranks 0..servers-1 hold the parameters and the optimizer; the other ranks are workers."""
+    max_staleness: int = 4
+    """A gradient computed on parameters more than this many updates old is not applied."""
+    stale_policy: str = "drop"
+    """"drop" (workers never wait; a too-stale gradient is dropped and counted) or "wait" (workers wait for
+    parameters so that no gradient is ever too stale)."""
+
+
+@dataclass
+class DiLoCoConfig:
+    """The ``[diloco]`` section: ``parallel.sync_mode = "diloco"`` (:mod:`meshtrain.parallel.diloco`; Douillard et al.
+    2023, arXiv:2311.08105; Streaming DiLoCo, Douillard et al. 2025, arXiv:2501.18512)."""
+
+    group: int = 0
+    """Ranks per worker (a multiple of pp*sp*tp that divides the world); 0 = the ranks of one node (``--nproc``)."""
+    inner_steps: int = 8
+    """H, inner optimizer steps between two outer steps of a fragment."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov SGD (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (Nesterov; 0 = plain SGD)."""
+    fragments: int = 1
+    """F, contiguous groups of blocks synced in turn, one every H/F steps (Streaming DiLoCo); 1 = all at once."""
+    delay: int = 0
+    """tau, inner steps a fragment's outer all-reduce overlaps before it is applied (Streaming DiLoCo); < H/F."""
+    alpha: float = 0.0
+    """Mixing, local <- alpha * local + (1 - alpha) * outer weights after a fragment's outer step (0 = replace)."""
+    precision: str = "fp32"
+    """How the pseudo-gradients cross between workers: "fp32", "bf16" (all-reduce in bf16) or "int8" (each worker's
+    quantized per row, all-gathered, averaged in fp32)."""
+    lighthouse: str = ""
+    """Elastic workers: the torchft lighthouse (``http://HOST:PORT``, started with ``torchft_lighthouse``) through
+    which separately launched jobs, one worker each, form the outer all-reduce at every outer step; a worker may
+    leave and rejoin (``--max-restarts``), the others go on (:mod:`meshtrain.parallel.diloco.elastic`). "" = the
+    workers are this job's rank groups."""
+    worker: int = 0
+    """Elastic: this job's worker, 0 .. ``workers - 1`` (which share of the data it reads)."""
+    workers: int = 0
+    """Elastic: the workers of the run (the data is split in that many shares); 0 without a lighthouse."""
 
 
 @dataclass
@@ -280,6 +295,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+    parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this job is one elastic DiLoCo worker (``sync_mode = "diloco"`` with ``diloco.lighthouse``)."""
+        return self.parallel.sync_mode == "diloco" and bool(self.diloco.lighthouse)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -10,7 +10,7 @@ applies each gradient it accepts at once (one AdamW step per gradient), so a gra
 computed on parameters that are several updates old: its staleness, ``server version - version the
 worker pulled``.
 
-``parallel.max_staleness`` (s) bounds it, by ``parallel.stale_policy``:
+``parameter_server.max_staleness`` (s) bounds it, by ``parameter_server.stale_policy``:
 
 - ``"drop"``: workers never wait; the server applies gradients in arrival order and drops (and counts)
   one whose staleness exceeds s.
@@ -55,7 +55,7 @@ def shard_parameters(sizes: list[int], n_servers: int) -> list[list[int]]:
         ValueError: more servers than parameters (a server would hold nothing).
     """
     if n_servers > len(sizes):
-        raise ValueError(f"parallel.ps_servers = {n_servers} exceeds the model's {len(sizes)} parameter tensors")
+        raise ValueError(f"parameter_server.servers = {n_servers} exceeds the model's {len(sizes)} parameter tensors")
     load = [0] * n_servers
     shards: list[list[int]] = [[] for _ in range(n_servers)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):

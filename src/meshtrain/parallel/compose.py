@@ -97,7 +97,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                                                 compiled=compiled, after_backward=_expert_sync([pipeline.model], dims, p))
     else:
         model = parallelize_model(model, dims, p, **blockwise)
-        local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), p.local_sgd_steps, p.local_sgd_warmup)
+        local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), cfg.local_sgd.steps, cfg.local_sgd.warmup)
                      if p.sync_mode == "local-sgd" else None)
         parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
@@ -106,20 +106,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
         parallel.dpo = {"beta": cfg.train.dpo_beta, "loss_type": cfg.train.dpo_loss,
                         "label_smoothing": cfg.train.dpo_label_smoothing}
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
-    if p.elastic:  # this job is one worker; the others are jobs too
+    replicas = dims.get_mesh(BATCH_MESH).get_group() if replicated else None
+    if cfg.elastic:  # this job is one worker; the others are jobs too
         from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
         from meshtrain.runtime.distributed import LOOPBACK_ENV
 
-        parallel.outer = ElasticDiLoCo(parallel.model, cfg.model.n_layer, p.diloco_inner_steps, p.outer_lr,
-                                       p.outer_momentum, p.diloco_precision,
-                                       dims.get_mesh(BATCH_MESH).get_group() if replicated else None,
-                                       p.diloco_lighthouse, p.diloco_worker, cfg.train.collective_timeout_s,
-                                       loopback=os.environ.get(LOOPBACK_ENV) == "1")
+        parallel.sync = ElasticDiLoCo(parallel.model, cfg.model.n_layer, cfg.diloco, replicas,
+                                      cfg.train.collective_timeout_s, loopback=os.environ.get(LOOPBACK_ENV) == "1")
     elif dims.workers > 1:
-        parallel.outer = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer,
-                                p.diloco_inner_steps, p.outer_lr, p.outer_momentum, p.diloco_fragments, p.diloco_delay,
-                                p.diloco_alpha, p.diloco_precision,
-                                dims.get_mesh(BATCH_MESH).get_group() if replicated else None)
+        parallel.sync = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer, cfg.diloco,
+                               replicas)
     return parallel
 
 

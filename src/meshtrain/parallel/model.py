@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.mesh import Axis, ParallelDims
 from meshtrain.objectives import dpo_loss
+from meshtrain.parallel.sync import SYNCHRONOUS, SyncMode
 from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_logps,
                                       supervised_count)
 
@@ -62,9 +63,9 @@ class ParallelModel:
         """Called once a step's gradients are accumulated, before they are clipped: the experts' gradient
         reduction of expert parallelism (:func:`meshtrain.parallel.expert.sync_expert_gradients`), or nothing."""
 
-    outer: Any = None
-    """DiLoCo's outer loop (:class:`meshtrain.parallel.diloco.DiLoCo`), or None: set by
-    :func:`meshtrain.parallel.compose.parallelize` with ``sync_mode = "diloco"``."""
+    sync: SyncMode = SYNCHRONOUS
+    """The sync mode's hooks around the loop's steps (:class:`meshtrain.parallel.sync.SyncMode`; DiLoCo's outer loop,
+    :class:`meshtrain.parallel.diloco.DiLoCo`): set by :func:`meshtrain.parallel.compose.parallelize`."""
 
     aux_loss: torch.Tensor | None = None
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
@@ -154,20 +155,19 @@ class ParallelModel:
                 module.update_bias()
 
     def end_step(self, step: int) -> None:
-        """Called after optimizer step ``step`` (1-based) on every rank, updated or skipped: DiLoCo's outer steps."""
-        if self.outer is not None:
-            self.outer.after_step(step)
+        """Called after optimizer step ``step`` (1-based) on every rank, updated or skipped: the sync mode's
+        (DiLoCo's outer steps)."""
+        self.sync.after_step(step)
 
     def consolidate(self, step: int) -> None:
         """Make the replicas hold the same parameters before a checkpoint after step ``step`` (they always do, but
         under local SGD and DiLoCo)."""
-        if self.outer is not None:
-            self.outer.consolidate(step)
+        self.sync.consolidate(step)
 
     def report(self, out_dir: Path, skip_steps: int) -> dict[str, Any]:
         """Layout-specific entries of the run's summary (the pipeline's bubble, DiLoCo's exchanges); ``skip_steps``
         warm-up steps are left out of timings."""
-        return {} if self.outer is None else {"diloco": self.outer.report()}
+        return self.sync.report()
 
 
 class ReplicatedModel(ParallelModel):

@@ -26,6 +26,13 @@ from meshtrain.axes import OUTER_PRECISIONS, PP_SCHEDULES, SP_MODES, ZERO_STAGES
 from meshtrain.axes import RECOMPUTE_MODES as RECOMPUTE
 
 
+SYNC_FIELDS = {"local_sgd_steps": ("local-sgd", "local_sgd", "steps"), "ps_servers": ("async", "parameter_server", "servers"),
+               **{f"diloco_{key}": ("diloco", "diloco", key)
+                  for key in ("group", "inner_steps", "fragments", "delay", "precision")}}
+"""The ``Layout`` fields of a sync mode -> (the mode, its config section, the key there): taken from and given to the
+config under that mode only (:meth:`Layout.from_config`, :meth:`Layout.to_overrides`)."""
+
+
 LayoutDegrees = axes.degrees_dataclass("LayoutDegrees", "One degree per axis, 1 by default.", defaults="one",
                                        frozen=True)
 
@@ -73,14 +80,18 @@ class Layout(LayoutDegrees):
         """The layout a training config runs with on ``world_size`` ranks (the trainer's ``--nproc``).
 
         Every field ``Layout`` shares by name with :class:`~meshtrain.config.sections.ParallelConfig` or
-        :class:`~meshtrain.config.sections.BatchConfig` is taken from the config as it is; only the fields whose
-        meaning differs are spelled out here:
+        :class:`~meshtrain.config.sections.BatchConfig`, or with a sync mode's section under its prefix
+        (:data:`SYNC_FIELDS`: ``diloco_inner_steps`` is ``diloco.inner_steps``), is taken from the config as it is;
+        only the fields whose meaning differs are spelled out here:
 
         - ``dp``: the resolved data-parallel degree (:func:`meshtrain.config.checks.resolve_world`; the
           config's -1 fills the ranks; with ``sync_mode = "async"``, the number of workers);
-        - ``local_sgd_steps``: the config's only with ``sync_mode = "local-sgd"``, else 0 (every step syncs);
-        - ``ps_servers``: the config's only with ``sync_mode = "async"``, else 0 (no parameter server);
-        - ``diloco_group``: the config's only with ``sync_mode = "diloco"``, else 0 (no DiLoCo);
+        - ``local_sgd_steps`` (``local_sgd.steps``): the config's only with ``sync_mode = "local-sgd"``, else 0 (every
+          step syncs);
+        - ``ps_servers`` (``parameter_server.servers``): the config's only with ``sync_mode = "async"``, else 0 (no
+          parameter server);
+        - ``diloco_group`` (``diloco.group``) and DiLoCo's other fields: the config's only with ``sync_mode =
+          "diloco"``, else the group 0 (no DiLoCo) and the others their defaults;
         - ``recompute``: the config's ``train.recompute``;
         - ``micro_batch_size``: in sequences: with ``train.objective = "dpo"`` twice the config's (a pair is a chosen
           and a rejected sequence, :class:`meshtrain.data.conversations.Pairs`).
@@ -93,10 +104,10 @@ class Layout(LayoutDegrees):
         names = {f.name for f in fields(cls)}
         values = {f.name: getattr(section, f.name) for section in (p, cfg.batch) for f in fields(section)
                   if f.name in names}
+        values.update({name: getattr(getattr(cfg, section), key) for name, (mode, section, key) in SYNC_FIELDS.items()
+                       if mode == p.sync_mode})
         values["micro_batch_size"] *= sequences_per_sample(cfg)
-        values.update(dp=dp, recompute=cfg.train.recompute, local_sgd_steps=p.local_sgd_steps if p.sync_mode == "local-sgd" else 0,
-                      ps_servers=p.ps_servers if p.sync_mode == "async" else 0,
-                      diloco_group=p.diloco_group if p.sync_mode == "diloco" else 0)
+        values.update(dp=dp, recompute=cfg.train.recompute)
         return cls(**values)
 
     def to_overrides(self) -> dict[str, str]:
@@ -112,17 +123,17 @@ class Layout(LayoutDegrees):
         """
         from meshtrain.config.sections import BatchConfig
 
-        sections = {f.name: "parallel" for f in fields(ParallelConfig)} | {f.name: "batch" for f in fields(BatchConfig)}
-        sections["recompute"] = "train"
+        keys = {f.name: f"parallel.{f.name}" for f in fields(ParallelConfig)} | {
+            f.name: f"batch.{f.name}" for f in fields(BatchConfig)} | {"recompute": "train.recompute"}
         out = {"parallel.sync_mode": self.sync_mode}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("local_sgd_steps", "ps_servers", "diloco_group") and not value:
-                continue
-            if f.name.startswith("diloco_") and not self.diloco_group:
-                continue
-            if f.name in sections:
-                out[f"{sections[f.name]}.{f.name}"] = str(value).lower() if isinstance(value, bool) else str(value)
+            if f.name in SYNC_FIELDS:
+                mode, section, key = SYNC_FIELDS[f.name]
+                if mode == self.sync_mode:
+                    out[f"{section}.{key}"] = str(value)
+            elif f.name in keys:
+                out[keys[f.name]] = str(value).lower() if isinstance(value, bool) else str(value)
             elif value != f.default:
                 raise ValueError(f"layout field {f.name} = {value!r} has no key in the trainer's config")
         return out

@@ -57,9 +57,10 @@ class AsyncRun:
         self.rank, world = init_distributed("gloo", timeout)
         self.resolved = for_world(run, world)
         self.cfg = cfg = self.resolved.config
-        p, b, t = cfg.parallel, cfg.batch, cfg.train
-        self.servers = list(range(p.ps_servers))
-        self.workers = list(range(p.ps_servers, world))
+        b, t = cfg.batch, cfg.train
+        ps = cfg.parameter_server
+        self.servers = list(range(ps.servers))
+        self.workers = list(range(ps.servers, world))
         self.setup = set_up(cfg, torch.device("cpu"))
         self.corpus, self.model = self.setup.corpus, self.setup.model
         self.autocast = self.setup.autocast
@@ -87,7 +88,8 @@ class AsyncRun:
                 ckpt.load(self.resume, self.model, self.optimizer, group=self.server_group)
             optim = scaled_optim(cfg.optim, self.batch)
             self.server = ParameterServer(self.shards[self.rank], self.optimizer, lambda k: lr_at(k, optim, t.steps),
-                                          self.workers, p.max_staleness, p.stale_policy, t.steps, self.start,
+                                          self.workers, cfg.parameter_server.max_staleness,
+                                          cfg.parameter_server.stale_policy, t.steps, self.start,
                                           self._on_gradient)
             self.server.version = int(state.get("version", self.start))
         else:

@@ -89,52 +89,59 @@ class Trainer:
         self.batch_ranks = dist.get_process_group_ranks(self.dims.get_mesh(BATCH_MESH).get_group())
         self.setup = set_up(cfg, self.device)
         conversations = isinstance(self.setup.corpus.train, Conversations)  # targets outside the loss
-        a = cfg.adapter
-        quantized = a.quantize_base != "none"  # QLoRA: the base is quantized as the adapters are added: read it first
+        quantized = cfg.adapter.quantize_base != "none"  # QLoRA: the base is quantized as the adapters are added
         grown = self.setup.growth and GrownRows(self.setup.growth.old, self.setup.growth.new, cfg.train.seed)
-        if quantized and cfg.model.init_from:  # whole, on each rank, then quantized
+        if quantized and cfg.model.init_from:  # so read it first: whole, on each rank, then quantized
             load_hf_weights(self.setup.model, cfg.model.init_from, cfg.model, grown)
-        if a.lora_rank and self.rank == 0:
-            n = adapter_parameters(cfg.model, list(a.lora_targets), a.lora_rank)
-            print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
-                  f"base's {self.setup.model.num_params():,} are frozen", file=sys.stderr, flush=True)
+        self._say_adapters()
         self.parallel = parallelize(self.setup.model, self.dims, cfg, self.setup.autocast,
                                     eos_id=self.setup.corpus.tokenizer.eos_id,  # data.packing = "document" splits at it
                                     conversations=conversations)
         self.model = self.parallel.model
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
-        b = cfg.batch
         zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
-        p = cfg.parallel
-        shares = p.diloco_workers if p.elastic else 1  # an elastic job is worker diloco_worker of them
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
-        worker = p.diloco_worker if p.elastic else self.dims.worker_of(self.rank)
+        self._build_data(dp)
+        self.out_dir = Path(cfg.train.out_dir)
+        # DiLoCo: the outer weights are the model as it starts; elastic workers join the others (behind them, they
+        # take over a living one's state and step)
+        self.start_step = self.parallel.sync.start(self._maybe_resume(), self.optimizer, self.sampler, self.scheduler)
+        c = cfg.checkpoint
+        self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
+        self._load_base(grown, quantized)
+        if cfg.train.objective == "dpo":
+            self._set_reference()
+
+    def _say_adapters(self) -> None:
+        """LoRA, on rank 0: how many adapter parameters train, and how many of the base's are frozen."""
+        a = self.cfg.adapter
+        if a.lora_rank and self.rank == 0:
+            n = adapter_parameters(self.cfg.model, list(a.lora_targets), a.lora_rank)
+            print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
+                  f"base's {self.setup.model.num_params():,} are frozen", file=sys.stderr, flush=True)
+
+    def _build_data(self, dp: int) -> None:
+        """This rank's train sampler and validation batches: its share among the ``dp`` replicas of every worker (and
+        DiLoCo's elastic workers' shares, :meth:`meshtrain.parallel.sync.SyncMode.data_share`)."""
+        cfg, b, corpus = self.cfg, self.cfg.batch, self.setup.corpus
+        shares, worker = self.parallel.sync.data_share(self.dims, self.rank)
         dp_rank = worker * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'
-        corpus = self.setup.corpus
         self.sampler = ShardedSampler(corpus.train, cfg.model.block_size, b.micro_batch_size,
                                       b.gradient_accumulation_steps, dp * shares, dp_rank, cfg.train.seed)
         self.val = eval_batches(corpus.val, cfg.model.block_size, b.micro_batch_size, cfg.train.eval_steps,
                                 dp * shares, dp_rank, cfg.train.seed)
-        if conversations and self.rank == 0 and corpus.train.truncated:
+        if isinstance(corpus.train, Conversations) and self.rank == 0 and corpus.train.truncated:
             print(f"{corpus.train.truncated} of {corpus.train.conversations} train conversations are longer than a "
                   f"window (model.block_size + 1 = {cfg.model.block_size + 1} tokens): each keeps its first "
                   f"{cfg.model.block_size + 1} tokens, its tail is cut", file=sys.stderr, flush=True)
-        self.out_dir = Path(cfg.train.out_dir)
-        self.start_step = self._maybe_resume()
-        if self.parallel.outer is not None:
-            self.parallel.outer.start(self.start_step)  # the outer weights: the model as it starts
-        if p.elastic:  # join the other workers; behind them, take over a living one's state and step
-            self.parallel.outer.attach(self.optimizer, self.sampler, self.scheduler)
-            joined = self.parallel.outer.join(self.start_step)
-            if joined != self.start_step and self.rank == 0:
-                print(f"DiLoCo worker {p.diloco_worker} joined the others at step {joined} (took over a living "
-                      f"worker's state; it was at step {self.start_step})", file=sys.stderr, flush=True)
-            self.start_step = joined
-        c = cfg.checkpoint
-        self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
-        adapters = cfg.adapter.lora_rank > 0  # the frozen base is not in the checkpoints: read it on resume too
+
+    def _load_base(self, grown: Any, quantized: bool) -> None:
+        """``model.init_from``'s weights into this rank's slices when the run starts, and on every resume of adapters
+        (the frozen base is not in their checkpoints; QLoRA read it before quantizing); what they came from."""
+        cfg = self.cfg
+        adapters = cfg.adapter.lora_rank > 0
         if cfg.model.init_from and (self.start_step == 0 or adapters) and not quantized:
             load_hf_weights(self.model, cfg.model.init_from, cfg.model, grown)  # each rank reads the slices it holds
             if grown and self.rank == 0:
@@ -144,8 +151,6 @@ class Trainer:
             self.source_hf_config = self.source_hf_config or source_hf_config(cfg.model.init_from)
         if adapters and self.rank == 0:  # what a resume, export or generate checks the base against
             self.adapter_base = base_record(cfg.model.init_from, cfg.train.seed)
-        if cfg.train.objective == "dpo":
-            self._set_reference()
 
     def _set_reference(self) -> None:
         """DPO: the reference log-probabilities of the starting weights (:mod:`meshtrain.train.reference`) on the
@@ -170,7 +175,7 @@ class Trainer:
             return 0
         meta = ckpt.load(path, self.model, self.optimizer,
                          aliases={"lm_head.weight": "tok_emb.weight"},  # the tied weight, by its first name
-                         extra=self.parallel.outer)
+                         extra=self.parallel.sync.checkpointed())
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(meta["scheduler"])
         self.source_hf_config = meta.get("source_hf_config")
@@ -213,8 +218,7 @@ class Trainer:
         the committed step folder, or None while ``checkpoint.async_save`` writes it in the background
         (``wait``: wait for that write and commit it). A step whose write is in flight is not saved twice."""
         saved = None
-        outer = self.parallel.outer
-        if outer is not None and not outer.can_save(step):
+        if not self.parallel.sync.can_save(step):
             return self.checkpoints.wait() if wait else None  # an elastic worker between outer steps: no outer model
         if self.checkpoints.in_flight != step:
             self.parallel.consolidate(step)
@@ -223,12 +227,12 @@ class Trainer:
                 carried[BASE_KEY] = self.adapter_base
             meta = checkpoint_meta(self.cfg, self.setup, self.sampler.state_dict(), self._layout(),
                                    self.sampler.global_batch_size, scheduler=self.scheduler.state_dict(), **carried)
-            saved = self.checkpoints.save(step, self.model, self.optimizer, meta, extra=self.parallel.outer)
+            saved = self.checkpoints.save(step, self.model, self.optimizer, meta, extra=self.parallel.sync.checkpointed())
         return saved or (self.checkpoints.wait() if wait else None)
 
     def run(self) -> dict[str, Any]:
         """Train from ``start_step`` to ``train.steps``; return a summary (rank 0's view)."""
-        t, c = self.cfg.train, self.cfg.checkpoint
+        t = self.cfg.train
         enter_phase(f"the stop check before step {self.start_step + 1}", self.world_ranks)
         signum = STOP.agreed(self.device)
         if signum:  # stopped while starting: nothing is written (a resumed run keeps its checkpoint)
@@ -248,81 +252,104 @@ class Trainer:
                 # saves (every eval_interval / checkpoint.interval steps) do not.
                 t0 = mark
                 profiler.begin(step)
-                seed_step(self.model, t.seed, step, self.rank, self.dims.tp)
-                lr = self.scheduler.get_last_lr()[0]
-                enter_phase(f"step {step}: forward/backward", self.world_ranks)
-                local_loss = self.forward_backward(self.sampler.next_step())
-                enter_phase(f"step {step}: gradient norm all-reduce", self.world_ranks)
-                grad_norm = self.clip_gradients()
-                enter_phase(f"step {step}: loss all-reduce", self.batch_ranks)
-                loss = batch_mean(local_loss, self.dims)  # the same on every rank, as grad_norm: all skip together
+                loss, grad_norm, lr = self._train_step(step)
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
-                if finite:
-                    self.optimizer.step()
-                    self.parallel.after_optimizer_step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                if self.parallel.outer is not None:
-                    enter_phase(f"step {step}: DiLoCo's outer step", self.world_ranks)
-                self.parallel.end_step(step)
                 nonfinite = 0 if finite else nonfinite + 1
                 dt = time.perf_counter() - t0
                 if step > self.start_step + TIMING_WARMUP_STEPS:
                     step_times.append(dt)
                 last = step == t.steps
-                record = None
-                if step % t.log_interval == 0 or last or not finite:
-                    record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
-                              "grad_norm": grad_norm, "step_time_s": dt,
-                              "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
-                    if self.parallel.masked and self.parallel.dpo is None:  # the tokens the loss is the mean over
-                        record["supervised_tokens"] = self.parallel.supervised_tokens
-                    if self.parallel.dpo is not None:  # TRL's rewards/*, means over the global batch's pairs
-                        sums = batch_sum(self.parallel.pair_metrics, self.dims) / (self.parallel.pairs * self.dims.sp)
-                        record.update(zip(PAIR_METRICS, sums.tolist()), pairs=self.parallel.pairs)
-                    if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
-                        record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
-                    if not finite:
-                        record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
-                log.step(step, record)
+                logged = step % t.log_interval == 0 or last or not finite
+                log.step(step, self._record(step, loss, lr, grad_norm, dt, tokens) if logged else None)
                 if nonfinite >= t.max_nonfinite_steps:
-                    enter_phase(f"step {step}: waiting for the checkpoint write", self.world_ranks)
-                    self.checkpoints.wait()
-                    kept = ckpt.list_checkpoints(self.out_dir)
-                    raise TrainingDiverged(
-                        f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
-                        f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
-                        f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
+                    self._diverged(step, nonfinite, loss, grad_norm)
                 periodic = time.perf_counter()
                 profiler.end(step)  # writes the trace after the last profiled step, untimed
                 if last or (t.eval_interval and step % t.eval_interval == 0):
                     enter_phase(f"step {step}: evaluation", self.world_ranks)
                     val_loss = self.evaluate()
                     log.eval(step, val_loss, **self.val_metrics)
-                saved = None
-                if last or (c.interval and step % c.interval == 0):
-                    enter_phase(f"step {step}: checkpoint save", self.world_ranks)
-                    saved = self.save(step, wait=last)  # the final save (async too) is committed before the end
-                elif self.checkpoints.in_flight:
-                    enter_phase(f"step {step}: the checkpoint commit check", self.world_ranks)
-                    self.checkpoints.commit_if_written()
+                saved = self._save_due(step, last)
                 periodic = time.perf_counter() - periodic
                 if not last:
-                    enter_phase(f"step {step}: the stop check", self.world_ranks)
-                    signum = STOP.agreed(self.device)  # every rank stops after the same step
-                    if signum:
-                        if saved is None:
-                            enter_phase(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
-                            saved = self.save(step, wait=True)
-                        raise Stopped(signum, step, t.steps, saved)
+                    self._stop_check(step, saved)
                 mark = time.perf_counter() - periodic
         finally:
             profiler.close()
             log.close()
         summary = self._finish(step_times, val_loss, tokens)
-        if self.parallel.outer is not None:
-            self.parallel.outer.close()  # elastic workers leave the quorum
+        self.parallel.sync.close()  # elastic workers leave the quorum
         return summary
+
+    def _train_step(self, step: int) -> tuple[float, float, float]:
+        """One optimizer step on every rank: forward/backward of the step's micro-batches, the clipped gradient norm,
+        the update (skipped by every rank alike when the loss or the norm is not finite), the LR schedule and the
+        sync mode's hook. Returns ``(loss, grad_norm, lr)``: the global batch's mean loss, the norm, the step's LR."""
+        seed_step(self.model, self.cfg.train.seed, step, self.rank, self.dims.tp)
+        lr = self.scheduler.get_last_lr()[0]
+        enter_phase(f"step {step}: forward/backward", self.world_ranks)
+        local_loss = self.forward_backward(self.sampler.next_step())
+        enter_phase(f"step {step}: gradient norm all-reduce", self.world_ranks)
+        grad_norm = self.clip_gradients()
+        enter_phase(f"step {step}: loss all-reduce", self.batch_ranks)
+        loss = batch_mean(local_loss, self.dims)  # the same on every rank, as grad_norm: all skip together
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.parallel.after_optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        enter_phase(f"step {step}: {self.parallel.sync.phase or 'the end of the step'}", self.world_ranks)
+        self.parallel.end_step(step)
+        return loss, grad_norm, lr
+
+    def _record(self, step: int, loss: float, lr: float, grad_norm: float, dt: float, tokens: int) -> dict[str, Any]:
+        """The step's line of ``metrics.jsonl`` (``dt`` seconds, ``tokens`` per step)."""
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt, "grad_norm": grad_norm,
+                  "step_time_s": dt, "peak_memory_bytes": peak_memory_bytes(self.device.type)}  # rank 0's, so far
+        if self.parallel.masked and self.parallel.dpo is None:  # the tokens the loss is the mean over
+            record["supervised_tokens"] = self.parallel.supervised_tokens
+        if self.parallel.dpo is not None:  # TRL's rewards/*, means over the global batch's pairs
+            sums = batch_sum(self.parallel.pair_metrics, self.dims) / (self.parallel.pairs * self.dims.sp)
+            record.update(zip(PAIR_METRICS, sums.tolist()), pairs=self.parallel.pairs)
+        if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
+            record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
+        return record
+
+    def _diverged(self, step: int, nonfinite: int, loss: float, grad_norm: float) -> None:
+        """Raise TrainingDiverged after ``nonfinite`` non-finite steps in a row (``train.max_nonfinite_steps``), once
+        the checkpoint being written is committed."""
+        enter_phase(f"step {step}: waiting for the checkpoint write", self.world_ranks)
+        self.checkpoints.wait()
+        kept = ckpt.list_checkpoints(self.out_dir)
+        raise TrainingDiverged(
+            f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
+            f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
+            f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
+
+    def _save_due(self, step: int, last: bool) -> Path | None:
+        """The checkpoint of ``step`` when one is due (every ``checkpoint.interval`` steps, and the last, whose write
+        is committed before the end), else the commit of one written in the background; the committed folder or
+        None."""
+        interval = self.cfg.checkpoint.interval
+        if last or (interval and step % interval == 0):
+            enter_phase(f"step {step}: checkpoint save", self.world_ranks)
+            return self.save(step, wait=last)
+        if self.checkpoints.in_flight:
+            enter_phase(f"step {step}: the checkpoint commit check", self.world_ranks)
+            self.checkpoints.commit_if_written()
+        return None
+
+    def _stop_check(self, step: int, saved: Path | None) -> None:
+        """Every rank stops after the same step on a stop signal: then saved (unless ``saved`` already), Stopped."""
+        enter_phase(f"step {step}: the stop check", self.world_ranks)
+        signum = STOP.agreed(self.device)
+        if signum:
+            if saved is None:
+                enter_phase(f"step {step}: checkpoint save on {signal.Signals(signum).name}", self.world_ranks)
+                saved = self.save(step, wait=True)
+            raise Stopped(signum, step, self.cfg.train.steps, saved)
 
     def _finish(self, step_times: list[float], val_loss: float | None, tokens: int) -> dict[str, Any]:
         """Gather the run's summary (peak memory is the max over ranks); rank 0 writes ``OUT/summary.json``

@@ -1,8 +1,8 @@
-"""Elastic DiLoCo workers (``parallel.diloco_lighthouse``): each worker its own job, free to leave and rejoin.
+"""Elastic DiLoCo workers (``diloco.lighthouse``): each worker its own job, free to leave and rejoin.
 
 Under :class:`meshtrain.parallel.diloco.outer.DiLoCo` the workers are rank groups of one torchrun job, and torchrun
 restarts a whole job when one rank fails: every worker would stop. Here each worker is a job of its own
-(``meshtrain train ... --parallel.diloco_worker I``), and the outer all-reduce runs through torchft (PyTorch's
+(``meshtrain train ... --diloco.worker I``), and the outer all-reduce runs through torchft (PyTorch's
 fault-tolerance library, pytorch/torchft): at every outer step the workers alive ask a lighthouse
 (``torchft_lighthouse``) for a quorum, the all-reduce runs over a process group re-formed for that quorum, and
 each worker commits the step only if its all-reduce succeeded (``Manager.should_commit``). A worker that dies
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -54,10 +55,9 @@ class ElasticDiLoCo(DiLoCo):
 
     Args:
         model: this rank's part of the model (one worker's layout: DDP, FSDP2, tp, pp, sp inside).
-        n_layer, inner_steps, outer_lr, outer_momentum, precision ("fp32" or "bf16"), replica_group: as
-            :class:`~meshtrain.parallel.diloco.outer.DiLoCo`'s.
-        lighthouse: the lighthouse's ``http://HOST:PORT``.
-        worker: this job's worker index (torchft's replica id ``worker{I}``).
+        n_layer, d, replica_group: as :class:`~meshtrain.parallel.diloco.outer.DiLoCo`'s (one fragment, no delay, no
+            mixing, precision "fp32" or "bf16"), and of ``d``: ``lighthouse``, the lighthouse's ``http://HOST:PORT``;
+            ``worker``, this job's worker index (torchft's replica id ``worker{I}``); ``workers``, the run's.
         timeout_s: how long a quorum, an all-reduce or a state transfer may wait (seconds); a joining worker
             waits for the others' next outer step, so it must exceed H inner steps.
         loopback: the job's store is on 127.0.0.1 (one machine): the manager advertises 127.0.0.1 too.
@@ -66,8 +66,7 @@ class ElasticDiLoCo(DiLoCo):
         ImportError: torchft is not installed (``pip install torchft``).
     """
 
-    def __init__(self, model: nn.Module, n_layer: int, inner_steps: int, outer_lr: float, outer_momentum: float,
-                 precision: str, replica_group: dist.ProcessGroup | None, lighthouse: str, worker: int,
+    def __init__(self, model: nn.Module, n_layer: int, d: Any, replica_group: dist.ProcessGroup | None,
                  timeout_s: float, loopback: bool) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO (2 lines a step)
         from torchft.manager import Manager
@@ -75,8 +74,9 @@ class ElasticDiLoCo(DiLoCo):
 
         logging.getLogger("torchft.manager").addFilter(_no_flight_recorder)
 
-        super().__init__(model, None, n_layer, inner_steps, outer_lr, outer_momentum, precision=precision,
-                         replica_group=replica_group)
+        super().__init__(model, None, n_layer, d, replica_group=replica_group)
+        lighthouse, worker = d.lighthouse, d.worker
+        self.worker, self.shares = worker, d.workers
         timeout = timedelta(seconds=timeout_s)
         # the same backend as the job's own group (gloo on CPUs, NCCL on GPUs: meshtrain.runtime.device)
         pg = ProcessGroupGloo(timeout=timeout) if dist.get_backend() == "gloo" else ProcessGroupNCCL(timeout=timeout)
@@ -98,16 +98,22 @@ class ElasticDiLoCo(DiLoCo):
         self.participants = 0
         """Workers in the last quorum."""
 
-    def attach(self, optimizer: torch.optim.Optimizer, sampler: Any, scheduler: Any) -> None:
-        """The trainer's part of the state a rejoining worker takes over: the inner optimizer (this rank's shards), the
-        sampler's position and the LR schedule (each with ``state_dict``/``load_state_dict``)."""
-        self._trainer = (optimizer, sampler, scheduler)
+    def data_share(self, dims: Any, rank: int) -> tuple[int, int]:
+        """This job reads share ``diloco.worker`` of ``diloco.workers``."""
+        return self.shares, self.worker
 
-    def join(self, step: int) -> int:
-        """Join the workers before inner step ``step + 1`` (``step``: 0, or the step a checkpoint resumed);
-        return the step to continue after: a living worker's when this one was behind and took over its state,
-        else ``step``. Blocks until the others reach their next outer step (or all start together)."""
+    def start(self, step: int, optimizer: Any = None, sampler: Any = None, scheduler: Any = None) -> int:
+        """Join the workers before inner step ``step + 1`` (``step``: 0, or the step a checkpoint resumed), with the
+        trainer's part of the state a rejoining worker takes over: the inner optimizer (this rank's shards), the
+        sampler's position and the LR schedule (each with ``state_dict``/``load_state_dict``). Return the step to
+        continue after: a living worker's when this one was behind and took over its state, else ``step``. Blocks
+        until the others reach their next outer step (or all start together)."""
+        super().start(step)
+        self._trainer = (optimizer, sampler, scheduler)
         self._sync(step)
+        if self.step != step and dist.get_rank() == 0:
+            print(f"DiLoCo worker {self.worker} joined the others at step {self.step} (took over a living worker's "
+                  f"state; it was at step {step})", file=sys.stderr, flush=True)
         return self.step
 
     def after_step(self, step: int) -> None:
@@ -178,10 +184,10 @@ class ElasticDiLoCo(DiLoCo):
     def report(self) -> dict[str, Any]:
         """DiLoCo's summary entry (:meth:`DiLoCo.report`, this worker's bytes) plus the elastic facts: workers in the
         last quorum, outer steps not committed, the step this worker took over (None if it never rejoined)."""
-        entry = super().report()
+        entry = self.entry()
         entry.update(workers=self.participants, elastic=True, failed_commits=self.failed_commits,
                      healed_at=self.healed_at)
-        return entry
+        return {"diloco": entry}
 
     def close(self) -> None:
         """Leave: stop this worker's manager server (its heartbeats) and checkpoint transport."""

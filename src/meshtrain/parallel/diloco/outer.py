@@ -1,8 +1,8 @@
-"""DiLoCo and Streaming DiLoCo (``parallel.sync_mode = "diloco"``): workers that talk every H steps.
+"""DiLoCo and Streaming DiLoCo (``parallel.sync_mode = "diloco"``, ``[diloco]``): workers that talk every H steps.
 
-The ranks form ``workers`` groups of ``parallel.diloco_group`` ranks (one node each by default); inside a
+The ranks form ``workers`` groups of ``diloco.group`` ranks (one node each by default); inside a
 worker any synchronous layout runs unchanged (DDP, FSDP2, tp, pp, sp: :class:`meshtrain.mesh.ParallelDims`
-puts the workers outside every axis). Each worker takes ``H = diloco_inner_steps`` steps of its own inner
+puts the workers outside every axis). Each worker takes ``H = diloco.inner_steps`` steps of its own inner
 optimizer (AdamW, its states never leave the worker); then every worker computes the pseudo-gradient of its
 parameters, the outer weights minus its own, the workers average it, and an outer SGD with Nesterov momentum
 moves the outer weights (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
@@ -16,15 +16,15 @@ Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping comm
 Algorithm 2, Sec. 2.2-2.4) syncs one fragment of the model at a time, overlaps the exchange with inner steps and
 mixes the result in:
 
-- fragments: ``F = diloco_fragments`` contiguous groups of blocks (the embedding, final norm and head join the
+- fragments: ``F = diloco.fragments`` contiguous groups of blocks (the embedding, final norm and head join the
   first group); fragment ``p`` has its outer step after inner steps ``t`` with ``t mod H = ((p + 1) * H / F) mod H``,
   so a fragment still syncs every H steps and an exchange carries about 1/F of the model (the peak bandwidth
   falls by F);
-- delay ``tau = diloco_delay``: the fragment's pseudo-gradient is taken after step ``t`` and its all-reduce
+- delay ``tau = diloco.delay``: the fragment's pseudo-gradient is taken after step ``t`` and its all-reduce
   runs in the background during steps ``t+1 .. t+tau``; it is applied after step ``t + tau``;
-- mixing ``alpha = diloco_alpha``: then ``theta_w = alpha * theta_w + (1 - alpha) * theta_outer`` (Eq. 3), which
+- mixing ``alpha = diloco.alpha``: then ``theta_w = alpha * theta_w + (1 - alpha) * theta_outer`` (Eq. 3), which
   keeps part of the ``tau`` steps each worker took meanwhile (0 = replace, DiLoCo's rule);
-- precision ``diloco_precision``: the pseudo-gradient crosses as fp32, as bf16 (all-reduced in bf16, Sec. 2.4's
+- precision ``diloco.precision``: the pseudo-gradient crosses as fp32, as bf16 (all-reduced in bf16, Sec. 2.4's
   lower-precision communication), or as int8 (each block of :data:`INT8_BLOCK` values scaled by its absolute
   maximum / 127 and rounded, the workers' codes and fp32 scales all-gathered and averaged in fp32; error
   <= scale / 2 per value and worker).
@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from meshtrain.parallel.sync import SyncMode
 
 INT8_BLOCK = 256
 """Values that share one fp32 scale in the int8 exchange (4 bytes of scale per 256 bytes of codes)."""
@@ -108,25 +110,30 @@ class Fragment:
     pending: _Exchange | None = None
 
 
-class DiLoCo:
-    """The outer loop of DiLoCo on this rank; call :meth:`after_step` after every inner step.
+class DiLoCo(SyncMode):
+    """The outer loop of DiLoCo on this rank: the loop's hooks (:class:`meshtrain.parallel.sync.SyncMode`), the outer
+    steps after every inner step (:meth:`after_step`).
 
     Args:
         model: this rank's part of the model (its pipeline chunks, tp/FSDP2 shards, wrapped as dp needs).
         group: the ``"diloco"`` mesh's group: this rank and the ranks at its place in the other workers (None:
             the workers are other jobs, :class:`meshtrain.parallel.diloco.elastic.ElasticDiLoCo`).
         n_layer: the model's blocks (for the fragments).
-        inner_steps: H; ``fragments``: F (divides H); ``delay``: tau < H/F; ``alpha``: the mixing in [0, 1);
-        outer_lr, outer_momentum: the outer SGD's (Nesterov when the momentum is > 0);
-        precision: "fp32", "bf16" or "int8".
+        d: the ``[diloco]`` section (:class:`meshtrain.config.sections.DiLoCoConfig`): ``inner_steps`` H,
+            ``fragments`` F (divides H), ``delay`` tau < H/F, ``alpha`` the mixing in [0, 1), ``outer_lr`` and
+            ``outer_momentum`` the outer SGD's (Nesterov when the momentum is > 0), ``precision`` "fp32", "bf16" or
+            "int8".
         replica_group: the ranks of this worker that hold the same parameters (its dp x sp ranks under DDP), or
             None: each sends 1/n of the pseudo-gradient to the other workers and they all-gather the average
             inside the worker, so one copy of the model crosses between workers, not n.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, n_layer: int, inner_steps: int, outer_lr: float,
-                 outer_momentum: float, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
-                 precision: str = "fp32", replica_group: dist.ProcessGroup | None = None) -> None:
+    phase = "DiLoCo's outer step"
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, n_layer: int, d: Any,
+                 replica_group: dist.ProcessGroup | None = None) -> None:
+        inner_steps, fragments, outer_lr, outer_momentum = d.inner_steps, d.fragments, d.outer_lr, d.outer_momentum
+        delay, alpha, precision = d.delay, d.alpha, d.precision
         self.group, self.workers = group, dist.get_world_size(group) if group is not None else 1
         self.replica_group = replica_group
         self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
@@ -149,21 +156,19 @@ class DiLoCo:
         self.largest_exchange = 0
         """This rank's largest payload of one exchange, bytes."""
 
-    def can_save(self, step: int) -> bool:
-        """Whether a checkpoint of ``step`` can be taken: always (:meth:`consolidate` makes the outer model)."""
-        return True
+    def checkpointed(self) -> DiLoCo:
+        """The outer momentum is saved beside the model (:meth:`state_dict`)."""
+        return self
 
-    def close(self) -> None:
-        """Nothing to release (the workers' group is the job's)."""
-
-    def start(self, step: int) -> None:
+    def start(self, step: int, optimizer: Any = None, sampler: Any = None, scheduler: Any = None) -> int:
         """Set the round to start after inner step ``step`` (a resumed run's first step - 1): every fragment's
-        outer weights are the current ones (a resumed checkpoint holds the outer model)."""
+        outer weights are the current ones (a resumed checkpoint holds the outer model); return ``step``."""
         for frag in self.fragments:
             frag.last_sync = step
             frag.pending = None
             for outer, p in zip(frag.outer, frag.params):
                 outer.copy_(_local(p))
+        return step
 
     def after_step(self, step: int) -> None:
         """After inner step ``step`` (1-based, every rank of every worker calls it): land the exchanges due now,
@@ -292,6 +297,10 @@ class DiLoCo:
         """The summary's ``diloco`` entry: workers, H, F, tau, precision, this rank's outer steps (a fragment's
         count), and the bytes one worker sent to the others: in all (``sent_bytes``) and in its largest exchange
         (``largest_exchange_bytes``), summed over its ranks. Collective over all ranks (an all-reduce)."""
+        return {"diloco": self.entry()}
+
+    def entry(self) -> dict[str, Any]:
+        """:meth:`report`'s ``diloco`` entry."""
         sent = torch.tensor([float(self.sent_bytes), float(self.largest_exchange)], dtype=torch.float64,
                             device=self.device)
         dist.all_reduce(sent)  # every worker sends the same: the sum over all ranks / workers
