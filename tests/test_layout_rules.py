@@ -5,7 +5,7 @@ Random models of three families (a GPT, a Llama with grouped-query attention and
 random layouts of every axis and mode the planner's ``Layout`` holds are judged twice: by the trainer's config
 validation (``load_config`` and ``resolve_world`` for the layout's ranks) and by the planner's rules
 (``divisibility_errors`` and ``framework_errors`` of the ``meshtrain`` stack). The verdicts must be equal, case by case.
-Sync modes other than "sync" are left out (their keys move with issue 53's section 2).
+Of the other sync modes, DiLoCo's workers are drawn (its group, H, fragments, delay and precision).
 """
 
 from __future__ import annotations
@@ -48,10 +48,16 @@ def draw_model(rng: random.Random) -> dict[str, str]:
 
 
 def draw_layout(rng: random.Random) -> Layout:
-    """A layout of one process to 48: every degree, schedule and mode, biased towards small degrees."""
+    """A layout of one process to 48: every degree, schedule and mode, biased towards small degrees; one in five
+    DiLoCo workers (group, H, F, tau, precision)."""
     pp = rng.choice([1, 1, 2])
     schedule = rng.choice(PP_SCHEDULES)
-    return Layout(dp=rng.choice([1, 1, 2, 3, 4]), tp=rng.choice([1, 1, 2, 3, 4]), pp=pp, sp=rng.choice([1, 1, 2, 4]),
+    diloco = {}
+    if rng.random() < 0.2:
+        diloco = dict(diloco_group=rng.choice([1, 2, 3, 4, 8]), diloco_inner_steps=rng.choice([1, 2, 4, 6]),
+                      diloco_fragments=rng.choice([1, 1, 2, 3]), diloco_delay=rng.choice([0, 0, 1, 2]),
+                      diloco_precision=rng.choice(["fp32", "bf16", "int8", "fp8"]))
+    return Layout(**diloco, dp=rng.choice([1, 1, 2, 3, 4]), tp=rng.choice([1, 1, 2, 3, 4]), pp=pp, sp=rng.choice([1, 1, 2, 4]),
                   ep=rng.choice([1, 1, 2, 4]), zero_stage=rng.choice(ZERO_STAGES),
                   micro_batch_size=rng.randint(1, 2), gradient_accumulation_steps=rng.randint(1, 4),
                   recompute=rng.choice(RECOMPUTE_MODES), pp_schedule=schedule if pp > 1 or rng.random() < 0.2 else "1f1b",
@@ -105,6 +111,7 @@ def test_the_draws_cover_every_rule_both_ways(cases):
                      "block_size", "zero_stage = 1 is not supported with parallel.ep")
                     if rule in line)
     assert accepted >= 50, accepted
+    assert sum(1 for _, layout, trainer, _ in cases if layout.diloco_group and not trainer) >= 3  # DiLoCo runs too
     assert all(fired[rule] >= 5 for rule in ("n_head", "n_kv_head", "hidden width", "num_experts", "borrows its ranks",
                                              "replicates its experts", "block_size")), fired
 
@@ -131,3 +138,16 @@ def test_other_stacks_are_the_trainer_with_their_differences():
     tp8 = Layout(dp=8, tp=8)  # the issue's case: 4 kv heads, tp = 8
     assert framework_errors(FRAMEWORKS["meshtrain"], tp8, model) and not divisibility_errors(model, tp8)
     assert framework_errors(FRAMEWORKS["megatron-core"], tp8, model) == []
+
+
+def test_a_pinned_diloco_group_is_ranked_only_on_degrees_that_hold_it(capsys):
+    """``--fix diloco_group=8`` on 16 devices: the search checks DiLoCo's rules (whole replicas per worker) on each
+    degree choice before costing it (it divided by zero on pp8 x sp2, whose replica of 16 ranks no worker holds)."""
+    import json
+
+    from meshtrain.cli.main import main
+
+    assert main(["plan", "--model", "gpt2-small", "--gpu", "H100", "--num-gpus", "16", "--global-batch-size", "64",
+                 "--fix", "diloco_group=8,diloco_inner_steps=32", "--json", "--top", "50"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(8 % (r["pp"] * r["sp"] * r["tp"]) == 0 for r in rows)

@@ -265,7 +265,7 @@ def _validate_sync_mode(cfg: Config) -> None:
                  f"'sync', zero_stage = 0 and tp = 1 (got {p.sync_mode!r}, {p.zero_stage}, {p.tp})")
     _validate_sync_mode_sections(cfg)
     if p.sync_mode == "diloco":
-        _validate_diloco(cfg)
+        check_diloco(cfg)
     if p.sync_mode in ("sync", "diloco"):
         return
     for key, value in ((str(a), axes.degree(p, a)) for a in REPLICA_AXES):
@@ -289,9 +289,14 @@ def _validate_sync_mode_sections(cfg: Config) -> None:
                      f"sync_mode = {mode_now!r}, or set --parallel.sync_mode {mode}")
 
 
-def _validate_diloco(cfg: Config) -> None:
-    """DiLoCo's own keys; inside a worker every synchronous layout runs, so only what replaces the cross-worker
-    exchange is refused (the hierarchical all-reduce; ep, whose all-to-all would span workers)."""
+def check_diloco(cfg: Config) -> None:
+    """DiLoCo's own keys (``[diloco]``); inside a worker every synchronous layout runs, so only what replaces the
+    cross-worker exchange is refused (the hierarchical all-reduce; ep, whose all-to-all would span workers, is a
+    layout rule). The planner runs it on its DiLoCo layouts too (:func:`meshtrain.planner.layout.divisibility_errors`).
+
+    Raises:
+        ConfigError: the first rule broken, naming the key, the value and what is valid.
+    """
     p, d = cfg.parallel, cfg.diloco
     _require(d.group >= 0, f"diloco.group = {d.group} must be >= 0 (0 = the ranks of one node)")
     _require(d.inner_steps >= 1, f"diloco.inner_steps = {d.inner_steps} must be >= 1")

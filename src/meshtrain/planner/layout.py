@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from meshtrain import axes, batch_math
-from meshtrain.config.checks import resolve_world
-from meshtrain.config.sections import Config, ParallelConfig
+from meshtrain.config.checks import check_diloco, diloco_workers, resolve_world
+from meshtrain.config.sections import Config, DiLoCoConfig, ParallelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.rules.layout import LayoutShape, layout_errors
 from meshtrain.rules.pipeline import RULES, pipeline_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
 
-from meshtrain.axes import OUTER_PRECISIONS, PP_SCHEDULES, SP_MODES, ZERO_STAGES
+from meshtrain.axes import PP_SCHEDULES, SP_MODES, ZERO_STAGES
 from meshtrain.axes import RECOMPUTE_MODES as RECOMPUTE
 
 
@@ -481,25 +481,24 @@ def divisibility_errors(model: ModelSpec, layout: Layout, global_batch_size: int
 
 
 def _diloco_errors(L: Layout) -> list[str]:
-    """DiLoCo's rules on a layout (the trainer's: :func:`meshtrain.config.checks.diloco_workers`)."""
+    """DiLoCo's rules on a layout: the trainer's own (:func:`meshtrain.config.checks.check_diloco` and
+    :func:`meshtrain.config.checks.diloco_workers`), run on the layout's degrees and DiLoCo fields; the first broken."""
     if not L.diloco_group:
         return []
-    e, replica = [], L.pp * L.sp * L.tp
-    if L.diloco_group < 0 or L.world_size % L.diloco_group or L.diloco_group % replica:
-        e.append(f"diloco_group = {L.diloco_group} must divide the {L.world_size} ranks and be a multiple of "
-                 f"pp*sp*tp = {replica}")
-    elif L.diloco_workers < 2:
-        e.append(f"diloco_group = {L.diloco_group} leaves 1 worker on {L.world_size} ranks: DiLoCo needs >= 2")
-    if L.diloco_inner_steps < 1 or L.diloco_fragments < 1 or L.diloco_inner_steps % L.diloco_fragments:
-        e.append(f"diloco_inner_steps = {L.diloco_inner_steps} must be a multiple of diloco_fragments = "
-                 f"{L.diloco_fragments} >= 1")
-    elif not 0 <= L.diloco_delay < L.diloco_inner_steps // L.diloco_fragments:
-        e.append(f"diloco_delay = {L.diloco_delay} must be in [0, H/F = {L.diloco_inner_steps // L.diloco_fragments})")
-    if L.diloco_precision not in OUTER_PRECISIONS:
-        e.append(f"diloco_precision = {L.diloco_precision!r} is not one of {', '.join(OUTER_PRECISIONS)}")
     if L.local_sgd_steps or L.ps_servers or L.hierarchical_allreduce:
-        e.append("diloco_group replaces the other sync modes and the hierarchical all-reduce: set only one")
-    return e
+        return ["diloco_group replaces the other sync modes and the hierarchical all-reduce: set only one"]
+    cfg = Config()
+    for axis in axes.AXIS_TABLE:
+        setattr(cfg.parallel, str(axis.axis), getattr(L, str(axis.axis)))
+    cfg.parallel.sync_mode, cfg.parallel.zero_stage = "diloco", L.zero_stage
+    cfg.diloco = DiLoCoConfig(group=L.diloco_group, inner_steps=L.diloco_inner_steps, fragments=L.diloco_fragments,
+                              delay=L.diloco_delay, precision=L.diloco_precision)
+    try:
+        check_diloco(cfg)
+        diloco_workers(cfg, L.world_size)
+    except ConfigError as error:
+        return [str(error)]
+    return []
 
 
 def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | None = None) -> list[str]:

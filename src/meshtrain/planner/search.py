@@ -109,6 +109,8 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, batch),
                                                      _model_splits(model, framework, fixed, dp, tp, pp, sp)):
             degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode, **sync)
+            if sync and divisibility_errors(model, degrees_only, schedule=False):
+                continue  # the pinned sync mode's own rules on these degrees (a DiLoCo group of whole replicas)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
             # rules on DDP and ZeRO-3 (runs_with_data_parallel, below)
             variants = [(zero, hier) for zero in fitting_zeros
