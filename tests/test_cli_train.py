@@ -1,4 +1,9 @@
-"""``meshtrain train`` / ``generate`` end to end through the real CLI, and its errors before any spawn."""
+"""``meshtrain train`` / ``generate`` end to end through the real CLI, and its errors before any spawn.
+
+Runs that train start the installed CLI in a fresh process (the launcher, torchrun's engine, the ranks). The errors
+said before any rank is spawned run ``meshtrain.cli.main`` in this process (:func:`artefacts.run_cli_here`, torchrun's
+engine replaced by a trap: a command that got past the checks reports "launched" and fails the test); one of them
+also in a fresh process, which must say the same line (a process start and torch's import cost seconds a case)."""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ import json
 
 import pytest
 
-from conftest import CONFIG, TINY, losses, override_args, read_records, run_cli
+from artefacts import run_cli_here
+from conftest import CONFIG, TINY, losses, override_args, read_records, run_cli, train_here
 
 
-def test_train_two_ranks_then_generate(tmp_path):
+def test_train_two_ranks_then_generate(tmp_path, capsys):
     out = tmp_path / "run"
     args = override_args({**TINY, "train.steps": "30", "train.log_interval": "5", "train.eval_interval": "10",
                           "checkpoint.interval": "10", "checkpoint.keep": "2", "train.dtype": "bfloat16"})
@@ -42,21 +48,32 @@ def test_train_two_ranks_then_generate(tmp_path):
     meta = json.loads((out / "checkpoints" / "step_000030" / "meta.json").read_text())
     assert meta["step"] == 30 and meta["dp"] == 2
 
-    gen = run_cli("generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "40")
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.rstrip("\n")) == len("ROMEO:") + 40
+    from meshtrain.cli.main import main  # generate starts no rank: in this process
+
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "40"]) == 0
+    gen = capsys.readouterr()
+    assert gen.out.startswith("ROMEO:") and len(gen.out.rstrip("\n")) == len("ROMEO:") + 40, gen.err[-2000:]
 
 
-def test_a_run_too_short_to_time_says_why_it_has_no_plan_vs_actual(tmp_path):
+def test_a_run_too_short_to_time_says_why_it_has_no_plan_vs_actual(tmp_path, capsys):
+    """What the launcher does once its ranks finished (``meshtrain.launch.outcome``; the two-rank run above shows it
+    called, and its plan-vs-actual line), here on a run of the warm-up steps only, trained in this process: it has
+    no step time to compare with the plan, says why, and writes no plan_vs_actual.json."""
+    from meshtrain.config.load import load_config
+    from meshtrain.launch.outcome import describe_run_folder, report_plan_vs_actual
     from meshtrain.metrics import TIMING_WARMUP_STEPS
 
     out = tmp_path / "run"
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out),
-                   *override_args({**TINY, "train.steps": str(TIMING_WARMUP_STEPS)}))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (f"no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} steps of a run are warm-up"
-            in proc.stderr)
-    assert not (out / "plan_vs_actual.json").exists() and proc.stderr.strip().splitlines()[-1].startswith("run folder")
+    overrides = {**TINY, "train.steps": str(TIMING_WARMUP_STEPS)}
+    train_here(out, **overrides)
+    capsys.readouterr()
+    report_plan_vs_actual(load_config(CONFIG, {**overrides, "train.out_dir": str(out)}), 1)
+    stderr = capsys.readouterr().err
+    assert stderr.strip() == (f"meshtrain train: no step time and no plan vs actual: the first {TIMING_WARMUP_STEPS} "
+                              f"steps of a run are warm-up and not timed, and this one ran no step past them "
+                              f"(train.steps = {TIMING_WARMUP_STEPS}); run more steps to measure")
+    assert not (out / "plan_vs_actual.json").exists() and "summary.json" in describe_run_folder(out)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -73,17 +90,22 @@ def test_a_run_too_short_to_time_says_why_it_has_no_plan_vs_actual(tmp_path):
     (["--data.path", "/nonexistent.txt"], "data.path"),
 ])
 def test_bad_train_commands_fail_fast_with_one_line(tmp_path, args, needle):
-    proc = run_cli("train", str(CONFIG), "--out", str(tmp_path / "o"), *args, timeout=60)
-    assert proc.returncode == 2
-    assert needle in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    argv = ["train", str(CONFIG), "--out", str(tmp_path / "o"), *args]
+    code, stderr, stdout = run_cli_here(argv)
+    assert code == 2, stderr[-3000:]
+    assert needle in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1 and stdout == ""
     assert not (tmp_path / "o").exists()  # nothing was started
+    if args[0] == "--resume":  # the case that imports torch before it refuses: a fresh process says the same line
+        proc = run_cli(*argv, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.strip() == stderr.strip() and proc.stdout == "", proc.stderr
+        assert not (tmp_path / "o").exists()
 
 
 def test_out_dir_with_a_run_is_never_reused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
-    proc = run_cli("train", str(CONFIG), "--out", str(tmp_path), timeout=60)
-    assert proc.returncode == 2 and "holds a run that saved no checkpoint" in proc.stderr
+    code, stderr, _ = run_cli_here(["train", str(CONFIG), "--out", str(tmp_path)])
+    assert code == 2 and "holds a run that saved no checkpoint" in stderr, stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
 
 
@@ -95,11 +117,11 @@ def test_a_run_that_failed_before_its_first_checkpoint_is_no_dead_end(tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
     tiny = override_args({**TINY, "train.steps": "1"})
     for extra in ([], ["--resume"]):
-        proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *extra, *tiny, timeout=60)
-        assert proc.returncode == 2 and "saved no checkpoint, so there is nothing to resume" in proc.stderr
-        assert f"after removing {out / 'metrics.jsonl'}" in proc.stderr and len(proc.stderr.splitlines()) == 1
+        code, stderr, _ = run_cli_here(["train", str(CONFIG), "--nproc", "1", "--out", str(out), *extra, *tiny])
+        assert code == 2 and "saved no checkpoint, so there is nothing to resume" in stderr, stderr
+        assert f"after removing {out / 'metrics.jsonl'}" in stderr and len(stderr.splitlines()) == 1
     (out / "metrics.jsonl").unlink()  # as the line says: then the launcher's checks pass
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.preflight import preflight
     from meshtrain.resolved import ResolvedRun
 
@@ -120,8 +142,8 @@ def test_ranks_started_without_meshtrain_train_never_reuse_a_run_folder(tmp_path
 
 
 def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
-    proc = run_cli("generate", "--checkpoint", str(tmp_path), "--prompt", "x", timeout=60)
-    assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    code, stderr, _ = run_cli_here(["generate", "--checkpoint", str(tmp_path), "--prompt", "x"])
+    assert code == 2 and "--checkpoint" in stderr and "Traceback" not in stderr, stderr
 
 
 @pytest.mark.parametrize("codes, config_error", [

@@ -31,14 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 MODEL = {**TINY, "model.n_head": "4", "model.dropout": "0.0", "batch.micro_batch_size": "2"}
 WORKER = Path(__file__).with_name("diloco_worker.py")
-DILOCO = {"parallel.sync_mode": "diloco", "parallel.diloco_group": "1"}
+DILOCO = {"parallel.sync_mode": "diloco", "diloco.group": "1"}
 RUNS = {  # name: (world size, overrides on MODEL, (workers, dp inside a worker))
-    "w4-h8": (4, {**DILOCO, "parallel.diloco_inner_steps": "8", "train.steps": "16"}, (4, 1)),
-    "w4-h8-streaming": (4, {**DILOCO, "parallel.diloco_inner_steps": "8", "parallel.diloco_fragments": "2",
-                            "parallel.diloco_delay": "1", "parallel.diloco_alpha": "0.5", "train.steps": "16"}, (4, 1)),
-    "w2-dp2-h4": (4, {**DILOCO, "parallel.diloco_group": "2", "parallel.diloco_inner_steps": "4",
+    "w4-h8": (4, {**DILOCO, "diloco.inner_steps": "8", "train.steps": "16"}, (4, 1)),
+    "w4-h8-streaming": (4, {**DILOCO, "diloco.inner_steps": "8", "diloco.fragments": "2",
+                            "diloco.delay": "1", "diloco.alpha": "0.5", "train.steps": "16"}, (4, 1)),
+    "w2-dp2-h4": (4, {**DILOCO, "diloco.group": "2", "diloco.inner_steps": "4",
                       "train.steps": "8"}, (2, 2)),
-    "w2-tp2-h4": (4, {**DILOCO, "parallel.diloco_group": "2", "parallel.tp": "2", "parallel.diloco_inner_steps": "4",
+    "w2-tp2-h4": (4, {**DILOCO, "diloco.group": "2", "parallel.tp": "2", "diloco.inner_steps": "4",
                       "train.steps": "8"}, (2, 1)),
 }
 
@@ -68,7 +68,7 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     "int8"`` each worker's flat pseudo-gradient of a fragment is quantized and dequantized by the exchange's own
     arithmetic (:func:`quantize_int8`, :func:`dequantize_int8`) before the mean. Returns ({worker: {step: loss}}, the
     final outer weights by name, the largest int8 quantization step of any exchange (0 without int8))."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.sampler import ShardedSampler
     from meshtrain.optim import build_optimizer
     from meshtrain.parallel.diloco import dequantize_int8, quantize_int8
@@ -76,7 +76,7 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
 
     torch.set_num_threads(1)
     cfg = load_config(CONFIG, {**MODEL, **overrides})
-    p, b, T = cfg.parallel, cfg.batch, cfg.model.block_size
+    b, T = cfg.batch, cfg.model.block_size
     run = set_up(cfg, torch.device("cpu"))
     dp = workers * replicas
     gbs = b.micro_batch_size * b.gradient_accumulation_steps * dp
@@ -84,14 +84,14 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     optims = [build_optimizer(m.parameters(), cfg, gbs) for m in models]
     samplers = [[ShardedSampler(run.corpus.train, T, b.micro_batch_size, b.gradient_accumulation_steps, dp,
                                 w * replicas + i, cfg.train.seed) for i in range(replicas)] for w in range(workers)]
-    H, F, tau, alpha = p.diloco_inner_steps, p.diloco_fragments, p.diloco_delay, p.diloco_alpha
+    H, F, tau, alpha = cfg.diloco.inner_steps, cfg.diloco.fragments, cfg.diloco.delay, cfg.diloco.alpha
     names = [n for n, _ in run.model.named_parameters()]
     L = cfg.model.n_layer  # fragment f: blocks f*L/F .. (f+1)*L/F - 1; the embedding, final norm and head in the first
     block_of = {n: int(n.split(".")[1]) if n.startswith("blocks.") else 0 for n in names}
     groups = [[n for n in names if block_of[n] * F // L == f] for f in range(F)]
     outer = {n: q.detach().clone() for n, q in run.model.named_parameters()}
-    momentum = {"momentum": p.outer_momentum, "nesterov": True} if p.outer_momentum else {}
-    outer_opts = [torch.optim.SGD([outer[n] for n in g], lr=p.outer_lr, **momentum) for g in groups]
+    momentum = {"momentum": cfg.diloco.outer_momentum, "nesterov": True} if cfg.diloco.outer_momentum else {}
+    outer_opts = [torch.optim.SGD([outer[n] for n in g], lr=cfg.diloco.outer_lr, **momentum) for g in groups]
     pending: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     last_sync = [0] * F
     positions = torch.arange(T)
@@ -101,7 +101,7 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     def pseudo_gradient(f: int) -> dict[str, torch.Tensor]:
         nonlocal largest_step
         params = [dict(m.named_parameters()) for m in models]
-        if p.diloco_precision != "int8":
+        if cfg.diloco.precision != "int8":
             return {n: sum(outer[n] - ps[n].detach() for ps in params) / workers for n in groups[f]}
         sent = []
         for ps in params:  # what each worker sends: its flat pseudo-gradient as int8 codes and fp32 block scales
@@ -174,12 +174,12 @@ def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> flo
     that differ by ``e`` to values that differ by at most ``e + s_a/2 + s_b/2``, where the blocks' steps differ by at
     most ``e/127``: ``e * (1 + 1/254) + int8_step`` per value and worker, so per mean too (one code flipped by
     rounding is the most it adds)."""
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.optim import lr_at
 
     cfg = load_config(CONFIG, {**MODEL, **overrides})
-    p, steps = cfg.parallel, cfg.train.steps
-    H, F, tau = p.diloco_inner_steps, p.diloco_fragments, p.diloco_delay
+    steps = cfg.train.steps
+    H, F, tau = cfg.diloco.inner_steps, cfg.diloco.fragments, cfg.diloco.delay
     worst = 0.0
     for f in range(F):
         drift = outer = momentum = 0.0
@@ -189,8 +189,8 @@ def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> flo
             nonlocal drift, outer, momentum
             if int8_step:
                 e = e * (1 + 1 / 254) + int8_step
-            momentum = p.outer_momentum * momentum + e
-            outer += p.outer_lr * (e + p.outer_momentum * momentum)
+            momentum = cfg.diloco.outer_momentum * momentum + e
+            outer += cfg.diloco.outer_lr * (e + cfg.diloco.outer_momentum * momentum)
             drift = max(drift, outer)
 
         last = 0
@@ -225,9 +225,9 @@ def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks,
 
 SGD_H1 = {**MODEL, "optim.name": "sgd", "optim.lr": "0.5", "optim.grad_clip": "0", "optim.weight_decay": "0.1",
           "train.steps": "6", "batch.micro_batch_size": "4"}
-INT8 = {**DILOCO, "parallel.diloco_inner_steps": "4", "parallel.diloco_precision": "int8", "train.steps": "8"}
+INT8 = {**DILOCO, "diloco.inner_steps": "4", "diloco.precision": "int8", "train.steps": "8"}
 """Two workers (one rank each, gloo) exchanging int8 pseudo-gradients: 2 outer steps."""
-MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "parallel.diloco_inner_steps": "4",
+MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "diloco.inner_steps": "4",
             "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "5"}
 
 
@@ -236,7 +236,7 @@ def two_ranks(tmp_path_factory):
     """The 2-rank runs, in one torchrun launch, in order: DiLoCo as synchronous data parallelism; a 12-step run
     with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint; the int8 exchange."""
     root = tmp_path_factory.mktemp("diloco2")
-    h1 = {**SGD_H1, **DILOCO, "parallel.diloco_inner_steps": "1", "parallel.outer_lr": "1", "parallel.outer_momentum": "0"}
+    h1 = {**SGD_H1, **DILOCO, "diloco.inner_steps": "1", "diloco.outer_lr": "1", "diloco.outer_momentum": "0"}
     resumed = {**MOMENTUM, "checkpoint.resume": str(root / "whole" / "checkpoints" / "step_000004")}
     launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed, "int8": {**MODEL, **INT8}},
                    worker=WORKER, results=False)
@@ -252,7 +252,7 @@ def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(two_
     # SGD moves a weight by lr_t * g: runs whose gradients agree to rounding differ by far less than lr_t * |g|,
     # and |g| <= the gradient norm the reference logs each step
     norms = {r["step"]: r["grad_norm"] for r in read_records(tmp_path / "reference") if "grad_norm" in r}
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.optim import lr_at
 
     cfg = load_config(CONFIG, SGD_H1)
@@ -321,7 +321,7 @@ def test_a_worker_sends_one_copy_of_its_weights_per_exchange_and_streaming_a_fra
     for name, padding in (("w4-h8", 0), ("w2-dp2-h4", 1)):  # dp2: the flat share is padded to a multiple of 2
         run = json.loads((four_ranks / name / "summary.json").read_text())["diloco"]
         _, overrides, _ = RUNS[name]
-        exchanges = int(overrides["train.steps"]) // int(overrides["parallel.diloco_inner_steps"])
+        exchanges = int(overrides["train.steps"]) // int(overrides["diloco.inner_steps"])
         assert 4 * exchanges * total <= run["sent_bytes"] <= 4 * exchanges * (total + padding)
         assert run["largest_exchange_bytes"] in range(4 * total, 4 * (total + padding) + 1)
     whole = json.loads((four_ranks / "w2-dp2-h4" / "summary.json").read_text())
@@ -339,7 +339,7 @@ def diverged(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("diverged") / "run"
     proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out),
-                   *override_args({**MODEL, **DILOCO, "parallel.diloco_inner_steps": "2", "parallel.outer_lr": "1e30",
+                   *override_args({**MODEL, **DILOCO, "diloco.inner_steps": "2", "diloco.outer_lr": "1e30",
                                    "train.max_nonfinite_steps": "2", "train.steps": "8"}))
     return proc
 

@@ -2,11 +2,12 @@
 layout against one process.
 
 The pairs are cut from the plays (scripts/shakespeare_chat.py): a prompt, the real reply as chosen, a reply from far
-away in the text as rejected. The reference log-probabilities are computed once before step 1, with the starting
-weights and the run's own layout (meshtrain.train.reference); the first step's loss is then ln 2 on every pair and
-the later steps' are not. Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2, tp2 with sequence parallelism,
-pp2 (1F1B), Ulysses sp2, ring sp2, ep2 on a mixture of experts and gradient accumulation, each against one process
-taking the whole batch of pairs at once: every step's loss, the step-1 gradients, the final parameters.
+away in the text as rejected (the first :data:`PAIRS` of them). The reference log-probabilities are computed once
+before step 1, with the starting weights and the run's own layout (meshtrain.train.reference); the first step's loss
+is then ln 2 on every pair and the later steps' are not. Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2,
+tp2 with sequence parallelism, pp2 (1F1B), Ulysses sp2, ring sp2, ep2 on a mixture of experts and gradient
+accumulation, each against one process taking the whole batch of pairs at once: every step's loss, the step-1
+gradients, the final parameters.
 """
 
 from __future__ import annotations
@@ -65,9 +66,26 @@ def test_losses_are_the_papers_equations(policy, reference, beta, eps):
                                                         rel=1e-9, abs=1e-12)
 
 
+PAIRS = 64
+"""Pairs trained on: the first 64 of the ~180 that :func:`prepared_plays` cuts from its lines (6 of them validation).
+Every trainer computes the reference log-probability of every train pair before step 1 (each layout twice: for its
+step-1 gradients, then for its run), which took most of this file's time with all of them; 3 steps of 4 pairs need
+few."""
+
+
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory) -> Path:
-    return prepared_plays(tmp_path_factory.mktemp("dpo_data"), "preference")
+    """The first :data:`PAIRS` pairs of :func:`prepared_plays`, prepared with its tokenizer."""
+    from meshtrain.data.preprocess import prepare
+
+    root = tmp_path_factory.mktemp("dpo_data")
+    prepared_plays(root, "preference")  # writes root/records.jsonl (every pair) and root/bpe.json (its tokenizer)
+    records = (root / "records.jsonl").read_text().splitlines()
+    assert len(records) > PAIRS
+    (root / "first.jsonl").write_text("".join(line + "\n" for line in records[:PAIRS]))
+    prepare(str(root / "bpe.json"), [str(root / "first.jsonl")], root / "first", data_format="preference",
+            val_fraction=0.1)
+    return root / "first"
 
 
 def _model(reference: str, data: Path) -> dict[str, str]:
@@ -140,7 +158,7 @@ def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     import torch.distributed as dist
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.data.preprocess import prepare
     from meshtrain.train.loop import Trainer
     from test_chat_data import MARKED, SENTENCES, hf_folder
@@ -199,7 +217,7 @@ def test_the_planner_counts_two_sequences_a_pair_and_auto_layout_refuses_dpo(tmp
     import subprocess
     import sys
 
-    from meshtrain.config import load_config
+    from meshtrain.config.load import load_config
     from meshtrain.planner.layout import Layout
 
     dpo = {"train.objective": "dpo", "data.packing": "pad", "batch.micro_batch_size": "3"}

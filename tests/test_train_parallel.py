@@ -4,14 +4,17 @@ Each world size is one torchrun launch (``tests/layout_worker.py``) that trains 
 in a row on gloo/CPU; the reference trains in this process on one rank. fp32, same seed, same global
 batch (8 samples of 32 tokens) and data order. Checked for every layout: the loss of every step
 (1e-5 relative), the gradients after step 1 (1e-5 of the gradient norm), the parameters after the
-last step (AdamW's drift bound). The tolerances are derived in ``conftest.py``.
+last step (AdamW's drift bound). The tolerances are derived in ``conftest.py``. The text is the first 50,000
+characters of the bundled Tiny Shakespeare (:func:`model`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conftest import TINY, check_layout, read_records
+from conftest import ROOT, TINY, check_layout, read_records
 from layout_worker import layout_launcher, reference_run
 
 # 4 heads so that tp=4 and Ulysses over tp*sp=4 divide them; 6 steps (the contract asks for 5+).
@@ -53,41 +56,56 @@ shifts (their gradients summed over the tp ranks' tokens). Trained in the 2-rank
 GPT2_LAYOUTS = {"gpt2-bias-gelu-tanh-tp2-seqpar": (2, {**GPT2, "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"})}
 
 
+TEXT_CHARS = 50_000
+"""Characters of the bundled Tiny Shakespeare (1.1 M) the runs read: each trainer tokenizes its whole text (~0.2 s for
+all of it; two trainers a layout on every rank here: step-1 gradients, then the run), and 6 steps take 1,536 tokens."""
+
+
+def shakespeare_prefix(folder: Path, chars: int = TEXT_CHARS) -> dict[str, str]:
+    """The override that trains on the first ``chars`` characters of the bundled Tiny Shakespeare, written to
+    ``folder/shakespeare.txt`` (tests/test_resume.py too)."""
+    text = folder / "shakespeare.txt"
+    text.write_text((ROOT / "src" / "meshtrain" / "assets" / "tinyshakespeare.txt").read_text()[:chars])
+    return {"data.path": str(text)}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def model(tmp_path_factory) -> dict[str, str]:
+    """:data:`MODEL` on the first :data:`TEXT_CHARS` characters of the bundled Tiny Shakespeare."""
+    return {**MODEL, **shakespeare_prefix(tmp_path_factory.mktemp("text"))}
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
     """One process, micro batch 8, no accumulation."""
-    return run_reference(tmp_path_factory.mktemp("ref"))
+    return reference_run(tmp_path_factory.mktemp("ref"), {**model, **REFERENCE})
 
 
 @pytest.fixture(scope="module")
-def gpt2_reference(tmp_path_factory):
+def gpt2_reference(model, tmp_path_factory):
     """The reference with GPT-2's options."""
-    return reference_run(tmp_path_factory.mktemp("gpt2-ref"), {**MODEL, **REFERENCE, **GPT2})
-
-
-def run_reference(out) -> tuple:
-    """Train the reference layout in this process into ``out``; return (losses, grads, params)."""
-    return reference_run(out, {**MODEL, **REFERENCE})
+    return reference_run(tmp_path_factory.mktemp("gpt2-ref"), {**model, **REFERENCE, **GPT2})
 
 
 SLOW = {"tp4", "sp4-ulysses", "sp4-ring", "zero1-dp2-sp2", "dp2-sp2-tp2-seqpar", "fsdp2-zero3-per-block",
-        "fsdp2-zero3-two-block-unit", "sp2-ring-tp2", "ddp-dp4-ga2", "dp2-sp2"}
+        "fsdp2-zero3-two-block-unit", "sp2-ring-tp2", "ddp-dp4-ga2", "dp2-sp2", "tp2"}
 """Layouts in `make test-slow` (the eight-rank one, and the 4-rank degree-4 and ZeRO-1 x sp ones: the 4-rank launch
 took 30 s here, 51 s on an AVX2-only 2-core machine; the FSDP2 unit sizes of one block and of two blocks, and ring x
 tp on 4 ranks, moved there when the mixture-of-experts tests joined `make test`; dp = 4 with accumulation and dp x
-Ulysses sp, when expert parallelism did); tp, Ulysses and ring sp each still run at degree 2 and tp in mixes on 4
-ranks in `make test`, FSDP2 at its default unit, and ZeRO-1 at dp = 2."""
+Ulysses sp, when expert parallelism did; plain tp2, when the test files' time was cut: dp2-tp2 runs tp = 2 without
+sequence parallelism in `make test`); tp with sequence parallelism, Ulysses and ring sp each still run at degree 2 and
+tp in mixes on 4 ranks in `make test`, FSDP2 at its default unit, and ZeRO-1 at dp = 2."""
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(model, tmp_path_factory):
     fast = {n: v for n, v in LAYOUTS.items() if n not in SLOW}
-    return layout_launcher(tmp_path_factory, MODEL, {**fast, **GPT2_LAYOUTS}, "world")
+    return layout_launcher(tmp_path_factory, model, {**fast, **GPT2_LAYOUTS}, "world")
 
 
 @pytest.fixture(scope="module")
-def launched_slow(tmp_path_factory):
-    return layout_launcher(tmp_path_factory, MODEL, {n: v for n, v in LAYOUTS.items() if n in SLOW}, "world-slow")
+def launched_slow(model, tmp_path_factory):
+    return layout_launcher(tmp_path_factory, model, {n: v for n, v in LAYOUTS.items() if n in SLOW}, "world-slow")
 
 
 def _check(got: tuple, want: tuple) -> None:
@@ -112,8 +130,8 @@ def test_slow_layout_matches_single_process(reference, launched_slow, name):
     _check(launched_slow(LAYOUTS[name][0])[name], reference)
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch(reference, tmp_path):
-    got = reference_run(tmp_path, {**MODEL, "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"})
+def test_gradient_accumulation_matches_one_big_micro_batch(model, reference, tmp_path):
+    got = reference_run(tmp_path, {**model, "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"})
     _check(got, reference)
 
 
