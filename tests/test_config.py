@@ -328,3 +328,19 @@ def test_a_home_relative_out_and_resume_are_the_users_home(tmp_path, monkeypatch
     finally:
         lock.release()
     assert load_config(None, {"checkpoint.resume": "@out"}).checkpoint.resume == "@out"
+
+
+def test_a_config_file_larger_than_any_config_is_refused_before_it_is_read_whole(tmp_path):
+    """``read_toml`` reads at most ``MAX_TOML_BYTES`` + 1 bytes: a file past the bound (a log or a dataset given as the
+    config) is one line, not a parse of gigabytes; a file at the bound is still parsed (and refused as TOML)."""
+    from meshtrain.config.load import MAX_TOML_BYTES, load_config
+    from meshtrain.errors import ConfigError
+
+    big, edge = tmp_path / "big.toml", tmp_path / "edge.toml"
+    big.write_bytes(b"#" * (MAX_TOML_BYTES + 1))
+    edge.write_bytes(b"x" * MAX_TOML_BYTES)
+    with pytest.raises(ConfigError, match=r"is larger than 16 MiB, far more than a TOML config") as error:
+        load_config(big)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(edge)

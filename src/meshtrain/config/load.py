@@ -311,19 +311,31 @@ def _with(m: ModelConfig, key: str, value: Any) -> ModelConfig:
     return dataclasses.replace(m, **{key: value})
 
 
+MAX_TOML_BYTES = 16 * 2**20
+"""Most bytes of a TOML file :func:`read_toml` reads (16 MiB; a config, a model table or a saved run config is a few
+KiB): a larger one is refused before it is read whole."""
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     """The parsed TOML document at ``path``; ``what`` names the file in errors ("config file", ...).
 
     Raises:
-        ConfigError: the file does not exist or is not valid TOML (one line naming the file).
+        ConfigError: the file does not exist, is not a regular file, is over :data:`MAX_TOML_BYTES`, or is not valid
+            UTF-8 TOML (one line naming the file).
     """
     require_regular_file(path, what)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}): save it as UTF-8 TOML") from None
+        with open(path, "rb") as f:
+            data = f.read(MAX_TOML_BYTES + 1)  # bounded: a file that is not a config may be any size
     except OSError as e:
         raise ConfigError(f"{what} '{path}' cannot be read: {e.strerror}") from None
+    if len(data) > MAX_TOML_BYTES:
+        raise ConfigError(f"{what} '{path}' is larger than {MAX_TOML_BYTES // 2**20} MiB, far more than a TOML config "
+                          f"(a few KiB): give the config file itself")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}): save it as UTF-8 TOML") from None
     if not text.strip():
         raise ConfigError(f"{what} '{path}' is empty: give a TOML file with [section] tables, e.g. "
                           f"configs/shakespeare_char.toml")
