@@ -224,3 +224,16 @@ def test_adapters_are_refused(setup):
     cfg = load_config(FINETUNE, overrides(setup, **{"adapter.lora_rank": "4"}))
     with pytest.raises(ConfigError, match="LoRA would leave frozen"):
         vocab_growth(cfg, OLD + ADDED, {OLD: "<|im_start|>", OLD + 1: "<|im_end|>"})
+
+
+def test_the_planner_plans_the_grown_vocabulary(setup):
+    """The planner's model of a run that grows the checkpoint's rows has the trainer's V (``NEW``, the prepared
+    tokenizer's ids padded for tp), not the checkpoint's ``OLD``: its embedding and head parameters follow."""
+    from meshtrain.config.load import load_config
+    from meshtrain.planner.model_specs import from_config
+
+    cfg = load_config(None, overrides(setup))
+    assert cfg.model.vocab_size == OLD
+    spec = from_config(cfg)
+    assert spec.vocab == NEW
+    assert spec.embedding_params() - from_config(cfg, OLD).embedding_params() == (NEW - OLD) * spec.hidden

@@ -364,8 +364,8 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: its family's planner numbers
     (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``) and its adapters'
     (:func:`adapter_numbers`). ``vocab_size`` overrides the
-    config; with neither, the vocabulary is the trainer's (:func:`corpus_vocab_size`: the corpus's distinct
-    characters, or the padded tokenizer size).
+    config's; without it, the vocabulary is the trainer's (:func:`trained_vocab_size`: ``model.vocab_size``, the
+    corpus's distinct characters or padded tokenizer size, or a checkpoint's grown for the tokens prepare added).
 
     Raises:
         ConfigError: a family the planner does not model (the recurrent ones).
@@ -376,7 +376,26 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
         modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
-    return ModelSpec("config", **numbers(m, vocab_size or m.vocab_size or corpus_vocab_size(cfg)), **adapter_numbers(cfg))
+    return ModelSpec("config", **numbers(m, vocab_size or trained_vocab_size(cfg)), **adapter_numbers(cfg))
+
+
+def trained_vocab_size(cfg: Config) -> int:
+    """The V the trainer builds (:func:`meshtrain.train.setup.set_up`): ``model.vocab_size``, the corpus's
+    (:func:`corpus_vocab_size`) when it is 0, and with ``model.init_from`` a prepared folder's tokenizer padded for tp
+    where it holds more ids than the checkpoint's rows (the tokens prepare added, ChatML's: the trainer grows the
+    embedding and the head, :mod:`meshtrain.data.growth`)."""
+    m = cfg.model
+    if not m.vocab_size:
+        return corpus_vocab_size(cfg)
+    path = cfg.data.resolved_path()
+    if m.init_from and path.is_dir():
+        from meshtrain.data.shards import read_prepared_meta
+        from meshtrain.data.tokenizers import padded_vocab_size
+
+        tokens = int(read_prepared_meta(path)["vocab_size"])
+        if tokens > m.vocab_size:
+            return padded_vocab_size(tokens, cfg.parallel.tp)
+    return m.vocab_size
 
 
 def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
