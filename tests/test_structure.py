@@ -27,7 +27,7 @@ RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtra
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
 COMPOSERS = ("meshtrain.parallel.compose",)
 """The one module that may import every strategy."""
-SHARED_PARALLEL = ("reduce", "rng", "model", "sync")
+SHARED_PARALLEL = ("reduce", "rng", "model")
 """Modules of ``meshtrain.parallel`` every strategy may use: per-axis reductions, dropout streams, and the
 trainer-facing model (which itself imports no strategy)."""
 
