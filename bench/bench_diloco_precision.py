@@ -25,7 +25,7 @@ from common import REPO, write_results  # noqa: E402
 
 from meshtrain.config.load import load_config  # noqa: E402
 from meshtrain.data.sampler import ShardedSampler  # noqa: E402
-from meshtrain.optim import build_optimizer  # noqa: E402
+from meshtrain.optim.build import build_optimizer  # noqa: E402
 from meshtrain.parallel.diloco import INT8_BLOCK, dequantize_int8, quantize_int8  # noqa: E402
 from meshtrain.planner.cost import OUTER_VALUE_BYTES  # noqa: E402
 from meshtrain.train.setup import set_up  # noqa: E402
@@ -40,7 +40,7 @@ def pseudo_gradients(workers: int, H: int) -> list[torch.Tensor]:
     out = []
     for w in range(workers):
         model = copy.deepcopy(run.model)
-        optimizer, scheduler = build_optimizer(model.parameters(), cfg, b.micro_batch_size * workers)
+        optimizer, scheduler = build_optimizer(model.named_parameters(), cfg, b.micro_batch_size * workers)
         sampler = ShardedSampler(run.corpus.train, T, b.micro_batch_size, 1, workers, w, cfg.train.seed)
         for _ in range(H):
             for x, y in sampler.next_step():

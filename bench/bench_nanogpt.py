@@ -186,7 +186,7 @@ def same_start(nanogpt: Path, steps: int, seed: int = 1337) -> list[list[float]]
 
     from meshtrain.config.load import load_config
     from meshtrain.models.build import build_model
-    from meshtrain.optim import build_optimizer
+    from meshtrain.optim.build import build_optimizer
 
     sys.path.insert(0, str(nanogpt))
     from model import GPT, GPTConfig
@@ -198,7 +198,7 @@ def same_start(nanogpt: Path, steps: int, seed: int = 1337) -> list[list[float]]
     ours = build_model(cfg.model, 65)
     copy_weights(theirs, ours)
     their_opt = theirs.configure_optimizers(o.weight_decay, o.lr, (o.beta1, o.beta2), "cpu")
-    our_opt, schedule = build_optimizer(ours.parameters(), cfg, 12)
+    our_opt, schedule = build_optimizer(ours.named_parameters(), cfg, 12)
     data = np.frombuffer(corpus().train.to(torch.uint16).numpy().tobytes(), dtype=np.uint16)
     gen = torch.Generator().manual_seed(seed)
 

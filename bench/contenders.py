@@ -83,7 +83,7 @@ class HFLogits(torch.nn.Module):
 
 def optimizer_for(model: torch.nn.Module, cfg, fused: bool = False):
     """AdamW (decay on matrices only) and meshtrain's warmup + cosine schedule."""
-    from meshtrain.optim import lr_at
+    from meshtrain.optim.schedule import lr_at
 
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},

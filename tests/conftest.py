@@ -145,7 +145,7 @@ def adamw_drift_bound(cfg_overrides: dict[str, str]) -> float:
     design: the losses of every step and the step-1 gradients carry the tight checks.
     """
     from meshtrain.config.load import load_config
-    from meshtrain.optim import lr_at
+    from meshtrain.optim.schedule import lr_at
 
     cfg = load_config(CONFIG, {**TINY, **cfg_overrides})
     return 2 * sum(lr_at(step, cfg.optim, cfg.train.steps) for step in range(cfg.train.steps))

@@ -204,7 +204,7 @@ def test_trainer_runs_the_scaled_schedule(tmp_path):
     schedule's (warmup and cosine shape unchanged; both are computed by the same lr_at)."""
     from conftest import CONFIG, TINY, train_here
     from meshtrain.config.load import load_config
-    from meshtrain.optim import lr_at
+    from meshtrain.optim.schedule import lr_at
 
     overrides = {"batch.micro_batch_size": "8", "optim.lr_scaling": "linear", "optim.reference_batch_size": "2"}
     records = train_here(tmp_path / "run", **overrides)

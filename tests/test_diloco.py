@@ -70,7 +70,7 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     final outer weights by name, the largest int8 quantization step of any exchange (0 without int8))."""
     from meshtrain.config.load import load_config
     from meshtrain.data.sampler import ShardedSampler
-    from meshtrain.optim import build_optimizer
+    from meshtrain.optim.build import build_optimizer
     from meshtrain.parallel.diloco import dequantize_int8, quantize_int8
     from meshtrain.train.setup import set_up
 
@@ -81,7 +81,7 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
     dp = workers * replicas
     gbs = b.micro_batch_size * b.gradient_accumulation_steps * dp
     models = [copy.deepcopy(run.model) for _ in range(workers)]
-    optims = [build_optimizer(m.parameters(), cfg, gbs) for m in models]
+    optims = [build_optimizer(m.named_parameters(), cfg, gbs) for m in models]
     samplers = [[ShardedSampler(run.corpus.train, T, b.micro_batch_size, b.gradient_accumulation_steps, dp,
                                 w * replicas + i, cfg.train.seed) for i in range(replicas)] for w in range(workers)]
     H, F, tau, alpha = cfg.diloco.inner_steps, cfg.diloco.fragments, cfg.diloco.delay, cfg.diloco.alpha
@@ -175,7 +175,7 @@ def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> flo
     most ``e/127``: ``e * (1 + 1/254) + int8_step`` per value and worker, so per mean too (one code flipped by
     rounding is the most it adds)."""
     from meshtrain.config.load import load_config
-    from meshtrain.optim import lr_at
+    from meshtrain.optim.schedule import lr_at
 
     cfg = load_config(CONFIG, {**MODEL, **overrides})
     steps = cfg.train.steps
@@ -253,7 +253,7 @@ def test_sgd_h1_outer_lr_1_without_momentum_is_synchronous_data_parallelism(two_
     # and |g| <= the gradient norm the reference logs each step
     norms = {r["step"]: r["grad_norm"] for r in read_records(tmp_path / "reference") if "grad_norm" in r}
     from meshtrain.config.load import load_config
-    from meshtrain.optim import lr_at
+    from meshtrain.optim.schedule import lr_at
 
     cfg = load_config(CONFIG, SGD_H1)
     bound = sum(lr_at(s - 1, cfg.optim, cfg.train.steps) * norms[s] for s in norms)

@@ -56,11 +56,11 @@ def test_bf16_attention_on_the_cpu_runs_the_fp32_kernel_under_autocast():
 def test_fused_adamw_is_chosen_for_plain_tensors_unless_turned_off():
     from meshtrain.config.load import load_config
     from meshtrain.models.build import build_model
-    from meshtrain.optim import build_optimizer
+    from meshtrain.optim.build import build_optimizer
 
     model = build_model(load_config(CONFIG, TINY).model, 65)
-    fused, _ = build_optimizer(model.parameters(), load_config(CONFIG, TINY), 12)
-    loop, _ = build_optimizer(model.parameters(), load_config(CONFIG, {**TINY, "optim.fused": "false"}), 12)
+    fused, _ = build_optimizer(model.named_parameters(), load_config(CONFIG, TINY), 12)
+    loop, _ = build_optimizer(model.named_parameters(), load_config(CONFIG, {**TINY, "optim.fused": "false"}), 12)
     assert fused.defaults["fused"] is True and not loop.defaults["fused"]
 
 

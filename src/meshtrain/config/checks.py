@@ -12,7 +12,8 @@ from meshtrain import axes
 from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_SECTIONS, SYNC_MODES,
                             degree_errors)
 from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
-                                       OBJECTIVES, OPTIMIZERS, PACKINGS, RECOMPUTES, Config)
+                                       MUON_EXCHANGES, MUON_LR_ADJUSTS, MUON_NS_DTYPES, OBJECTIVES,
+                                       OPTIMIZERS, PACKINGS, RECOMPUTES, Config)
 from meshtrain.adapters.spec import check_adapter
 from meshtrain.errors import ConfigError
 from meshtrain.errors import require as _require
@@ -170,6 +171,17 @@ def _validate_optim(cfg: Config) -> None:
     _require(o.lr_scaling == "none" or o.reference_batch_size >= 1,
              f"optim.lr_scaling = {o.lr_scaling!r} needs optim.reference_batch_size >= 1: the global batch "
              f"optim.lr was tuned at")
+    _validate_muon(o)
+
+
+def _validate_muon(o) -> None:
+    """Muon's keys (:class:`meshtrain.config.sections.OptimConfig`), checked whatever ``optim.name`` is."""
+    _require(0 <= o.muon_momentum < 1, f"optim.muon_momentum = {o.muon_momentum} must be in [0, 1)")
+    _require(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps = {o.muon_ns_steps} must be in [1, 99] (5 as published)")
+    _require(o.muon_adamw_lr >= 0, f"optim.muon_adamw_lr = {o.muon_adamw_lr} must be >= 0 (0 = optim.lr)")
+    for key, valid in (("muon_ns_dtype", MUON_NS_DTYPES), ("muon_lr_adjust", MUON_LR_ADJUSTS),
+                       ("muon_exchange", MUON_EXCHANGES)):
+        _require(getattr(o, key) in valid, f"optim.{key} = {getattr(o, key)!r} is not valid: use one of {', '.join(valid)}")
 
 
 def _validate_train(cfg: Config) -> None:

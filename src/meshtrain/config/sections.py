@@ -19,8 +19,15 @@ COMPILES = ("auto", "on", "off")
 RECOMPUTES = SUPPORTED.recompute
 LR_SCALINGS = ("none", "linear", "sqrt")
 """How the peak learning rate follows the global batch (``optim.lr_scaling``, :func:`meshtrain.batch_math.scaled_lr`)."""
-OPTIMIZERS = ("adamw", "sgd")
-"""``optim.name`` values (:func:`meshtrain.optim.build_optimizer`)."""
+OPTIMIZERS = ("adamw", "sgd", "muon")
+"""``optim.name`` values: the rows of :data:`meshtrain.optim.table.TABLE`."""
+MUON_LR_ADJUSTS = ("match_rms_adamw", "original", "none")
+"""``optim.muon_lr_adjust`` values: how the learning rate of a (A, B) matrix is scaled
+(:func:`meshtrain.optim.table.muon_lr_ratio`)."""
+MUON_EXCHANGES = ("owner", "gather")
+"""``optim.muon_exchange`` values: how a sharded matrix is orthogonalized (:mod:`meshtrain.optim.muon`)."""
+MUON_NS_DTYPES = ("bfloat16", "float32")
+"""``optim.muon_ns_dtype`` values: the precision of the Newton-Schulz iteration."""
 PACKINGS = ("concat", "document", "pad")
 OBJECTIVES = ("lm", "dpo")
 """``train.objective`` values (:mod:`meshtrain.objectives`)."""
@@ -158,7 +165,8 @@ class BatchConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """The optimizer: "adamw", or "sgd" (plain SGD, no momentum, the same schedule and weight decay as L2)."""
+    """The optimizer: "adamw"; "sgd" (plain SGD, no momentum, the same schedule and weight decay as L2); or "muon"
+    (orthogonalized momentum on the blocks' matrices, AdamW on the rest: docs/optimizers.md)."""
     lr: float = 1e-3
     """Peak learning rate, reached after ``warmup_steps``."""
     min_lr: float = 1e-4
@@ -182,6 +190,25 @@ class OptimConfig:
     is a plain tensor (one rank, DDP, pp), foreach kernels where every one is a DTensor (FSDP2: the fused
     kernel fails on their resumed states); false, or a mix of both (tp), torch's default (a per-tensor
     loop on CPU). The same update up to rounding."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Jordan et al. 2024; ``torch.optim.Muon``'s default)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalizes the Nesterov look-ahead ``(1 - m) g + m buf`` rather than the buffer."""
+    muon_ns_steps: int = 5
+    """Quintic Newton-Schulz iterations per step (Jordan et al. 2024: 5)."""
+    muon_ns_dtype: str = "bfloat16"
+    """Precision of Newton-Schulz: "bfloat16" (as published and as ``torch.optim.Muon``) or "float32"."""
+    muon_lr_adjust: str = "match_rms_adamw"
+    """Learning rate of a (A, B) matrix: "match_rms_adamw" ``0.2 * sqrt(max(A, B)) * lr`` (Liu et al. 2025, Sec. 2.2:
+    AdamW's ``lr`` and ``weight_decay`` carry over), "original" ``sqrt(max(1, A / B)) * lr`` (Jordan et al. 2024),
+    or "none"."""
+    muon_adamw_lr: float = 0.0
+    """Peak learning rate of the parameters Muon does not take (embeddings, head, norms, biases, routers), trained
+    by AdamW with ``beta1``, ``beta2``; 0 = ``lr``. Follows the same schedule and batch scaling."""
+    muon_exchange: str = "owner"
+    """How a matrix sharded by FSDP2 or tp is orthogonalized: "owner" (each whole matrix on one rank of those
+    that hold its shards: one all-to-all gathers it, one sends the result's shards back) or "gather" (every
+    rank gathers every matrix and orthogonalizes all of them: the naive way, kept for the benchmark)."""
 
 
 @dataclass

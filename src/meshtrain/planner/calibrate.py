@@ -228,7 +228,7 @@ def _update_time(params: list, min_time: float) -> float:
     import torch
 
     from meshtrain.config.sections import OptimConfig
-    from meshtrain.optim import adamw_kernels
+    from meshtrain.optim.build import adamw_kernels
 
     optimizer = torch.optim.AdamW(params, **adamw_kernels(params, OptimConfig()))
 

@@ -41,7 +41,8 @@ from meshtrain.data.sampler import ShardedSampler, eval_batches
 from meshtrain.metrics import MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights
 from meshtrain.models.resize import GrownRows
-from meshtrain.optim import build_optimizer, lr_at, scaled_optim
+from meshtrain.optim.build import build_optimizer
+from meshtrain.optim.schedule import lr_at, scaled_optim
 from meshtrain.parallel.async_ps import ParameterServer, Worker, shard_parameters
 from meshtrain.parallel.reduce import clip_grad_norm_, cross_entropy
 from meshtrain.resolved import ResolvedRun, config_of, for_world
@@ -83,7 +84,8 @@ class AsyncRun:
         self.start = int(meta.get("step", 0))
         state = meta.get("async", {})
         if self.rank in self.servers:
-            self.optimizer, _ = build_optimizer(self.shards[self.rank], cfg, self.batch)
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self.optimizer, _ = build_optimizer([(names[id(p)], p) for p in self.shards[self.rank]], cfg, self.batch)
             if self.resume:
                 ckpt.load(self.resume, self.model, self.optimizer, group=self.server_group)
             optim = scaled_optim(cfg.optim, self.batch)

@@ -38,7 +38,7 @@ from meshtrain.mesh import BATCH_MESH, Axis, ParallelDims
 from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes, write_summary
 from meshtrain.models.hf import load_hf_weights, source_hf_config
 from meshtrain.models.resize import GrownRows
-from meshtrain.optim import build_optimizer
+from meshtrain.optim.build import build_optimizer
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
 from meshtrain.parallel.rng import seed_step
@@ -101,7 +101,7 @@ class Trainer:
         """This rank's parameters (its pipeline stages, its tp/FSDP2 shards), wrapped as dp needs."""
         zero1 = cfg.parallel.zero_stage == 1 and len(self.batch_ranks) > 1  # AdamW states sharded over dp*sp
         self.optimizer, self.scheduler = build_optimizer(
-            self.model.parameters(), cfg, self.resolved.global_batch_size,
+            self.model.named_parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
         self._build_data(dp)
         self.out_dir = Path(cfg.train.out_dir)
