@@ -223,7 +223,18 @@ def check_resume(run: ResolvedRun, corpus, growth) -> tuple[Path, dict]:
     check_same_model(cfg, meta, corpus.tokenizer.to_dict(), found, growth)
     check_same_tensors(cfg, meta, found)
     check_same_data(cfg, meta, corpus.sha256, found)
+    check_same_optimizer(cfg, meta, found)
     return found, meta
+
+
+def check_same_optimizer(cfg: Config, meta: dict, found: Path) -> None:
+    """A checkpoint's optimizer states resume only the optimizer that made them (AdamW's moments are not Muon's
+    momentum), unless ``checkpoint.fresh_optimizer`` starts the states anew. Raises ConfigError (one line)."""
+    saved = meta["config"].get("optim", {}).get("name", "adamw")
+    if saved != cfg.optim.name and not cfg.checkpoint.fresh_optimizer:
+        raise ConfigError(f"checkpoint {found} holds the states of optim.name = {saved!r} and this run has "
+                          f"{cfg.optim.name!r}: resume with --optim.name {saved}, or add --checkpoint.fresh_optimizer "
+                          f"true to load the weights and start {cfg.optim.name}'s states fresh")
 
 
 def check_adapter_resume(cfg: Config, meta: dict, found: Path) -> None:

@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
@@ -376,7 +376,7 @@ def commit(out_dir: Path, step: int, meta: dict[str, Any], files: dict[str, dict
 
 
 def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None,
-         group: dist.ProcessGroup | None = None, extra: Any = None) -> dict[str, Any]:
+         group: dist.ProcessGroup | None = None, extra: Any = None, fresh_optimizer: bool = False) -> dict[str, Any]:
     """Collectively (over ``group``, default all ranks) load a committed checkpoint into ``model`` (and
     ``optimizer``), resharding as needed.
 
@@ -384,7 +384,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
     layout: a pipeline's head copy of the tied embedding (``lm_head.weight``) reads the optimizer state
     that a one-stage run saved under ``tok_emb.weight``. ``extra``: what :func:`state_to_save` saved of it is
     given to its ``load_state_dict`` (the names the checkpoint holds; none from a run without it). Returns the
-    checkpoint's ``meta.json`` contents.
+    checkpoint's ``meta.json`` contents. ``fresh_optimizer``: ``optimizer``'s states are left as they are
+    (``checkpoint.fresh_optimizer``: the checkpoint's may be another optimizer's).
     """
     read_metadata(ckpt)  # a crafted or broken .metadata is one ConfigError here, not an error inside DCP's load
     if optimizer is None:
@@ -400,6 +401,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
+        if fresh_optimizer:
+            del state["optim"]
         if extra is not None:
             stored, held = set(read_metadata(ckpt).state_dict_metadata), extra.state_dict()
             wanted = {k: k if f"{EXTRA}.{k}" in stored else (aliases or {}).get(k) for k in held}
@@ -408,10 +411,13 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
         if extra is not None:
             extra.load_state_dict({k: state[EXTRA][stored_as] for k, stored_as in wanted.items()})
+        options = OPTIONS if not any(map(is_adapter, model_sd)) else PARTIAL  # adapters: the base is not in it
+        if fresh_optimizer:
+            set_model_state_dict(model, state["model"], options=options)
+            return read_meta(ckpt)
         back = {v: k for k, v in renamed.items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
-        options = OPTIONS if not any(map(is_adapter, model_sd)) else PARTIAL  # adapters: the base is not in it
         set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=optim_sd, options=options)
         if target is not optimizer:
             optimizer.load_state_dict(target.state_dict())  # each rank keeps the states of its own share

@@ -280,6 +280,9 @@ class CheckpointConfig:
     allow_batch_change: bool = False
     """Resume at another global batch size than the checkpoint's (by default that is refused, since it
     changes the loss and the learning-rate schedule's meaning)."""
+    fresh_optimizer: bool = False
+    """On resume, load the weights, the data position and the schedule's step but start the optimizer's states
+    fresh: needed to resume with another ``optim.name`` than the checkpoint's (refused otherwise)."""
     async_save: bool = False
     """Write checkpoints in the background (``torch.distributed.checkpoint.async_save``): training waits
     only while the state is copied to CPU memory, and a step becomes a checkpoint once every rank's write

@@ -154,7 +154,8 @@ class Muon(torch.optim.AdamW):
     torch's own AdamW on the others (their ``lr``, ``betas``, ``weight_decay``, kernels): one optimizer, so the
     learning-rate schedule, ZeRO-1's ``ZeroRedundancyOptimizer`` and DCP's state dicts take it as they take AdamW.
 
-    Muon's state per parameter is ``momentum_buffer`` (of the parameter's shape and placements). Keys of a Muon
+    Muon's state per parameter is ``momentum_buffer`` (of the parameter's shape and placements) and, as AdamW's,
+    ``step`` (a scalar: the steps taken). Keys of a Muon
     group: ``momentum``, ``nesterov``, ``ns_steps``, ``ns_dtype`` ("bfloat16" or "float32"), ``lr_adjust``
     (:func:`meshtrain.optim.table.muon_lr_ratio`), ``exchange`` ("owner" or "gather", module docstring).
 
@@ -198,6 +199,8 @@ class Muon(torch.optim.AdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
+                state["step"] = torch.tensor(0.0)  # AdamW's (its __setstate__ reads a step in every state)
+            state["step"] += 1
             g, buf = _local(p.grad), _local(state["momentum_buffer"])
             buf.lerp_(g, 1 - m)
             updates[p] = g.lerp(buf, m) if group["nesterov"] else buf

@@ -37,10 +37,12 @@ from meshtrain import axes
 from meshtrain.planner.hardware import Hardware
 from meshtrain.rules.pipeline import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, nf4_params, stage_layers, stage_loads,
-                                     stage_params, torchtitan_gemms, trained_params)
+from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, most_blocks, muon_groups_of, muon_params,
+                                     nf4_params, stage_layers, stage_loads, stage_params, torchtitan_gemms,
+                                     trained_params)
 from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token,
                                            dense_flops_per_token)
+from meshtrain.planner.optimizer import OptimizerPlan, muon_work
 
 
 def expert_flops_per_token(model: ModelSpec) -> float:
@@ -667,15 +669,82 @@ def hierarchical_allreduce_time(hw: Hardware, nbytes: float, ranks: int, per_nod
     return intra + collective_time(hw, "all-reduce", ranks // per_node, nbytes, True, 1)
 
 
-def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework | None = None) -> float:
-    """AdamW step, memory-bound: read and write weights and states, read gradients 3x (norm, clip,
-    update) for each parameter this device updates (1/(dp*sp) of its stage with ZeRO >= 1), plus the
-    host time per parameter tensor (FSDP2's sharded DTensor parameters at zero_stage >= 2 cost more)."""
-    p = trained_params(model, layout, fw) / (layout.dp * layout.sp if layout.zero_stage >= 1 else 1)  # LoRA: adapters
+@dataclass(frozen=True)
+class OptimizerTime:
+    """Seconds of one optimizer step on the busiest rank, by part (:func:`optimizer_parts`): the memory-bound
+    element-wise update and the host time per tensor, Muon's Newton-Schulz and its exchange of sharded matrices."""
+
+    elementwise: float
+    newton_schulz: float = 0.0
+    exchange: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.elementwise + self.newton_schulz + self.exchange
+
+
+def optimizer_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework | None = None,
+                   memo: dict | None = None) -> float:
+    """Seconds of the optimizer step: :func:`optimizer_parts`' total."""
+    return optimizer_parts(model, layout, hw, prec, fw, memo).total
+
+
+def optimizer_parts(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
+                    fw: Framework | None = None, memo: dict | None = None) -> OptimizerTime:
+    """The optimizer step, by part (``fw.optimizer``'s row; AdamW without a framework); ``memo``: as
+    :func:`step_time`'s (Muon's matrix work, keyed by the degrees, the zero stage and the busiest rank's blocks).
+
+    Element-wise, memory-bound: read and write weights and states, read gradients 3x (norm, clip, update) for each
+    parameter this device updates (1/(dp*sp) of its stage with ZeRO >= 1), ``p (2 (w + o) + 3 g)`` bytes with o the
+    precision's AdamW bytes per parameter, less twice the bytes of the states another row does not keep
+    (:meth:`~meshtrain.planner.optimizer.OptimizerPlan.state_bytes`: SGD none, Muon one on its matrices), plus per
+    Muon parameter what :class:`meshtrain.optim.muon.Muon`'s element-wise step moves beyond that, ``8 + g + 2 w + 2 e``
+    (the fp32 update U written and read, the gradient read once more by U's lerp, the weight read and written once
+    more by the decay before the update, U cast to the Newton-Schulz dtype of e bytes and the result O read); plus
+    the host time per parameter tensor (FSDP2's sharded DTensor parameters at zero_stage >= 2 cost more).
+
+    Muon: Newton-Schulz on the busiest rank's matrices at the GEMM rate in its dtype and the exchange of the
+    matrix-sharded ones over their group's links (:func:`meshtrain.planner.optimizer.muon_work`), after the
+    element-wise part (the trainer orthogonalizes after the momentum update). Takeaway: under FSDP2 and tp the
+    owner exchange divides Newton-Schulz by the ranks sharing a matrix for the traffic of two all-to-alls of the
+    rank's shards in bf16; DDP and pipeline replicas repeat it whole on every rank."""
+    plan = fw.optimizer if fw is not None else OptimizerPlan()
+    z, shard = layout.zero_stage, layout.dp * layout.sp
+    p = trained_params(model, layout, fw) / (shard if z >= 1 else 1)  # LoRA: adapters
     nbytes = p * (2 * (prec.weight_bytes + prec.optimizer_bytes) + 3 * prec.grad_bytes)
     dev = hw.device
-    per_tensor = dev.sharded_tensor_update_host_s if layout.zero_stage >= 2 else dev.tensor_update_host_s
-    return nbytes / dev.bandwidth() + per_tensor * model.param_tensors() / layout.pp
+    if plan.name != "adamw":
+        taken = muon_params(model, layout, fw)[1 if z >= 1 else 0] if fw is not None else 0.0
+        nbytes -= 2 * (p * prec.optimizer_bytes - plan.state_bytes(p, taken, prec.optimizer_bytes))
+        nbytes += taken * (2 * 4 + prec.grad_bytes + 2 * prec.weight_bytes + 2 * plan.ns_bytes)
+    per_tensor = dev.sharded_tensor_update_host_s if z >= 2 else dev.tensor_update_host_s
+    elementwise = nbytes / dev.bandwidth() + per_tensor * model.param_tensors() / layout.pp
+    if not plan.muon:
+        return OptimizerTime(elementwise)
+    if layout.diloco_group:  # Muon runs inside a worker: its FSDP2 shards span the worker's dp / workers ranks
+        layout = replace(layout, dp=layout.dp // layout.diloco_workers, diloco_group=0)
+    blocks = most_blocks(model, layout, fw)
+    key = ("muon", *axes.degrees_of(layout), layout.zero_stage, blocks)
+    return OptimizerTime(elementwise, *memoized(memo, key, _muon_seconds, model, layout, hw, fw, blocks))
+
+
+def _muon_seconds(model: ModelSpec, layout: Layout, hw: Hardware, fw: Framework, blocks: int) -> tuple[float, float]:
+    """(Newton-Schulz, exchange) seconds of Muon on the busiest rank (:func:`meshtrain.planner.optimizer.muon_work`),
+    each exchange over the links of the mesh axes that share its matrices."""
+    work = muon_work(muon_groups_of(model, layout, blocks, fw), fw.optimizer, hw.device)
+    dpn = hw.network.devices_per_node
+    exchange = sum(collective_time(hw, kind, n, nbytes, any(layout.spans_nodes(a, dpn) for a in group_axes),
+                                   _ranks_per_node(layout, group_axes, dpn))
+                   for kind, n, group_axes, nbytes in work.exchanges)
+    return work.seconds, exchange
+
+
+def _ranks_per_node(layout: Layout, group_axes: tuple[str, ...], devices_per_node: int) -> int:
+    """Ranks of a group along ``group_axes`` on one node (the product of each axis's, at most a node)."""
+    ranks = 1
+    for axis in group_axes:
+        ranks *= layout.ranks_per_node(axis, devices_per_node)
+    return min(ranks, devices_per_node)
 
 
 def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:
@@ -733,8 +802,8 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
                        _step_collectives_time, model, layout, hw, prec)
     return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
                     pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
-                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo), optimizer=optimizer_time(model, layout, hw, prec, fw),
-                    ep_comm=m * mb.ep)
+                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo),
+                    optimizer=optimizer_time(model, layout, hw, prec, fw, memo), ep_comm=m * mb.ep)
 
 
 def _step_collectives_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:

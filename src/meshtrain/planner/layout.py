@@ -18,6 +18,7 @@ from meshtrain.config.checks import check_diloco, diloco_workers, resolve_world
 from meshtrain.config.sections import Config, DiLoCoConfig, ParallelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.planner.model_specs import ModelSpec
+from meshtrain.planner.optimizer import OptimizerPlan
 from meshtrain.rules.layout import LayoutShape, layout_errors
 from meshtrain.rules.pipeline import RULES, pipeline_error
 from meshtrain.rules.support import SUPPORTED, blocks_compiled, compile_eligible, zero_stage_error
@@ -339,6 +340,10 @@ class Framework:
     (meshtrain, torchtitan) computes the log-softmax of a vocab-sharded DTensor from fp32 temporaries (the shifted
     logits, their exp) and its backward from ``exp(log-softmax)``: 16, measured as ``loss_backward_bytes``.
     Megatron's vocab-parallel cross-entropy is the same at every tp: 6."""
+    optimizer: OptimizerPlan = OptimizerPlan()
+    """The run's optimizer (``optim.name`` and Muon's keys, :class:`meshtrain.planner.optimizer.OptimizerPlan`): its
+    states per parameter (memory) and its step's time (:func:`meshtrain.planner.cost.optimizer_parts`); AdamW
+    unless a config says otherwise (:func:`meshtrain_framework`)."""
 
     @property
     def per_operator_selective(self) -> bool:
@@ -379,7 +384,7 @@ so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
 def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
     """The trainer as ``cfg`` sets it up on ``device_type`` ("cpu"/"cuda"): its FSDP2 unit size
-    (``parallel.fsdp_unit_mb``), and fused element-wise kernels where its blocks are compiled
+    (``parallel.fsdp_unit_mb``), its optimizer (``[optim]``), and fused element-wise kernels where its blocks are compiled
     (:func:`meshtrain.rules.support.blocks_compiled`), eager ones (``eager_elementwise``) where not. Compiled, it is
     named as the stack ``meshtrain+compile`` (:func:`meshtrain.planner.stack.parse_stack`), so that its fitted speed
     (:func:`meshtrain.planner.stack.speed_for`) is the compiled runs', not the eager ones'."""
@@ -388,7 +393,8 @@ def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
                                device_type)
     return replace(MESHTRAIN, name="meshtrain+compile" if compiled else MESHTRAIN.name,
                    fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
-                   eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise)
+                   eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise,
+                   optimizer=OptimizerPlan.from_config(cfg.optim))
 
 
 FRAMEWORKS = {f.name: f for f in (

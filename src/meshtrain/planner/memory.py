@@ -39,6 +39,7 @@ from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk
 from meshtrain.rules.pipeline import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token
+from meshtrain.planner.optimizer import MuonGroup, OptimizerPlan, block_matrices, muon_groups, muon_work
 from meshtrain.rules.support import fsdp_units
 
 
@@ -196,13 +197,52 @@ def _param_parts(model: ModelSpec, tp: int, ep: int, pp: int) -> tuple[float, fl
     return layer, model.embedding_params() / tp, (model.head_params() + untied) / tp
 
 
-@lru_cache(maxsize=4096)
 def _rank_params(model: ModelSpec, tp: int, ep: int, pp: int, virtual: int, placement: str, split: str,
                  tokens: int) -> float:
+    return _busiest_rank(model, tp, ep, pp, virtual, placement, split, tokens)[0]
+
+
+@lru_cache(maxsize=4096)
+def _busiest_rank(model: ModelSpec, tp: int, ep: int, pp: int, virtual: int, placement: str, split: str,
+                  tokens: int) -> tuple[float, int]:
+    """(parameters, blocks) of the pipeline rank that holds the most parameters (the first such rank)."""
     layer, emb, head = _param_parts(model, tp, ep, pp)
     loads = _pipeline(model, pp, virtual, placement, split, tokens)[1]
-    return max(blocks * layer + (emb if rank == 0 else 0.0) + (head if has_head else 0.0)
-               for rank, (blocks, has_head) in enumerate(loads))
+    return max(((blocks * layer + (emb if rank == 0 else 0.0) + (head if has_head else 0.0), blocks)
+                for rank, (blocks, has_head) in enumerate(loads)), key=lambda load: load[0])
+
+
+def most_blocks(model: ModelSpec, layout: Layout, framework: Framework | None = None) -> int:
+    """Blocks of the pipeline rank that holds the most (:func:`rank_loads`): the busiest rank of a step's per-block
+    work outside forward and backward (Muon's Newton-Schulz, :func:`muon_groups_of`)."""
+    return _pipeline(model, *_split_key(layout, framework))[2][1]
+
+
+def muon_groups_of(model: ModelSpec, layout: Layout, blocks: int, framework: Framework | None) -> list[MuonGroup]:
+    """:func:`meshtrain.planner.optimizer.muon_groups` of ``blocks`` blocks of ``layout`` (none but with Muon)."""
+    plan = framework.optimizer if framework is not None else OptimizerPlan()
+    if not plan.muon or model.adapter_layer_params:
+        return []
+    return muon_groups(model, blocks, layout.tp, layout.dp * layout.sp, layout.ep, layout.zero_stage, plan.exchange)
+
+
+def muon_params(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[float, float]:
+    """(Muon's parameters on the rank :func:`stage_params` counts, its ZeRO shard of them), the
+    :func:`trained_params` Muon takes, counted as :func:`_state_memory` counts the trained ones: the rank's blocks'
+    :func:`~meshtrain.planner.optimizer.block_matrices` (expert stacks / ep; sharded: of every expert, less what
+    Megatron's folding spreads over tp); with LoRA every adapter (all matrices). (0, 0) without Muon."""
+    if not framework.optimizer.muon:
+        return 0.0, 0.0
+    shard = layout.dp * layout.sp
+    if model.adapter_layer_params:
+        t = trained_params(model, layout, framework)
+        return t, t / shard
+    split = _split_key(layout, framework)
+    mats = block_matrices(model)
+    held = _busiest_rank(model, layout.tp, layout.ep, *split)[1] * mats.params(layout.tp, layout.ep)
+    sharded = _busiest_rank(model, layout.tp, 1, *split)[1] * mats.params(layout.tp, 1) / shard
+    sharded -= stage_layers(model, layout) * model.expert_params() * (1 - 1 / framework.expert_fold(layout.tp)) / shard
+    return held, sharded
 
 
 def fsdp_unit_shape(model: ModelSpec, layout: Layout, framework: Framework) -> tuple[int, int]:
@@ -463,7 +503,8 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
         return replace(states, optimizer=states.optimizer + 8 * held)
     split = _split_key(layout, framework) if layout.pp > 1 else ()
     if split and split[4]:  # a split weighing the costs at this many tokens: what matters is the ranks' parameters
-        split = (_rank_params(model, layout.tp, layout.ep, *split), _rank_params(model, layout.tp, 1, *split))
+        # (and, for Muon's count and temporaries, the blocks of the rank that holds the most)
+        split = (_busiest_rank(model, layout.tp, layout.ep, *split), _busiest_rank(model, layout.tp, 1, *split))
     key = ("states", layout.tp, layout.pp, layout.dp * layout.sp, layout.ep, layout.zero_stage,  # one framework a memo
            layout.gradient_accumulation_steps == 1, split)
     return memoized(memo, key, _state_memory, model, layout, hw, precision, framework)
@@ -493,7 +534,9 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
                                                   or framework.grad_sync_every_microstep)
     trained = t / shard if model.adapter_layer_params else sharded  # what a ZeRO shard holds of the trained ones
     grads = (trained if grads_sharded else t) * precision.grad_bytes
-    optimizer = (trained if z >= 1 else t) * precision.optimizer_bytes
+    taken = muon_params(model, layout, framework)[1 if z >= 1 else 0]  # Muon's of them (0 for another optimizer)
+    updated = trained if z >= 1 else t
+    optimizer = framework.optimizer.state_bytes(updated, taken, precision.optimizer_bytes)
     block = model.layer_params() / layout.tp
     gathered = 0.0
     if z >= 2:
@@ -511,8 +554,22 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
         gathered += t * precision.grad_bytes
     return StateMemory(weights=weights, grads=grads, optimizer=optimizer, gathered=gathered,
                        fixed=gathered + (p - q) * precision.weight_cast_bytes,  # NF4 is dequantized a layer at a time
-                       optimizer_peak=(trained if z >= 1 else t) * 4 if framework.torch_buffers else 0.0,
+                       optimizer_peak=_optimizer_peak(model, layout, hw, framework, updated, taken),
                        overhead=hw.device.framework_overhead_bytes)
+
+
+def _optimizer_peak(model: ModelSpec, layout: Layout, hw: Hardware, framework: Framework, updated: float,
+                    taken: float) -> float:
+    """Bytes the optimizer step holds for a moment on top of the states: PyTorch's foreach AdamW (and SGD's weight
+    decay) one fp32 temporary per parameter it updates (``framework.torch_buffers``); with Muon, AdamW's on the rest
+    first, then Muon's (:class:`meshtrain.optim.muon.Muon` steps AdamW's groups before its own), the larger of the
+    two: :func:`meshtrain.planner.optimizer.muon_work`'s temporaries of the rank's blocks."""
+    adamw = (updated - taken) * 4 if framework.torch_buffers else 0.0
+    if not framework.optimizer.muon:
+        return adamw
+    blocks = _busiest_rank(model, layout.tp, layout.ep, *_split_key(layout, framework))[1]
+    work = muon_work(muon_groups_of(model, layout, blocks, framework), framework.optimizer, hw.device)
+    return max(adamw, work.temporaries)
 
 
 def trained_params(model: ModelSpec, layout: Layout, framework: Framework | None = None) -> float:
@@ -587,13 +644,15 @@ def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, pre
 
     A worker: weights, gradients and activations as one process, no optimizer states, plus the fp32
     parameters it receives and the flat fp32 gradient it sends. A server: the whole model's weights (it
-    evaluates and checkpoints it), the gradient and AdamW states of its 1/S shard, the received gradient
+    evaluates and checkpoints it), the gradient and optimizer states of its 1/S shard, the received gradient
     shard and one parameter reply in flight per worker."""
     single = replace(layout, dp=1, ps_servers=0)
     one = memory_breakdown(model, single, hw, precision, framework)
     p, S = stage_params(model, single), layout.ps_servers
     worker = replace(one, optimizer=0.0, buffers=one.buffers + 2 * 4 * p)
+    taken = muon_params(model, single, framework)[0]
     server = MemoryBreakdown(weights=one.weights, gradients=p * precision.grad_bytes / S,
-                             optimizer=p * precision.optimizer_bytes / S, activations=0.0,
+                             optimizer=framework.optimizer.state_bytes(p / S, taken / S, precision.optimizer_bytes),
+                             activations=0.0,
                              buffers=(1 + layout.dp) * 4 * p / S, overhead=one.overhead)
     return max(worker, server, key=lambda m: m.total)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from meshtrain.axes import SHORT_FLAGS, SPECS, degree
 from meshtrain.batch_math import tokens_per_step
+from meshtrain.planner.cost import optimizer_parts
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
@@ -116,6 +117,19 @@ def _dominant(e: Estimate) -> str:
     return f"after compute ({e.time.compute / e.time.total:.0%}), the largest cost is {name} ({value / e.time.total:.0%})"
 
 
+def optimizer_line(ctx: Context, e: Estimate) -> str:
+    """The optimizer's share of ``e``'s step and its states per device, in one line; with Muon its parts
+    (:func:`meshtrain.planner.cost.optimizer_parts`: element-wise, Newton-Schulz on the busiest rank, the exchange)."""
+    plan, seconds = ctx.framework.optimizer, e.time.optimizer
+    line = f"Optimizer {plan.name}: {seconds:.4g} s/step ({seconds / e.time.total:.1%} of the step)"
+    if plan.muon and not e.layout.ps_servers:
+        parts = optimizer_parts(ctx.model, e.layout, ctx.hw, ctx.precision, ctx.framework)
+        line += (f" = element-wise {parts.elementwise:.3g} s + Newton-Schulz {parts.newton_schulz:.3g} s "
+                 f"({plan.ns_steps} steps in {plan.ns_dtype}, busiest rank) + {plan.exchange} exchange "
+                 f"{parts.exchange:.3g} s")
+    return line + f"; states {e.memory.optimizer / GiB:.2f} GiB/device."
+
+
 def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: int, plot: Path | None,
                  mine: Estimate | None = None) -> None:
     """Print the ranked table of fitting layouts (a :func:`meshtrain.planner.search.search` result) and the takeaways
@@ -140,6 +154,7 @@ def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: 
         lines.append(f"Batch: global_batch_size = micro_batch_size * gradient_accumulation_steps * dp = "
                      f"{b.micro_batch_size} * {b.gradient_accumulation_steps} * {b.dp} = {b.global_batch_size} "
                      f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
+        lines.append(optimizer_line(ctx, best))
         lines.append(_range_line(ctx, best, fitting[:top]))
         if best.total_steps:
             low, high = estimate_ranges(best, ctx.speed)["total_time_range_s"]
@@ -229,6 +244,7 @@ def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
     verdict = "fits" if e.fits else f"does NOT fit: {e.memory.total / GiB:.1f} > {capacity:.0f} GiB"
     out.print(f"{layout.label()} {verdict}; {e.tokens_per_s:,.0f} tokens/s, {ctx.hw.device.mfu_label()} {e.mfu:.1%}, "
                   f"{e.hardware_tflops_per_device:.4g} hardware TFLOP/s per device; {_dominant(e)}.", soft_wrap=True)
+    out.print(optimizer_line(ctx, e), soft_wrap=True)
     if layout.diloco_group:
         out.print(diloco_trade(layout), soft_wrap=True)
     return 0

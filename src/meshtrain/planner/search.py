@@ -222,7 +222,7 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
     budget = hw.device.memory_bytes
 
     def states_fit(tp: int, pp: int, shard: int, zero: int) -> bool:
-        return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision) <= budget
+        return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision, framework) <= budget
 
     fits, unfit = [], []  # (layout, its memory breakdown)
     norms, memo = composite_norms(hw), {}  # memo: the model states that many layouts share, then the cost model's parts
@@ -298,14 +298,18 @@ def _with(layout: Layout, **changes: Any) -> Layout:
 
 
 def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int, hw: Hardware,
-                       precision: Precision) -> float:
+                       precision: Precision, framework: Framework | None = None) -> float:
     """Bytes per device that every layout of these degrees needs at least: the busiest stage's weights,
     gradients and optimizer states, each sharded over the ``shard`` = dp*sp ranks as ZeRO stage ``zero``
     can shard it (Rajbhandari et al. 2020, Sec. 5; gradients counted sharded from stage 2 even where gradient
     accumulation keeps them whole), plus the runtime overhead; no activations, no buffers. A lower bound of
     :func:`meshtrain.planner.memory.memory_breakdown` (``tests/test_planner_search.py`` checks it). A model with
-    experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts)."""
+    experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts). The optimizer's states
+    (``framework.optimizer``, AdamW without one) are counted at its fewest per parameter (Muon: all at its own one)."""
     ep = math.gcd(model.experts, shard) if model.experts else 1
+    optimizer_bytes = precision.optimizer_bytes
+    if framework is not None and framework.optimizer.name != "adamw":
+        optimizer_bytes = framework.optimizer.fewest_state_bytes(optimizer_bytes)
     p = stage_params_floor(model, tp, pp, ep)  # whatever split and schedule the layouts of these degrees run
     t, weights = p, p * precision.weight_bytes
     if model.adapter_layer_params:  # LoRA: the average rank's adapters train; QLoRA: at most its busiest rank's NF4
@@ -313,4 +317,4 @@ def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int
         weights += t * precision.weight_bytes - (math.ceil(model.layers / pp) * model.nf4_layer_params / tp
                                                  * (precision.weight_bytes - NF4_BYTES))
     return (weights / (shard if zero >= 3 else 1) + t * precision.grad_bytes / (shard if zero >= 2 else 1)
-            + t * precision.optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)
+            + t * optimizer_bytes / (shard if zero >= 1 else 1) + hw.device.framework_overhead_bytes)

@@ -20,6 +20,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +174,18 @@ class Trainer:
         path = ckpt.resume_checkpoint(self.cfg)
         if path is None:
             return 0
+        fresh = self.cfg.checkpoint.fresh_optimizer
         meta = ckpt.load(path, self.model, self.optimizer,
                          aliases={"lm_head.weight": "tok_emb.weight"},  # the tied weight, by its first name
-                         extra=self.parallel.sync.checkpointed())
+                         extra=self.parallel.sync.checkpointed(), fresh_optimizer=fresh)
         self.sampler.load_state_dict(meta["sampler"])
-        self.scheduler.load_state_dict(meta["scheduler"])
+        if fresh:  # another optimizer's groups: the schedule continues at the checkpoint's step on this one's
+            self.scheduler.last_epoch = int(meta["step"]) - 1
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                self.scheduler.step()
+        else:
+            self.scheduler.load_state_dict(meta["scheduler"])
         self.source_hf_config = meta.get("source_hf_config")
         if self.rank == 0:
             saved = axes.describe({str(s.axis): meta.get(str(s.axis), 1) for s in axes.AXIS_TABLE})
