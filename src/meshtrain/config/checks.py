@@ -172,6 +172,23 @@ def _validate_optim(cfg: Config) -> None:
              f"optim.lr_scaling = {o.lr_scaling!r} needs optim.reference_batch_size >= 1: the global batch "
              f"optim.lr was tuned at")
     _validate_muon(o)
+    _validate_qk_clip(cfg)
+
+
+def _validate_qk_clip(cfg: Config) -> None:
+    """``optim.qk_clip``: >= 0; when on, attention whose logits it can scale, seen whole by each rank."""
+    o, p = cfg.optim, cfg.parallel
+    _require(o.qk_clip >= 0, f"optim.qk_clip = {o.qk_clip} must be >= 0 (0 = off; Kimi K2 used 100)")
+    if not o.qk_clip:
+        return
+    fam = family(cfg.model.type)
+    _require(fam.attention and not fam.qk_norm,
+             f"optim.qk_clip = {o.qk_clip} needs attention without per-head q/k norms, which model.type = "
+             f"{cfg.model.type!r} {'normalises (its logits are bounded)' if fam.attention else 'has not'}: use optim.qk_clip = 0")
+    _require(p.sp == 1, f"optim.qk_clip = {o.qk_clip} observes whole sequences and parallel.sp = {p.sp} splits them: "
+                        f"use parallel.sp = 1 (or optim.qk_clip = 0)")
+    _require(p.sync_mode != "async", "optim.qk_clip needs a step every rank shares, which parallel.sync_mode = 'async' "
+                                     "has not: use optim.qk_clip = 0")
 
 
 def _validate_muon(o) -> None:

@@ -205,6 +205,10 @@ class OptimConfig:
     muon_adamw_lr: float = 0.0
     """Peak learning rate of the parameters Muon does not take (embeddings, head, norms, biases, routers), trained
     by AdamW with ``beta1``, ``beta2``; 0 = ``lr``. Follows the same schedule and batch scaling."""
+    qk_clip: float = 0.0
+    """QK-clip's threshold tau (MuonClip, Kimi K2 report, Sec. 2.1; K2 used 100): after each step, a head whose
+    largest attention logit exceeded it has its q (and, with a key head of its own, k) projection scaled down to it
+    (:mod:`meshtrain.optim.qk_clip`); 0 = off. Any optimizer; not with q/k-normalised attention or sp > 1."""
     muon_exchange: str = "owner"
     """How a matrix sharded by FSDP2 or tp is orthogonalized: "owner" (each whole matrix on one rank of those
     that hold its shards: one all-to-all gathers it, one sends the result's shards back) or "gather" (every

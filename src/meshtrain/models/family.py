@@ -148,6 +148,9 @@ class Family:
     experts: bool = False
     """Whether its MLPs are mixtures of experts (:mod:`meshtrain.models.moe`), which expert parallelism
     (``parallel.ep``) splits."""
+    qk_norm: bool = False
+    """Whether its attention normalises q and k per head (Qwen3's RMSNorm), which bounds the attention logits: QK-clip
+    (``optim.qk_clip``, :mod:`meshtrain.optim.qk_clip`) has nothing to clip there."""
     aux_loss: bool = False
     """Whether the model has an auxiliary loss that its forward adds to the cross-entropy's gradient, and whose last
     value ``aux_loss()`` returns (see the module docstring)."""

@@ -63,7 +63,7 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _index_lists(p: DTensor, coordinate: list[int]) -> list[Tensor]:
+def shard_indices(p: DTensor, coordinate: list[int]) -> list[Tensor]:
     """Per tensor dimension, the global indices of the rows/columns the rank at mesh ``coordinate`` holds of ``p``:
     its local shard is ``full[i0][:, i1]...``. Shards are applied mesh dimension by mesh dimension, left to right,
     as DTensor applies them (a ``_StridedShard`` first, then the ``Shard`` it was split for: FSDP2 over tp)."""
@@ -108,7 +108,7 @@ def _matrix_sharded(p: Tensor) -> bool:
 @dataclass(eq=False)
 class _Sharded:
     """A matrix orthogonalized by the owner exchange: ``ranks`` hold its shards, ``owner`` orthogonalizes it;
-    ``lists[rank]``: that rank's :func:`_index_lists` (every holder's on the owner, its own elsewhere)."""
+    ``lists[rank]``: that rank's :func:`shard_indices` (every holder's on the owner, its own elsewhere)."""
 
     param: DTensor
     ranks: tuple[int, ...]
@@ -144,7 +144,7 @@ def _plan(params: list[DTensor], me: int, steps: int) -> list[_Sharded]:
         for i, p in enumerate(members):
             mesh = p.device_mesh.mesh
             holders = ranks if owners[i] == me else (me,)
-            lists = {r: _index_lists(p, [int(c) for c in (mesh == r).nonzero()[0]]) for r in holders}
+            lists = {r: shard_indices(p, [int(c) for c in (mesh == r).nonzero()[0]]) for r in holders}
             planned.append(_Sharded(p, ranks, owners[i], lists))
     return planned
 
@@ -219,7 +219,7 @@ class Muon(torch.optim.AdamW):
     def _gathered(p: DTensor, update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
         """The naive way: every rank all-gathers the whole update, orthogonalizes it and keeps its shard."""
         whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-        return _take(newton_schulz(whole, steps, dtype), _index_lists(p, p.device_mesh.get_coordinate()))
+        return _take(newton_schulz(whole, steps, dtype), shard_indices(p, p.device_mesh.get_coordinate()))
 
     def _owner_exchange(self, group: dict, sharded: list[DTensor], updates: dict, dtype: torch.dtype) -> dict:
         """Orthogonalize the matrix-sharded parameters on their owners (module docstring): two ``all_to_all_single``

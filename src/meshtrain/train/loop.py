@@ -40,6 +40,7 @@ from meshtrain.metrics import TIMING_WARMUP_STEPS, MetricsLog, peak_memory_bytes
 from meshtrain.models.hf import load_hf_weights, source_hf_config
 from meshtrain.models.resize import GrownRows
 from meshtrain.optim.build import build_optimizer
+from meshtrain.optim.qk_clip import QKClip
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
 from meshtrain.parallel.rng import seed_step
@@ -104,6 +105,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(
             self.model.named_parameters(), cfg, self.resolved.global_batch_size,
             self.dims.get_mesh(BATCH_MESH).get_group() if zero1 else None)
+        self.qk_clip = self._qk_clip()
         self._build_data(dp)
         self.out_dir = Path(cfg.train.out_dir)
         # DiLoCo: the outer weights are the model as it starts; elastic workers join the others (behind them, they
@@ -114,6 +116,14 @@ class Trainer:
         self._load_base(grown, quantized)
         if cfg.train.objective == "dpo":
             self._set_reference()
+
+    def _qk_clip(self) -> QKClip | None:
+        """``optim.qk_clip``'s observer of this rank's attention blocks, its maxima reduced over dp x sp and tp."""
+        if not self.cfg.optim.qk_clip:
+            return None
+        groups = tuple(self.dims.get_mesh(axis).get_group() for axis, n in ((BATCH_MESH, len(self.batch_ranks)),
+                                                                            (Axis.TP, self.dims.tp)) if n > 1)
+        return QKClip(self.model, self.cfg.optim.qk_clip, self.dims.rank_of(Axis.TP), groups)
 
     def _say_adapters(self) -> None:
         """LoRA, on rank 0: how many adapter parameters train, and how many of the base's are frozen."""
@@ -304,6 +314,8 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.parallel.after_optimizer_step()
+            if self.qk_clip is not None:
+                self.qk_clip.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         enter_phase(f"step {step}: {self.parallel.sync.phase or 'the end of the step'}", self.world_ranks)
@@ -319,6 +331,8 @@ class Trainer:
         if self.parallel.dpo is not None:  # TRL's rewards/*, means over the global batch's pairs
             sums = batch_sum(self.parallel.pair_metrics, self.dims) / (self.parallel.pairs * self.dims.sp)
             record.update(zip(PAIR_METRICS, sums.tolist()), pairs=self.parallel.pairs)
+        if self.qk_clip is not None:  # this rank's stage's largest attention logit and the heads QK-clip scaled
+            record.update(qk_max_logit=self.qk_clip.last_max, qk_clipped_heads=self.qk_clip.last_clipped)
         if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
             record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
