@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import CONFIG, TINY, assert_close_losses, assert_close_params, final_params, losses, read_records
 from diloco_worker import LOSSES_FILE
+from test_muon_layouts import muon_step_bound
 from layout_worker import launch_layouts, reference_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -40,6 +41,9 @@ RUNS = {  # name: (world size, overrides on MODEL, (workers, dp inside a worker)
                       "train.steps": "8"}, (2, 2)),
     "w2-tp2-h4": (4, {**DILOCO, "diloco.group": "2", "parallel.tp": "2", "diloco.inner_steps": "4",
                       "train.steps": "8"}, (2, 1)),
+    # Muon as the inner optimizer (docs/optimizers.md), its tp-sharded matrices orthogonalized by their owners
+    "w2-tp2-h4-muon": (4, {**DILOCO, "diloco.group": "2", "parallel.tp": "2", "diloco.inner_steps": "4",
+                           "train.steps": "8", "optim.name": "muon", "optim.muon_ns_dtype": "float32"}, (2, 1)),
 }
 
 
@@ -164,7 +168,8 @@ def simulate(overrides: dict[str, str], workers: int, replicas: int) -> tuple[di
 def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> float:
     """Largest difference of a weight between two DiLoCo runs that agree up to rounding, derived step by step.
 
-    Inside a round a worker's weights drift by at most 2 * lr_t per AdamW step (:func:`conftest.adamw_drift_bound`).
+    Inside a round a worker's weights drift by at most 2 * lr_t per AdamW step (:func:`conftest.adamw_drift_bound`),
+    ``2 * lr_t * max(1, 1.21 r)`` per Muon step (:func:`test_muon_layouts.muon_drift_bound`'s per-step term).
     An outer step's pseudo-gradient then differs by at most ``e = D + G`` (D: the workers' drift when it is taken,
     G: the outer weights'), the momentum by ``mu * m + e``, the outer weights by ``outer_lr * (e + mu * m)`` more
     (Nesterov SGD's update, linear in both), and a worker mixes to at most ``max(D, G)`` when it lands tau steps
@@ -180,6 +185,7 @@ def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> flo
     cfg = load_config(CONFIG, {**MODEL, **overrides})
     steps = cfg.train.steps
     H, F, tau = cfg.diloco.inner_steps, cfg.diloco.fragments, cfg.diloco.delay
+    per_step = muon_step_bound(cfg) if cfg.optim.name == "muon" else 1.0
     worst = 0.0
     for f in range(F):
         drift = outer = momentum = 0.0
@@ -195,7 +201,7 @@ def diloco_drift_bound(overrides: dict[str, str], int8_step: float = 0.0) -> flo
 
         last = 0
         for step in range(1, steps + 1):
-            drift += 2 * lr_at(step - 1, cfg.optim, steps)
+            drift += 2 * per_step * lr_at(step - 1, cfg.optim, steps)
             if step in taken:
                 land(taken.pop(step))
             if step % H == ((f + 1) * H // F) % H:

@@ -35,6 +35,18 @@ matrices per stage, replicated ones per sp rank); the shards of FSDP2 x tp and o
 against whole matrices by tests/test_muon.py in `make test`."""
 
 
+def muon_step_bound(cfg) -> float:
+    """``max(1, 1.21 * r)``: the most one Muon step moves an element, in units of its learning rate (1.21: the
+    largest singular value Newton-Schulz leaves, :func:`muon_drift_bound`; r: the largest learning-rate ratio of
+    ``cfg``'s model's Muon matrices), or AdamW's step on the rest (1)."""
+    from meshtrain.models.build import build_model
+    from meshtrain.optim.table import muon_lr_ratio, takes_muon
+
+    ratio = max(muon_lr_ratio(cfg.optim.muon_lr_adjust, tuple(p.shape))
+                for n, p in build_model(cfg.model, 128).named_parameters() if takes_muon(n, tuple(p.shape)))
+    return max(1.0, 1.21 * ratio)
+
+
 def muon_drift_bound(overrides: dict[str, str]) -> float:
     """Largest parameter difference two runs that agree up to rounding can reach: ``2 * sum_t lr_t * max(1, 1.21 *
     r)``. Muon moves a matrix by ``lr_t * r * O`` with O's singular values <= 1.21 (Newton-Schulz's polynomial never
@@ -43,14 +55,10 @@ def muon_drift_bound(overrides: dict[str, str]) -> float:
     most lr_t (tests/conftest.py's ``adamw_drift_bound``). Two runs can move in opposite directions: twice that. Loose
     by design, as AdamW's: the losses of every step and the step-1 gradients carry the tight checks."""
     from meshtrain.config.load import load_config
-    from meshtrain.models.build import build_model
     from meshtrain.optim.schedule import lr_at
-    from meshtrain.optim.table import muon_lr_ratio, takes_muon
 
     cfg = load_config(CONFIG, {**TINY, **overrides})
-    ratio = max(muon_lr_ratio(cfg.optim.muon_lr_adjust, tuple(p.shape))
-                for n, p in build_model(cfg.model, 128).named_parameters() if takes_muon(n, tuple(p.shape)))
-    return 2 * max(1.0, 1.21 * ratio) * sum(lr_at(step, cfg.optim, cfg.train.steps) for step in range(cfg.train.steps))
+    return 2 * muon_step_bound(cfg) * sum(lr_at(step, cfg.optim, cfg.train.steps) for step in range(cfg.train.steps))
 
 
 def _check(got: tuple, want: tuple, overrides: dict[str, str]) -> None:
