@@ -114,6 +114,15 @@ LAYOUTS = {  # name: (model, overrides); 2 ranks each, global batch 8
     "llama-tp2": (LLAMA, {"parallel.tp": "2"}),
     "llama-sp2-ulysses": (LLAMA, {"parallel.sp": "2"}),
     "llama-pp2": (LLAMA, PIPE),
+    # ring attention slices each block's part of the document mask: documents cross its chunks, start exactly at
+    # one (a chunk is 8 tokens at sp2, 4 at sp4) or fill a whole 32-token window (a line longer than it)
+    "gpt-sp2-ring": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "llama-sp2-ring": (LLAMA, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+}
+RING4 = {  # name: (model, overrides); 4 ranks each, global batch 8, in `make test-slow`
+    "gpt-sp4-ring": (GPT, {"parallel.sp": "4", "parallel.sp_mode": "ring"}),
+    "llama-sp2-ring-tp2": (LLAMA, {"parallel.sp": "2", "parallel.sp_mode": "ring", "parallel.tp": "2"}),
+    "gpt-sp2-ring-pp2": (GPT, {**PIPE, "parallel.sp": "2", "parallel.sp_mode": "ring"}),
 }
 
 
@@ -131,6 +140,7 @@ def references(tmp_path_factory):
 def launched(tmp_path_factory):
     """Every layout in one 2-rank torchrun launch."""
     layouts = {name: (2, {**model, **overrides}) for name, (model, overrides) in LAYOUTS.items()}
+    layouts |= {name: (4, {**model, **overrides}) for name, (model, overrides) in RING4.items()}
     return layout_launcher(tmp_path_factory, {}, layouts, "packing", worker=packing_worker.__file__)
 
 
@@ -141,6 +151,14 @@ def test_document_packing_layout_matches_single_process(references, launched, na
     unmasked)."""
     model = {k: v for k, v in LAYOUTS[name][0].items() if k != "data.packing"}  # the drift bound's config: valid
     check_layout(launched(2)[name], references[name.split("-")[0]], model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RING4))
+def test_document_packing_under_ring_on_four_ranks_matches_single_process(references, launched, name):
+    """Ring attention at sp4 (chunks of 4 tokens: most documents span several), and at sp2 with tp2 and with pp2."""
+    model = {k: v for k, v in RING4[name][0].items() if k != "data.packing"}
+    check_layout(launched(4)[name], references[name.split("-")[0]], model)
 
 
 def test_document_packing_changes_what_is_trained(references, tmp_path):
@@ -172,8 +190,6 @@ def _error(**overrides) -> str:
      "data.packing = 'document' needs an end-of-document (EOS) token and data.tokenizer = 'char' has none"),
     ({"data__packing": "document", "model__type": "lstm"},
      "data.packing = 'document' masks attention, which model.type = 'lstm' has none"),
-    ({"data__packing": "document", "parallel__sp": 2, "parallel__sp_mode": "ring"},
-     "data.packing = 'document' is not supported with parallel.sp_mode = 'ring'"),
     ({"data__packing": "document", "parallel__sync_mode": "async"},
      "data.packing = 'document' is not supported with parallel.sync_mode = 'async'"),
 ])
@@ -203,3 +219,47 @@ def test_a_tokenizer_file_without_eos_is_refused_when_the_trainer_reads_it():
     assert _packing_eos(cfg, 7) == 7
     cfg.data.packing = "concat"
     assert _packing_eos(cfg, 7) is None
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("case", ["crossing", "at-boundaries", "one-document", "one-token-documents"])
+def test_ring_blocks_of_documents_equal_masked_attention(sp, case):
+    """Ring attention's forward, every rank's blocks merged as the ring would (one process: each rank's query
+    chunks against every rank's K/V chunks), equals SDPA with the whole sequence's document mask; blocks whose keys
+    are all in earlier documents are skipped. Windows of 16 tokens (chunks of 8 / sp): documents crossing chunks,
+    starting exactly at each chunk, one filling the window, and many of one token. Tolerance: fp32 scores of 8-term
+    dot products and a softmax merged over at most 2 * sp blocks (log-sum-exp merges exact to ~2**-24 each): 1e-6
+    absolute on outputs of magnitude <= 1 (a convex mix of v's rows of N(0, 1) entries, clipped by the test to
+    |v| <= 1)."""
+    from meshtrain.models.attention import document_causal_mask
+    from meshtrain.parallel.sequence.ring import _block_forward, _block_pairs, _merge
+    from meshtrain.parallel.sequence.shard import shard_sequence
+
+    T, c = 16, 16 // (2 * sp)
+    starts = {"crossing": [0, 3, 11], "at-boundaries": list(range(0, T, c)), "one-document": [0],
+              "one-token-documents": list(range(T))}[case]
+    doc = torch.zeros(T, dtype=torch.long)
+    for s in starts[1:]:
+        doc[s:] += 1
+    doc_ids = torch.stack([doc, doc.flip(0).max() - doc.flip(0)])  # (2, T): a second row, documents reversed
+    mask = document_causal_mask(doc_ids)  # (2, 1, T, T)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, T, 8, generator=g) for _ in range(3))
+    v = v.clamp(-1, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (2, 2, T, 8)
+    scale = 1 / 8 ** 0.5
+    skipped = 0
+    for rank in range(sp):
+        q_r = shard_sequence(q, 2, rank, sp, "ring")
+        outs, lses = [None, None], [None, None]
+        for src in range(sp):
+            kv = torch.stack([shard_sequence(k, 2, src, sp, "ring"), shard_sequence(v, 2, src, sp, "ring")])
+            pairs = list(_block_pairs(q_r, kv, rank, src, sp, mask))
+            skipped += 4 - len(pairs)
+            for n, j, block_mask, q_c, kv_c in pairs:
+                blk, blk_lse = _block_forward(q_c, kv_c[0], kv_c[1], block_mask, scale)
+                outs[n], lses[n] = _merge(outs[n], lses[n], blk, blk_lse)
+        torch.testing.assert_close(torch.cat(outs, dim=2), shard_sequence(want, 2, rank, sp, "ring"),
+                                   rtol=0, atol=1e-6)
+    causal_skips = sp * sp * 4 - sp * (2 * sp + 1)  # the blocks above the diagonal of 2sp x 2sp chunks
+    assert skipped > causal_skips if case in ("at-boundaries", "one-token-documents") else skipped >= causal_skips

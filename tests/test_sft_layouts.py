@@ -5,7 +5,7 @@ their count (meshtrain.parallel.reduce.loss_scale). The data is chosen so that a
 conversations cut from the plays differ in length and in the share of their tokens that the assistant speaks, and
 some windows hold no supervised token at all (a conversation whose user turn alone fills the window: its answer is
 cut with its tail). Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2, tp2 with sequence parallelism, pp2
-(1F1B), Ulysses sp2, ring sp2 (one conversation per sample: ring attention takes no document mask), ep2 on a
+(1F1B), Ulysses sp2, ring sp2 (packed conversations, and one conversation per sample), ep2 on a
 mixture of experts, and gradient accumulation over 4 micro-batches, each against one process on the whole batch at
 once. A sabotage layout averages the loss per micro-batch instead, and must fail the same comparison.
 """
@@ -41,6 +41,7 @@ LAYOUTS = {  # name: (reference, overrides); the references: "packed", "padded",
                             "batch.gradient_accumulation_steps": "4"}),
     "ulysses-sp2": ("packed", {"parallel.sp": "2", "parallel.sp_mode": "ulysses"}),
     "ring-sp2": ("padded", {**PAD, "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "ring-sp2-packed": ("packed", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "ep2": ("moe", {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "4"}),
     "dp2-ga4": ("packed", {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}),
 }

@@ -416,8 +416,8 @@ def _validate_objective(cfg: Config) -> None:
 
 def _validate_packing(cfg: Config) -> None:
     """``data.packing = "document"`` needs an EOS token to split windows at, and an attention that takes the
-    block-diagonal mask: the GPT's or Llama's SDPA, whole or under Ulysses (ring attention's blocks are masked
-    by chunk index only; a recurrence has no attention; the parameter server runs the model unsharded)."""
+    block-diagonal mask: the GPT's or Llama's SDPA, whole, under Ulysses or under ring attention (a recurrence has
+    no attention; the parameter server runs the model unsharded)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
     _require(d.packing in PACKINGS, f"data.packing = {d.packing!r} is not valid: use one of {', '.join(PACKINGS)}")
     _require(d.packing != "pad" or p.sync_mode != "async", "data.packing = 'pad' is not supported with "
@@ -431,9 +431,6 @@ def _validate_packing(cfg: Config) -> None:
     _require(family(m.type).attention, f"data.packing = 'document' masks attention, which model.type = "
                                        f"{m.type!r} has none: use an attention model ({attention_families()}), or "
                                        f"data.packing = 'concat'")
-    _require(p.sp == 1 or p.sp_mode == "ulysses", f"data.packing = 'document' is not supported with parallel.sp_mode "
-                                                  f"= {p.sp_mode!r} (ring attention takes no document mask): use "
-                                                  f"sp_mode = 'ulysses' or data.packing = 'concat'")
     _require(p.sync_mode != "async", "data.packing = 'document' is not supported with parallel.sync_mode = 'async' "
                                      "(the parameter server's workers run windows whole): use 'sync' or 'local-sgd'")
 

@@ -5,7 +5,7 @@ heads and tokens) and gets (B, nh, T/sp, hs): causal attention with scale 1/sqrt
 *global* sequence. The single-rank default is ``F.scaled_dot_product_attention(is_causal=True)``;
 the modules here replace it. With document packing the model also passes ``mask=``, the (B, 1, T, T)
 document mask of the whole sequence (:func:`meshtrain.models.attention.document_causal_mask`): Ulysses applies
-it after its all-to-all, ring attention refuses it.
+it after its all-to-all, ring attention slices each block's part of it (and skips the blocks it forbids whole).
 
 - :class:`UlyssesAttention` (``ulysses.py``): DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509):
   all-to-all to head shards, full-sequence attention, all-to-all back. Tokens in contiguous chunks;

@@ -42,8 +42,16 @@ class RingAttention(nn.Module):
     (O(T/sp) per rank), and one (c, c) block of scores exists at a time. Communication: sp-1 passes
     of K/V forward, sp-1 of K/V and sp of their gradients backward, 2*B*nh*(T/sp)*hs elements each,
     not overlapped with compute. No dropout: attention dropout is not supported here (the model's
-    other dropouts are unaffected). No document mask either (``data.packing = "document"`` is refused
-    with ring attention before launch): its blocks are causal or full by chunk index only.
+    other dropouts are unaffected).
+
+    Packed documents (``data.packing = "document"``): ``mask`` is the (B, 1, T, T) document mask of the whole
+    sequence in its natural order (:func:`meshtrain.models.attention.document_causal_mask`), which every rank
+    holds. The block of query chunk i and K/V chunk j is its (c, c) slice at rows i*c.., columns j*c..: a block
+    with no allowed entry (the keys all in earlier documents) is skipped, forward and backward alike; one that is
+    all allowed, or exactly causal, runs the fused kernel as without documents; any other is computed with its
+    mask, a query row with no allowed key in it contributing nothing (its block log-sum-exp is -inf). Every row
+    keeps its own diagonal, so its final log-sum-exp is finite. The zigzag layout, and so the load balance, is
+    the same as without documents.
     """
 
     def __init__(self, group: ProcessGroup | None):
@@ -52,36 +60,34 @@ class RingAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is not None:
-            raise ValueError("ring attention takes no attention mask: data.packing = 'document' needs "
-                             "sp_mode = 'ulysses' (or sp = 1)")
         if q.size(2) % 2:
             raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
         # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels
         # accumulate in fp32 under bf16 autocast); the output returns in the input's dtype
         dtype = torch.promote_types(q.dtype, torch.float32)
         k, v = repeat_kv(q, k), repeat_kv(q, v)  # grouped-query kv (B, nkv, T/sp, hs) -> (B, nh, T/sp, hs)
-        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group)  # (B, nh, T/sp, hs)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group, mask)  # (B, nh, T/sp, hs)
         return out.to(q.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         sp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.size(-1))
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, hs)
         lses: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, 1)
         kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
         for step in range(sp):
-            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp, mask):
                 blk, blk_lse = _block_forward(q_c, kv_c[0], kv_c[1], causal, scale)
                 outs[n], lses[n] = _merge(outs[n], lses[n], blk, blk_lse)
             if step < sp - 1:
                 kv = ring_pass(kv, group)  # (2, B, nh, T/sp, hs) of group rank (rank - step - 1)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, nh, T/sp, hs), (B, nh, T/sp, 1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.group, ctx.mask = group, mask
         return out
 
     @staticmethod
@@ -95,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
         dkv = torch.zeros_like(kv)  # gradients of the K/V this rank holds, travelling with them
         for step in range(sp):
-            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp):
+            for n, j, causal, q_c, kv_c in _block_pairs(q, kv, rank, (rank - step) % sp, sp, ctx.mask):
                 rows = slice(n * q_c.size(2), (n + 1) * q_c.size(2))
                 dq_c, dk_c, dv_c = _block_backward(q_c, kv_c[0], kv_c[1], dout[:, :, rows], out[:, :, rows],
                                                    lse[:, :, rows], delta[:, :, rows], causal, scale)
@@ -106,47 +112,70 @@ class _RingAttention(torch.autograd.Function):
             if step < sp - 1:
                 kv = ring_pass(kv, group)
             dkv = ring_pass(dkv, group)  # after sp passes the gradients are back with their K/V's owner
-        return dq, dkv[0], dkv[1], None
+        return dq, dkv[0], dkv[1], None, None
 
 
-def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int):
-    """(query chunk n, K/V chunk j, causal, q chunk (B, nh, c, hs), K/V chunk (2, B, nh, c, hs)) for each
-    pair of this rank's query chunks and group rank ``src``'s K/V chunks that has unmasked entries."""
+def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int, mask: torch.Tensor | None = None):
+    """(query chunk n, K/V chunk j, its mask, q chunk (B, nh, c, hs), K/V chunk (2, B, nh, c, hs)) for each
+    pair of this rank's query chunks and group rank ``src``'s K/V chunks that has unmasked entries. The mask is
+    True (full), "causal", or a (B, 1, c, c) bool block of the document ``mask`` (:class:`RingAttention`)."""
+    c = q.size(2) // 2
     for j, (kv_c, kv_idx) in enumerate(zip(kv.chunk(2, dim=3), zigzag_chunks(src, sp))):
         for n, (q_c, q_idx) in enumerate(zip(q.chunk(2, dim=2), zigzag_chunks(rank, sp))):
-            if kv_idx <= q_idx:  # a later K/V chunk is entirely in these queries' future
-                yield n, j, kv_idx == q_idx, q_c, kv_c
+            if kv_idx > q_idx:  # a later K/V chunk is entirely in these queries' future
+                continue
+            if mask is None:
+                yield n, j, "causal" if kv_idx == q_idx else True, q_c, kv_c
+                continue
+            block = mask[:, :, q_idx * c:(q_idx + 1) * c, kv_idx * c:(kv_idx + 1) * c]  # (B, 1, c, c)
+            if not bool(block.any()):  # these keys are all in earlier documents than these queries
+                continue
+            if bool(block.all()):
+                yield n, j, True, q_c, kv_c
+            elif kv_idx == q_idx and torch.equal(block, torch.ones_like(block).tril()):  # one document throughout
+                yield n, j, "causal", q_c, kv_c
+            else:
+                yield n, j, block, q_c, kv_c
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q, k (B, nh, c, hs) -> scaled scores (B, nh, c, c); ``causal``: query i sees keys 0..i only."""
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: bool | str | torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k (B, nh, c, hs) -> scaled scores (B, nh, c, c), -inf where ``mask`` forbids: True (none), "causal"
+    (query i sees keys 0..i only) or a (B, 1, c, c) bool block, True where allowed."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, c, c)
-    if causal:
+    if isinstance(mask, torch.Tensor):
+        scores.masked_fill_(~mask, float("-inf"))
+    elif mask == "causal":
         c = scores.size(-1)
         scores.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
     return scores
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bool | str | torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v (B, nh, c, hs) -> out (B, nh, c, hs) and its log-sum-exp (B, nh, c, 1).
-
-    Every row keeps at least one key (the diagonal when ``causal``), so the log-sum-exp is finite.
-    """
-    if q.device.type == "cpu":  # PyTorch's fused CPU flash kernel returns the log-sum-exp too
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    """q, k, v (B, nh, c, hs) -> out (B, nh, c, hs) and its log-sum-exp (B, nh, c, 1), ``mask`` as
+    :func:`_scores`. A row with no allowed key (a document's, in a block of earlier documents' keys) gets out 0
+    and log-sum-exp -inf, which :func:`_merge` then ignores."""
+    if q.device.type == "cpu" and not isinstance(mask, torch.Tensor):  # PyTorch's fused CPU flash kernel: + lse
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask == "causal",
+                                                                             scale=scale)
         return out, lse.unsqueeze(-1)  # (B, nh, c, hs), (B, nh, c, 1)
-    scores = _scores(q, k, causal, scale)  # (B, nh, c, c)
+    scores = _scores(q, k, mask, scale)  # (B, nh, c, c)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, nh, c, 1)
-    return scores.sub_(lse).exp_() @ v, lse
+    return scores.sub_(_finite(lse)).exp_() @ v, lse
 
 
-def _block_backward(q, k, v, dout, out, lse, delta, causal: bool, scale: float):
-    """Gradients (dq, dk, dv) of one block, each (B, nh, c, hs), from the *final* lse and delta (B, nh, c, 1)."""
-    if q.device.type == "cpu":  # the fused kernel's backward, given the final output and log-sum-exp
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row with no allowed key so far) as 0: subtracting it leaves exp(-inf) = 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_backward(q, k, v, dout, out, lse, delta, mask: bool | str | torch.Tensor, scale: float):
+    """Gradients (dq, dk, dv) of one block, each (B, nh, c, hs), from the *final* lse and delta (B, nh, c, 1)
+    (finite: every row has its diagonal somewhere)."""
+    if q.device.type == "cpu" and not isinstance(mask, torch.Tensor):  # the fused kernel's backward
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)
-    p = _scores(q, k, causal, scale).sub_(lse).exp_()  # (B, nh, c, c): this block's share of the softmax
+            dout, q, k, v, out, lse.squeeze(-1), 0.0, mask == "causal", scale=scale)
+    p = _scores(q, k, mask, scale).sub_(lse).exp_()  # (B, nh, c, c): this block's share of the softmax
     dv = p.transpose(-2, -1) @ dout  # (B, nh, c, hs)
     ds = p.mul_((dout @ v.transpose(-2, -1)).sub_(delta))  # (B, nh, c, c): P * (dP - delta)
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
@@ -157,5 +186,6 @@ def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, blk: torch.Tensor
     """Online-softmax merge of two partial attentions over disjoint keys (out (B, nh, c, hs), lse (B, nh, c, 1))."""
     if out is None:
         return blk, blk_lse
-    new = torch.logaddexp(lse, blk_lse)  # (B, nh, c, 1)
-    return out * torch.exp(lse - new) + blk * torch.exp(blk_lse - new), new
+    new = torch.logaddexp(lse, blk_lse)  # (B, nh, c, 1); -inf where neither has an allowed key yet
+    safe = _finite(new)
+    return out * torch.exp(lse - safe) + blk * torch.exp(blk_lse - safe), new
