@@ -29,10 +29,11 @@ LAYOUTS = {  # name: (world_size, overrides); every one has global batch 8
     "fsdp2-dp2-tp2": (4, {"parallel.zero_stage": "3", "parallel.tp": "2", "batch.micro_batch_size": "4"}),
     "mixtral-ep2": (2, {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "4"}),
 }
-SLOW = {"fsdp2-dp4", "fsdp2-dp2-tp2", "pp2", "sp2-ulysses"}
+SLOW = {"fsdp2-dp4", "fsdp2-dp2-tp2", "pp2", "sp2-ulysses", "zero1-dp2", "fsdp2-dp2-gather", "mixtral-ep2"}
 """In `make test-slow`: the 4-rank launch (~25 s here), pp and Ulysses sp (which change nothing Muon sees: whole
-matrices per stage, replicated ones per sp rank); the shards of FSDP2 x tp and of dp4 are also checked bit for bit
-against whole matrices by tests/test_muon.py in `make test`."""
+matrices per stage, replicated ones per sp rank), ZeRO-1, the gather exchange and ep (whole experts per rank); the
+shards of FSDP2 x tp, of dp4, of experts and the gather exchange are also checked bit for bit against whole matrices
+by tests/test_muon.py in `make test`, which keeps DDP, FSDP2 dp2 and tp2 with sequence parallelism here."""
 
 
 def muon_step_bound(cfg) -> float:
