@@ -330,7 +330,6 @@ BAD = {  # overrides on MODEL: (what the one line must name)
     "unknown-target": ({"adapter.lora_targets": "q_proj,qkv_proj"}, "'qkv_proj'"),
     "all-linear-and-more": ({"adapter.lora_targets": "all-linear,q_proj"}, "'all-linear' stands alone"),
     "gpt": ({"model.type": "gpt", "model.n_kv_head": "0", "model.multiple_of": "256"}, "model.type = 'gpt'"),
-    "tp-dropout": ({"parallel.tp": "2", "adapter.lora_dropout": "0.1"}, "adapter.lora_dropout = 0.1"),
     "local-sgd": ({"parallel.sync_mode": "local-sgd"}, "parallel.sync_mode = 'local-sgd'"),
 }
 

@@ -3,7 +3,9 @@
 - the per-tp-rank stream neither disturbs nor is disturbed by the default stream;
 - with tp = 2 and dropout, activations replicated across the tp group stay identical on both ranks
   (the default stream is seeded without the tp coordinate), which a per-rank seed would break;
-- a resumed run with dropout draws exactly the masks of the uninterrupted run.
+- a resumed run with dropout draws exactly the masks of the uninterrupted run;
+- LoRA's dropout under tp: the same mask on every tp rank where a column-parallel base's input is whole, independent
+  masks where a row-parallel base's input is split.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,3 +88,62 @@ def test_resume_with_dropout_draws_the_same_masks(tmp_path):
     resumed = losses(train_here(tmp_path / "resumed", **run,
                                 **{"checkpoint.resume": str(tmp_path / "full" / "checkpoints" / "step_000003")}))
     assert resumed == {s: full[s] for s in range(4, 7)}  # bit-exact: same process, same masks
+
+
+def _lora_worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) -> None:
+    from meshtrain.adapters.apply import adapt
+    from meshtrain.config.sections import AdapterConfig, ParallelConfig
+    from meshtrain.mesh import ParallelDims
+    from meshtrain.models.llama.model import Llama
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.parallel.compose import parallelize_model
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        dims = ParallelDims(pp=1, dp=1, sp=1, tp=2, world_size=2)
+        dims.build_mesh("cpu")
+        cfg = ModelConfig(type="llama", n_layer=1, n_head=2, n_kv_head=2, n_embd=16, block_size=8, multiple_of=16)
+        adapter = AdapterConfig(lora_rank=2, lora_dropout=0.5, lora_targets=["all-linear"])
+        torch.manual_seed(0)
+        model = parallelize_model(Llama(cfg, 11), dims, ParallelConfig(tp=2, tp_sequence_parallel=sequence_parallel),
+                                  adapt=lambda part: adapt(part, adapter, cfg))
+        masks = {}
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        for name, module in model.named_modules():
+            if name.endswith("lora_dropout"):
+                module.register_forward_hook(lambda m, args, out, n=name: masks.__setitem__(
+                    n, ((local(out) == 0) & (local(args[0]) != 0)).flatten()))
+        model.train()
+        seed_step(model, 7, 1, rank, 2)
+        model(torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(3)))
+        gathered = {}
+        for name in sorted(masks):
+            both = [torch.empty_like(masks[name]) for _ in range(2)]
+            dist.all_gather(both, masks[name])
+            gathered[name] = both
+        torch.save(gathered, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_lora_dropout_under_tp_follows_its_base(tmp_path, sequence_parallel):
+    """Column-parallel bases (q, k, v, gate, up): their input is whole on both tp ranks (all-gathered from sequence
+    shards with sequence parallelism), so both draw one mask, as one process would. Row-parallel bases (proj,
+    down): each rank holds half of the input's features, and draws its half of the mask independently (the same
+    stream on both would give both halves the same pattern). Every mask drops about half (0.5 +- 0.2: >= 32
+    entries each)."""
+    mp.spawn(_lora_worker, args=(free_port(), str(tmp_path), sequence_parallel), nprocs=2)
+    masks = torch.load(tmp_path / "rank0.pt")
+    row_parallel = ("attn.proj.lora_dropout", "mlp.down.lora_dropout")
+    assert len(masks) == 7  # all-linear: q, k, v, proj, gate, up, down
+    for name, (a, b) in masks.items():
+        assert a.numel() >= 32 and 0.3 < float(a.float().mean()) < 0.7, name
+        assert torch.equal(a, b) != name.endswith(row_parallel), name

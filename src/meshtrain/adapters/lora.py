@@ -95,6 +95,18 @@ def add_lora(linear: nn.Linear, rank: int, scaling: float, dropout: float, seed:
     return linear
 
 
+def tp_split_dropouts(model: nn.Module) -> list[nn.Module]:
+    """The adapters' dropouts whose input is split across tp ranks: those of row-parallel bases (``A`` sharded by
+    input columns), whose ranks each hold a slice of the input's features and so need independent masks, drawn on
+    the per-rank stream (:class:`meshtrain.parallel.rng.TPRegionRNG`). A column-parallel base's input is whole
+    (replicated, or all-gathered from sequence shards) on every tp rank: its dropout draws from the default stream,
+    the same mask on every rank, as one process's single mask over the same input (Megatron's rule, Shoeybi et al.
+    2019, Sec. 3)."""
+    return [m.lora_dropout for m in model.modules()
+            if isinstance(m, LoRALinear) and isinstance(m.lora_A.weight, DTensor)
+            and any(isinstance(p, Shard) and p.dim == 1 for p in m.lora_A.weight.placements)]
+
+
 def _linear_of(weight: torch.Tensor) -> nn.Linear:
     """An ``nn.Linear`` without bias whose weight (out, in) is ``weight`` (plain or DTensor)."""
     module = nn.Linear(1, 1, bias=False, device="meta")

@@ -121,9 +121,6 @@ def check_adapter(cfg: Any) -> None:
     require(bool(a.lora_targets), "adapter.lora_targets is empty: name modules (e.g. ['q_proj', 'v_proj']) or "
                                   f"use ['{ALL_LINEAR}']")
     targeted_paths(cfg.model, list(a.lora_targets))
-    require(a.lora_dropout == 0 or p.tp == 1,
-            f"adapter.lora_dropout = {a.lora_dropout} with parallel.tp = {p.tp}: the adapters' dropout is not "
-            f"split across tp ranks yet; use lora_dropout = 0 or tp = 1")
     if a.quantize_base == "nf4":
         _check_nf4(cfg)
     require(p.sync_mode == "sync",

@@ -40,6 +40,7 @@ from torch import nn
 from collections.abc import Callable
 
 from meshtrain.adapters.apply import adapt
+from meshtrain.adapters.lora import tp_split_dropouts
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config.sections import Config, ParallelConfig
 from meshtrain.errors import ConfigError
@@ -282,10 +283,11 @@ def _shard(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Modu
 
 
 def _attach_tp_rng(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> None:
-    """Run the dropouts on tp-split activations on a per-rank stream (:mod:`meshtrain.parallel.rng`)."""
+    """Run the dropouts on tp-split activations on a per-rank stream (:mod:`meshtrain.parallel.rng`): the model's
+    own, and the LoRA adapters' on row-parallel inputs (:func:`meshtrain.adapters.lora.tp_split_dropouts`)."""
     if dims.tp_enabled:
         model.tp_rng = TPRegionRNG(next(model.parameters()).device)
-        for module in model.tp_split_dropout_modules(cfg.tp_sequence_parallel):
+        for module in [*model.tp_split_dropout_modules(cfg.tp_sequence_parallel), *tp_split_dropouts(model)]:
             model.tp_rng.attach(module)
 
 
