@@ -522,7 +522,7 @@ def test_the_planner_splits_experts_over_ep():
         "sequence-parallel ones; use ep in 1, 2, or more dp ranks"]
     assert divisibility_errors(preset("llama3-8b"), Layout(dp=2, ep=2)) == [
         "parallel.ep = 2 splits a mixture of experts' experts, and model 'llama3-8b' has none: use ep = 1, or a model "
-        "with experts (mixtral and qwen3_moe and qwen2_moe)"]
+        "with experts (mixtral and qwen3_moe and qwen2_moe and deepseek_v3)"]
     job = Job(num_devices=16, global_batch_size=64)
     assert {layout.ep for layout, _ in candidate_layouts(model, job, fw, {"pp": 4, "tp": 1})} == {1, 2, 4}
 

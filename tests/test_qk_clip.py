@@ -82,7 +82,9 @@ def test_a_clipped_heads_largest_logit_becomes_tau(family, overrides):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ({"model.type": "qwen3", "model.n_kv_head": "2"}, "normalises"),
+    ({"model.type": "qwen3", "model.n_kv_head": "2"}, "q/k normalised, or latent"),
+    ({"model.type": "deepseek_v3", "model.n_kv_head": "0", "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "8",
+      "model.qk_rope_head_dim": "8", "model.v_head_dim": "8"}, "q/k normalised, or latent"),
     ({"parallel.sp": "2"}, "parallel.sp = 2"),
     ({"model.type": "lstm"}, "has not"),
     ({"parallel.sync_mode": "async"}, "sync_mode = 'async'"),

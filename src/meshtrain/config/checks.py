@@ -182,9 +182,10 @@ def _validate_qk_clip(cfg: Config) -> None:
     if not o.qk_clip:
         return
     fam = family(cfg.model.type)
-    _require(fam.attention and not fam.qk_norm,
-             f"optim.qk_clip = {o.qk_clip} needs attention without per-head q/k norms, which model.type = "
-             f"{cfg.model.type!r} {'normalises (its logits are bounded)' if fam.attention else 'has not'}: use optim.qk_clip = 0")
+    _require(fam.attention and fam.qk_clip,
+             f"optim.qk_clip = {o.qk_clip} needs attention with per-head q and k projections to scale, which model.type"
+             f" = {cfg.model.type!r} {'does not have (q/k normalised, or latent)' if fam.attention else 'has not'}: "
+             f"use optim.qk_clip = 0")
     _require(p.sp == 1, f"optim.qk_clip = {o.qk_clip} observes whole sequences and parallel.sp = {p.sp} splits them: "
                         f"use parallel.sp = 1 (or optim.qk_clip = 0)")
     _require(p.sync_mode != "async", "optim.qk_clip needs a step every rank shares, which parallel.sync_mode = 'async' "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.models.base import LayeredLM
+from meshtrain.models.deepseek_v3.model import DeepseekV3
 from meshtrain.models.gpt.model import GPT
 from meshtrain.models.llama.model import Llama
 from meshtrain.models.mixtral.model import Mixtral
@@ -22,7 +23,8 @@ from meshtrain.models.registry import family
 from meshtrain.models.rnn.model import RNNLM
 
 MODELS: dict[str, type[LayeredLM]] = {f"{c.__module__}:{c.__qualname__}": c
-                                      for c in (GPT, Llama, Qwen2, Qwen3, Mixtral, Qwen3MoE, Qwen2MoE, RNNLM)}
+                                      for c in (GPT, Llama, Qwen2, Qwen3, Mixtral, Qwen3MoE, Qwen2MoE, DeepseekV3,
+                                                RNNLM)}
 """A family's :attr:`~meshtrain.models.family.Family.model` (``"meshtrain.models.gpt.model:GPT"``) -> its class."""
 
 

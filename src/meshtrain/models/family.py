@@ -148,9 +148,10 @@ class Family:
     experts: bool = False
     """Whether its MLPs are mixtures of experts (:mod:`meshtrain.models.moe`), which expert parallelism
     (``parallel.ep``) splits."""
-    qk_norm: bool = False
-    """Whether its attention normalises q and k per head (Qwen3's RMSNorm), which bounds the attention logits: QK-clip
-    (``optim.qk_clip``, :mod:`meshtrain.optim.qk_clip`) has nothing to clip there."""
+    qk_clip: bool = True
+    """Whether QK-clip (``optim.qk_clip``, :mod:`meshtrain.optim.qk_clip`) can bound its attention logits by scaling
+    each head's ``attn.q`` and ``attn.k`` rows: not where q and k are normalised per head (Qwen3's RMSNorm, whose
+    logits are bounded already), nor in latent attention (DeepSeek-V3, whose clip scales other matrices)."""
     aux_loss: bool = False
     """Whether the model has an auxiliary loss that its forward adds to the cross-entropy's gradient, and whose last
     value ``aux_loss()`` returns (see the module docstring)."""

@@ -277,7 +277,7 @@ def family(name: str, summary: str, model: str, hf: HFFormat, qkv_bias: bool = F
                   layer_costs=partial(layer_costs, qkv_bias=qkv_bias, qk_norm=qk_norm),
                   resume_keys=RESUME_KEYS, kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=ffn_hidden,
                   planner=partial(planner, qkv_bias=qkv_bias, qk_norm=qk_norm), hf=hf, tp=tp,
-                  derived={"n_kv_head": kv_heads, "head_dim": head_dim, "ffn_hidden": ffn_hidden}, qk_norm=qk_norm)
+                  derived={"n_kv_head": kv_heads, "head_dim": head_dim, "ffn_hidden": ffn_hidden}, qk_clip=not qk_norm)
 
 
 FAMILY = family("llama", "Llama (RMSNorm, RoPE with Llama 3.1 scaling, SwiGLU, grouped-query attention)",

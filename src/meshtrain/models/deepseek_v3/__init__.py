@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 family: ``spec.py`` (torch-free) and ``model.py``."""

@@ -1,0 +1,86 @@
+"""DeepSeek-V3's ``[model]`` keys and the widths and scales they derive, without torch (read by ``spec.py``,
+``hf_names.py`` and ``model.py``; shape legend: :mod:`meshtrain.models.deepseek_v3.spec`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.models.llama import spec as llama
+from meshtrain.models.moe import spec as moe
+
+
+@dataclass
+class DeepseekV3Keys(moe.MoELlamaKeys):
+    """The ``[model]`` keys of DeepSeek-V3: the MoE Llamas' (``ffn_hidden`` is each routed expert's width,
+    ``num_experts`` the routed experts; ``n_kv_head``, ``head_dim``, ``shared_expert_ffn`` and Llama 3.1's RoPE
+    scaling stay 0) and these."""
+
+    q_lora_rank: int = 0
+    """deepseek_v3: rank of q's low-rank path ``q_b(RMSNorm(q_a(x)))`` (V3: 1536); 0 = q projected from the hidden
+    state directly (V2-Lite, Kimi's Moonlight)."""
+    kv_lora_rank: int = 512
+    """deepseek_v3: width of the compressed key/value latent ``c_KV`` (V2 report, Eq. 9; V3: 512)."""
+    qk_nope_head_dim: int = 128
+    """deepseek_v3: features per head of q and k without RoPE (V3: 128)."""
+    qk_rope_head_dim: int = 64
+    """deepseek_v3: features per head of the decoupled RoPE part, its key shared by every head (V2 report, Eq. 14-19;
+    V3: 64); even."""
+    v_head_dim: int = 128
+    """deepseek_v3: features per head of v (V3: 128)."""
+    rope_interleave: bool = True
+    """deepseek_v3: RoPE rotates the adjacent pairs ``(x0, x1), (x2, x3), ...`` of the RoPE part (DeepSeek's layout and
+    ``transformers``' ``rope_interleave``); false: its two halves, as the Llama."""
+    yarn_factor: float = 0.0
+    """deepseek_v3: YaRN's context-extension factor (Peng et al. 2023, arXiv:2309.00071; V3: 40), with the pretraining
+    context ``rope_original_max_positions``; 0 = no scaling."""
+    yarn_beta_fast: float = 32.0
+    """deepseek_v3, with yarn_factor: rotations above which a frequency is kept (YaRN's beta, 32)."""
+    yarn_beta_slow: float = 1.0
+    """deepseek_v3, with yarn_factor: rotations below which a frequency is divided by the factor (YaRN's alpha, 1)."""
+    yarn_mscale: float = 0.0
+    """deepseek_v3, with yarn_factor: DeepSeek's ``mscale`` of the cos/sin scale; 0 = absent (V3: 1)."""
+    yarn_mscale_all_dim: float = 0.0
+    """deepseek_v3, with yarn_factor: DeepSeek's ``mscale_all_dim``; the softmax scale is multiplied by
+    ``(0.1 * this * ln(factor) + 1)^2``; 0 = absent (V3: 1)."""
+    dense_ffn_hidden: int = 0
+    """deepseek_v3: SwiGLU width of the first ``first_k_dense_replace`` (dense) layers (V3: 18432); 0 = the width of
+    the experts a token runs, ``(n_shared_experts + num_experts_per_tok) * ffn_hidden`` (V3's ratio, 9 x 2048)."""
+    first_k_dense_replace: int = 1
+    """deepseek_v3: how many first layers have a dense SwiGLU instead of experts (V3: 3); < n_layer."""
+    n_shared_experts: int = 1
+    """deepseek_v3: always-on experts, one SwiGLU of width ``n_shared_experts * ffn_hidden``, ungated (V3: 1)."""
+    n_group: int = 1
+    """deepseek_v3: groups of routed experts (V3: 8, one per node); a token's experts come from its ``topk_group`` best
+    groups, a group ranked by the sum of its two best scores (V3's node-limited routing); 1 = no limit."""
+    topk_group: int = 1
+    """deepseek_v3: groups a token's experts may come from, <= n_group (V3: 4)."""
+    routed_scaling_factor: float = 2.5
+    """deepseek_v3: factor on the routed experts' weights (V3: 2.5)."""
+    num_nextn_predict_layers: int = 0
+    """deepseek_v3: multi-token prediction modules (V3 report, Sec. 2.2); only 0 is built yet."""
+
+
+def dense_ffn_hidden(m: Any) -> int:
+    """The dense layers' SwiGLU width D: ``dense_ffn_hidden``, or ``(n_shared_experts + k) * F``."""
+    return m.dense_ffn_hidden or (m.n_shared_experts + m.num_experts_per_tok) * llama.ffn_hidden(m)
+
+
+def qk_head_dim(m: Any) -> int:
+    """Features per head of q and k: ``dn + dr``."""
+    return m.qk_nope_head_dim + m.qk_rope_head_dim
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for a factor <= 1), as DeepSeek's reference
+    code and ``transformers``' ``yarn_get_mscale`` compute it (Peng et al. 2023, Eq. 22 with DeepSeek's mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_mscale(m: Any) -> float:
+    """What multiplies the softmax scale ``1/sqrt(dn+dr)``: ``yarn_mscale(factor, mscale_all_dim)^2`` with YaRN and
+    ``mscale_all_dim`` (``transformers``' ``yarn_apply_mscale``), else 1."""
+    if not (m.yarn_factor and m.yarn_mscale_all_dim):
+        return 1.0
+    return yarn_mscale(m.yarn_factor, m.yarn_mscale_all_dim) ** 2

@@ -1,0 +1,222 @@
+"""DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437): multi-head latent attention and DeepSeekMoE in the Llama's
+pre-norm decoder (:class:`meshtrain.models.llama.model.Llama`: its forward, RoPE tables, head and auxiliary loss).
+
+Shape legend: B batch, T tokens (this rank's under sp), N = B*T, C = n_embd, nh = n_head, dn = qk_nope_head_dim,
+dr = qk_rope_head_dim, dv = v_head_dim, rq = q_lora_rank, rkv = kv_lora_rank, E = num_experts, k = num_experts_per_tok,
+G = n_group. Module names follow the Llama's (``blocks.3.attn.proj``, ``blocks.3.mlp.router``), so pipeline splits,
+checkpoints and expert parallelism (``mlp.experts``) work the same way; the Hugging Face names are in ``hf_names.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.models.attention import SDPAttention, init_decoder_weights
+from meshtrain.models.base import LayeredLM
+from meshtrain.models.deepseek_v3 import keys
+from meshtrain.models.llama.model import Llama, SwiGLU, rotate
+from meshtrain.models.moe import layer as moe
+from meshtrain.models.moe.layer import MoE, SharedExpert
+from meshtrain.models.registry import ModelConfig
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of the RMSNorms of the q and kv latents: DeepSeek's reference ``RMSNorm`` default and ``transformers``'
+``DeepseekV3RMSNorm(q_lora_rank)`` (not ``rms_norm_eps``, which the block norms use)."""
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (dr/2,) fp32 of the RoPE part, the factor on cos and sin).
+
+    Without ``yarn_factor``: ``theta ** (-2i / dr)`` and 1 (Su et al. 2021, Eq. 15). With it, YaRN (Peng et al.
+    2023, arXiv:2309.00071, Sec. 3.2, "NTK-by-parts", Eq. 17-20) as ``transformers``' ``_compute_yarn_parameters``
+    computes it: frequencies that turn fewer than ``beta_slow`` times over the original context are divided by the
+    factor, more than ``beta_fast`` times kept, linearly between (in whole dimensions); and the cos/sin factor
+    ``yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all_dim)`` with DeepSeek's two mscales, else ``yarn_mscale(f, 1)``
+    (Eq. 22)."""
+    dim, base, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn_factor
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)  # (dr/2,)
+    if not factor:
+        return 1.0 / pos_freqs, 1.0
+    original = cfg.rope_original_max_positions
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # (dr/2,) 1: extrapolate (the frequency kept), 0: interpolate (divided by the factor)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+        scale = keys.yarn_mscale(factor, cfg.yarn_mscale) / keys.yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+    else:
+        scale = keys.yarn_mscale(factor, 1.0)
+    return inv, float(scale)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` (B, h, T, dr) over adjacent pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout), returned with
+    the rotated even features first and the odd ones after (``transformers``' ``apply_rotary_pos_emb_interleave``;
+    the order is the same for q and k, so their products are those of the pairs); ``cos, sin`` (T, dr) or
+    (B, 1, T, dr), each angle twice (``[a, a]``)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]  # (T, dr/2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, h, T, dr/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 report, arXiv:2405.04434, Sec. 2.1, Eq. 9-19).
+
+    q = ``q_b(RMSNorm(q_a(x)))`` with ``q_lora_rank`` (Eq. 12-13), else ``q(x)``: (B, T, nh*(dn+dr)), each head's
+    non-rotated part then its RoPE part. ``kv_a(x)`` gives the latent ``c_KV`` (rkv; Eq. 9) and one RoPE key k_R (dr)
+    shared by every head (Eq. 17); ``kv_b(RMSNorm(c_KV))`` gives each head's k_nope (dn) and v (dv) (Eq. 10-11).
+    Heads attend with ``q = [q_nope, RoPE(q_R)]`` and ``k = [k_nope, RoPE(k_R)]`` at the softmax scale
+    ``1/sqrt(dn+dr)`` times YaRN's ``mscale^2`` (``keys.softmax_mscale``), which multiplies q here so that
+    ``inner_attention`` keeps its plain ``1/sqrt(head size)`` (sequence parallelism swaps it unchanged). The cache of
+    the latent for inference is not built: training attends with k and v expanded per head.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        C, nh = cfg.n_embd, cfg.n_head
+        self.dn, self.dr, self.dv, self.rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q_width = nh * (self.dn + self.dr)
+        self.q_lora = cfg.q_lora_rank > 0
+        if self.q_lora:
+            self.q_a = nn.Linear(C, cfg.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
+        else:
+            self.q = nn.Linear(C, q_width, bias=False)
+        self.kv_a = nn.Linear(C, self.rkv + self.dr, bias=False)
+        self.kv_norm = nn.RMSNorm(self.rkv, eps=LATENT_NORM_EPS)
+        self.kv_b = nn.Linear(self.rkv, nh * (self.dn + self.dv), bias=False)
+        self.inner_attention: nn.Module = SDPAttention(cfg.dropout)
+        self.proj = nn.Linear(nh * self.dv, C, bias=False)
+        self.q_scale = keys.softmax_mscale(cfg)
+        self.rope = rotate_pairs if cfg.rope_interleave else rotate
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C), ``cos, sin`` (T, dr) or (B, 1, T, dr) -> (B, T, C); ``mask`` as the Llama's."""
+        B, T, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))) if self.q_lora else self.q(x)  # (B, T, nh*(dn+dr))
+        q = q.view(B, T, -1, self.dn + self.dr).transpose(1, 2)  # (B, nh, T, dn+dr)
+        q_nope, q_rot = q.split([self.dn, self.dr], dim=-1)  # (B, nh, T, dn), (B, nh, T, dr)
+        latent, k_rot = self.kv_a(x).split([self.rkv, self.dr], dim=-1)  # (B, T, rkv), (B, T, dr)
+        kv = self.kv_b(self.kv_norm(latent)).view(B, T, -1, self.dn + self.dv).transpose(1, 2)  # (B, nh, T, dn+dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, nh, T, dn), (B, nh, T, dv)
+        k_rot = self.rope(k_rot.unsqueeze(1), cos, sin)  # (B, 1, T, dr): one key for every head
+        q = torch.cat([q_nope, self.rope(q_rot, cos, sin)], dim=-1)  # (B, nh, T, dn+dr)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # (B, nh, T, dn+dr)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        y = self.inner_attention(q, k, v.contiguous(), mask=mask)  # (B, nh, T, dv)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class DeepseekMoE(MoE):
+    """DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066, Sec. 3; DeepSeek-V3 report, Sec. 2.1.2, Eq. 12-16):
+    :class:`meshtrain.models.moe.layer.MoE`'s dispatch and experts with V3's routing (:meth:`route`) and
+    ``n_shared_experts`` always-on experts as one SwiGLU of width ``n_shared_experts * ffn_hidden``
+    (``shared_experts``, ungated): ``y = sum_j w_j SwiGLU_{e_j}(x) + SwiGLU_shared(x)``.
+
+    The selection bias ``expert_bias`` (E,) (``e_score_correction_bias``) is always there: read from a checkpoint,
+    and moved after each step by ``router_bias_update_rate`` when that is > 0 (:meth:`MoE.update_bias`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        if not self.bias_rate:  # the base registers it only for its update rule
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.n_group, self.topk_group, self.scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        width = cfg.n_shared_experts * cfg.ffn_hidden_size()
+        self.shared_experts = SharedExpert(cfg.n_embd, width) if width else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (N, C) -> (probs (N, E), weights (N, k), experts (N, k)), in fp32.
+
+        ``s = sigmoid(x W_r^T)`` (Eq. 15); the choice scores ``s + b`` rank the G groups of E/G experts by the sum of
+        each group's two best, keep the ``topk_group`` best groups, and pick the k best experts in them (the
+        node-limited routing of Sec. 2.1.2, as DeepSeek's reference code and ``transformers`` do); the weights are
+        those experts' ``s`` (never ``b``), divided by their sum (+1e-20) with ``norm_topk_prob`` (Eq. 13), times
+        ``routed_scaling_factor``. ``probs``, for the load-balancing loss, are ``s`` normalised to sum to 1 per token
+        (the ``s'`` of the sequence-wise balance loss, Eq. 19)."""
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        choice = scores + self.expert_bias.to(scores.device)  # (N, E)
+        N, E = choice.shape
+        if self.n_group > 1:
+            group_best = choice.view(N, self.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+            groups = group_best.topk(self.topk_group, dim=-1).indices  # (N, topk_group)
+            keep = torch.zeros_like(group_best, dtype=torch.bool).scatter_(1, groups, True)  # (N, G)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, experts)  # (N, k)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores / scores.sum(dim=-1, keepdim=True), weights * self.scale, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C): the routed experts' weighted outputs plus the shared experts'."""
+        y = super().forward(x)
+        if self.shared_experts is None:
+            return y
+        return y + self.shared_experts(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+class DeepseekBlock(nn.Module):
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``: MLA, and a dense SwiGLU of width ``dense_ffn_hidden`` in the
+    first ``first_k_dense_replace`` layers, :class:`DeepseekMoE` after."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = MLAttention(cfg)
+        self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        dense = layer < cfg.first_k_dense_replace
+        self.mlp = SwiGLU(replace(cfg, ffn_hidden=keys.dense_ffn_hidden(cfg))) if dense else DeepseekMoE(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x), cos, sin, mask=mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class DeepseekV3(Llama):
+    """DeepSeek-V3 decoder returning logits (B, T, V); the Llama's forward over :class:`DeepseekBlock`\\ s, its RoPE
+    tables over the ``qk_rope_head_dim`` features (YaRN-scaled, their cos and sin times YaRN's factor)."""
+
+    MOE = True
+    SHARED_ATTRS = Llama.SHARED_ATTRS + ("rope_scale",)
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg)  # plain values: not parameters, not in checkpoints
+        LayeredLM.__init__(self, cfg, vocab_size, lambda i: DeepseekBlock(cfg, i),
+                           head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Llama's ``cos, sin`` (T, dr) or (B, 1, T, dr), times YaRN's factor in fp32 before the cast (as
+        ``transformers``' ``attention_scaling``)."""
+        cos, sin = super().rope(positions, torch.float32)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(dtype), sin.to(dtype)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """``router_aux_loss_coef`` x the MoE layers' load-balancing losses summed / their number (the dense first
+        layers have none; :func:`meshtrain.models.moe.layer.aux_loss`)."""
+        layers = [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+        return moe.aux_loss(layers, self.cfg.router_aux_loss_coef, self.cfg.n_layer - self.cfg.first_k_dense_replace)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The Llama's init (:func:`meshtrain.models.attention.init_decoder_weights`), the shared experts' down
+        projection scaled as the other residual outputs; routing biases stay 0."""
+        init_decoder_weights(self, nn.RMSNorm, ("attn.proj", "mlp.down", "shared_experts.down"))
