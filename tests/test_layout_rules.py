@@ -62,7 +62,8 @@ def draw_layout(rng: random.Random) -> Layout:
                   micro_batch_size=rng.randint(1, 2), gradient_accumulation_steps=rng.randint(1, 4),
                   recompute=rng.choice(RECOMPUTE_MODES), pp_schedule=schedule if pp > 1 or rng.random() < 0.2 else "1f1b",
                   virtual_stages=rng.choice([1, 1, 2]) if pp > 1 or rng.random() < 0.2 else 1,
-                  tp_sequence_parallel=rng.random() < 0.3, sp_mode=rng.choice(SP_MODES),
+                  tp_sequence_parallel=rng.random() < 0.3, sp_mode=(sp_mode := rng.choice(SP_MODES)),
+                  sp_ulysses=rng.choice([1, 2, 2, 4]) if sp_mode == "usp" else 1,
                   hierarchical_allreduce=rng.random() < 0.1)
 
 

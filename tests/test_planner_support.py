@@ -83,7 +83,7 @@ def test_the_trainer_rejects_what_the_planner_rules_out():
 def test_framework_is_built_from_the_support_table():
     fw = FRAMEWORKS["meshtrain"]
     assert fw.zero_stages == SUPPORTED.zero_stages and fw.pp_schedules == SUPPORTED.pp_schedules
-    assert fw.recompute == SUPPORTED.recompute and fw.sp_modes == SUPPORTED.sp_modes
+    assert fw.recompute == SUPPORTED.recompute and fw.sp_modes + fw.unsearched_sp_modes == SUPPORTED.sp_modes
     assert fw.sequence_parallel == SUPPORTED.tp_sequence_parallel and fw.tensor_parallel == SUPPORTED.tp
     assert FRAMEWORKS["megatron-core"].recompute == ("none", "selective", "full")
 
@@ -167,6 +167,7 @@ SHARED_FIELD_CASES = {
                         "batch.gradient_accumulation_steps": "2"}, 2),
     "tp_sequence_parallel": ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}, 2),
     "sp_mode": ({"parallel.sp": "2", "parallel.sp_mode": "ring"}, 2),
+    "sp_ulysses": ({"parallel.sp": "4", "parallel.sp_mode": "usp", "parallel.sp_ulysses": "2"}, 4),
     "local_sgd_steps": ({"parallel.sync_mode": "local-sgd", "local_sgd.steps": "7"}, 2),
     "hierarchical_allreduce": ({"parallel.hierarchical_allreduce": "true"}, 2),
     "ps_servers": ({"parallel.sync_mode": "async", "parameter_server.servers": "2"}, 4),

@@ -201,9 +201,15 @@ def expert_degree_error(ep: int, dp: int, sp: int) -> str:
 
 
 
-SP_MODES = ("ulysses", "ring")
-"""``parallel.sp_mode``: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023, arXiv:2309.14509) or ring
-attention passing K/V around the sp ranks (Liu et al. 2023, arXiv:2310.01889)."""
+SP_MODES = ("ulysses", "ring", "usp")
+"""``parallel.sp_mode``: DeepSpeed-Ulysses all-to-all of heads (Jacobs et al. 2023, arXiv:2309.14509), ring
+attention passing K/V around the sp ranks (Liu et al. 2023, arXiv:2310.01889), or both at once (USP, Fang and Zhao
+2024, arXiv:2405.07719): Ulysses over ``parallel.sp_ulysses`` consecutive sp ranks inside, ring attention over the
+``sp / sp_ulysses`` such groups across (:data:`SP_RING_MESH`, :data:`SP_ULYSSES_MESH`)."""
+SP_RING_MESH = "sp_ring"
+"""Name of the 1-D mesh of the ``sp / sp_ulysses`` sp ranks at this rank's place in each Ulysses group (USP's ring)."""
+SP_ULYSSES_MESH = "sp_ulysses"
+"""Name of the 1-D mesh of ``sp_ulysses`` consecutive sp ranks (USP's Ulysses all-to-all, innermost)."""
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "naive", "zero-bubble", "zbv")
 """``parallel.pp_schedule`` (each one's rules: :data:`meshtrain.rules.pipeline.RULES`)."""
 RECOMPUTE_MODES = ("none", "selective", "full")

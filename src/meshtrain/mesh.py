@@ -4,7 +4,9 @@ Axes are ordered outer to inner ``("pp", "dp", "sp", "tp")`` (docs/architecture.
 ranks are neighbours (inside one node), pp outermost so stages cross nodes. Rank ``r`` has the
 coordinates ``r = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``. ``ep`` is no axis of its own: it
 borrows its ranks from the flattened ``"dp_sp"`` mesh, unflattened into ``("edp", "ep")`` (consecutive ranks split
-the experts, the ``edp`` ranks hold the same ones).
+the experts, the ``edp`` ranks hold the same ones). USP (``sp_mode = "usp"``) splits the sp mesh the same way into
+``("sp_ring", "sp_ulysses")`` (:meth:`ParallelDims.split_sp`): ``sp_ulysses`` consecutive sp ranks run Ulysses, and the
+ranks at the same place in each such group form the ring, so sp rank ``k = ring_rank * sp_ulysses + ulysses_rank``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtrain import axes
-from meshtrain.axes import AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis
+from meshtrain.axes import (AXES, BATCH_AXES, BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, SP_RING_MESH,
+                            SP_ULYSSES_MESH, WORKER_MESH, Axis)
 from meshtrain.errors import ConfigError
 from meshtrain.runtime.distributed import collective_timeout
 
 
-__all__ = ["AXES", "Axis", "BATCH_MESH", "EXPERT_MESH", "EXPERT_REPLICA_MESH", "WORKER_MESH", "ParallelDims"]
+__all__ = ["AXES", "Axis", "BATCH_MESH", "EXPERT_MESH", "EXPERT_REPLICA_MESH", "SP_RING_MESH", "SP_ULYSSES_MESH",
+           "WORKER_MESH", "ParallelDims"]
 RunDegrees = axes.degrees_dataclass("RunDegrees", "One resolved degree per axis (no -1).", defaults="none")
 
 
@@ -48,6 +52,7 @@ class ParallelDims(RunDegrees):
     mesh: DeviceMesh | None = field(default=None, repr=False)
     batch_mesh: DeviceMesh | None = field(default=None, repr=False)
     expert_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    sp_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if errors := axes.degree_errors(self, "parallel."):
@@ -127,9 +132,27 @@ class ParallelDims(RunDegrees):
                 dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
         return self.mesh
 
+    def split_sp(self, ulysses: int) -> None:
+        """Split the sp mesh (once) into ``("sp_ring", "sp_ulysses")``: ``ulysses`` consecutive sp ranks (USP's
+        Ulysses all-to-all, innermost) times ``sp / ulysses`` of them (its ring); then :meth:`get_mesh` has both.
+        Every rank must call it, in the same order (it creates process groups). Needs ``build_mesh``.
+
+        Raises:
+            ConfigError: ``ulysses`` is not a divisor of sp (config validation refuses such a layout first).
+        """
+        if ulysses < 1 or self.sp % ulysses:
+            raise ConfigError(f"parallel.sp_ulysses = {ulysses} does not divide parallel.sp = {self.sp}")
+        if self.sp_meshes:
+            return
+        folded = self.get_mesh(Axis.SP)._unflatten(0, (self.sp // ulysses, ulysses), (SP_RING_MESH, SP_ULYSSES_MESH))
+        self.sp_meshes = {SP_RING_MESH: folded[SP_RING_MESH], SP_ULYSSES_MESH: folded[SP_ULYSSES_MESH]}
+        for group in {m.get_group() for m in self.sp_meshes.values()}:  # the run's timeout, as build_mesh's groups
+            dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
+
     def get_mesh(self, axis: Axis | str) -> DeviceMesh:
         """The 1-D sub-mesh of ``axis`` in this rank's worker (one of AXES, ``"dp_sp"``, with ep > 1 ``"ep"`` and
-        ``"edp"``), or with DiLoCo workers ``"diloco"``: the ranks at this rank's place in every worker.
+        ``"edp"``, after :meth:`split_sp` ``"sp_ring"`` and ``"sp_ulysses"``), or with DiLoCo workers ``"diloco"``:
+        the ranks at this rank's place in every worker.
 
         Raises:
             RuntimeError: before ``build_mesh``.
@@ -137,11 +160,12 @@ class ParallelDims(RunDegrees):
         """
         if self.mesh is None:
             raise RuntimeError("build_mesh() must be called before get_mesh()")
-        if str(axis) in self.expert_meshes:
-            return self.expert_meshes[str(axis)]
+        derived = {**self.expert_meshes, **self.sp_meshes}
+        if str(axis) in derived:
+            return derived[str(axis)]
         if str(axis) not in {*self.mesh.mesh_dim_names, BATCH_MESH}:
             raise KeyError(f"unknown mesh axis {axis!r}; valid: {', '.join(self.mesh.mesh_dim_names)}, {BATCH_MESH}"
-                           f"{', ' + ', '.join(self.expert_meshes) if self.expert_meshes else ''}")
+                           f"{', ' + ', '.join(derived) if derived else ''}")
         return self.batch_mesh if str(axis) == BATCH_MESH else self.mesh[str(axis)]
 
     def batch_groups(self) -> list[list[int]]:
@@ -162,4 +186,5 @@ class ParallelDims(RunDegrees):
         if self.mesh is None:
             return self.coordinates(dist.get_rank() if dist.is_initialized() else 0)[str(axis)]
         return self.get_mesh(axis).get_local_rank()
+
 

@@ -9,7 +9,7 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  tie_embeddings, ...; mixtral, qwen3_moe and qwen2_moe also num_experts, num_experts_per_tok,
                  router_*, moe_compute, shared_expert_ffn, ...; lstm/gru tbptt_steps)
     [data]       path, val_fraction, tokenizer, packing
-    [parallel]   dp, tp, pp, sp, ep, zero_stage, fsdp_unit_mb, sp_mode, pp_schedule, virtual_stages,
+    [parallel]   dp, tp, pp, sp, ep, zero_stage, fsdp_unit_mb, sp_mode, sp_ulysses, pp_schedule, virtual_stages,
                  tp_sequence_parallel, sync_mode, hierarchical_allreduce
     [local_sgd]  steps, warmup                                     (sync_mode = "local-sgd")
     [parameter_server]  servers, max_staleness, stale_policy       (sync_mode = "async")

@@ -55,8 +55,8 @@ class DataConfig:
     """How documents share a window of ``block_size`` tokens (:mod:`meshtrain.data.packing`): "concat" (one
     sequence across the EOS tokens that separate documents, nanoGPT's and Megatron-LM's) or "document" (positions
     restart after each EOS and attention stays inside each document: a block-diagonal causal mask). "document"
-    needs a tokenizer with an EOS token (not "char"), an attention model (gpt, llama), sp_mode "ulysses" when
-    sp > 1, and a synchronous sync_mode. Prepared conversations (:mod:`meshtrain.data.conversations`) take
+    needs a tokenizer with an EOS token (not "char"), an attention model, and a synchronous sync_mode (every
+    sp_mode takes the mask). Prepared conversations (:mod:`meshtrain.data.conversations`) take
     "document" (whole conversations packed into a window, each masked to itself) or "pad" (one per sample)."""
 
     def resolved_path(self) -> Path:
@@ -78,7 +78,10 @@ class ParallelConfig(ParallelDegrees):
     holds this many MiB of fp32 parameters, like DDP's 25 MiB buckets; 0 = one unit per block
     (:func:`meshtrain.rules.support.fsdp_units`)."""
     sp_mode: str = "ulysses"
-    """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0) or "ring" (ring attention)."""
+    """Sequence-parallel flavour: "ulysses" (all-to-all; n_head % (tp*sp) == 0), "ring" (ring attention) or "usp"
+    (Ulysses over ``sp_ulysses`` ranks inside, ring attention over ``sp / sp_ulysses`` across)."""
+    sp_ulysses: int = 1
+    """sp_mode "usp" only: the Ulysses degree U, which divides sp (n_head % (tp*U) == 0); the ring degree is sp / U."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble" or "zbv"
     (:mod:`meshtrain.rules.pipeline`); its micro-batches are the ``gradient_accumulation_steps``."""

@@ -6,7 +6,7 @@ order (docs/architecture.md, "Layers"):
 1. pp split -- :func:`meshtrain.parallel.pipeline.split.split_model`: this rank's chunks of consecutive
    layers (:func:`parallelize_pipeline`); each chunk then gets 2-4 on its own;
 2. tp -- :func:`meshtrain.parallel.tensor.apply_tp`: DTensor shards of each block's matrices;
-3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses or ring);
+3. sp -- :func:`meshtrain.parallel.sequence.apply_sp`: attention over a sequence shard (Ulysses, ring or USP);
 4. ep -- :func:`meshtrain.parallel.expert.apply_ep`: a mixture of experts' experts split over ``ep`` ranks
    borrowed from dp x sp, tokens sent to them by all-to-all;
 5. dp -- :func:`meshtrain.parallel.data_parallel.apply_dp`: DDP / FSDP2 over the ``"dp_sp"`` mesh, last, so that
@@ -45,7 +45,8 @@ from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config.sections import Config, ParallelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.data.packing import document_positions, pack_documents
-from meshtrain.mesh import BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, WORKER_MESH, Axis, ParallelDims
+from meshtrain.mesh import (BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, SP_RING_MESH, SP_ULYSSES_MESH, WORKER_MESH,
+                            Axis, ParallelDims)
 from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
 from meshtrain.parallel.diloco import DiLoCo
 from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_gradients
@@ -94,13 +95,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
         pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, PipelineLoss(),
                                         document_masking=document_masking, **blockwise)
-        parallel: ParallelModel = PipelineModel(pipeline, dims, _sharder(dims, p.sp_mode, eos), autocast,
+        parallel: ParallelModel = PipelineModel(pipeline, dims, _sharder(dims, p, eos), autocast,
                                                 compiled=compiled, after_backward=_expert_sync([pipeline.model], dims, p))
     else:
         model = parallelize_model(model, dims, p, **blockwise)
         local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), cfg.local_sgd.steps, cfg.local_sgd.warmup)
                      if p.sync_mode == "local-sgd" else None)
-        parallel = ReplicatedModel(model, dims, _sharder(dims, p.sp_mode, eos), autocast, gradient_sync,
+        parallel = ReplicatedModel(model, dims, _sharder(dims, p, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     parallel.masked = conversations
     if cfg.train.objective == "dpo":
@@ -275,7 +276,11 @@ def _shard(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Modu
     """tp, then sp, then ep on ``model`` (a whole model or one pipeline chunk)."""
     if dims.tp_enabled:
         model = apply_tp(model, dims.get_mesh(Axis.TP), cfg.tp_sequence_parallel)
-    if dims.sp_enabled:
+    if dims.sp_enabled and cfg.sp_mode == "usp":  # Ulysses inside, ring across: the sp mesh split in two
+        dims.split_sp(cfg.sp_ulysses)
+        model = apply_sp(model, dims.get_mesh(Axis.SP), cfg.sp_mode, dims.get_mesh(SP_ULYSSES_MESH),
+                         dims.get_mesh(SP_RING_MESH))
+    elif dims.sp_enabled:
         model = apply_sp(model, dims.get_mesh(Axis.SP), cfg.sp_mode)
     if dims.ep_enabled:
         model = apply_ep(model, dims.get_mesh(EXPERT_MESH))
@@ -292,9 +297,10 @@ def _attach_tp_rng(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) ->
 
 
 def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: int, sp_mode: str,
-                eos_id: int | None = None, doc_ids: torch.Tensor | None = None) -> LocalBatch:
+                eos_id: int | None = None, doc_ids: torch.Tensor | None = None, sp_ulysses: int = 1) -> LocalBatch:
     """This rank's tokens of a micro-batch: ``x, y`` (B, T) -> (B, T/sp) each, their global positions
-    (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention), and None.
+    (T/sp,) int64 (a contiguous chunk for Ulysses, chunks i and 2*sp-1-i for ring attention, for USP piece u of
+    chunks r and 2R-1-r with ``sp_rank = r * sp_ulysses + u``), and None.
 
     With ``eos_id`` (``data.packing = "document"``) the documents are found in the whole windows first
     (:func:`meshtrain.data.packing.pack_documents`): positions become per sample, (B, T/sp), restarting at
@@ -309,13 +315,14 @@ def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, sp_rank: i
         doc_ids, positions = pack_documents(x, eos_id)  # (B, T) each
     if not dims.sp_enabled:
         return x, y, (torch.arange(T, device=x.device) if positions is None else positions), doc_ids
-    shard = [shard_sequence(t, 1, sp_rank, dims.sp, sp_mode) for t in (x, y)]  # (B, T/sp) each
-    positions = (sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device) if positions is None
-                 else shard_sequence(positions, 1, sp_rank, dims.sp, sp_mode))  # (T/sp,) or (B, T/sp)
+    shard = [shard_sequence(t, 1, sp_rank, dims.sp, sp_mode, sp_ulysses) for t in (x, y)]  # (B, T/sp) each
+    positions = (sequence_positions(T, sp_rank, dims.sp, sp_mode, device=x.device, ulysses=sp_ulysses)
+                 if positions is None
+                 else shard_sequence(positions, 1, sp_rank, dims.sp, sp_mode, sp_ulysses))  # (T/sp,) or (B, T/sp)
     return shard[0], shard[1], positions, doc_ids
 
 
-def _sharder(dims: ParallelDims, sp_mode: str, eos_id: int | None = None) -> Callable:
+def _sharder(dims: ParallelDims, cfg: ParallelConfig, eos_id: int | None = None) -> Callable:
     """``(x, y[, doc_ids]) -> (x, y, positions, doc_ids)``: this rank's sp shard of a micro-batch (:func:`local_batch`)."""
-    sp_rank = dims.rank_of(Axis.SP)
-    return lambda x, y, doc_ids=None: local_batch(x, y, dims, sp_rank, sp_mode, eos_id, doc_ids)
+    sp_rank, mode, ulysses = dims.rank_of(Axis.SP), cfg.sp_mode, cfg.sp_ulysses
+    return lambda x, y, doc_ids=None: local_batch(x, y, dims, sp_rank, mode, eos_id, doc_ids, ulysses)

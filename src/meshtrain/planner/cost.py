@@ -254,15 +254,15 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
     rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
-    # Ring attention runs one (c x c) chunk pair at a time (c = s/(2sp)), only the pairs not entirely in
-    # the future: (2sp+1)/(4sp) of all, each without a causal half except the diagonal ones (counted in
-    # that fraction). Each pair is the fused attention kernel at length c on a CPU (the trainer's RingAttention)
-    # and in frameworks whose context parallelism calls it per chunk (Framework.ring_fused); else plain GEMMs and
-    # softmax with the scores materialized, never kept (the trainer's RingAttention on a GPU).
-    ring = layout.sp > 1 and layout.sp_mode == "ring"
+    # Ring attention over R ranks (R = sp; USP's sp/sp_ulysses, on 1/sp_ulysses of the heads: sp_degrees) runs one
+    # (c x c) chunk pair at a time (c = s/(2R)), only the pairs not entirely in the future: (2R+1)/(4R) of all, each
+    # without a causal half except the diagonal ones (counted in that fraction). Each pair is the fused attention
+    # kernel at length c on a CPU (the trainer's RingAttention) and in frameworks whose context parallelism calls it
+    # per chunk (Framework.ring_fused); else plain GEMMs and softmax with the scores materialized, never kept.
+    ring = (ring_ranks := sp_degrees(layout)[1]) > 0
     ring_fused = ring and (dev.name.startswith("cpu") or fw.ring_fused)
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
-    executed = (2 * layout.sp + 1) / (4 * layout.sp) if ring else 1.0
+    executed = (2 * ring_ranks + 1) / (4 * ring_ranks) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
     # A mixture of experts' MLP is not split by tp in meshtrain: every tp rank runs it on the same tokens (folded into
     # tp, each tp rank routes its own tokens/tp: Framework.expert_folding); the busiest expert rank's routed rows are
@@ -281,7 +281,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
         score_io = scores * 2 * prec.activation_bytes
         attn = max(attn_flops / attn_rate, score_io / bw)
     else:
-        length = model.seq_len // (2 * layout.sp) if ring_fused else model.seq_len
+        length = model.seq_len // (2 * ring_ranks) if ring_fused else model.seq_len
         attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k, fw.attention)
     elementwise = tokens * layer_bytes / bw
     # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
@@ -337,15 +337,28 @@ def _layer_host_s(dev, layout: Layout) -> float:
     extra = 0.0
     if layout.tp > 1:
         extra += dev.tp_seqpar_layer_host_s if layout.tp_sequence_parallel else dev.tp_layer_host_s
-    if layout.sp > 1:
-        extra += dev.ring_layer_host_s if layout.sp_mode == "ring" else dev.ulysses_layer_host_s
+    ulysses, ring_ranks = sp_degrees(layout)  # USP: both modules' host time
+    extra += (dev.ring_layer_host_s if ring_ranks > 1 else 0.0) + (dev.ulysses_layer_host_s if ulysses > 1 else 0.0)
     return dev.layer_host_s + extra
+
+
+def sp_degrees(layout: Layout) -> tuple[int, int]:
+    """(ranks of an all-to-all of heads, ranks of a ring of K/V; 0: no ring attention) of ``layout``'s sequence
+    parallelism: (sp, 0) under Ulysses, (1, sp) under ring attention, (sp_ulysses, sp / sp_ulysses) under USP (Fang and
+    Zhao 2024, arXiv:2405.07719: Ulysses inside, ring across), (1, 0) at sp = 1."""
+    if layout.sp == 1:
+        return 1, 0
+    if layout.sp_mode == "ring":
+        return 1, layout.sp
+    if layout.sp_mode == "usp":
+        return layout.sp_ulysses, layout.sp // layout.sp_ulysses
+    return layout.sp, 0
 
 
 def micro_batch(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
                 memo: dict | None = None) -> MicroBatch:
     """:class:`MicroBatch`: compute and the tp/sp/pp/ep communication of one micro-batch on the busiest stage."""
-    key = ("layer work", recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode,
+    key = ("layer work", recompute_passes(layout), layout.tp, layout.sp, layout.sp_mode, layout.sp_ulysses,
            layout.tp_sequence_parallel, layout.micro_batch_size, layout.recompute, layout.ep,
            ep_ranks_per_node(layout, fw, hw.network.devices_per_node))
     block, recompute, head, host, tp, sp, ep, frozen = memoized(memo, key, _layer_work, model, layout, hw, prec, fw)
@@ -435,6 +448,10 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
     2023): ``sp-1`` passes of K/V and ``sp`` of their gradients. Takeaway: ring moves ~3(sp-1) times a
     rank's K/V per layer, Ulysses ~2(2h + 2kv)/sp of its tokens' width: ring pays more wire and latency
     but keeps every head on every rank (no ``heads % (tp*sp)`` rule).
+    USP (Fang and Zhao 2024, arXiv:2405.07719; :class:`meshtrain.parallel.sequence.USPAttention`): Ulysses' four
+    all-to-alls over ``sp_ulysses`` ranks, of the same buffers, then ring attention's passes over the
+    ``sp / sp_ulysses`` ring ranks, each of K/V of ``s/R`` tokens and ``1/sp_ulysses`` of the heads: the same bytes
+    per pass as ring attention over sp, in fewer passes (:func:`sp_degrees`).
     Expert parallelism (GShard, Lepikhin et al. 2020, Sec. 2.2; :mod:`meshtrain.parallel.expert`): per MoE layer a
     dispatch and a combine all-to-all of the rank's ``k`` copies of its tokens, ``(b*s/sp) * k * h`` elements,
     forward, the same two reversed in backward, and the forward's again under full recomputation (the per-expert
@@ -452,14 +469,14 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
         per_pass = 2 * (2 + full)  # forward, backward, recomputed forward: 2 each
         kinds = ("all-gather", "reduce-scatter") if layout.tp_sequence_parallel else ("all-reduce",)
         out += [Collective("tp", kind, layout.tp, act, per_pass) for kind in kinds]
-    if layout.sp > 1:
-        per_token = tokens * prec.activation_bytes / layout.tp
-        if layout.sp_mode == "ring":
-            passes = (layout.sp - 1) * (1 + ring_again) + (layout.sp - 1) + layout.sp
-            out.append(Collective("sp", "send-recv", 2, 2 * model.kv_dim * per_token, passes))
-        else:
-            out += [Collective("sp", "all-to-all", layout.sp, width * per_token, 2 + full)
-                    for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
+    ulysses, ring_ranks = sp_degrees(layout)
+    per_token = tokens * prec.activation_bytes / layout.tp
+    if ring_ranks > 1:
+        passes = (ring_ranks - 1) * (1 + ring_again) + (ring_ranks - 1) + ring_ranks
+        out.append(Collective("sp", "send-recv", 2, 2 * model.kv_dim * per_token, passes))
+    if ulysses > 1:
+        out += [Collective("sp", "all-to-all", ulysses, width * per_token, 2 + full)
+                for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
     if layout.ep > 1 and model.experts:  # the busiest rank receives expert_imbalance times the mean
         rows = model.experts_per_token * model.expert_imbalance / expert_fold
         out.append(Collective("ep", "all-to-all", layout.ep, act * rows, 2 * (2 + full)))

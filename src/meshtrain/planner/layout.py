@@ -54,7 +54,10 @@ class Layout(LayoutDegrees):
     tp_sequence_parallel: bool = False
     """Megatron sequence parallelism in the tp regions (Korthikanti et al. 2022, Sec. 4.2.2)."""
     sp_mode: str = "ulysses"
-    """How sp > 1 splits attention: "ulysses" (all-to-all) or "ring" (K/V around a ring), see :data:`SP_MODES`."""
+    """How sp > 1 splits attention: "ulysses" (all-to-all), "ring" (K/V around a ring) or "usp" (both), see
+    :data:`SP_MODES`."""
+    sp_ulysses: int = 1
+    """sp_mode "usp": ranks of its Ulysses all-to-all (a divisor of sp); the ring has sp / sp_ulysses."""
     local_sgd_steps: int = 0
     """> 0: local SGD (``parallel.sync_mode = "local-sgd"``), parameters averaged over dp every this many
     steps instead of a gradient all-reduce every step (:func:`meshtrain.planner.cost.dp_time`)."""
@@ -180,7 +183,8 @@ class Layout(LayoutDegrees):
         return asdict(self)
 
     def label(self) -> str:
-        """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention,
+        """Short text such as ``dp8 tp8 pp2 sp1 z1 mbs1 ga4 full 1f1b`` (``sp2ring`` for ring attention, ``sp4usp2``
+        for USP with 2 Ulysses ranks,
         ``dp8hier`` for a hierarchical all-reduce, ``dp8H4`` for local SGD averaging every 4 steps, ``dp8/W2H32`` for
         DiLoCo's 2 workers exchanging every 32 steps)."""
         sched = ""
@@ -205,6 +209,8 @@ class Layout(LayoutDegrees):
             text += "+sp"
         elif axis == "sp" and self.sp > 1 and self.sp_mode == "ring":
             text += "ring"
+        elif axis == "sp" and self.sp > 1 and self.sp_mode == "usp":
+            text += f"usp{self.sp_ulysses}"
         return text
 
 
@@ -261,6 +267,9 @@ class Framework:
     pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
     recompute: tuple[str, ...] = RECOMPUTE
     sp_modes: tuple[str, ...] = ("ulysses",)
+    unsearched_sp_modes: tuple[str, ...] = ()
+    """sp modes the framework runs that the search does not try (USP: the search has no ``sp_ulysses`` choice): a
+    layout given with one (``meshtrain plan --layout``, a pinned ``--fix``) is checked and costed."""
     attention_dropout_sp_modes: tuple[str, ...] = SP_MODES
     tensor_parallel: bool = True
     torch_buffers: bool = False
@@ -370,7 +379,8 @@ MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 """Bytes per logit of Megatron's unfused vocab-parallel cross-entropy, forward + backward (see ``Framework``)."""
 
 MESHTRAIN = Framework("meshtrain", replicates_kv_heads=False, sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
-                      pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute, sp_modes=SUPPORTED.sp_modes,
+                      pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute,
+                      sp_modes=tuple(m for m in SUPPORTED.sp_modes if m != "usp"), unsearched_sp_modes=("usp",),
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
@@ -519,7 +529,7 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
                                        framework.expert_folding) if x not in every]
     if layout.tp > 1 and not framework.tensor_parallel:
         e.append(f"tp = {layout.tp} is not available in {framework.name} (it has no tensor parallelism)")
-    if layout.sp > 1 and layout.sp_mode not in framework.sp_modes:
+    if layout.sp > 1 and layout.sp_mode not in framework.sp_modes + framework.unsearched_sp_modes:
         e.append(f"sp_mode = {layout.sp_mode!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.sp_modes) or 'no sequence parallelism'})")
     elif (layout.sp > 1 and model is not None and model.dropout

@@ -13,8 +13,10 @@ al. 2023, arXiv:2309.14509, Sec. 3; ring attention's zigzag chunks: Brandon et a
 sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2):
 
 - tp splits whole query heads, whole kv heads (grouped-query attention) and the dense MLP's hidden width;
-- Ulysses (``sp_mode = "ulysses"``) hands each sp rank whole heads and kv heads of its tp rank's share;
-- the sequence splits into ``sp`` chunks (``2*sp`` for ring attention) and further into ``tp`` with
+- Ulysses (``sp_mode = "ulysses"``) hands each sp rank whole heads and kv heads of its tp rank's share; USP
+  (``sp_mode = "usp"``, Fang and Zhao 2024, arXiv:2405.07719) the same over its ``sp_ulysses`` ranks, which divide sp
+  (``sp_ulysses`` is USP's key only);
+- the sequence splits into ``sp`` chunks (``2*sp`` for ring attention and USP) and further into ``tp`` with
   ``tp_sequence_parallel``, which needs tp > 1;
 - expert parallelism splits whole experts over ranks borrowed from dp x sp; tp replicates the experts, which take
   the whole sequence (no ``tp_sequence_parallel``); it runs with the synchronous all-reduce and zero_stage 0, 2 or 3;
@@ -67,7 +69,8 @@ def shape_of(cfg: Any) -> LayoutShape:
 def layout_errors(shape: LayoutShape, p: Any, dp: int, sync_mode: str = "sync", replicate_kv_heads: bool = False,
                   expert_folding: bool = False) -> list[str]:
     """Every rule the degrees ``p`` break for ``shape``, one line each, in the order config validation checks them
-    (empty: none). ``p`` holds ``tp, sp, ep, sp_mode, tp_sequence_parallel, zero_stage, hierarchical_allreduce``
+    (empty: none). ``p`` holds ``tp, sp, ep, sp_mode, sp_ulysses, tp_sequence_parallel, zero_stage,
+    hierarchical_allreduce``
     (a ``ParallelConfig`` or the planner's ``Layout``); ``dp`` is the resolved data-parallel degree (-1: not known
     yet, its rules wait for :func:`meshtrain.config.checks.resolve_world`).
 
@@ -75,6 +78,8 @@ def layout_errors(shape: LayoutShape, p: Any, dp: int, sync_mode: str = "sync", 
     kv head replicated over ``tp / kv_heads`` ranks); ``expert_folding`` (Megatron-Core's MoE parallel folding: ep
     folded into tp x dp x sp, each tp rank routing its own sequence shard, with its distributed optimizer).
     """
+    if split := _sp_split_errors(p):
+        return split
     if shape.nf4_base and p.tp > 1:
         return [f"adapter.quantize_base = 'nf4' with parallel.tp = {p.tp}: an NF4 weight's blocks run along its rows, "
                 f"which tensor parallelism would cut; use tp = 1 (dp, FSDP2, pp and sp work)"]
@@ -100,24 +105,51 @@ def _splits(count: int, ranks: int, replicate: bool) -> bool:
     return count % ranks == 0 or (replicate and ranks % count == 0)
 
 
+def _sp_split_errors(p: Any) -> list[str]:
+    """``sp_ulysses``: at least 1, USP's key only, and a divisor of sp (the ring degree is ``sp / sp_ulysses``)."""
+    u = p.sp_ulysses
+    if u < 1:
+        return [f"parallel.sp_ulysses = {u} must be >= 1"]
+    if u != 1 and p.sp_mode != "usp":
+        return [f"parallel.sp_ulysses = {u} splits sp for sp_mode = 'usp' only (sp_mode is {p.sp_mode!r}): use "
+                f"sp_mode = 'usp' or sp_ulysses = 1"]
+    if p.sp % u:
+        valid = ", ".join(str(d) for d in range(1, p.sp + 1) if p.sp % d == 0)
+        return [f"parallel.sp_ulysses = {u} does not divide parallel.sp = {p.sp}: USP runs Ulysses over sp_ulysses "
+                f"ranks and ring attention over sp/sp_ulysses; use sp_ulysses in {valid}"]
+    return []
+
+
+def _ulysses_degree(p: Any) -> tuple[int, str]:
+    """The ranks an all-to-all of heads spans and how messages name them: sp under Ulysses, sp_ulysses under USP,
+    1 (no head split) under ring attention or sp = 1."""
+    if p.sp > 1 and p.sp_mode == "ulysses":
+        return p.sp, "sp"
+    if p.sp > 1 and p.sp_mode == "usp" and p.sp_ulysses > 1:
+        return p.sp_ulysses, "sp_ulysses"
+    return 1, ""
+
+
 def _head_errors(shape: LayoutShape, p: Any, replicate_kv_heads: bool) -> list[str]:
-    """Whole query heads per tp rank, per tp*sp rank under Ulysses, and the same for the kv heads."""
+    """Whole query heads per tp rank, per tp*sp rank under Ulysses (tp*sp_ulysses under USP), and the same for the
+    kv heads."""
     e, heads, kv = [], shape.heads, shape.kv_heads
-    ulysses = p.sp > 1 and p.sp_mode == "ulysses"
+    u, name = _ulysses_degree(p)
+    who = "Ulysses hands each sp rank" if name == "sp" else "USP's Ulysses hands each of its sp_ulysses ranks"
     if heads % p.tp:
         e.append(f"model.n_head = {heads} is not divisible by parallel.tp = {p.tp}: tensor parallelism splits whole "
                  f"heads across tp ranks; use a tp that divides {heads}")
-    elif ulysses and heads % (p.tp * p.sp):
-        e.append(f"model.n_head = {heads} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                 f"n_head/(tp*sp) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
+    elif u > 1 and heads % (p.tp * u):
+        e.append(f"model.n_head = {heads} is not divisible by tp*{name} = {p.tp * u}: {who} "
+                 f"n_head/(tp*{name}) whole heads; use sp_mode = 'ring' (no head restriction) or fewer ranks")
     if kv == heads:
         return e
     if not _splits(kv, p.tp, replicate_kv_heads):
         e.append(f"model.n_kv_head = {kv} is not divisible by parallel.tp = {p.tp}: tensor parallelism gives each tp "
                  f"rank whole kv heads (grouped-query attention); use a tp that divides {kv}")
-    elif ulysses and not _splits(kv, p.tp * p.sp, replicate_kv_heads):
-        e.append(f"model.n_kv_head = {kv} is not divisible by tp*sp = {p.tp * p.sp}: Ulysses hands each sp rank "
-                 f"n_kv_head/(tp*sp) whole kv heads; use sp_mode = 'ring' or fewer ranks")
+    elif u > 1 and not _splits(kv, p.tp * u, replicate_kv_heads):
+        e.append(f"model.n_kv_head = {kv} is not divisible by tp*{name} = {p.tp * u}: {who} "
+                 f"n_kv_head/(tp*{name}) whole kv heads; use sp_mode = 'ring' or fewer ranks")
     return e
 
 
@@ -131,11 +163,12 @@ def _mlp_errors(shape: LayoutShape, p: Any) -> list[str]:
 
 
 def _sequence_errors(shape: LayoutShape, p: Any) -> list[str]:
-    """``tp_sequence_parallel`` needs tp > 1; the sequence splits into sp (2*sp for ring) and then tp chunks."""
+    """``tp_sequence_parallel`` needs tp > 1; the sequence splits into sp (2*sp for ring and USP) and then tp
+    chunks."""
     e = []
     if p.tp_sequence_parallel and p.tp == 1:
         e.append("parallel.tp_sequence_parallel = true needs parallel.tp > 1 (it is 1): set tp >= 2 or use false")
-    ring = p.sp > 1 and p.sp_mode == "ring"
+    ring = p.sp > 1 and p.sp_mode in ("ring", "usp")  # USP cuts each of its 2*sp/sp_ulysses ring chunks further
     chunks = p.sp * (2 if ring else 1) * (p.tp if p.tp_sequence_parallel else 1)
     if shape.seq_len % chunks:
         what = " * ".join(name for name, on in (("sp", p.sp > 1), ("2 (ring chunks)", ring),

@@ -13,6 +13,9 @@ it after its all-to-all, ring attention slices each block's part of it (and skip
 - :class:`RingAttention` (``ring.py``): ring attention (Liu et al. 2023, arXiv:2310.01889) on the
   load-balanced "zigzag" layout (the load balancing of striped attention, Brandon et al. 2023, in the
   form of Llama 3's context parallelism): any nh.
+- :class:`USPAttention` (``usp.py``): USP (Fang and Zhao 2024, arXiv:2405.07719): Ulysses' all-to-all over
+  ``sp_ulysses`` ranks, then ring attention over the ``sp / sp_ulysses`` ring ranks on the zigzag layout whose
+  chunks are cut further into ``sp_ulysses`` pieces; needs nh % sp_ulysses == 0.
 
 :func:`apply_sp` (``apply.py``) swaps them into a model; everything else in a transformer is per token,
 so only attention communicates. :func:`shard_sequence` and :func:`sequence_positions` (``shard.py``)
@@ -30,5 +33,7 @@ from meshtrain.parallel.sequence.apply import apply_sp
 from meshtrain.parallel.sequence.ring import RingAttention
 from meshtrain.parallel.sequence.shard import SP_MODES, sequence_positions, shard_sequence
 from meshtrain.parallel.sequence.ulysses import UlyssesAttention
+from meshtrain.parallel.sequence.usp import USPAttention
 
-__all__ = ["SP_MODES", "RingAttention", "UlyssesAttention", "apply_sp", "sequence_positions", "shard_sequence"]
+__all__ = ["SP_MODES", "RingAttention", "USPAttention", "UlyssesAttention", "apply_sp", "sequence_positions",
+           "shard_sequence"]
