@@ -83,7 +83,7 @@ def test_the_trainer_rejects_what_the_planner_rules_out():
 def test_framework_is_built_from_the_support_table():
     fw = FRAMEWORKS["meshtrain"]
     assert fw.zero_stages == SUPPORTED.zero_stages and fw.pp_schedules == SUPPORTED.pp_schedules
-    assert fw.recompute == SUPPORTED.recompute and fw.sp_modes + fw.unsearched_sp_modes == SUPPORTED.sp_modes
+    assert fw.recompute == SUPPORTED.recompute and fw.sp_modes == SUPPORTED.sp_modes
     assert fw.sequence_parallel == SUPPORTED.tp_sequence_parallel and fw.tensor_parallel == SUPPORTED.tp
     assert FRAMEWORKS["megatron-core"].recompute == ("none", "selective", "full")
 

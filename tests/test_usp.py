@@ -180,3 +180,26 @@ def test_usp_is_accepted_where_it_runs():
                              (GPT, {**USP, "parallel.sp": "2", "parallel.sp_ulysses": "2", "parallel.tp": "2"})):
         cfg = load_config(None, {**model, **overrides})
         assert resolve_world(cfg, 4) == (4, 4 // (cfg.parallel.sp * cfg.parallel.tp))
+
+
+def test_the_planner_searches_usp_at_each_inner_ulysses_degree():
+    """At sp = 8 the search ranks USP at U = 2 and U = 4 beside Ulysses and ring (U = 1 and U = 8 would be ring and
+    Ulysses again), each costed, and a pinned ``sp_ulysses`` is the one searched."""
+    from meshtrain.planner.estimate import Job
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import FRAMEWORKS
+    from meshtrain.planner.memory import PRECISIONS
+    from meshtrain.planner.model_specs import preset
+    from meshtrain.planner.search import search
+
+    from dataclasses import replace
+
+    args = (replace(preset("llama3-8b"), seq_len=32768), get_hardware("H100"), PRECISIONS["bf16"], FRAMEWORKS["meshtrain"])
+    found = search(*args, Job(num_devices=8, global_batch_size=8), fixed={"sp": 8}, keep_unfit=True)
+    modes = {(e.layout.sp_mode, e.layout.sp_ulysses) for e in found}
+    assert {("ulysses", 1), ("ring", 1), ("usp", 2), ("usp", 4)} <= modes and ("usp", 1) not in modes
+    pinned = search(*args, Job(num_devices=8, global_batch_size=8),
+                    fixed={"sp": 8, "sp_mode": "usp", "sp_ulysses": 4}, keep_unfit=True)
+    assert pinned and {(e.layout.sp_mode, e.layout.sp_ulysses) for e in pinned} == {("usp", 4)}
+    usp = next(e for e in found if e.layout.sp_ulysses == 2)
+    assert usp.layout.to_overrides()["parallel.sp_ulysses"] == "2"  # what --layout auto hands the trainer

@@ -33,6 +33,7 @@ PINNABLE = {**{key: axis for axis, key in SHORT_FLAGS.items()},
             "batch.gradient_accumulation_steps": "gradient_accumulation_steps", "train.recompute": "recompute",
             "parallel.pp_schedule": "pp_schedule", "parallel.virtual_stages": "virtual_stages",
             "parallel.tp_sequence_parallel": "tp_sequence_parallel", "parallel.sp_mode": "sp_mode",
+            "parallel.sp_ulysses": "sp_ulysses",
             "parallel.hierarchical_allreduce": "hierarchical_allreduce"}
 """Command-line override keys that pin a :class:`~meshtrain.planner.layout.Layout` field of the search."""
 

@@ -267,9 +267,6 @@ class Framework:
     pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
     recompute: tuple[str, ...] = RECOMPUTE
     sp_modes: tuple[str, ...] = ("ulysses",)
-    unsearched_sp_modes: tuple[str, ...] = ()
-    """sp modes the framework runs that the search does not try (USP: the search has no ``sp_ulysses`` choice): a
-    layout given with one (``meshtrain plan --layout``, a pinned ``--fix``) is checked and costed."""
     attention_dropout_sp_modes: tuple[str, ...] = SP_MODES
     tensor_parallel: bool = True
     torch_buffers: bool = False
@@ -380,7 +377,7 @@ MEGATRON_CE_BYTES = 2 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 
 MESHTRAIN = Framework("meshtrain", replicates_kv_heads=False, sequence_parallel=SUPPORTED.tp_sequence_parallel, zero_stages=SUPPORTED.zero_stages,
                       pp_schedules=SUPPORTED.pp_schedules, recompute=SUPPORTED.recompute,
-                      sp_modes=tuple(m for m in SUPPORTED.sp_modes if m != "usp"), unsearched_sp_modes=("usp",),
+                      sp_modes=SUPPORTED.sp_modes,
                       attention_dropout_sp_modes=SUPPORTED.attention_dropout_sp_modes, tensor_parallel=SUPPORTED.tp,
                       torch_buffers=True, grad_first_bucket_bytes=2**20,
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
@@ -529,7 +526,7 @@ def framework_errors(framework: Framework, layout: Layout, model: ModelSpec | No
                                        framework.expert_folding) if x not in every]
     if layout.tp > 1 and not framework.tensor_parallel:
         e.append(f"tp = {layout.tp} is not available in {framework.name} (it has no tensor parallelism)")
-    if layout.sp > 1 and layout.sp_mode not in framework.sp_modes + framework.unsearched_sp_modes:
+    if layout.sp > 1 and layout.sp_mode not in framework.sp_modes:
         e.append(f"sp_mode = {layout.sp_mode!r} is not available in {framework.name} "
                  f"(it has {', '.join(framework.sp_modes) or 'no sequence parallelism'})")
     elif (layout.sp > 1 and model is not None and model.dropout

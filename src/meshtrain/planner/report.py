@@ -84,7 +84,7 @@ def _axis_cell(b: Layout, axis: str) -> str:
     elif axis == "tp" and b.tp_sequence_parallel:
         cell += "+sp"
     elif axis == "sp" and b.sp > 1:
-        cell += f" {b.sp_mode}"
+        cell += f" {b.sp_mode}" + (f" {b.sp_ulysses}x{b.sp // b.sp_ulysses}" if b.sp_mode == "usp" else "")
     return cell
 
 

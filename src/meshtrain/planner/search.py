@@ -106,9 +106,10 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
         if not fitting_zeros:
             continue
         batch = dp * sp * framework.expert_fold(tp)  # the ranks ep borrows: Megatron folds it into tp too
-        for ep, (sp_mode, seqp) in itertools.product(expert_degrees(model, fixed, batch),
-                                                     _model_splits(model, framework, fixed, dp, tp, pp, sp)):
-            degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode, **sync)
+        for ep, (sp_mode, seqp, ulysses) in itertools.product(expert_degrees(model, fixed, batch),
+                                                              _model_splits(model, framework, fixed, dp, tp, pp, sp)):
+            degrees_only = Layout(dp, tp, pp, sp, ep=ep, tp_sequence_parallel=seqp, sp_mode=sp_mode,
+                                  sp_ulysses=ulysses, **sync)
             if sync and divisibility_errors(model, degrees_only, schedule=False):
                 continue  # the pinned sync mode's own rules on these degrees (a DiLoCo group of whole replicas)
             # (zero_stage, hierarchical_allreduce) pairs: they depend on the degrees alone, but for the schedule's
@@ -160,20 +161,24 @@ def _hierarchical(framework: Framework, layout: Layout, devices_per_node: int | 
 
 
 def _model_splits(model: ModelSpec, framework: Framework, fixed: dict[str, Any], dp: int, tp: int, pp: int,
-                  sp: int) -> Iterator[tuple[str, bool]]:
-    """(sp_mode, tp_sequence_parallel) pairs that the model's shape and the framework allow for these
-    degrees: every sp mode of the framework when sp > 1 (one, "ulysses", when sp = 1); sequence
-    parallelism inside tp whenever it is possible, since it only saves memory and time."""
+                  sp: int) -> Iterator[tuple[str, bool, int]]:
+    """(sp_mode, tp_sequence_parallel, sp_ulysses) triples that the model's shape and the framework allow for these
+    degrees: every sp mode of the framework when sp > 1 (one, "ulysses", when sp = 1), USP at each Ulysses degree
+    strictly between 1 and sp (its ends are ring and Ulysses); sequence parallelism inside tp whenever it is
+    possible, since it only saves memory and time."""
     sp_modes = _choices(fixed, "sp_mode", list(framework.sp_modes) if sp > 1 else ["ulysses"])
     for sp_mode in sp_modes:
-        seqps = [fixed["tp_sequence_parallel"]] if "tp_sequence_parallel" in fixed else [True, False]
-        for seqp in seqps:
-            if seqp and (tp == 1 or not framework.sequence_parallel) and "tp_sequence_parallel" not in fixed:
-                continue
-            layout = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode)
-            if not divisibility_errors(model, layout, schedule=False) and not framework_errors(framework, layout, model):
-                yield sp_mode, seqp
-                break  # tp without sequence parallelism only where it is impossible
+        inner = [u for u in divisors(sp) if 1 < u < sp] if sp_mode == "usp" else [1]
+        for ulysses in _choices(fixed, "sp_ulysses", inner):
+            seqps = [fixed["tp_sequence_parallel"]] if "tp_sequence_parallel" in fixed else [True, False]
+            for seqp in seqps:
+                if seqp and (tp == 1 or not framework.sequence_parallel) and "tp_sequence_parallel" not in fixed:
+                    continue
+                layout = Layout(dp, tp, pp, sp, tp_sequence_parallel=seqp, sp_mode=sp_mode, sp_ulysses=ulysses)
+                if not divisibility_errors(model, layout, schedule=False) and not framework_errors(framework, layout,
+                                                                                                  model):
+                    yield sp_mode, seqp, ulysses
+                    break  # tp without sequence parallelism only where it is impossible
 
 
 class Ranked(list):
