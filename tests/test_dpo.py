@@ -43,17 +43,27 @@ LAYOUTS = {  # name: (reference, overrides)
     "ep2": ("moe", {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "2"}),
     "robust-dp2-ga2": ("robust", {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1",
                                   "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
+    "ipo-ring-sp2": ("ipo", {"train.dpo_loss": "ipo", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
 }
-REFERENCES = {"dense": {}, "moe": MOE, "robust": {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1"}}
+REFERENCES = {"dense": {}, "moe": MOE, "robust": {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1"},
+              "ipo": {"train.dpo_loss": "ipo"}}
+"""IPO on ring sp2: each rank holds half of every row, so a row's token count is summed over the sp group."""
 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.floats(-60, 0), min_size=4, max_size=4), st.lists(st.floats(-60, 0), min_size=4, max_size=4),
        st.floats(0.01, 2.0), st.floats(0.0, 0.45))
 def test_losses_are_the_papers_equations(policy, reference, beta, eps):
-    """Rafailov et al. 2023, Eq. 7 and Chowdhury et al. 2024's de-biased loss, written out per pair in float64."""
+    """Rafailov et al. 2023, Eq. 7, Chowdhury et al. 2024's de-biased loss and Azar et al. 2023's IPO (Eq. 17, each
+    log-ratio per completion token as TRL computes it), written out per pair in float64."""
     pi, ref = torch.tensor(policy, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    counts = [3.0, 7.0, 1.0, 12.0]
+    losses, _ = dpo_loss(pi, ref, beta, "ipo", counts=torch.tensor(counts, dtype=torch.float64))
+    for k in range(2):
+        h = ((policy[2 * k] - reference[2 * k]) / counts[2 * k]
+             - (policy[2 * k + 1] - reference[2 * k + 1]) / counts[2 * k + 1])
+        assert float(losses[k]) == pytest.approx((h - 1 / (2 * beta)) ** 2, rel=1e-9, abs=1e-12)
     for loss_type, smoothing in (("sigmoid", 0.0), ("robust", eps)):
         losses, metrics = dpo_loss(pi, ref, beta, loss_type, smoothing)
         for k in range(2):
@@ -113,11 +123,14 @@ def dpo_loss_tolerance(overrides: dict[str, str]) -> float:
     hold. Each token's log-probability is computed in another summation order (tp's vocabulary split, sp's sequence
     split, another batch): ~sqrt(n_embd * n_layer) * 2**-24 of |log V| in practice (Higham 2002, Sec. 4.2); a row
     sums T such errors, ~sqrt(T) of one; h takes four rows, ~2 rows' worth; d loss / d h <= beta (sigmoid; robust:
-    beta / (1 - 2 eps)). A dropped or doubled pair moves a later step's mean loss by ~1e-2 here, and the step-1
+    beta / (1 - 2 eps); IPO: 2 |h' - 1 / (2 beta)| / n <= 2 (1 / (2 beta) + 1) while |h'| <= 1, n >= 1 tokens). A
+    dropped or doubled pair moves a later step's mean loss by ~1e-2 here, and the step-1
     gradients (1e-5 of their norm) catch a wrong scale."""
     m = {**MODEL, **overrides}
     per_token = math.sqrt(int(m["model.n_embd"]) * int(m["model.n_layer"])) * 2**-24 * math.log(int(m["model.vocab_size"]))
-    slope = float(m["train.dpo_beta"]) / (1 - 2 * float(m.get("train.dpo_label_smoothing", "0")))
+    beta = float(m["train.dpo_beta"])
+    slope = (2 * (1 / (2 * beta) + 1) if m.get("train.dpo_loss") == "ipo"
+             else beta / (1 - 2 * float(m.get("train.dpo_label_smoothing", "0"))))
     return slope * 2 * math.sqrt(int(m["model.block_size"])) * per_token
 
 
@@ -146,9 +159,11 @@ def test_first_step_is_ln2_and_the_records_hold_the_rewards(launched):
     assert val and {"val_reward_accuracy", "val_rewards_chosen", "val_reward_margin"} <= set(val[-1])
 
 
-def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
+@pytest.mark.parametrize("loss_type", ["sigmoid", pytest.param("ipo", marks=pytest.mark.slow)])
+def test_dpo_steps_equal_trls_dpo_trainer(tmp_path, loss_type):
     """TRL's own DPOTrainer and meshtrain, from one tiny Qwen3 and one ChatML tokenizer, on the same pairs: three
-    plain-SGD steps, each taking every train pair (so neither's data order matters). The first loss is ln 2 on both;
+    plain-SGD steps, each taking every train pair (so neither's data order matters), with DPO's sigmoid loss and (in
+    `make test-slow`) IPO's, whose log-ratios are per completion token. The first loss is ln 2 (IPO: 1) on both;
     the next ones follow from each side's gradients, so equal losses after SGD steps mean equal gradients too, as
     the equal gradient norms say directly. The window (96 tokens) holds every sequence whole: a cut tail would
     change what meshtrain supervises."""
@@ -176,7 +191,7 @@ def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
     beta, lr, steps = 0.5, 0.05, 3
     cfg = load_config(None, {"model.init_from": str(model), "model.block_size": "96", "model.dropout": "0.0",
                              "data.path": str(tmp_path / "data"), "data.packing": "pad", "train.objective": "dpo",
-                             "train.dpo_beta": str(beta), "optim.name": "sgd", "optim.lr": str(lr),
+                             "train.dpo_beta": str(beta), "train.dpo_loss": loss_type, "optim.name": "sgd", "optim.lr": str(lr),
                              "optim.min_lr": str(lr), "optim.warmup_steps": "0", "optim.weight_decay": "0",
                              "optim.grad_clip": "0", "batch.micro_batch_size": "9", "train.steps": str(steps),
                              "train.log_interval": "1", "train.eval_interval": "0", "train.dtype": "float32",
@@ -189,7 +204,7 @@ def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
     ours = [r for r in read_records(tmp_path / "ours") if "loss" in r]
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=9, max_steps=steps,
                      learning_rate=lr, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
-                     beta=beta, loss_type=["sigmoid"], precompute_ref_log_probs=True, logging_steps=1, report_to=[],
+                     beta=beta, loss_type=[loss_type], precompute_ref_log_probs=True, logging_steps=1, report_to=[],
                      use_cpu=True, save_strategy="no", seed=0, bf16=False)
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), args=args,
                          train_dataset=Dataset.from_list(train), processing_class=AutoTokenizer.from_pretrained(tok))
@@ -202,8 +217,9 @@ def test_dpo_steps_equal_trls_dpo_trainer(tmp_path):
     with torch.no_grad():
         peak = float(AutoModelForCausalLM.from_pretrained(model)(torch.arange(96)[None] % 384).logits.abs().max())
     logp_tol = 96 * 2 * logits_tolerance(2, 96, peak) + 96 * EPS32 * 100  # + the sum's own rounding (~100 nats)
+    slope = beta if loss_type == "sigmoid" else 2 * (1 / (2 * beta) + 1)  # d loss / d h (IPO: while |h'| <= 1)
     for a, b in zip(ours, theirs):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=beta * 4 * logp_tol), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=slope * 4 * logp_tol), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
         assert a["reward_accuracy"] == pytest.approx(b["rewards/accuracies"], abs=1e-6)
         for ours_key, trl_key in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected")):

@@ -31,7 +31,7 @@ MUON_NS_DTYPES = ("bfloat16", "float32")
 PACKINGS = ("concat", "document", "pad")
 OBJECTIVES = ("lm", "dpo")
 """``train.objective`` values (:mod:`meshtrain.objectives`)."""
-DPO_LOSSES = ("sigmoid", "robust")
+DPO_LOSSES = ("sigmoid", "robust", "ipo")
 """``train.dpo_loss`` values (:func:`meshtrain.objectives.dpo_loss`)."""
 """``data.packing`` values (:mod:`meshtrain.data.packing`)."""
 TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
@@ -266,8 +266,9 @@ class TrainConfig:
     dpo_beta: float = 0.1
     """DPO's beta (Rafailov et al. 2023, Eq. 7): how far the policy may move from the reference, > 0 (TRL's 0.1)."""
     dpo_loss: str = "sigmoid"
-    """DPO's loss: "sigmoid" (DPO, Rafailov et al. 2023) or "robust" (robust DPO, Chowdhury et al. 2024, with
-    ``dpo_label_smoothing``), as TRL's loss types of those names."""
+    """DPO's loss: "sigmoid" (DPO, Rafailov et al. 2023), "robust" (robust DPO, Chowdhury et al. 2024, with
+    ``dpo_label_smoothing``) or "ipo" (IPO, Azar et al. 2023, per completion token), as TRL's loss types of those
+    names."""
     dpo_label_smoothing: float = 0.0
     """The probability eps that a pair's preference is flipped, in [0, 0.5) ("robust" only; 0 = plain DPO)."""
     profile_steps: list[int] = field(default_factory=list)

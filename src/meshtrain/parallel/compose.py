@@ -191,7 +191,7 @@ class PipelineLoss:
             summed = local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum")).clone()
             return torch.stack([summed, supervised_count(targets).to(summed)])
         y, reference = targets[:, :-1], targets[:, -1].contiguous().view(torch.float64)  # (B, T'), (B,)
-        losses = self.model.pair_losses(self.rows(logits, y, self.model.sp_group), reference)
+        losses = self.model.pair_losses(self.rows(logits, y, self.model.sp_group), reference, y)
         return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)])
 
     @staticmethod

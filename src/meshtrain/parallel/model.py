@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.mesh import Axis, ParallelDims
 from meshtrain.objectives import dpo_loss
-from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_logps,
-                                      supervised_count)
+from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_counts,
+                                      row_logps, supervised_count)
 
 Batch = list[tuple[torch.Tensor, ...]]
 """Micro-batches ``(x, y)``, each (B, T) int64 token ids and targets (``IGNORE_INDEX`` where not in the loss), as
@@ -171,10 +171,12 @@ class ParallelModel:
         """The sp group whose shards of a row :func:`~meshtrain.parallel.reduce.row_logps` sums, or None."""
         return self.dims.get_mesh(Axis.SP).get_group() if self.dims.sp_enabled else None
 
-    def pair_losses(self, logps: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        """DPO's per-pair losses (P,) of the rows' log-probabilities ``logps`` (2P,) against ``reference`` (2P,);
-        adds their metrics to :attr:`pair_metrics`."""
-        losses, metrics = dpo_loss(logps, reference.to(logps.device, logps.dtype), **self.dpo)
+    def pair_losses(self, logps: torch.Tensor, reference: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """DPO's per-pair losses (P,) of the rows' log-probabilities ``logps`` (2P,) against ``reference`` (2P,), the
+        rows' targets ``y`` (2P, T') of this rank's shard giving IPO its token counts; adds their metrics to
+        :attr:`pair_metrics`."""
+        counts = row_counts(y, self.sp_group) if self.dpo["loss_type"] == "ipo" else None
+        losses, metrics = dpo_loss(logps, reference.to(logps.device, logps.dtype), counts=counts, **self.dpo)
         self.pair_metrics += metrics.sum(dim=0).double().cpu()
         return losses
 
@@ -262,7 +264,7 @@ class ReplicatedModel(ParallelModel):
         and their count (the same on each sp rank)."""
         logits, y = self.forward(*micro_batch)
         if self.dpo is not None:
-            losses = self.pair_losses(row_logps(logits, y, self.sp_group), micro_batch[3])
+            losses = self.pair_losses(row_logps(logits, y, self.sp_group), micro_batch[3], y)
             return losses.sum(), torch.tensor(losses.numel())
         return cross_entropy(logits, y, reduction="sum"), supervised_count(y)
 

@@ -97,6 +97,15 @@ def row_logps(logits: torch.Tensor, targets: torch.Tensor, sp_group: dist.Proces
     return rows
 
 
+def row_counts(targets: torch.Tensor, sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Each row's supervised targets: targets (B, T') of this rank's sequence shard -> (B,) float32, summed over the
+    sp group's shards of each row (no gradient)."""
+    counts = (targets != IGNORE_INDEX).sum(dim=1).float()  # (B,)
+    if sp_group is not None:
+        dist.all_reduce(counts, group=sp_group)
+    return counts
+
+
 def pair_scale(local_pairs: int, micro_batches: int, dims: ParallelDims) -> tuple[float, int]:
     """``(scale, P)``: what the summed DPO loss of one micro-batch's pairs on this rank is multiplied by, and P, the
     pairs of the whole global batch. As :func:`loss_scale`, with the pair as the unit: every gradient path divides
