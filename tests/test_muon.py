@@ -183,3 +183,24 @@ def test_owner_exchange_is_two_all_to_alls_and_no_repeated_newton_schulz(sharded
     assert max(owner["ns_flops_per_rank"]) <= min(gather["ns_flops_per_rank"])
     if layout == "fsdp2-dp4":  # all four ranks share every matrix: the four together do the whole model's once
         assert sum(owner["ns_flops_per_rank"]) == sharded["whole_ns_flops"]
+
+
+@pytest.mark.parametrize("rank, taken", [(4, True), (1, False)])
+def test_muon_trains_lora_adapters_of_rank_two_or_more(rank, taken):
+    """With LoRA the base is frozen: only the adapters train, and they are matrices inside the blocks, so Muon takes
+    them (rank >= 2) or leaves a rank-1 pair, a vector each, to AdamW."""
+    from meshtrain.adapters.apply import adapt
+    from meshtrain.models.build import build_model
+
+    cfg = load_config(CONFIG, {**TINY, "model.type": "llama", "optim.name": "muon", "adapter.lora_rank": str(rank),
+                               "adapter.lora_targets": "all-linear"})
+    model = build_model(cfg.model, 96)
+    adapt(model, cfg.adapter, cfg.model)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    groups = param_groups(model.named_parameters(), cfg.optim)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in groups if g.get("muon") for p in g["params"]}
+    rest = {names[id(p)] for g in groups if not g.get("muon") for p in g["params"]}
+    adapters = {n for n in names.values() if "lora_" in n}
+    assert (muon, rest) == ((adapters, set()) if taken else (set(), adapters))
