@@ -116,6 +116,12 @@ def main() -> None:
                 dist.all_gather_object(per_rank, sum(flops) / STEPS)
                 out[f"{name}/{exchange}/{dtype}"] = {"max_abs_diff": diff, "all_to_all_calls": len(calls),
                                                      "ns_flops_per_rank": per_rank}
+    muon.BUCKET_BYTES, bucket = 4096, muon.BUCKET_BYTES  # up, down and odd (3,840, 3,840, 280 bytes): 3 buckets
+    calls.clear()
+    got = train(layouts()["fsdp2-dp4"](Block()), "owner", "float32")
+    out["fsdp2-dp4/owner/float32/buckets"] = {"max_abs_diff": max(float((got[k] - whole["float32"][k]).abs().max())
+                                                                  for k in got), "all_to_all_calls": len(calls)}
+    muon.BUCKET_BYTES = bucket
     flops.clear()
     train(Block(), "owner", "float32")
     out["whole_ns_flops"] = sum(flops) / STEPS

@@ -172,6 +172,13 @@ def test_sharded_muon_equals_whole_muon_bit_for_bit(sharded, layout, exchange, d
     assert sharded[f"{layout}/{exchange}/{dtype}"]["max_abs_diff"] == 0.0
 
 
+def test_the_owner_exchange_in_buckets_is_the_same_update(sharded):
+    """With buckets of 4 KiB the three sharded matrices of FSDP2 dp4 go one bucket each: 2 all-to-alls a bucket and
+    step, and the same parameters bit for bit."""
+    got = sharded["fsdp2-dp4/owner/float32/buckets"]
+    assert got["max_abs_diff"] == 0.0 and got["all_to_all_calls"] == 2 * 3 * 3
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_owner_exchange_is_two_all_to_alls_and_no_repeated_newton_schulz(sharded, layout):
     """Per step: one all-to-all gathers, one returns (3 steps); the gather way uses none (DTensor's all-gather).
@@ -204,3 +211,10 @@ def test_muon_trains_lora_adapters_of_rank_two_or_more(rank, taken):
     rest = {names[id(p)] for g in groups if not g.get("muon") for p in g["params"]}
     adapters = {n for n in names.values() if "lora_" in n}
     assert (muon, rest) == ((adapters, set()) if taken else (set(), adapters))
+
+
+def test_the_planner_counts_the_trainers_bucket():
+    from meshtrain.optim import muon
+    from meshtrain.planner.optimizer import BUCKET_BYTES
+
+    assert BUCKET_BYTES == muon.BUCKET_BYTES

@@ -34,6 +34,10 @@ from meshtrain.optim.table import NS_COEFFICIENTS, muon_lr_ratio, newton_schulz_
 
 NS_EPS = 1e-7
 """Floor of the Frobenius norm Newton-Schulz divides by (``torch.optim.Muon``'s ``eps``)."""
+BUCKET_BYTES = 256 * 2**20
+"""Whole matrices (counted at 4 bytes an element) orthogonalized per owner exchange: the step's temporaries (the
+updates, the pieces sent and received, the assembled matrices) are those of one bucket, about ``BUCKET_BYTES / n``
+per rank of n sharing a matrix, not of every Muon parameter at once; a larger matrix is a bucket of its own."""
 
 
 def newton_schulz(u: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -173,8 +177,9 @@ class Muon(torch.optim.AdamW):
             if group["muon"] and any(p.dim() not in (2, 3) for p in group["params"]):
                 raise ValueError("Muon takes 2-D matrices and 3-D stacks of them only: "
                                  f"got shapes {[tuple(p.shape) for p in group['params'] if p.dim() not in (2, 3)]}")
-        self._plans: dict[tuple[int, ...], list[_Sharded]] = {}
-        """The owner exchange's plan per set of matrix-sharded parameters (:func:`_plan`), made at the first step."""
+        self._plans: dict[tuple[int, ...], list[list[_Sharded]]] = {}
+        """The owner exchange's plan per set of matrix-sharded parameters (:func:`_plan`) in buckets (:func:`_buckets`),
+        made at the first step."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -191,29 +196,40 @@ class Muon(torch.optim.AdamW):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        m, lr = group["momentum"], group["lr"]
+        """Momentum for every parameter, then each update orthogonalized and applied: whole matrices one at a time,
+        matrix-sharded ones by the exchange, bucket by bucket (:data:`BUCKET_BYTES`), so that the step's temporaries
+        are one bucket's, not one per parameter."""
+        m, steps = group["momentum"], group["ns_steps"]
         dtype = getattr(torch, group["ns_dtype"])
         params = [p for p in group["params"] if p.grad is not None]
-        updates = {}
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
                 state["step"] = torch.tensor(0.0)  # AdamW's (its __setstate__ reads a step in every state)
             state["step"] += 1
-            g, buf = _local(p.grad), _local(state["momentum_buffer"])
-            buf.lerp_(g, 1 - m)
-            updates[p] = g.lerp(buf, m) if group["nesterov"] else buf
+            _local(state["momentum_buffer"]).lerp_(_local(p.grad), 1 - m)
+
+        def update(p: Tensor) -> Tensor:  # U: the Nesterov look-ahead, or the buffer itself
+            g, buf = _local(p.grad), _local(self.state[p]["momentum_buffer"])
+            return g.lerp(buf, m) if group["nesterov"] else buf
+
         sharded = [p for p in params if _matrix_sharded(p)]
-        if group["exchange"] == "owner":
-            ortho = self._owner_exchange(group, sharded, updates, dtype)
-        else:
-            ortho = {p: self._gathered(p, updates[p], group["ns_steps"], dtype) for p in sharded}
         for p in params:
-            o = ortho[p] if p in ortho else newton_schulz(updates[p], group["ns_steps"], dtype)
-            w = _local(p)
-            w.mul_(1 - lr * group["weight_decay"])
-            w.add_(o, alpha=-lr * muon_lr_ratio(group["lr_adjust"], tuple(p.shape)))
+            if not _matrix_sharded(p):
+                self._apply(group, p, newton_schulz(update(p), steps, dtype))
+        if group["exchange"] == "owner":
+            self._owner_exchange(group, sharded, update, dtype)
+        else:
+            for p in sharded:
+                self._apply(group, p, self._gathered(p, update(p), steps, dtype))
+
+    @staticmethod
+    def _apply(group: dict, p: Tensor, o: Tensor) -> None:
+        """Decoupled decay, then the step ``-lr * ratio * O`` on this rank's part of ``p`` (``o`` its part of O)."""
+        w, lr = _local(p), group["lr"]
+        w.mul_(1 - lr * group["weight_decay"])
+        w.add_(o, alpha=-lr * muon_lr_ratio(group["lr_adjust"], tuple(p.shape)))
 
     @staticmethod
     def _gathered(p: DTensor, update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
@@ -221,17 +237,29 @@ class Muon(torch.optim.AdamW):
         whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
         return _take(newton_schulz(whole, steps, dtype), shard_indices(p, p.device_mesh.get_coordinate()))
 
-    def _owner_exchange(self, group: dict, sharded: list[DTensor], updates: dict, dtype: torch.dtype) -> dict:
-        """Orthogonalize the matrix-sharded parameters on their owners (module docstring): two ``all_to_all_single``
-        over the world group, in the Newton-Schulz dtype (its first operation casts to it anyway)."""
-        if not sharded:
-            return {}
-        me, world = dist.get_rank(), dist.get_world_size()
+    def _owner_exchange(self, group: dict, sharded: list[DTensor], update, dtype: torch.dtype) -> None:
+        """Orthogonalize the matrix-sharded parameters on their owners and apply the results (module docstring):
+        per bucket of the plan, two ``all_to_all_single`` over the world group, in the Newton-Schulz dtype (its
+        first operation casts to it anyway). Every rank runs as many buckets (the most any rank has: an empty one
+        sends nothing), so the collectives pair up across pipeline stages."""
+        if not sharded:  # a layout without matrix shards (every rank alike): nothing to exchange
+            return
+        me = dist.get_rank()
         key = tuple(id(p) for p in sharded)
         if key not in self._plans:
-            self._plans[key] = _plan(sharded, me, group["ns_steps"])
-        plan = self._plans[key]
-        send = [[updates[s.param].to(dtype).reshape(-1) for s in plan if s.owner == d] for d in range(world)]
+            plan = _plan(sharded, me, group["ns_steps"])
+            count = torch.tensor(float(len(_buckets(plan))))
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # once: every rank the same number of exchanges
+            self._plans[key] = _buckets(plan) + [[]] * (int(count) - len(_buckets(plan)))
+        for bucket in self._plans[key]:
+            for p, o in self._exchange(bucket, update, group["ns_steps"], dtype).items():
+                self._apply(group, p, o)
+
+    @staticmethod
+    def _exchange(plan: list[_Sharded], update, steps: int, dtype: torch.dtype) -> dict[Tensor, Tensor]:
+        """One bucket's exchange: {parameter: this rank's part of its orthogonalized update}."""
+        me, world = dist.get_rank(), dist.get_world_size()
+        send = [[update(s.param).to(dtype).reshape(-1) for s in plan if s.owner == d] for d in range(world)]
         received = _all_to_all(send, [[s.size_on(r) for s in plan if s.owner == me and r in s.ranks]
                                       for r in range(world)], dtype)
         whole = {}
@@ -239,11 +267,26 @@ class Muon(torch.optim.AdamW):
             whole[s] = torch.empty(s.param.shape, dtype=dtype)
             for r in s.ranks:
                 _put(whole[s], s.lists[r], received[r].pop(0).view([len(i) for i in s.lists[r]]))
-            whole[s] = newton_schulz(whole[s], group["ns_steps"], dtype)
+            whole[s] = newton_schulz(whole[s], steps, dtype)
         back = [[_take(whole[s], s.lists[r]).reshape(-1) for s in plan if s.owner == me and r in s.ranks]
                 for r in range(world)]
         mine = _all_to_all(back, [[s.size_on(me) for s in plan if s.owner == d] for d in range(world)], dtype)
         return {s.param: mine[s.owner].pop(0).view([len(i) for i in s.lists[me]]) for s in plan}
+
+
+def _buckets(plan: list[_Sharded]) -> list[list[_Sharded]]:
+    """``plan`` cut, in order, into buckets of whole matrices of at most :data:`BUCKET_BYTES` together in fp32 terms
+    (one larger matrix makes a bucket of its own); the same cuts on every rank that shares a plan."""
+    buckets: list[list[_Sharded]] = [[]]
+    held = 0
+    for s in plan:
+        size = 4 * s.param.numel()
+        if buckets[-1] and held + size > BUCKET_BYTES:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(s)
+        held += size
+    return buckets if plan else []
 
 
 def _all_to_all(send: list[list[Tensor]], sizes: list[list[int]], dtype: torch.dtype) -> list[list[Tensor]]:

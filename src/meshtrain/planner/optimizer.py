@@ -36,6 +36,9 @@ from meshtrain.optim.table import ADAMW_STATES, TABLE, OptimizerSpec, newton_sch
 from meshtrain.planner.hardware import Device
 from meshtrain.planner.model_specs import ModelSpec
 
+BUCKET_BYTES = 256 * 2**20
+"""The trainer's owner-exchange bucket (:data:`meshtrain.optim.muon.BUCKET_BYTES`: whole matrices at 4 bytes an
+element per exchange); the same number, not imported (the planner does not import torch)."""
 STATE_BYTES = 4
 """Bytes of one optimizer state element (fp32, as every row of the table keeps them)."""
 NS_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -229,10 +232,13 @@ def muon_work(groups: list[MuonGroup], plan: OptimizerPlan, device: Device) -> M
     - "owner": two all-to-alls (shards to the owners, the results back), each moving the larger of what the rank
       sends (its shards, ``L e``) and what an owner receives (``O e``: (n-1)/n of it from the others), ``(n-1)/n``
       of the buffer over the group's links; "gather": an all-gather of every matrix's fp32 update;
-    - temporaries: the fp32 updates ``4 L`` (all computed before the exchange), with "owner" the send pieces and
-      their concatenation ``2 L e`` and the received shards and assembled matrices ``2 O e``, with "gather" one
-      gathered fp32 matrix (the largest) and the orthogonalized shards ``L e``; plus :func:`working_bytes` of the
-      largest matrix it orthogonalizes (groups run one after another: the largest of them)."""
+    - temporaries, the largest of any group's (the trainer orthogonalizes one matrix or one bucket at a time,
+      :mod:`meshtrain.optim.muon`): whole matrices, the largest one's fp32 update; "owner", per bucket of
+      ``B = max(BUCKET_BYTES / 4, the largest matrix)`` whole elements, the fp32 updates of its shards
+      ``4 L_b`` (``L_b = min(L, B / n)``), the send pieces and their concatenation ``2 L_b e`` and the received
+      shards and assembled matrices ``2 O_b e`` (``O_b = min(O, B)``); "gather", the largest matrix's update shard,
+      its gathered fp32 whole and the orthogonalized shard; plus :func:`working_bytes` of the largest matrix it
+      orthogonalizes."""
     e, steps = plan.ns_bytes, plan.ns_steps
     flops = seconds = held = 0.0
     working, exchanges = 0.0, []
@@ -245,11 +251,15 @@ def muon_work(groups: list[MuonGroup], plan: OptimizerPlan, device: Device) -> M
         total = float(sum(c * math.prod(s) for c, s in g.items))
         mine = float(sum(c * math.prod(s) for c, s in zip(counts, shapes)))
         local = total / g.n if g.kind in ("owner", "gather") else mine
-        held += STATE_BYTES * local
+        largest = float(max(math.prod(s) for s in shapes))
         if g.kind == "owner":
             exchanges += [("all-to-all", g.n, g.axes, max(local, mine) * e)] * 2
-            held += 2 * local * e + 2 * mine * e
+            bucket = max(BUCKET_BYTES / STATE_BYTES, largest)
+            local_b, mine_b = min(local, bucket / g.n), min(mine, bucket)
+            held = max(held, STATE_BYTES * local_b + 2 * local_b * e + 2 * mine_b * e)
         elif g.kind == "gather":
             exchanges.append(("all-gather", g.n, g.axes, total * STATE_BYTES))
-            held += STATE_BYTES * max(math.prod(s) for s in shapes) + local * e
+            held = max(held, STATE_BYTES * largest / g.n + STATE_BYTES * largest + e * largest / g.n)
+        else:
+            held = max(held, STATE_BYTES * largest)
     return MuonWork(flops, seconds, tuple(exchanges), held + working)
