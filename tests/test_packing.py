@@ -221,17 +221,19 @@ def test_a_tokenizer_file_without_eos_is_refused_when_the_trainer_reads_it():
     assert _packing_eos(cfg, 7) is None
 
 
+@pytest.mark.parametrize("ids", [False, True])
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("case", ["crossing", "at-boundaries", "one-document", "one-token-documents"])
-def test_ring_blocks_of_documents_equal_masked_attention(sp, case):
+def test_ring_blocks_of_documents_equal_masked_attention(sp, case, ids):
     """Ring attention's forward, every rank's blocks merged as the ring would (one process: each rank's query
     chunks against every rank's K/V chunks), equals SDPA with the whole sequence's document mask; blocks whose keys
     are all in earlier documents are skipped. Windows of 16 tokens (chunks of 8 / sp): documents crossing chunks,
     starting exactly at each chunk, one filling the window, and many of one token. Tolerance: fp32 scores of 8-term
     dot products and a softmax merged over at most 2 * sp blocks (log-sum-exp merges exact to ~2**-24 each): 1e-6
     absolute on outputs of magnitude <= 1 (a convex mix of v's rows of N(0, 1) entries, clipped by the test to
-    |v| <= 1)."""
-    from meshtrain.models.attention import document_causal_mask
+    |v| <= 1). The mask as the models hand it (``ids``: :class:`DocumentMask`, each block computed from the ids) and as
+    the whole (B, 1, T, T) tensor."""
+    from meshtrain.models.attention import DocumentMask, document_causal_mask
     from meshtrain.parallel.sequence.ring import _block_forward, _block_pairs, _merge
     from meshtrain.parallel.sequence.shard import shard_sequence
 
@@ -254,7 +256,7 @@ def test_ring_blocks_of_documents_equal_masked_attention(sp, case):
         outs, lses = [None, None], [None, None]
         for src in range(sp):
             kv = torch.stack([shard_sequence(k, 2, src, sp, "ring"), shard_sequence(v, 2, src, sp, "ring")])
-            pairs = list(_block_pairs(q_r, kv, rank, src, sp, mask))
+            pairs = list(_block_pairs(q_r, kv, rank, src, sp, DocumentMask(doc_ids) if ids else mask))
             skipped += 4 - len(pairs)
             for n, j, block_mask, q_c, kv_c in pairs:
                 blk, blk_lse = _block_forward(q_c, kv_c[0], kv_c[1], block_mask, scale)

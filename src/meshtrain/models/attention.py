@@ -9,6 +9,8 @@ Shape legend: B batch, nh query heads, nkv key/value heads, T sequence length, h
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -41,6 +43,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     AVX512-BF16 EPYC, docs/benchmarks.md), while the matmuls around it gain from bf16. On CUDA the bf16
     kernel is the fast one and runs as it is."""
     k, v = repeat_kv(q, k), repeat_kv(q, v)  # (B, nh, T, hs)
+    if isinstance(mask, DocumentMask):
+        mask = mask.dense
     masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         with torch.autocast("cpu", enabled=False):  # CPU autocast would cast the fp32 copies back to bf16
@@ -58,6 +62,30 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     T = doc_ids.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal  # (B, 1, T, T)
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentMask:
+    """The document mask of packed sequences (:func:`document_causal_mask`) kept as its document ids ``doc_ids``
+    (B, T) int64 of the whole sequence: what a model hands its attention when ``data.packing = "document"``. Whole
+    attention (SDPA, Ulysses after its all-to-all) takes :attr:`dense`, (B, 1, T, T) bool, built once and shared by
+    every layer; ring attention takes :meth:`block` slices, (B, 1, rows, cols), and never holds the T x T mask."""
+
+    doc_ids: torch.Tensor
+
+    @cached_property
+    def dense(self) -> torch.Tensor:
+        """(B, 1, T, T) bool, True where query i may attend to key j (:func:`document_causal_mask`)."""
+        return document_causal_mask(self.doc_ids)
+
+    def block(self, rows: slice, cols: slice) -> torch.Tensor:
+        """The (B, 1, len(rows), len(cols)) bool part of :attr:`dense` at global query positions ``rows`` and key
+        positions ``cols`` (slices with a start and a stop), computed from the ids alone: same document and
+        ``key <= query``."""
+        q, k = self.doc_ids[:, rows], self.doc_ids[:, cols]  # (B, r), (B, c)
+        i = torch.arange(rows.start, rows.stop, device=q.device)
+        j = torch.arange(cols.start, cols.stop, device=q.device)
+        return (q[:, None, :, None] == k[:, None, None, :]) & (j[None, :] <= i[:, None])  # (B, 1, r, c)
 
 
 @torch.no_grad()
@@ -105,5 +133,6 @@ class SDPAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: None (causal), or the (B, 1, T, T) document mask (:func:`document_causal_mask`)."""
+        """``mask``: None (causal), the (B, 1, T, T) document mask (:func:`document_causal_mask`) or a
+        :class:`DocumentMask`."""
         return causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)

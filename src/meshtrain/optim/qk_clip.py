@@ -29,15 +29,18 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from meshtrain.models.attention import DocumentMask
 from meshtrain.optim.muon import shard_indices
 
 
-def max_logits(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
+def max_logits(q: Tensor, k: Tensor, mask: Tensor | DocumentMask | None = None) -> Tensor:
     """Per query head, the largest causal attention logit: ``q`` (B, nh, T, hs), ``k`` (B, nkv, T, hs) with nkv
-    dividing nh (each kv head serving nh / nkv consecutive query heads) -> (nh,) fp32. ``mask``: None (causal) or the
-    (B, 1, T, T) bool document mask, True where query i may attend to key j."""
+    dividing nh (each kv head serving nh / nkv consecutive query heads) -> (nh,) fp32. ``mask``: None (causal), the
+    (B, 1, T, T) bool document mask, True where query i may attend to key j, or its :class:`DocumentMask`."""
     B, nh, T, hs = q.shape
     group = nh // k.size(1)
+    if isinstance(mask, DocumentMask):
+        mask = mask.dense
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if mask is None else mask[:, 0]
     out = torch.empty(nh, dtype=torch.float32, device=q.device)
     for h in range(nh):  # one (B, T, T) matrix at a time

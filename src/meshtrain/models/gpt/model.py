@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from meshtrain.models.attention import SDPAttention, document_causal_mask, init_decoder_weights
+from meshtrain.models.attention import DocumentMask, SDPAttention, init_decoder_weights
 from meshtrain.models.base import LayeredLM
 from meshtrain.models.registry import ModelConfig
 
@@ -179,7 +179,7 @@ class GPT(LayeredLM):
             x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
         else:
             x = idx  # (B, T, C) hidden states from the previous stage
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
+        mask = None if doc_ids is None else DocumentMask(doc_ids)  # (B, 1, T', T') as ids
         for block in self.blocks.values():
             x = block(x, mask=mask)  # (B, T, C)
         if self.lm_head is None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.models.attention import SDPAttention, document_causal_mask, init_decoder_weights
+from meshtrain.models.attention import DocumentMask, SDPAttention, init_decoder_weights
 from meshtrain.models.base import LayeredLM
 from meshtrain.models.moe import layer as moe
 from meshtrain.models.moe.layer import MoE
@@ -218,7 +218,7 @@ class Llama(LayeredLM):
         x = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx  # (B, T, C)
         cos, sin = self.rope(positions, torch.get_autocast_dtype(x.device.type)
                              if torch.is_autocast_enabled(x.device.type) else x.dtype)
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)  # (B, 1, T', T')
+        mask = None if doc_ids is None else DocumentMask(doc_ids)  # (B, 1, T', T') as ids
         for block in self.blocks.values():
             x = block(x, cos, sin, mask=mask)  # (B, T, C)
         aux = self.aux_loss()

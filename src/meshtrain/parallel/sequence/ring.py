@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from meshtrain.models.attention import repeat_kv
+from meshtrain.models.attention import DocumentMask, repeat_kv
 from meshtrain.parallel.sequence.comm import ring_pass
 from meshtrain.parallel.sequence.shard import zigzag_chunks
 
@@ -44,9 +44,10 @@ class RingAttention(nn.Module):
     not overlapped with compute. No dropout: attention dropout is not supported here (the model's
     other dropouts are unaffected).
 
-    Packed documents (``data.packing = "document"``): ``mask`` is the (B, 1, T, T) document mask of the whole
-    sequence in its natural order (:func:`meshtrain.models.attention.document_causal_mask`), which every rank
-    holds. The block of query chunk i and K/V chunk j is its (c, c) slice at rows i*c.., columns j*c..: a block
+    Packed documents (``data.packing = "document"``): ``mask`` is the document mask of the whole sequence in its
+    natural order, as the document ids (:class:`meshtrain.models.attention.DocumentMask`, (B, T): the T x T mask is
+    never built) or as the (B, 1, T, T) mask itself. The block of query chunk i and K/V chunk j is its (c, c) part
+    at rows i*c.., columns j*c.. (:meth:`~meshtrain.models.attention.DocumentMask.block`): a block
     with no allowed entry (the keys all in earlier documents) is skipped, forward and backward alike; one that is
     all allowed, or exactly causal, runs the fused kernel as without documents; any other is computed with its
     mask, a query row with no allowed key in it contributing nothing (its block log-sum-exp is -inf). Every row
@@ -59,7 +60,7 @@ class RingAttention(nn.Module):
         self.group = group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | DocumentMask | None = None) -> torch.Tensor:
         if q.size(2) % 2:
             raise ValueError(f"ring attention holds two chunks per rank: local length {q.size(2)} must be even")
         # the blocks' softmax statistics and merges run in at least fp32 (as fused attention kernels
@@ -73,7 +74,7 @@ class RingAttention(nn.Module):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | DocumentMask | None = None) -> torch.Tensor:
         sp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.size(-1))
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, hs)
@@ -115,7 +116,8 @@ class _RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None
 
 
-def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int, mask: torch.Tensor | None = None):
+def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int,
+                 mask: torch.Tensor | DocumentMask | None = None):
     """(query chunk n, K/V chunk j, its mask, q chunk (B, nh, c, hs), K/V chunk (2, B, nh, c, hs)) for each
     pair of this rank's query chunks and group rank ``src``'s K/V chunks that has unmasked entries. The mask is
     True (full), "causal", or a (B, 1, c, c) bool block of the document ``mask`` (:class:`RingAttention`)."""
@@ -127,7 +129,8 @@ def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int
             if mask is None:
                 yield n, j, "causal" if kv_idx == q_idx else True, q_c, kv_c
                 continue
-            block = mask[:, :, q_idx * c:(q_idx + 1) * c, kv_idx * c:(kv_idx + 1) * c]  # (B, 1, c, c)
+            rows, cols = slice(q_idx * c, (q_idx + 1) * c), slice(kv_idx * c, (kv_idx + 1) * c)
+            block = mask.block(rows, cols) if isinstance(mask, DocumentMask) else mask[:, :, rows, cols]  # (B, 1, c, c)
             if not bool(block.any()):  # these keys are all in earlier documents than these queries
                 continue
             if bool(block.all()):
