@@ -81,6 +81,12 @@ LAYOUTS = {  # name: (world size, model, overrides); global batch 8 each
     "packed-sp4-u2r2": (4, "packed", {**USP, "parallel.sp": "4", "parallel.sp_ulysses": "2"}),
     "gpt-tp2-sp2-u2r1": (4, "gpt", {**USP, "parallel.sp": "2", "parallel.sp_ulysses": "2", "parallel.tp": "2"}),
     "llama-tp2-sp2-u1r2": (4, "llama", {**USP, "parallel.sp": "2", "parallel.tp": "2"}),
+    # ... with a pipeline (2 x 1 per stage, 4 micro-batches), and with FSDP2 over dp2 and full recomputation
+    "gpt-pp2-sp2-u2r1": (4, "gpt", {**USP, "parallel.sp": "2", "parallel.sp_ulysses": "2", "parallel.pp": "2",
+                                    "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"}),
+    "llama-fsdp2-dp2-sp2-u2r1-recompute": (4, "llama", {**USP, "parallel.sp": "2", "parallel.sp_ulysses": "2",
+                                                        "parallel.zero_stage": "3", "batch.micro_batch_size": "4",
+                                                        "train.recompute": "full"}),
 }
 SLOW = {name for name, (world, _, _) in LAYOUTS.items() if world == 4}
 
