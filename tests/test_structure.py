@@ -27,9 +27,9 @@ RUN = ("meshtrain.train", "meshtrain.checkpoint", "meshtrain.parallel", "meshtra
 UPPER = ("meshtrain.launch", "meshtrain.cli", "meshtrain.planner")
 COMPOSERS = ("meshtrain.parallel.compose",)
 """The one module that may import every strategy."""
-SHARED_PARALLEL = ("reduce", "rng", "model")
-"""Modules of ``meshtrain.parallel`` every strategy may use: per-axis reductions, dropout streams, and the
-trainer-facing model (which itself imports no strategy)."""
+SHARED_PARALLEL = ("reduce", "rng")
+"""Modules of ``meshtrain.parallel`` every strategy may use: per-axis reductions and dropout streams. The sync modes'
+hooks (DiLoCo subclasses them) live outside ``parallel/``, in ``meshtrain.sync_mode``."""
 
 
 PENDING_LONG: set[str] = set()

@@ -135,7 +135,7 @@ class Trainer:
 
     def _build_data(self, dp: int) -> None:
         """This rank's train sampler and validation batches: its share among the ``dp`` replicas of every worker (and
-        DiLoCo's elastic workers' shares, :meth:`meshtrain.parallel.model.SyncMode.data_share`)."""
+        DiLoCo's elastic workers' shares, :meth:`meshtrain.sync_mode.SyncMode.data_share`)."""
         cfg, b, corpus = self.cfg, self.cfg.batch, self.setup.corpus
         shares, worker = self.parallel.sync.data_share(self.dims, self.rank)
         dp_rank = worker * self.dims.dp + self.dims.rank_of(Axis.DP)  # among all workers'

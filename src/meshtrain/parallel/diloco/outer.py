@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtrain.parallel.model import SyncMode
+from meshtrain.sync_mode import SyncMode
 
 INT8_BLOCK = 256
 """Values that share one fp32 scale in the int8 exchange (4 bytes of scale per 256 bytes of codes)."""
@@ -111,7 +111,7 @@ class Fragment:
 
 
 class DiLoCo(SyncMode):
-    """The outer loop of DiLoCo on this rank: the loop's hooks (:class:`meshtrain.parallel.model.SyncMode`), the outer
+    """The outer loop of DiLoCo on this rank: the loop's hooks (:class:`meshtrain.sync_mode.SyncMode`), the outer
     steps after every inner step (:meth:`after_step`).
 
     Args:
