@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from meshtrain.cli.export import load_hf_model
 from meshtrain.errors import ConfigError
 from meshtrain.models import hf_io as hf
 from meshtrain.models.hf import write_hf_folder
 from test_hf import EPS32, FINETUNE, V, logits_tolerance, one_line_error, reference
+from test_moe import save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,15 +67,7 @@ def saved(folder: Path, fused: bool = False, **overrides) -> Path:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
-    if not fused:
-        model.save_pretrained(folder)
-        return folder
-    folder.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and config.tie_word_embeddings)}
-    save_file(state, str(folder / hf.SINGLE_FILE), metadata={"format": "pt"})
-    model.config.save_pretrained(folder)
-    return folder
+    return save_hf(model, folder, fused)
 
 
 def tolerance_width(cfg) -> int:

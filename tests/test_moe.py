@@ -74,12 +74,18 @@ def saved(folder: Path, case: str, fused: bool = False, **overrides) -> Path:
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+    return save_hf(model, folder, fused)
+
+
+def save_hf(model, folder: Path, fused: bool) -> Path:
+    """``model`` (a transformers MoE model) saved into ``folder``: ``save_pretrained``'s per-expert tensors, or with
+    ``fused`` the state dict ``transformers`` keeps in memory (its fused expert tensors, a tied head left out)."""
     if not fused:
         model.save_pretrained(folder)
         return folder
     folder.mkdir(parents=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
     save_file(state, str(folder / hf.SINGLE_FILE), metadata={"format": "pt"})
     model.config.save_pretrained(folder)
     return folder

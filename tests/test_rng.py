@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -38,12 +39,11 @@ def test_tp_region_stream_is_separate_from_the_default_stream():
     assert torch.equal(mask, nn.functional.dropout(torch.ones(64), 0.5) > 0)  # drawn from the tp stream
 
 
-def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
-    from meshtrain.config.sections import ParallelConfig
-    from meshtrain.models.registry import ModelConfig
+@contextlib.contextmanager
+def _tp2(rank: int, port: int):
+    """A 2-rank gloo group on loopback with its tp = 2 mesh (the ``ParallelDims``), torn down on exit after a barrier
+    (no rank leaves gloo while its peer is still in a collective: SIGABRT otherwise)."""
     from meshtrain.mesh import ParallelDims
-    from meshtrain.models.gpt.model import GPT
-    from meshtrain.parallel.compose import parallelize_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -51,6 +51,19 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
     try:
         dims = ParallelDims(pp=1, dp=1, sp=1, tp=2, world_size=2)
         dims.build_mesh("cpu")
+        yield dims
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
+    from meshtrain.config.sections import ParallelConfig
+    from meshtrain.models.registry import ModelConfig
+    from meshtrain.models.gpt.model import GPT
+    from meshtrain.parallel.compose import parallelize_model
+
+    with _tp2(rank, port) as dims:
         torch.manual_seed(0)
         model = parallelize_model(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=0.3), 11),
                             dims, ParallelConfig(tp=2))
@@ -61,9 +74,6 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
         both = [torch.empty_like(seen[0]) for _ in range(2)]
         dist.all_gather(both, seen[0])
         torch.save(both, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()  # no rank tears gloo down while its peer is still in a collective (SIGABRT otherwise)
-    finally:
-        dist.destroy_process_group()
 
 
 def _replicated_streams(tmp_path: Path, per_rank_seed: bool) -> list[torch.Tensor]:
@@ -93,18 +103,12 @@ def test_resume_with_dropout_draws_the_same_masks(tmp_path):
 def _lora_worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) -> None:
     from meshtrain.adapters.apply import adapt
     from meshtrain.config.sections import AdapterConfig, ParallelConfig
-    from meshtrain.mesh import ParallelDims
     from meshtrain.models.llama.model import Llama
     from meshtrain.models.registry import ModelConfig
     from meshtrain.parallel.compose import parallelize_model
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        dims = ParallelDims(pp=1, dp=1, sp=1, tp=2, world_size=2)
-        dims.build_mesh("cpu")
+    with _tp2(rank, port) as dims:
         cfg = ModelConfig(type="llama", n_layer=1, n_head=2, n_kv_head=2, n_embd=16, block_size=8, multiple_of=16)
         adapter = AdapterConfig(lora_rank=2, lora_dropout=0.5, lora_targets=["all-linear"])
         torch.manual_seed(0)
@@ -128,9 +132,6 @@ def _lora_worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) ->
             dist.all_gather(both, masks[name])
             gathered[name] = both
         torch.save(gathered, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
