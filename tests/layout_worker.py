@@ -60,12 +60,12 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor] | None:
 
 def _per_micro_batch_mean(model, *micro_batch):
     """Sabotage (the bug of transformers' gradient accumulation until 4.46): each micro-batch's own mean loss."""
-    total, count = _LOSS(model, *micro_batch)
-    return total / count.clamp(min=1), count
+    main, mtp, count = _LM_LOSS(model, *micro_batch)
+    return main / count.clamp(min=1), mtp, count
 
 
-_LOSS = ReplicatedModel.loss
-SABOTAGES = {"per-micro-batch-mean": {"loss": _per_micro_batch_mean, "step_scale": lambda model, micro_batches: 1.0}}
+_LM_LOSS = ReplicatedModel.lm_loss
+SABOTAGES = {"per-micro-batch-mean": {"lm_loss": _per_micro_batch_mean, "step_scale": lambda model, micro_batches: 1.0}}
 """Wrong reductions a test may ask for (``"sabotage"`` in a layout's overrides), to show its comparison fails them."""
 
 

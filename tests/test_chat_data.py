@@ -308,15 +308,111 @@ def test_a_template_that_is_not_jinja_is_one_line(tmp_path, folders):
 
 
 def tiktoken_file(path: Path) -> Path:
-    path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    """A tiktoken file of a BPE trained on :data:`SENTENCES` (its merges as ranks, the 256 bytes first)."""
+    from test_tokenizers import byte_level_decoder
+
+    vocab = json.loads(train_bpe([]).to_str())["model"]["vocab"]
+    shown = byte_level_decoder()
+    ranks = {bytes(shown[c] for c in token): rank for rank, token in enumerate(sorted(vocab, key=vocab.get))}
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
     return path
 
 
-@pytest.mark.parametrize("case", ["tiktoken", "text input", "prompt loss on chat"])
+def sentencepiece_file(path: Path) -> Path:
+    """A sentencepiece BPE trained on :data:`SENTENCES` with the library's defaults (NFKC, a dummy prefix), byte
+    fallback."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(SENTENCES * 4), model_writer=model, vocab_size=400,
+                                             model_type="bpe", byte_fallback=True, hard_vocab_limit=False,
+                                             minloglevel=2)
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def transformers_twin(tok):
+    """transformers' tokenizer of the same ids as meshtrain's tiktoken or sentencepiece ``tok`` (its added tokens
+    too): tiktoken converted by transformers' ``TikTokenConverter`` (a fast tokenizer), sentencepiece its
+    ``SentencePieceBackend`` with the added tokens added as special tokens."""
+    from meshtrain.data.tokenizers import TIKTOKEN_PAT_STR
+
+    if tok.kind == "tiktoken":
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        lib = TikTokenConverter(vocab_file=str(tok.path), pattern=TIKTOKEN_PAT_STR,
+                                extra_special_tokens=tok.encoding._special_tokens).converted()
+        return PreTrainedTokenizerFast(tokenizer_object=lib, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    twin = SentencePieceBackend(vocab_file=str(tok.path), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    twin.add_special_tokens({"additional_special_tokens": sorted(tok.added, key=tok.added.get)})
+    return twin
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
+def test_default_chatml_on_tiktoken_and_sentencepiece_equals_transformers(tmp_path, kind):
+    """A tiktoken or sentencepiece tokenizer without a template gets ChatML as a tokenizer.json does: prepare copies
+    the file into DATA_DIR with a tokenizer_config.json that adds <|im_start|>/<|im_end|> after its last id, and the
+    ids of every conversation equal transformers' ``apply_chat_template`` of the same template on a transformers
+    tokenizer of the same ids (tiktoken: converted to a fast one, which also gives the assistant mask to compare;
+    sentencepiece: its slow ``SentencePieceBackend``, which has no offsets for a mask, so the supervised ids are
+    checked to be transformers' encoding of each assistant content and its <|im_end|>). Training loads the folder's
+    tokenizer (its SHA-256 covering the config) and reads the two ids as added (a model's vocabulary grows by them,
+    tests/test_vocab_growth.py), and generate --chat's prompt equals transformers' with the generation prompt."""
+    from meshtrain.cli.generate import chat_prompt
+    from meshtrain.data.chat import CHATML
+    from meshtrain.data.corpus import added_tokens
+    from meshtrain.data.tokenizers import load_tokenizer
+
+    given = (tiktoken_file(tmp_path / "t.tiktoken") if kind == "tiktoken"
+             else sentencepiece_file(tmp_path / "sp.model"))
+    records = [{"messages": m} for m in conversations(30, seed=5)]
+    out = tmp_path / "data"
+    meta = prep.prepare(str(given), [str(write_jsonl(tmp_path / "chat.jsonl", records))], out, data_format="chat",
+                        val_fraction=0.1).meta
+    before = load_tokenizer(str(given))
+    suffix = ".tiktoken" if kind == "tiktoken" else ".model"
+    assert meta["source_tokenizer"] == before.to_dict() and meta["chat_template"]["source"] == "the default ChatML"
+    assert meta["tokenizer"]["path"] == str(out / ("tokenizer" + suffix)) and meta["vocab_size"] == before.vocab_size + 2
+    assert meta["added_tokens"] == [{"id": before.vocab_size, "content": "<|im_start|>"},
+                                    {"id": before.vocab_size + 1, "content": "<|im_end|>"}]
+    tok = tokenizer_from_dict(meta["tokenizer"])  # training's load: the recorded SHA-256 (file + config) holds
+    assert tok.kind == kind and tok.eos_id == before.eos_id and tok.sha256 != before.sha256
+    assert added_tokens(meta, tok, out / "meta.json") == {before.vocab_size: "<|im_start|>",
+                                                          before.vocab_size + 1: "<|im_end|>"}
+    twin = transformers_twin(tok)
+    assert len(twin) == tok.vocab_size and twin.convert_tokens_to_ids("<|im_end|>") == before.vocab_size + 1
+    data = PreparedData.open(out)
+    train, masks, starts = data.tokens("train"), data.masks("train"), data.documents("train")
+    train_records = [r for i, r in enumerate(records) if not np.floor((i + 1) * 0.1) > np.floor(i * 0.1)]
+    for k in range(len(starts) - 1):
+        messages = train_records[k]["messages"]
+        ids = list(train.window(starts[k], starts[k + 1] - starts[k]))
+        mask = list(masks.window(starts[k], starts[k + 1] - starts[k]))
+        want = twin.apply_chat_template(messages, chat_template=CHATML, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=kind == "tiktoken")
+        assert ids == list(want["input_ids"]), k
+        if kind == "tiktoken":
+            assert mask == list(want["assistant_masks"]), k
+        else:
+            supervised = [i for i, m in zip(ids, mask) if m]
+            assert supervised == [i for m in messages if m["role"] == "assistant"
+                                  for i in twin.encode(m["content"] + "<|im_end|>", add_special_tokens=False)], k
+    prompt, stop = chat_prompt(tok, "Art thou not Romeo?", "You are JULIET.")
+    messages = [{"role": "system", "content": "You are JULIET."}, {"role": "user", "content": "Art thou not Romeo?"}]
+    assert prompt == list(twin.apply_chat_template(messages, chat_template=CHATML, tokenize=True,
+                                                   add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert before.vocab_size + 1 in stop
+
+
+@pytest.mark.parametrize("case", ["text input", "prompt loss on chat"])
 def test_bad_options_are_one_line(tmp_path, folders, case):
     src = write_jsonl(tmp_path / "c.jsonl", bad())
     tokenizer, inputs, kwargs, message = {
-        "tiktoken": (str(tiktoken_file(tmp_path / "t.tiktoken")), [str(src)], {}, "needs a Hugging Face tokenizer"),
         "text input": (str(folders["marked"]), [str(tmp_path / "t.txt")], {}, "is a text file"),
         "prompt loss on chat": (str(folders["marked"]), [str(src)], {"prompt_loss": True}, "applies to --format"),
     }[case]

@@ -238,8 +238,8 @@ BAD_KEYS = [
     ({"model.num_experts": "6", "model.n_group": "4"}, "model.num_experts = 6 must be divisible by model.n_group = 4"),
     ({"model.num_experts": "4", "model.n_group": "4"}, "must be >= 2: a group is ranked by the sum of its two best"),
     ({"model.qk_rope_head_dim": "5"}, "model.qk_rope_head_dim = 5 must be even"),
-    ({"model.num_nextn_predict_layers": "1"}, "model.num_nextn_predict_layers = 1 is not supported by model.type = "
-                                              "'deepseek_v3' (multi-token prediction is not built yet): use 0"),
+    ({"model.num_nextn_predict_layers": "-1"}, "model.num_nextn_predict_layers = -1 must be >= 0"),
+    ({"model.mtp_loss_weight": "-0.1"}, "model.mtp_loss_weight = -0.1 must be a finite number >= 0"),
     ({"model.n_kv_head": "2"}, "model.n_kv_head = 2 is not supported by model.type = 'deepseek_v3'"),
     ({"model.first_k_dense_replace": "4"}, "model.first_k_dense_replace = 4 must be in [0, model.n_layer = 4)"),
     ({"model.n_group": "4", "model.topk_group": "1", "model.num_experts_per_tok": "3"},
@@ -291,6 +291,14 @@ LAYOUTS = {
 """Each layout's global batch is the reference's 4 samples (``STEPS``: micro-batches of 4); a load-balancing weight
 of 1 (:data:`test_moe.BALANCED`) so that a count summed over the wrong ranks moves the loss; the routing biases
 move after every step by counts summed over dp (``router_bias_update_rate``), which a rank's own count would not."""
+MTP = {"model.mtp_loss_weight": "1.0", "model.router_aux_loss_coef": "0"}
+MTP_LAYOUTS = {
+    "ddp-dp2-ga2-mtp": {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2", **MTP},
+    "fsdp2-dp2-mtp": {"parallel.zero_stage": "3", "batch.micro_batch_size": "2", **MTP},
+}
+"""The same from a checkpoint with one multi-token prediction layer (:func:`test_deepseek_v3_mtp.with_mtp`), its loss at
+weight 1 so that an MTP loss normalised per micro-batch or per rank, or left out of a micro-batch, moves the
+gradients; no load-balancing loss, whose per-micro-batch statistics differ at another micro-batch size by design."""
 
 
 @pytest.fixture(scope="module")
@@ -299,22 +307,32 @@ def dp_trained(tmp_path_factory):
     from test_moe import BALANCED
     from layout_worker import launch_layouts, reference_run
 
+    from test_deepseek_v3_mtp import with_mtp
+
     root = tmp_path_factory.mktemp("deepseek_layouts")
     folder = saved(root / "hf")
     base = {**model_overrides(folder), **BALANCED}
+    mtp = {"model.init_from": str(with_mtp(folder, root / "hf-mtp"))}
+    layouts = {**LAYOUTS, **{name: {**o, **mtp} for name, o in MTP_LAYOUTS.items()}}
     one = {name: reference_run(root / f"one-{name}", {**base, **{k: v for k, v in o.items() if k.startswith("model.")}},
-                               config=FINETUNE) for name, o in LAYOUTS.items()}
+                               config=FINETUNE) for name, o in layouts.items()}
     (root / "w2").mkdir()
-    return launch_layouts(2, root / "w2", {n: {**base, **o} for n, o in LAYOUTS.items()}, config=FINETUNE), one
+    return launch_layouts(2, root / "w2", {n: {**base, **o} for n, o in layouts.items()}, config=FINETUNE), one, root
 
 
-@pytest.mark.slow  # one 2-rank launch and two references (~1 min on 2 cores)
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.slow  # one 2-rank launch and four references (~2 min on 2 cores)
+@pytest.mark.parametrize("name", [*LAYOUTS, *MTP_LAYOUTS])
 def test_data_parallel_training_equals_one_process(dp_trained, name):
     """Every step's loss and the step-1 gradients equal one process's within the contract's tolerance
-    (:func:`conftest.assert_close_losses`, :func:`conftest.assert_close_grads`)."""
-    from conftest import assert_close_grads, assert_close_losses
+    (:func:`conftest.assert_close_losses`, :func:`conftest.assert_close_grads`); with multi-token prediction, so does
+    every step's ``mtp_loss`` record (the same relative tolerance as the loss's: the same sums, reduced alike)."""
+    from conftest import assert_close_grads, assert_close_losses, read_records
 
-    results, one = dp_trained
+    results, one, root = dp_trained
     assert_close_losses(results[name][0], one[name][0])
     assert_close_grads(results[name][1], one[name][1])
+    if name in MTP_LAYOUTS:
+        got, want = ({r["step"]: r["mtp_loss"] for r in read_records(out) if "mtp_loss" in r}
+                     for out in (root / "w2" / name, root / f"one-{name}"))
+        assert want and got.keys() == want.keys()
+        assert_close_losses(got, want)

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CONFIG, TINY, assert_close_losses, assert_close_params, final_params, losses, read_records
-from diloco_worker import LOSSES_FILE
+from diloco_worker import DIVERGES, LOSSES_FILE, STOPPED_FILE
 from test_muon_layouts import muon_step_bound
 from layout_worker import launch_layouts, reference_run
 
@@ -232,6 +232,7 @@ def test_workers_equal_the_papers_algorithm_simulated_in_one_process(four_ranks,
 SGD_H1 = {**MODEL, "optim.name": "sgd", "optim.lr": "0.5", "optim.grad_clip": "0", "optim.weight_decay": "0.1",
           "train.steps": "6", "batch.micro_batch_size": "4"}
 INT8 = {**DILOCO, "diloco.inner_steps": "4", "diloco.precision": "int8", "train.steps": "8"}
+ONE_DIVERGES = {**DILOCO, "diloco.inner_steps": "4", "train.max_nonfinite_steps": "2", "train.steps": "8"}
 """Two workers (one rank each, gloo) exchanging int8 pseudo-gradients: 2 outer steps."""
 MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "diloco.inner_steps": "4",
             "train.steps": "12", "checkpoint.interval": "4", "checkpoint.keep": "5"}
@@ -240,12 +241,13 @@ MOMENTUM = {**MODEL, **DILOCO, "optim.name": "sgd", "optim.lr": "0.3", "diloco.i
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """The 2-rank runs, in one torchrun launch, in order: DiLoCo as synchronous data parallelism; a 12-step run
-    with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint; the int8 exchange."""
+    with checkpoints every H = 4 steps; the same resumed from its step-4 checkpoint; the int8 exchange; a run whose
+    worker 1 alone goes non-finite (:data:`diloco_worker.DIVERGES`)."""
     root = tmp_path_factory.mktemp("diloco2")
     h1 = {**SGD_H1, **DILOCO, "diloco.inner_steps": "1", "diloco.outer_lr": "1", "diloco.outer_momentum": "0"}
     resumed = {**MOMENTUM, "checkpoint.resume": str(root / "whole" / "checkpoints" / "step_000004")}
-    launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed, "int8": {**MODEL, **INT8}},
-                   worker=WORKER, results=False)
+    launch_layouts(2, root, {"sgd-h1": h1, "whole": MOMENTUM, "resumed": resumed, "int8": {**MODEL, **INT8},
+                             DIVERGES: {**MODEL, **ONE_DIVERGES}}, worker=WORKER, results=False)
     return root
 
 
@@ -293,14 +295,15 @@ def test_int8_exchange_across_two_gloo_ranks_is_the_quantized_mean_computed_in_o
     for w in (0, 1):
         assert_close_losses(got[w], want_losses[w])
     assert_close_params(final_params(two_ranks / "int8"), want_params, atol=diloco_drift_bound(INT8, step))
-    # what crossed: per exchange, ceil(n / 256) blocks of 256 one-byte codes and one 4-byte scale (n: the weights)
+    # what crossed: per exchange, ceil(n / 256) blocks of 256 one-byte codes and one 4-byte scale (n: the weights),
+    # and a 4-byte vote to stop per worker
     from meshtrain.parallel.diloco import INT8_BLOCK
 
     n = sum(t.numel() for name, t in want_params.items() if name != "lm_head.weight")
     blocks = -(-n // INT8_BLOCK)
     summary = json.loads((two_ranks / "int8" / "summary.json").read_text())["diloco"]
     assert (summary["precision"], summary["outer_steps"]) == ("int8", 2)
-    assert summary["sent_bytes"] == 2 * blocks * (INT8_BLOCK + 4), (summary, n)
+    assert summary["sent_bytes"] == 2 * (blocks * (INT8_BLOCK + 4) + 4 * 2), (summary, n)
 
 
 @settings(max_examples=60, deadline=None)
@@ -320,21 +323,23 @@ def test_int8_exchange_error_is_at_most_half_a_step_of_its_block(n, scale, seed)
 def test_a_worker_sends_one_copy_of_its_weights_per_exchange_and_streaming_a_fragment(four_ranks):
     """The bytes the workers exchange (the summary's, summed over a worker's ranks): H times fewer than DDP's
     every-step all-reduce of the gradients, however many replicas a worker holds (dp2: each sends half), and with
-    F fragments each exchange is one fragment (its largest: the first, which holds the embeddings too)."""
+    F fragments each exchange is one fragment (its largest: the first, which holds the embeddings too). Beside its
+    share each rank sends one fp32 vote to stop per worker."""
     model = json.loads((four_ranks / "w4-h8" / "summary.json").read_text())
     weights = {n: t.numel() for n, t in final_params(four_ranks / "w4-h8").items() if n != "lm_head.weight"}
     total = sum(weights.values())
     for name, padding in (("w4-h8", 0), ("w2-dp2-h4", 1)):  # dp2: the flat share is padded to a multiple of 2
         run = json.loads((four_ranks / name / "summary.json").read_text())["diloco"]
-        _, overrides, _ = RUNS[name]
+        _, overrides, (workers, replicas) = RUNS[name]
         exchanges = int(overrides["train.steps"]) // int(overrides["diloco.inner_steps"])
-        assert 4 * exchanges * total <= run["sent_bytes"] <= 4 * exchanges * (total + padding)
-        assert run["largest_exchange_bytes"] in range(4 * total, 4 * (total + padding) + 1)
+        sent = total + workers * replicas  # the weights and every rank's votes
+        assert 4 * exchanges * sent <= run["sent_bytes"] <= 4 * exchanges * (sent + padding)
+        assert run["largest_exchange_bytes"] in range(4 * sent, 4 * (sent + padding) + 1)
     whole = json.loads((four_ranks / "w2-dp2-h4" / "summary.json").read_text())
     assert (whole["dp"], whole["diloco_workers"]) == (4, 2)  # dp over both workers, each a dp2 replica pair
     streaming = json.loads((four_ranks / "w4-h8-streaming" / "summary.json").read_text())["diloco"]
     first = sum(n for name, n in weights.items() if not name.startswith("blocks.1."))  # 2 blocks, F = 2
-    assert streaming["largest_exchange_bytes"] == 4 * first < 4 * total
+    assert streaming["largest_exchange_bytes"] == 4 * (first + 4) < 4 * total  # and the 4 workers' votes
     assert model["diloco"]["workers"] == 4
 
 
@@ -361,3 +366,19 @@ def test_a_diverged_diloco_run_ends_with_its_one_line_and_exit_3(diverged):
     lines = [line for line in diverged.stderr.splitlines() if not line.startswith(("step ", "train "))]
     assert diverged.returncode == 3 and "rank(s) failed" not in diverged.stderr, diverged.stderr[-3000:]
     assert [line for line in lines if "exitcode" in line] == []
+
+
+def test_workers_stop_together_at_the_exchange_after_one_of_them_diverged(two_ranks):
+    """Worker 1's weights are NaN after the start (:data:`diloco_worker.DIVERGES`): its steps 1 and 2 are non-finite,
+    which is ``train.max_nonfinite_steps``, while worker 0's are finite. Each worker counts its own steps, so the
+    vote to stop goes with the next exchange (step 4), where both stop: no worker waits for the other, and no outer step
+    takes worker 1's pseudo-gradient (worker 0's weights stay finite). Rank 0, a finite worker, names the one that
+    diverged."""
+    stopped = json.loads((two_ranks / DIVERGES / STOPPED_FILE).read_text())
+    assert [stopped[r]["step"] for r in ("0", "1")] == [4, 4], stopped
+    assert stopped["0"]["finite"], stopped
+    assert stopped["0"]["message"].startswith("DiLoCo worker 1 of 2 had train.max_nonfinite_steps = 2 steps in a row "
+                                              "with a non-finite loss or gradient norm"), stopped
+    assert "every worker stopped after step 4" in stopped["0"]["message"], stopped
+    assert stopped["1"]["message"].startswith("4 steps in a row (up to step 4) had a non-finite loss (nan)"), stopped
+    assert "stopped after step 4 with every worker (DiLoCo worker 1 of 2 diverged)" in stopped["1"]["message"]

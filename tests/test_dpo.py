@@ -7,7 +7,9 @@ before step 1, with the starting weights and the run's own layout (meshtrain.tra
 is then ln 2 on every pair and the later steps' are not. Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2,
 tp2 with sequence parallelism, pp2 (1F1B), Ulysses sp2, ring sp2, ep2 on a mixture of experts and gradient
 accumulation, each against one process taking the whole batch of pairs at once: every step's loss, the step-1
-gradients, the final parameters.
+gradients, the final parameters. The other reference, a frozen copy of the starting weights sharded like the policy
+(train.dpo_reference = "copy"), against the precomputed one: on one process, at dp2 with gradient accumulation, and
+(make test-slow) under FSDP2, tp2, pp2 and ring sp2.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from meshtrain.objectives import dpo_loss
 from test_sft_layouts import MOE, prepared_plays
 
 STEPS = 3
+COPY = {"train.dpo_reference": "copy"}
 MODEL = {**TINY, "model.type": "llama", "model.n_head": "2", "model.n_kv_head": "2", "model.block_size": "128",
          "model.vocab_size": "1280", "model.dropout": "0.0", "train.steps": str(STEPS), "train.eval_steps": "2",
          "train.eval_interval": "3",
@@ -44,10 +47,20 @@ LAYOUTS = {  # name: (reference, overrides)
     "robust-dp2-ga2": ("robust", {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1",
                                   "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
     "ipo-ring-sp2": ("ipo", {"train.dpo_loss": "ipo", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "copy-dp2-ga2": ("dense", {**COPY, "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
 }
 REFERENCES = {"dense": {}, "moe": MOE, "robust": {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1"},
               "ipo": {"train.dpo_loss": "ipo"}}
-"""IPO on ring sp2: each rank holds half of every row, so a row's token count is summed over the sp group."""
+"""IPO on ring sp2: each rank holds half of every row, so a row's token count is summed over the sp group. The frozen
+copy (``train.dpo_reference = "copy"``) is compared with the precomputed reference's one process ("dense"): the two
+references are equal."""
+COPY_LAYOUTS = {  # make test-slow: the frozen copy sharded as the policy, one launch
+    "copy-fsdp2-dp2": ("dense", {**COPY, "batch.micro_batch_size": "2", "parallel.zero_stage": "3"}),
+    "copy-tp2-seqpar": ("dense", {**COPY, "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
+    "copy-pp2-1f1b": ("dense", {**COPY, "parallel.pp": "2", "batch.micro_batch_size": "1",
+                                "batch.gradient_accumulation_steps": "4"}),
+    "copy-ring-sp2": ("dense", {**COPY, "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+}
 
 
 @settings(max_examples=50, deadline=None)
@@ -115,6 +128,13 @@ def launched(pair_data, tmp_path_factory):
                                           for name, (ref, overrides) in LAYOUTS.items()})
 
 
+@pytest.fixture(scope="module")
+def launched_copies(pair_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_copies")
+    return launch_layouts(2, root, {name: {**_model(ref, pair_data), **overrides}
+                                    for name, (ref, overrides) in COPY_LAYOUTS.items()})
+
+
 def dpo_loss_tolerance(overrides: dict[str, str]) -> float:
     """How far two layouts' DPO losses of one step may lie apart from rounding alone (nats).
 
@@ -134,16 +154,42 @@ def dpo_loss_tolerance(overrides: dict[str, str]) -> float:
     return slope * 2 * math.sqrt(int(m["model.block_size"])) * per_token
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_dpo_layout_matches_one_process(references, launched, name):
-    reference, overrides = LAYOUTS[name]
-    (got, grads, params), (want, want_grads, want_params) = launched[1][name], references[reference]
+def assert_layout_matches(got_run: tuple, want_run: tuple, reference: str, overrides: dict[str, str]) -> None:
+    """Every step's loss within :func:`dpo_loss_tolerance`, the step-1 gradients and the final parameters as the
+    correctness contract says."""
+    (got, grads, params), (want, want_grads, want_params) = got_run, want_run
     assert got.keys() == want.keys() and len(got) == STEPS
     tol = dpo_loss_tolerance(REFERENCES[reference] | overrides)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=tol), f"step {step}: {got[step]} vs {want[step]}"
     assert_close_grads(grads, want_grads)
     assert_close_params(params, want_params, atol=adamw_drift_bound(_model(reference, Path()) | overrides))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_dpo_layout_matches_one_process(references, launched, name):
+    reference, overrides = LAYOUTS[name]
+    assert_layout_matches(launched[1][name], references[reference], reference, overrides)
+
+
+def test_a_frozen_copy_equals_the_precomputed_reference_on_one_process(references, pair_data, tmp_path):
+    """train.dpo_reference = "copy" on one process (a second model, frozen, run forward on every micro-batch) against
+    the precomputed reference ("dense"): the same reference values, so the same losses, gradients and parameters. The
+    2-rank comparison is the layout "copy-dp2-ga2" above (DDP leaves the frozen copy unwrapped)."""
+    got = reference_run(tmp_path / "copy", _model("dense", pair_data) | COPY)
+    assert_layout_matches(got, references["dense"], "dense", COPY)
+    assert not (tmp_path / "copy" / "reference_logps.json").exists()  # nothing precomputed, nothing written
+    first = next(r for r in read_records(tmp_path / "copy") if r.get("step") == 1 and "loss" in r)
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)  # the copy is the starting policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COPY_LAYOUTS)
+def test_a_frozen_copy_sharded_like_the_policy_matches_one_process(references, launched_copies, name):
+    """The frozen copy under FSDP2 (sharded and gathered as the policy), tp2 with sequence parallelism, a pipeline
+    (the copy's chunks run forward-only) and ring sp2, each against one process with the precomputed reference."""
+    reference, overrides = COPY_LAYOUTS[name]
+    assert_layout_matches(launched_copies[name], references[reference], reference, overrides)
 
 
 def test_first_step_is_ln2_and_the_records_hold_the_rewards(launched):
@@ -226,22 +272,55 @@ def test_dpo_steps_equal_trls_dpo_trainer(tmp_path, loss_type):
             assert a[ours_key] == pytest.approx(b[trl_key], rel=1e-5, abs=beta * 2 * logp_tol), (a, b)
 
 
-def test_the_planner_counts_two_sequences_a_pair_and_auto_layout_refuses_dpo(tmp_path):
+def test_the_planner_counts_two_sequences_a_pair_and_the_frozen_copy():
     """A DPO step runs two sequences a pair: the planner's layout of a DPO config has twice the micro-batch of the same
-    config's language modelling; --layout auto, which would choose micro-batches in sequences, refuses DPO before
-    launch (one line, exit 2)."""
-    import subprocess
-    import sys
-
+    config's language modelling. A frozen reference copy (train.dpo_reference = "copy") adds, to the precomputed
+    reference's plan, exactly one more set of weights (fp32, 4 bytes each: all of them on every replica under DDP, a
+    1/(dp*sp) shard under FSDP2), the forward's compute once more per micro-batch, and its FLOPs (a third of the model
+    FLOPs of forward and backward) to the hardware's; nothing else."""
     from meshtrain.config.load import load_config
-    from meshtrain.planner.layout import Layout
+    from meshtrain.planner.cost import hardware_flops, model_flops, step_time
+    from meshtrain.planner.hardware import get_hardware
+    from meshtrain.planner.layout import Layout, meshtrain_framework
+    from meshtrain.planner.memory import PRECISIONS, stage_params, state_memory
+    from meshtrain.planner.model_specs import from_config
 
     dpo = {"train.objective": "dpo", "data.packing": "pad", "batch.micro_batch_size": "3"}
     lm = Layout.from_config(load_config(None, {"batch.micro_batch_size": "3"}), 2)
     assert Layout.from_config(load_config(None, dpo), 2).micro_batch_size == 2 * lm.micro_batch_size == 6
-    proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", "configs/shakespeare_char.toml",
-                           "--nproc", "2", "--layout", "auto", "--out", str(tmp_path / "run"),
-                           *[a for key, value in dpo.items() for a in (f"--{key}", value)]],
-                          capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
-    assert proc.returncode == 2 and "--layout auto" in proc.stderr and "dpo" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    hw, fp32 = get_hardware("h100"), PRECISIONS["fp32"]
+    for zero in (0, 3):
+        cfgs = [load_config(None, dpo | {"parallel.zero_stage": str(zero), "train.dpo_reference": ref})
+                for ref in ("precomputed", "copy")]
+        (pre, copy), layout = [from_config(c) for c in cfgs], Layout.from_config(cfgs[0], 2)
+        assert (pre.reference_copy, copy.reference_copy) == (False, True)
+        fw = meshtrain_framework(cfgs[0], "cuda")
+        a, b = state_memory(pre, layout, hw, fp32, fw), state_memory(copy, layout, hw, fp32, fw)
+        held = stage_params(pre, layout, fw) / (layout.dp * layout.sp if zero >= 2 else 1)
+        assert b.weights - a.weights == pytest.approx(4 * held, rel=1e-12)
+        assert (b.grads, b.optimizer, b.gathered) == (a.grads, a.optimizer, a.gathered)
+        ta, tb = step_time(pre, layout, hw, fp32, fw), step_time(copy, layout, hw, fp32, fw)
+        assert tb.compute > ta.compute and (tb.dp_comm, tb.optimizer) == (ta.dp_comm, ta.optimizer)
+        samples = layout.global_batch_size
+        assert hardware_flops(copy, samples, "none") - hardware_flops(pre, samples, "none") == pytest.approx(
+            model_flops(pre, samples) / 3, rel=1e-12)
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "copy"])
+def test_auto_layout_plans_dpo_in_whole_pairs(reference):
+    """--layout auto on a DPO config: it searches in sequences (the global batch of 12 pairs is 24) and keeps only
+    micro-batches of whole pairs; the overrides it hands the trainer are in pairs again (micro_batch_size *
+    gradient_accumulation_steps * dp = the config's 12), and a pinned micro-batch is in pairs too."""
+    from meshtrain.config.load import load_config
+    from meshtrain.launch import auto
+
+    cfg = load_config(None, {"train.objective": "dpo", "data.packing": "pad", "batch.micro_batch_size": "3",
+                             "batch.gradient_accumulation_steps": "2", "train.dpo_reference": reference})
+    for fixed in ({}, {"micro_batch_size": 3}):
+        choice = auto.choose_layout(cfg, 2, 2, 1, fixed)
+        assert choice.global_batch_size == 12 and choice.best.layout.global_batch_size == 24
+        assert all(e.layout.micro_batch_size % 2 == 0 for e in (choice.best, choice.runner_up) if e is not None)
+        o = choice.overrides()
+        assert int(o["batch.micro_batch_size"]) * int(o["batch.gradient_accumulation_steps"]) * int(o["parallel.dp"]) == 12
+        assert not fixed or o["batch.micro_batch_size"] == "3"
+        assert "pairs" in choice.lines()[0]

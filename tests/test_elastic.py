@@ -232,3 +232,63 @@ def test_diloco_workers_without_a_lighthouse_is_refused_before_launch(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "diloco.lighthouse" in proc.stderr.strip().splitlines()[-1]
     assert not out.exists()
+
+
+def _said(out: Path) -> list[str]:
+    """The lines of a worker job's console that are not its progress (``step N: val_loss``, the bar)."""
+    return [line for line in Path(f"{out}.log").read_text().splitlines() if line.startswith("meshtrain train: ")]
+
+
+@pytest.mark.slow  # ~65 s on a loaded 2-core machine: two worker jobs
+def test_two_jobs_started_together_with_one_index_one_stops_in_one_line(tmp_path):
+    """Two jobs with ``diloco.worker = 0`` started at once both pass the pre-launch check (neither heartbeats yet).
+    They meet in a quorum (the lighthouse waits for a heartbeating worker), where the claims of an index summed with
+    the exchange show the index twice: the job behind, or of two level ones the later started, stops before it reads
+    any data, in one line, exit 2; the other goes on and finishes (``min_replicas`` 1)."""
+    overrides = {"train.steps": "400", "checkpoint.interval": "0"}  # long enough for the second to meet the first
+    outs = [tmp_path / f"job{j}" for j in (0, 1)]
+    lighthouse = Lighthouse(min_replicas=1, heartbeat_ms=2000)
+    try:
+        jobs = [start_worker(lighthouse, 0, out, overrides) for out in outs]
+        codes = [job.wait(timeout=300) for job in jobs]
+    finally:
+        lighthouse.close()
+    assert sorted(codes) == [0, 2], [Path(f"{out}.log").read_text()[-3000:] for out in outs]
+    stopped = outs[codes.index(2)]
+    log = Path(f"{stopped}.log").read_text()
+    assert "Traceback" not in log and "rank(s) failed" not in log, log[-3000:]
+    said = _said(stopped)
+    assert len(said) == 1 and said[0].startswith(
+        f"meshtrain train: error: diloco.worker = 0 is taken: another job at the lighthouse {lighthouse.url} runs as "
+        "worker 0 too"), log[-3000:]
+    assert "so this job stopped before its first step: give it another index in [0, 2)" in said[0], said
+    assert not logged_steps(stopped)
+    assert logged_steps(outs[codes.index(0)])[-1] == 400
+
+
+@pytest.mark.slow  # ~65 s on a loaded 2-core machine: two worker jobs
+def test_a_worker_that_diverges_stops_every_worker_at_the_next_outer_step(tmp_path):
+    """Worker 0's job takes its outer steps at an outer lr of 1e30 (each job applies the outer step itself), so its
+    steps 3 and 4 are non-finite (``train.max_nonfinite_steps`` 2) and worker 1's are not. The vote to stop goes with
+    the outer step of step 4: both jobs stop there, each with its one line and exit 3; none waits out a timeout."""
+    overrides = {"diloco.inner_steps": "2", "train.max_nonfinite_steps": "2", "train.steps": "12",
+                 "checkpoint.interval": "0"}
+    outs = [tmp_path / f"w{w}" for w in (0, 1)]
+    lighthouse = Lighthouse(min_replicas=2, heartbeat_ms=2000)
+    try:
+        jobs = [start_worker(lighthouse, w, outs[w], {**overrides, **({"diloco.outer_lr": "1e30"} if w == 0 else {})})
+                for w in (0, 1)]
+        codes = [job.wait(timeout=300) for job in jobs]
+    finally:
+        lighthouse.close()
+    logs = [Path(f"{out}.log").read_text() for out in outs]
+    assert codes == [3, 3], [log[-3000:] for log in logs]
+    for out, log in zip(outs, logs):
+        assert "Traceback" not in log and "rank(s) failed" not in log, log[-3000:]
+        assert logged_steps(out)[-1] == 4
+    said = [_said(out) for out in outs]
+    assert len(said[0]) == 1 and said[0][0].startswith("meshtrain train: error: 2 steps in a row (up to step 4)"), said
+    assert "stopped after step 4 with every worker (DiLoCo worker 0 of 2 diverged)" in said[0][0], said
+    assert len(said[1]) == 1 and said[1][0].startswith(
+        "meshtrain train: error: DiLoCo worker 0 of 2 had train.max_nonfinite_steps = 2 steps in a row"), said
+    assert "every worker stopped after step 4" in said[1][0] and "diloco.outer_lr" in said[1][0], said

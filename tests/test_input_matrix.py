@@ -106,6 +106,8 @@ FILES = [
                "config.model.activation": "relu", "config.data.val_fraction": 2.0, "config.train.seed": -1},
               valid={EXTRA: ALL, **{f"config.model.{key}: missing": ALL  # keys added since the first checkpoints
                                     for key in ("dropout", "norm_eps", "bias", "activation")}}),
+    InputFile("run/metrics.jsonl", "text", {"train --resume": RESUME},  # rank 0 keeps the records up to the step
+              valid={"missing": ("train --resume",), "empty": ("train --resume",)}, read_back=True),
     InputFile(f"{STEP}/.metadata", "binary", CHECKPOINT_READERS),
     InputFile(f"{STEP}/__0_0.distcp", "binary", CHECKPOINT_READERS),
     InputFile("hf/config.json", "json", HF_READERS,

@@ -16,7 +16,7 @@ perturbed:
   dispatch alone);
 - ``model.init_from`` into FSDP2 dp2 with and without routing biases (one launch; ring and Ulysses sp2,
   DDP, pp2 1F1B and ZBV, full and selective recomputation, tp2 (attention split, experts replicated), and ep2,
-  ep2 x ring sp2, ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4, ep2 x pp2 1F1B x ring sp2, ep2 x pp2 ZBV x sp2, ep2 x tp2,
+  ep2 x ring sp2, ep2 x USP sp2 (2 x 1) and sp4 (2 x 2), ep2 x FSDP2 dp4, ep2 x DDP dp4, ep4, ep2 x pp2 1F1B x ring sp2, ep2 x pp2 ZBV x sp2, ep2 x tp2,
   ep2 x tp2 x FSDP2 dp4 (8 ranks), ep2 with full recomputation, ep2 with compiled blocks and qwen2_moe ep2 x FSDP2
   dp2, each alone; all in ``make test-slow``) with a load-balancing coefficient of 1: every step's loss and the step-1 gradients equal one process's with the same
   micro-batches (the global-batch scope counts each micro-batch's tokens over dp x sp);
@@ -676,6 +676,11 @@ LAYOUTS = {
     # expert parallelism: ep ranks borrowed from dp x sp
     "mixtral-ep2": (2, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "2"}),
     "qwen3_moe-ep2-ring-sp2": (2, "qwen3_moe", {"parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    # ep over USP's ranks: Ulysses 2 x ring 1, and Ulysses 2 x ring 2
+    "qwen3_moe-ep2-usp-sp2": (2, "qwen3_moe", {"parallel.ep": "2", "parallel.sp": "2", "parallel.sp_mode": "usp",
+                                               "parallel.sp_ulysses": "2"}),
+    "mixtral-ep2-usp-sp4": (4, "mixtral", {"parallel.ep": "2", "parallel.sp": "4", "parallel.sp_mode": "usp",
+                                           "parallel.sp_ulysses": "2"}),
     "qwen3_moe-ep2-fsdp2-dp4": (4, "qwen3_moe", {"parallel.ep": "2", "parallel.zero_stage": "3",
                                                  "batch.micro_batch_size": "1"}),
     "mixtral-ep2-ddp-dp4": (4, "mixtral", {"parallel.ep": "2", "batch.micro_batch_size": "1"}),
@@ -702,7 +707,7 @@ SLOW = {"mixtral-ddp-dp2", "qwen3_moe-ulysses-sp2", "mixtral-pp2", "qwen3_moe-pp
         "qwen3_moe-fsdp2-dp2-selective", "qwen3_moe-ring-sp2", "mixtral-ep2", "qwen3_moe-ep2-ring-sp2", "qwen3_moe-ep2-fsdp2-dp4",
         "mixtral-ep2-ddp-dp4", "mixtral-ep4", "mixtral-ep2-pp2-ring-sp2", "qwen3_moe-ep2-pp2-zbv-sp2", "qwen3_moe-tp2",
         "mixtral-ep2-tp2", "qwen3_moe-ep2-tp2-fsdp2-dp4", "mixtral-ep2-dp2-full-recompute", "mixtral-ep2-compiled",
-        "qwen2_moe-ep2-fsdp2-dp2"}
+        "qwen2_moe-ep2-fsdp2-dp2", "qwen3_moe-ep2-usp-sp2", "mixtral-ep2-usp-sp4"}
 """Launched one by one in `make test-slow`; the rest (FSDP2 over dp with and without routing biases) share one 2-rank
 launch, also in `make test-slow` since this session's expert-parallel tests (make test keeps the unit tests and the
 2-rank dispatch test, :func:`test_expert_parallel_dispatch_equals_one_process`, to stay under 15 minutes)."""

@@ -105,6 +105,8 @@ PACKED = {**TINY, "data.packing": "document", "model.n_head": "4", "train.steps"
 3 steps: step 1's loss and gradients, then steps 2-3 on parameters moved by AdamW."""
 GPT = PACKED
 LLAMA = {**PACKED, "model.type": "llama", "model.n_kv_head": "2", "model.multiple_of": "16"}
+LOSS_CHUNK = str(2 * 4 * 65 / 2**20)
+"""``train.loss_chunk_mb`` of two tokens per chunk at the bundled text's 65 characters (fp32 logits)."""
 PIPE = {"parallel.pp": "2", "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"}
 LAYOUTS = {  # name: (model, overrides); 2 ranks each, global batch 8
     "gpt-dp2": (GPT, {"batch.micro_batch_size": "4"}),
@@ -118,6 +120,10 @@ LAYOUTS = {  # name: (model, overrides); 2 ranks each, global batch 8
     # one (a chunk is 8 tokens at sp2, 4 at sp4) or fill a whole 32-token window (a line longer than it)
     "gpt-sp2-ring": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "llama-sp2-ring": (LLAMA, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    # the chunked cross-entropy (train.loss_chunk_mb) two tokens at a time, on a sequence shard and on a pipeline's last
+    # stage, against the reference's F.cross_entropy over the whole micro-batch
+    "gpt-sp2-ring-loss-chunks": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring", "train.loss_chunk_mb": LOSS_CHUNK}),
+    "gpt-pp2-loss-chunks": (GPT, {**PIPE, "train.loss_chunk_mb": LOSS_CHUNK}),
 }
 RING4 = {  # name: (model, overrides); 4 ranks each, global batch 8, in `make test-slow`
     "gpt-sp4-ring": (GPT, {"parallel.sp": "4", "parallel.sp_mode": "ring"}),
@@ -128,9 +134,11 @@ RING4 = {  # name: (model, overrides); 4 ranks each, global batch 8, in `make te
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process, micro batch 8, for each model."""
+    """One process, micro batch 8, for each model; its loss ``F.cross_entropy`` over the whole micro-batch
+    (``train.loss_chunk_mb = 0``), so every layout (chunked loss, the default) is checked against the plain loss."""
     root = tmp_path_factory.mktemp("packing-ref")
-    spec = [{"out": str(root / name), "overrides": model} for name, model in (("gpt", GPT), ("llama", LLAMA))]
+    spec = [{"out": str(root / name), "overrides": {**model, "train.loss_chunk_mb": "0"}}
+            for name, model in (("gpt", GPT), ("llama", LLAMA))]
     with newline_documents():
         run_in_process(spec)
     return {name: load_result(root / name) for name in ("gpt", "llama")}

@@ -95,6 +95,35 @@ def test_loss_bytes_per_logit(dtype):
     assert FRAMEWORKS["torchtitan"].loss_backward_bytes == want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_loss_bytes(dtype):
+    """The chunked cross-entropy (:func:`meshtrain.cross_entropy.token_nll`, 64 tokens a chunk) holds what
+    :attr:`~meshtrain.planner.layout.Framework.loss_chunk_bytes` says at its peak: ``2e`` per logit (the logits it
+    keeps and their gradient) and one chunk of fp32 temporaries (two with bf16 logits: their upcast), besides its
+    per-token vectors."""
+    from dataclasses import replace
+
+    from meshtrain.parallel.reduce import cross_entropy
+    from meshtrain.planner.memory import _activation_parts
+    from meshtrain.planner.model_specs import ModelSpec
+
+    torch.manual_seed(0)
+    logits = torch.randn(TOKENS, VOCAB, dtype=dtype)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+    chunk = 64 * VOCAB * 4  # bytes of 64 tokens' fp32 logits
+
+    def step():
+        leaf = logits.clone().requires_grad_()
+        cross_entropy(leaf.unsqueeze(0), targets.unsqueeze(0), chunk_mb=chunk / 2**20).backward()
+
+    measured = allocated_peak(step)
+    framework = replace(MESHTRAIN, loss_chunk_bytes=chunk)
+    spec = ModelSpec("logits", layers=1, hidden=64, heads=1, vocab=VOCAB, seq_len=TOKENS)
+    precision = PRECISIONS["bf16-autocast" if dtype == torch.bfloat16 else "fp32"]
+    planned = _activation_parts(spec, Layout(dp=1, micro_batch_size=1), precision, framework, False).loss
+    assert planned <= measured <= planned + PER_TOKEN_EXTRA * TOKENS
+
+
 @pytest.mark.slow  # torch.compile's C++ code generation on the CPU: ~30 s
 def test_a_compiled_loss_holds_only_the_logits_gradient():
     """OLMo-core's loss (``compile_loss = True``: ``torch.compile`` of cross-entropy on ``logits.float()`` plus its
@@ -219,14 +248,20 @@ MODELS = {"gpt": {}, "llama": {"model.type": "llama", "model.n_kv_head": "2", "m
 
 
 @pytest.mark.parametrize(("kind", "mode"), [(kind, mode) for kind in MODELS for mode in ("none", "selective", "full")])
-def test_step_peak_is_the_planned_activations(kind, mode):
+@pytest.mark.parametrize("chunk_mb", [0.0, 0.25])
+def test_step_peak_is_the_planned_activations(kind, mode, chunk_mb):
     """One forward + backward of the trainer's model (4 layers, fp32, vocabulary 2048 so that the loss is the
     larger term at the backward's start), its gradients allocated beforehand: the allocated peak is
     :func:`meshtrain.planner.memory.activation_bytes` plus what that leaves out, the activations outside the
     blocks (the embedding's output, the final norm's input, output and statistics, the head's input): at most
     4 vectors of width h per token. The Llama's blocks keep what eager PyTorch keeps on a CPU: K and V repeated to
-    the query heads, SwiGLU's four f-wide tensors, each composite RMSNorm's normalised input (``composite_norms``)."""
+    the query heads, SwiGLU's four f-wide tensors, each composite RMSNorm's normalised input (``composite_norms``).
+    The loss as the trainer computes it (:func:`meshtrain.parallel.reduce.cross_entropy`): ``F.cross_entropy`` at once
+    (``chunk_mb = 0``) or chunked (a quarter MiB: 32 tokens a chunk of the 1,024)."""
+    from dataclasses import replace
+
     import meshtrain.parallel.recompute as rc
+    from meshtrain.parallel.reduce import cross_entropy
     from meshtrain.config.load import load_config
     from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import from_config
@@ -244,14 +279,15 @@ def test_step_peak_is_the_planned_activations(kind, mode):
 
     def step():
         logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = cross_entropy(logits, y, chunk_mb=chunk_mb)
         del logits  # as the trainer's loss() does on return
         loss.backward()
 
     step()
     measured = allocated_peak(step)
     planned = activation_bytes(from_config(cfg, vocab), Layout(dp=1, micro_batch_size=b, recompute=mode),
-                               PRECISIONS["fp32"], MESHTRAIN, composite_norms=True)
+                               PRECISIONS["fp32"], replace(MESHTRAIN, loss_chunk_bytes=chunk_mb * 2**20),
+                               composite_norms=True)
     outside_blocks = 4 * cfg.model.n_embd * 4 * b * T
     assert planned <= measured <= planned + outside_blocks
 
@@ -276,3 +312,48 @@ def test_meshtrain_llama_eager_elementwise_bytes_are_counted():
         h = 448
         formula = 2 * ((a * h + b * kv + c * f) if kv < h else ((a + b - d) * h + c * f))
         assert 0 <= counted - formula <= 128, (heads, kv_heads, counted, formula)
+
+
+WORKING_CASES = [(1, "ulysses", recompute, ffn) for recompute in ("none", "selective", "full") for ffn in (352, 32)]
+"""One rank: every recompute mode, with the MLP's (SwiGLU 352 wide) or the attention's (MLP 32 wide) backward the
+larger."""
+WORKING_RANKS = [(2, "ulysses", "none", ffn) for ffn in (352, 32)] + [(2, "ring", mode, 32) for mode in ("none", "full")] \
+    + [(4, "usp", "none", 32)]
+"""Ulysses, ring and USP 2x2, with the attention's backward the larger."""
+WORKING_ERROR = 0.10
+"""The issue's goal for the planner's peak: within 10% of the measured one. The bytes are exact (tensor by tensor) and
+deterministic, so the check is a fixed number, not a sample; at the time of writing they were within 8.3%."""
+
+
+@pytest.mark.parametrize(("sp", "mode", "recompute", "ffn"), WORKING_CASES)
+def test_a_layers_backward_working_set_is_planned(tmp_path, sp, mode, recompute, ffn):
+    """The peak of a step of the trainer's Llama at 2,048 tokens (the layers' stored bytes, then the backward of the
+    last one: :func:`meshtrain.planner.memory.backward_working_bytes`, and recomputation's) against
+    :func:`meshtrain.planner.memory.activation_bytes` (``tests/memory_worker.py``)."""
+    import memory_worker
+
+    try:
+        got = memory_worker.measure(2048, sp, mode, recompute, ffn, tmp_path / "run")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert abs(got["planned"] - got["measured"]) <= WORKING_ERROR * got["measured"], got
+
+
+@pytest.mark.slow  # one torchrun launch per case: ~15 s each
+@pytest.mark.parametrize(("sp", "mode", "recompute", "ffn"), WORKING_RANKS)
+def test_attention_working_set_per_sp_mode_is_planned(tmp_path, sp, mode, recompute, ffn):
+    """As :func:`test_a_layers_backward_working_set_is_planned` on ``sp`` gloo ranks (every rank's peak): Ulysses'
+    all-to-all buffers, ring attention's fp32 accumulators and the K/V travelling around the ring."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}",
+                           str(Path(__file__).parent / "memory_worker.py"), str(out), "4096", str(sp), mode, recompute,
+                           str(ffn)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for got in json.loads(out.read_text()):
+        assert abs(got["planned"] - got["measured"]) <= WORKING_ERROR * got["measured"], got

@@ -30,7 +30,7 @@ def plan(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("name, world, gbs", [("llama3-8b", 16, 64), ("gpt2-xl", 16, 64)])
+@pytest.mark.parametrize("name, world, gbs", [("llama3-8b", 16, 64), ("gpt2-xl", 16, 512)])
 def test_pruned_degrees_never_fit_and_pruning_changes_nothing(name, world, gbs):
     """The search skips degrees whose model states alone exceed the memory (``states_lower_bound``): the bound
     is below the full memory prediction of every layout of those degrees, fitting or not, so the layouts

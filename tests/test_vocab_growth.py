@@ -216,14 +216,71 @@ def test_other_extra_ids_are_still_refused(setup, tmp_path):
     assert not out.exists()
 
 
-def test_adapters_are_refused(setup):
+LORA = {"adapter.lora_rank": "4", "adapter.lora_targets": "q_proj,v_proj"}
+SAVED = {**LORA, "adapter.modules_to_save": "embed_tokens,lm_head"}
+
+
+@pytest.mark.parametrize("saved", ["", "embed_tokens"])
+def test_adapters_without_a_trained_embedding_and_head_are_refused(setup, saved):
+    """LoRA leaves the new rows frozen unless ``adapter.modules_to_save`` trains the embedding and the (untied) head."""
     from meshtrain.config.load import load_config
     from meshtrain.errors import ConfigError
     from meshtrain.data.growth import vocab_growth
 
-    cfg = load_config(FINETUNE, overrides(setup, **{"adapter.lora_rank": "4"}))
-    with pytest.raises(ConfigError, match="LoRA would leave frozen"):
+    cfg = load_config(FINETUNE, overrides(setup, **LORA, **{"adapter.modules_to_save": saved}))
+    with pytest.raises(ConfigError, match=r"LoRA would leave frozen .* \(adapter.modules_to_save = \['embed_tokens', "
+                                          r"'lm_head'\]\)"):
         vocab_growth(cfg, OLD + ADDED, {OLD: "<|im_start|>", OLD + 1: "<|im_end|>"})
+    cfg = load_config(FINETUNE, overrides(setup, **SAVED))
+    assert vocab_growth(cfg, OLD + ADDED, {OLD: "<|im_start|>", OLD + 1: "<|im_end|>"}).new == NEW
+
+
+@pytest.fixture(scope="module")
+def lora_run(setup, tmp_path_factory) -> Path:
+    """Two steps of q/v adapters with the embedding and head trained in full (``modules_to_save``) on the grown
+    vocabulary, one process."""
+    run = tmp_path_factory.mktemp("growth_lora") / "run"
+    start_rows_here([{"out": str(run), "overrides": overrides(setup, **SAVED, **{"optim.lr": "1e-2"}),
+                      "config": str(FINETUNE)}])
+    return run
+
+
+def test_lora_grows_the_vocabulary_and_exports_as_peft_and_merged(setup, lora_run, tmp_path):
+    """The run's checkpoint holds the adapters and the grown embedding and head, whose new rows trained away from
+    their start; ``export --format peft`` loads with ``PeftModel.from_pretrained`` onto the base resized to the run's
+    rows (``resize_token_embeddings``, as peft's users grow a vocabulary) with no missing key, ``--format hf --merge``
+    with ``from_pretrained``; both compute the run's logits."""
+    peft = pytest.importorskip("peft")
+    from meshtrain.checkpoint import store as ckpt
+    from meshtrain.cli.export import load_checkpoint_model
+    from test_hf import logits_tolerance
+    from test_lora import _no_missing_keys
+
+    found = ckpt.resolve_checkpoint(lora_run)
+    stored = {k for k in ckpt.read_metadata(found).state_dict_metadata if k.startswith("model.")}
+    assert {k for k in stored if ".lora_" not in k} == {"model.tok_emb.weight", "model.lm_head.weight"}
+    ours = load_checkpoint_model(lora_run)[0].eval()
+    start = torch.load(lora_run / ROWS_FILE)
+    for name in ("tok_emb.weight", "lm_head.weight"):
+        trained = ours.get_parameter(name).detach()
+        assert trained.shape[0] == NEW and not torch.equal(trained[OLD:OLD + ADDED], start[name][OLD:OLD + ADDED])
+    for fmt, extra in (("peft", []), ("hf", ["--merge"])):
+        proc = run_cli("export", "--checkpoint", str(lora_run), "--format", fmt, "--out", str(tmp_path / fmt), *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(setup[0])
+    base.resize_token_embeddings(NEW)
+    with _no_missing_keys():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, OLD + ADDED, (2, 64), generator=torch.Generator().manual_seed(0))
+    x[:, ::7] = OLD  # the new tokens, whose rows the run trained
+    with torch.no_grad():
+        want = ours(x)
+        got_peft, got_merged = theirs(input_ids=x).logits, merged(input_ids=x).logits
+    c = ours.cfg
+    tol = logits_tolerance(c.n_layer, max(c.n_embd, c.ffn_hidden_size(), 64), float(want.abs().max()))
+    torch.testing.assert_close(got_peft, want, rtol=0, atol=tol)
+    torch.testing.assert_close(got_merged, want, rtol=0, atol=tol)
 
 
 def test_the_planner_plans_the_grown_vocabulary(setup):

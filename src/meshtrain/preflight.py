@@ -34,7 +34,7 @@ def preflight(run: ResolvedRun) -> None:
     from meshtrain.data.corpus import corpus_of
     from meshtrain.data.growth import vocab_growth
     from meshtrain.fileio import check_writable_dir
-    from meshtrain.metrics import METRICS_FILE
+    from meshtrain.metrics import METRICS_FILE, read_metrics
 
     d = cfg.diloco
     if cfg.elastic and importlib.util.find_spec("torchft") is None:
@@ -55,6 +55,7 @@ def preflight(run: ResolvedRun) -> None:
         found, meta = check_resume(run, corpus, growth)
     resuming_here = bool(resume) and out.resolve() in ckpt.resolve_checkpoint(resume).resolve().parents
     if resuming_here:
+        read_metrics(out)  # rank 0 keeps its records up to the checkpoint's step: a damaged file is refused now
         interval, last = cfg.checkpoint.interval, cfg.train.steps
         saved = [p.name for p in ckpt.list_checkpoints(out) if meta["step"] < (step := int(p.name.split("_")[1]))
                  <= last and (step == last or (interval > 0 and step % interval == 0))]
@@ -247,8 +248,9 @@ def check_adapter_resume(cfg: Config, meta: dict, found: Path) -> None:
     now = dataclasses.asdict(cfg.adapter)
     if not saved.get("lora_rank") and not now["lora_rank"]:
         return
+    defaults = dataclasses.asdict(type(cfg.adapter)())  # keys added since the checkpoint was saved
     for key, value in now.items():
-        if saved.get(key) != value:
+        if saved.get(key, defaults[key]) != value:
             raise ConfigError(f"checkpoint {found} was trained with adapter.{key} = {saved.get(key)!r}, this config has "
                               f"{value!r}: resume it with the same [adapter] keys, or start a new run")
     cfg.model.init_from = cfg.model.init_from or meta["config"]["model"].get("init_from", "")
@@ -307,13 +309,22 @@ def check_same_model(cfg: Config, meta: dict, tokenizer: dict, found: Path, grow
                           f"{cfg.model.vocab_size}: resume it with --model.vocab_size {meta['vocab_size']} (or 0)")
 
 
-def check_same_tensors(cfg: Config, meta: dict, found: Path) -> None:
+STARTS_AT_BUILD = {"router_bias_update_rate": ("routing biases", "0")}
+"""Model keys (-> what they add, and its start) a resume may turn on although the tensors they add are not in the checkpoint, because the value the
+model builds them with means something there: routing biases at 0 pick each expert as its router alone would, as at
+a run's first step. Any other added tensor is refused (:func:`check_same_tensors`): it would start from a random
+init in the middle of a run."""
+
+
+def check_same_tensors(cfg: Config, meta: dict, found: Path) -> list[str]:
     """The config's model has the checkpoint's tensors, name for name and shape for shape: a model key that
     :func:`check_same_model`'s family keys do not list changed since (an expert's ``model.ffn_hidden``, a shared
-    expert added, routing biases added or dropped) would fail inside every rank's load, or leave a trained tensor
-    behind without a word. Both models are built on the meta device (no memory, no weights read); the checkpoint's
-    own config describes its tensors (``checkpoint.store.check_model_tensors``). Raises ConfigError naming the key,
-    its value in the checkpoint and the override that makes the run resume."""
+    expert added, routing biases dropped) would fail inside every rank's load, or leave a trained tensor behind
+    without a word. Both models are built on the meta device (no memory, no weights read); the checkpoint's own config
+    describes its tensors (``checkpoint.store.check_model_tensors``). Returns the names of the tensors the config adds
+    by turning on a key of :data:`STARTS_AT_BUILD` (routing biases added), which start at the value the model builds
+    them with; empty for the same tensors. Raises ConfigError naming the key, its value in the checkpoint and the
+    override that makes the run resume."""
     import dataclasses
 
     import torch
@@ -328,7 +339,10 @@ def check_same_tensors(cfg: Config, meta: dict, found: Path) -> None:
     saved, now = ModelConfig(**meta["config"]["model"]), shapes(cfg.model)
     was = shapes(saved)
     if was == now:
-        return
+        return []
+    turned_on = {k: getattr(saved, k) for k in STARTS_AT_BUILD if not getattr(saved, k) and getattr(cfg.model, k)}
+    if turned_on and shapes(dataclasses.replace(cfg.model, **turned_on)) == was and was.items() <= now.items():
+        return sorted(set(now) - set(was))  # only tensors added, and by those keys alone
     name = next(n for n in sorted({*was, *now}) if was.get(n) != now.get(n))
     what = (f"has no {name}, which this config adds" if name not in was else
             f"holds {name}, which this config has no place for and would drop" if name not in now else
@@ -340,6 +354,23 @@ def check_same_tensors(cfg: Config, meta: dict, found: Path) -> None:
     value, given = getattr(saved, key), getattr(cfg.model, key)
     raise ConfigError(f"checkpoint {found} holds a model with model.{key} = {value!r}, this config has {given!r} (the "
                       f"checkpoint {what}): resume it with --model.{key} {value}, or start a new run with {given!r}")
+
+
+def started_tensors(cfg: Config, meta: dict, found: Path) -> tuple[list[str], str]:
+    """On a rank, before it loads checkpoint ``found``: the tensors the checkpoint lacks that this run starts at the
+    model's built values (:func:`check_same_tensors`), and one line saying so ("" when there are none)."""
+    saved = meta["config"]["model"]
+    if all(saved.get(k) == getattr(cfg.model, k) for k in STARTS_AT_BUILD):
+        return [], ""
+    names = check_same_tensors(cfg, meta, found)
+    keys = [k for k in STARTS_AT_BUILD if not saved.get(k) and getattr(cfg.model, k)]
+    if not names:
+        return [], ""
+    said = ", ".join(f"model.{k} = {getattr(cfg.model, k)!r}" for k in keys)
+    what = " and ".join(f"{STARTS_AT_BUILD[k][0]}: they start at {STARTS_AT_BUILD[k][1]}" for k in keys)
+    return names, (f"{said} on checkpoint {found}, saved with {', '.join(f'{saved.get(k, 0)!r}' for k in keys)}, "
+                   f"which holds no {what} ({len(names)} tensors: {names[0]}{', ...' if len(names) > 1 else ''}), "
+                   f"as in a new run")
 
 
 def check_same_data(cfg: Config, meta: dict, corpus_sha256: str, found: Path) -> None:

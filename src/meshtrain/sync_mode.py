@@ -35,8 +35,13 @@ parallel module (docs/architecture.md, "Layers")."""
         LR schedule; return the step to continue after (elastic workers may take over a living worker's)."""
         return step
 
-    def after_step(self, step: int) -> None:
-        """After optimizer step ``step`` (1-based) on every rank, updated or skipped."""
+    def after_step(self, step: int, diverged: bool = False) -> str | None:
+        """After optimizer step ``step`` (1-based) on every rank, updated or skipped. ``diverged``: this rank has seen
+        ``train.max_nonfinite_steps`` non-finite steps in a row (now or before: its vote to stop). Returns None to go
+        on, else who diverged, agreed by every rank, for the run's one line: "" here, where every rank sees the same
+        all-reduced loss and gradient norm and so counts the same steps (DiLoCo's workers count their own, and agree
+        at an exchange)."""
+        return "" if diverged else None
 
     def consolidate(self, step: int) -> None:
         """Before a checkpoint of ``step``: make the replicas hold the saved model."""

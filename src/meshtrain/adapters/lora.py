@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshtrain.adapters.spec import lora_scaling, targeted_paths
+from meshtrain.adapters.experts import LoRAExperts, add_expert_lora, merge_expert_lora
+from meshtrain.adapters.saved import SAVED_MODULES, saved_modules, tied_embeddings
+from meshtrain.adapters.spec import EXPERTS_PATH, lora_scaling, targeted_experts, targeted_paths
 from meshtrain.models.base import is_adapter
 
 
@@ -117,25 +119,40 @@ def _linear_of(weight: torch.Tensor) -> nn.Linear:
 
 def add_adapters(model: nn.Module, adapter, model_cfg) -> list[str]:
     """Adapt the modules of every block of ``model`` (a whole model or a pipeline chunk, after tp) that
-    ``adapter.lora_targets`` names, then freeze every other parameter; return the adapted modules' names
-    (:func:`meshtrain.adapters.apply.adapt` also quantizes the base for QLoRA).
+    ``adapter.lora_targets`` names, then freeze every other parameter but those of the modules
+    ``adapter.modules_to_save`` names (the embedding, the head: trained in full, peft's ``ModulesToSaveWrapper``
+    without its second copy, since the base here is never needed again beside them); return the adapted modules'
+    names (:func:`meshtrain.adapters.apply.adapt` also adds DoRA's magnitudes, and quantizes the base for QLoRA).
 
     ``adapter``: the ``[adapter]`` section (``lora_rank`` > 0); ``model_cfg``: the ``[model]`` section. Each
     adapter's ``A`` is seeded from the model's ``init_seed`` and the module's name, so it is the same whichever
     layout or pipeline stage holds it.
     """
     paths = targeted_paths(model_cfg, list(adapter.lora_targets))
+    kinds = targeted_experts(model_cfg, list(adapter.lora_targets))
     scaling = lora_scaling(adapter.lora_alpha, adapter.lora_rank, adapter.use_rslora)
     names = []
     for key, block in model.blocks.items():
         for path in paths:
             name = f"blocks.{key}.{path}"
-            seed = (model.init_seed + zlib.crc32(name.encode())) % 2**63
-            add_lora(block.get_submodule(path), adapter.lora_rank, scaling, adapter.lora_dropout, seed)
+            add_lora(block.get_submodule(path), adapter.lora_rank, scaling, adapter.lora_dropout, _seed(model, name))
+            names.append(name)
+        if kinds:  # the routed experts' stacks (:mod:`meshtrain.adapters.experts`)
+            name = f"blocks.{key}.{EXPERTS_PATH}"
+            add_expert_lora(block.get_submodule(EXPERTS_PATH), kinds, adapter.lora_rank, scaling, _seed(model, name))
             names.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    saved = saved_modules(model_cfg, list(adapter.modules_to_save))
+    for module in SAVED_MODULES if saved and tied_embeddings(model_cfg) else saved:  # a pipeline's untied copies too
+        if getattr(model, module, None) is not None:  # a pipeline chunk may hold neither
+            getattr(model, module).requires_grad_(True)
     return names
+
+
+def _seed(model: nn.Module, name: str) -> int:
+    """The seed of the adapter of module ``name``: the model's ``init_seed`` and the name, whatever the layout."""
+    return (model.init_seed + zlib.crc32(name.encode())) % 2**63
 
 
 @torch.no_grad()
@@ -151,5 +168,8 @@ def merge_adapters(model: nn.Module) -> int:
             module.weight += module.scaling * (module.lora_B.weight @ module.lora_A.weight)  # (out, r) @ (r, in)
             del module.lora_A, module.lora_B, module.lora_dropout, module.scaling
             module.__class__ = nn.Linear
+            merged += 1
+        elif isinstance(module, LoRAExperts):
+            merge_expert_lora(module)
             merged += 1
     return merged

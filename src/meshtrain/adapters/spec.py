@@ -16,11 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtrain.adapters.saved import saved_modules
 from meshtrain.errors import ConfigError, require
 
 ALL_LINEAR = "all-linear"
 """``lora_targets`` value that targets every module that qualifies (peft's ``"all-linear"``; the output head is
 never one)."""
+GATE_UP, DOWN = "gate_up", "down"
+"""The keys of a mixture of experts' adapter stacks (:mod:`meshtrain.adapters.experts`): on the gate and up
+projections (fused, as ``transformers``' ``gate_up_proj``), and on the down projection."""
+EXPERT_TARGETS = {"experts.gate_up_proj": GATE_UP, "experts.down_proj": DOWN}
+"""``lora_targets`` names of the routed experts' stacks, peft's ``target_parameters`` names of ``transformers`` 5's
+3-D expert tensors, in the order peft nests their wrappers (:func:`expert_peft_names`); never in ``all-linear``."""
+MAGNITUDE = "lora_magnitude_vector"
+"""DoRA's magnitude parameter of an adapted module (:mod:`meshtrain.adapters.dora`; peft's name)."""
+EXPERTS_PATH = "mlp.experts"
+"""The experts' module inside a block (:class:`meshtrain.models.moe.layer.MoE`'s ``experts``)."""
 QUANTIZATIONS = ("none", "nf4")
 """``adapter.quantize_base`` values."""
 NF4_BLOCK = 64
@@ -56,12 +67,33 @@ def lora_modules(m: Any) -> dict[str, tuple[str, ...]]:
     return {name: tuple(paths) for name, paths in out.items()}
 
 
+def has_experts(m: Any) -> bool:
+    """Whether the family of ``m`` (a ``ModelConfig``) has routed experts LoRA can target (:data:`EXPERT_TARGETS`)."""
+    from meshtrain.models.registry import family
+
+    fmt = family(m.type).hf
+    return fmt is not None and f"blocks.0.{EXPERTS_PATH}.w_gate" in fmt.sources(m, ())
+
+
+def targeted_experts(m: Any, targets: list[str]) -> tuple[str, ...]:
+    """The expert stacks (:data:`GATE_UP`, :data:`DOWN`) that ``targets`` name, in :data:`EXPERT_TARGETS`' order
+    (checked by :func:`targeted_paths`)."""
+    return tuple(kind for name, kind in EXPERT_TARGETS.items() if name in targets)
+
+
 def targeted_paths(m: Any, targets: list[str]) -> tuple[str, ...]:
-    """The module paths inside each block that ``targets`` (``adapter.lora_targets``) name, in the block's order.
+    """The module paths inside each block that ``targets`` (``adapter.lora_targets``) name, in the block's order (the
+    experts' stacks, which are not modules, by :func:`targeted_experts`).
 
     Raises:
         ConfigError: no module of the family qualifies, or a target that names none of them.
     """
+    experts = [name for name in targets if name in EXPERT_TARGETS]
+    require(not experts or has_experts(m), f"adapter.lora_targets names {experts[0] if experts else ''!r}, and "
+                                           f"model.type = {m.type!r} has no routed experts: use its module names")
+    targets = [name for name in targets if name not in EXPERT_TARGETS]
+    if experts and not targets:
+        return ()
     modules = lora_modules(m)
     require(bool(modules), f"model.type = {m.type!r} has no module LoRA can target (it needs linear maps that a "
                            f"Hugging Face tensor holds whole: llama, qwen2, qwen3 and the mixtures of experts' "
@@ -71,8 +103,9 @@ def targeted_paths(m: Any, targets: list[str]) -> tuple[str, ...]:
                                          f"['{ALL_LINEAR}'] or a list of module names")
         return tuple(path for paths in modules.values() for path in paths)
     for name in targets:
+        valid = ", ".join([*modules, *(EXPERT_TARGETS if has_experts(m) else ())])
         require(name in modules, f"adapter.lora_targets names {name!r}, which model.type = {m.type!r} has no "
-                                 f"adaptable module of; valid: {', '.join(modules)} or '{ALL_LINEAR}'")
+                                 f"adaptable module of; valid: {valid} or '{ALL_LINEAR}'")
     return tuple(path for name, paths in modules.items() if name in targets for path in paths)
 
 
@@ -92,6 +125,18 @@ def _check_nf4(cfg: Any) -> None:
         width = shapes[sources[f"blocks.0.{path}.weight"].name][1]
         require(width % NF4_BLOCK == 0, f"adapter.quantize_base = 'nf4': blocks.*.{path} takes {width} inputs, not a "
                                         f"multiple of NF4's {NF4_BLOCK}-weight blocks; use quantize_base = 'none'")
+
+
+def _check_dora(cfg: Any) -> None:
+    """What DoRA (:mod:`meshtrain.adapters.dora`) runs with: linear modules on a plain base. Raises ConfigError."""
+    a = cfg.adapter
+    require(not targeted_experts(cfg.model, list(a.lora_targets)),
+            f"adapter.use_dora = true with adapters on the routed experts (adapter.lora_targets = {list(a.lora_targets)}):"
+            f" DoRA is built for linear modules only (peft refuses it on expert parameters too); drop the experts' "
+            f"targets or use_dora")
+    require(a.quantize_base == "none", f"adapter.use_dora = true with adapter.quantize_base = {a.quantize_base!r}: "
+                                       f"DoRA on an NF4 base is not built here; use quantize_base = 'none' or "
+                                       f"use_dora = false")
 
 
 def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
@@ -114,6 +159,9 @@ def check_adapter(cfg: Any) -> None:
     require(a.lora_rank > 0 or a.quantize_base == "none",
             f"adapter.quantize_base = {a.quantize_base!r} quantizes the frozen base of LoRA adapters, and "
             f"adapter.lora_rank = 0 trains every parameter: set lora_rank > 0, or quantize_base = 'none'")
+    require(a.lora_rank > 0 or not a.modules_to_save,
+            f"adapter.modules_to_save = {list(a.modules_to_save)} trains modules beside LoRA adapters, and "
+            f"adapter.lora_rank = 0 trains every parameter: set lora_rank > 0, or modules_to_save = []")
     if a.lora_rank == 0:
         return
     require(a.lora_alpha > 0, f"adapter.lora_alpha = {a.lora_alpha} must be > 0 (peft's default is 8)")
@@ -121,6 +169,13 @@ def check_adapter(cfg: Any) -> None:
     require(bool(a.lora_targets), "adapter.lora_targets is empty: name modules (e.g. ['q_proj', 'v_proj']) or "
                                   f"use ['{ALL_LINEAR}']")
     targeted_paths(cfg.model, list(a.lora_targets))
+    require(not (targeted_experts(cfg.model, list(a.lora_targets)) and a.lora_dropout),
+            f"adapter.lora_dropout = {a.lora_dropout} with adapters on the routed experts (adapter.lora_targets = "
+            f"{list(a.lora_targets)}): their update is added to the experts' weights, which leaves no input to drop "
+            f"(peft refuses it too); use lora_dropout = 0")
+    saved_modules(cfg.model, list(a.modules_to_save))  # valid names
+    if a.use_dora:
+        _check_dora(cfg)
     if a.quantize_base == "nf4":
         _check_nf4(cfg)
     require(p.sync_mode == "sync",
@@ -177,12 +232,13 @@ def check_same_base(saved: dict[str, Any] | None, now: dict[str, Any], found: An
                       f"base it was trained on")
 
 
-def peft_names(m: Any, paths: tuple[str, ...]) -> dict[str, str]:
+def peft_names(m: Any, paths: tuple[str, ...], dora: bool = False) -> dict[str, str]:
     """``{meshtrain adapter parameter: peft's name in a saved adapter}`` of every block of ``m`` (a ``ModelConfig``)
     for the adapted module ``paths`` (:func:`targeted_paths`): ``blocks.0.attn.q.lora_A.weight`` ->
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, the module's name in the family's Hugging
     Face checkpoint (:class:`meshtrain.models.family.Source`) under peft's ``base_model.model.`` prefix, as
-    ``peft.get_peft_model_state_dict`` writes ``adapter_model.safetensors``."""
+    ``peft.get_peft_model_state_dict`` writes ``adapter_model.safetensors``; with ``dora`` DoRA's magnitudes too
+    (``...q.lora_magnitude_vector`` -> ``...q_proj.lora_magnitude_vector``, no ``.weight``, as peft saves them)."""
     from meshtrain.models.registry import family
 
     sources = family(m.type).hf.sources(m, ())
@@ -192,12 +248,37 @@ def peft_names(m: Any, paths: tuple[str, ...]) -> dict[str, str]:
             module = sources[f"blocks.{i}.{path}.weight"].name.removesuffix(".weight")
             for part in ("lora_A", "lora_B"):
                 out[f"blocks.{i}.{path}.{part}.weight"] = f"base_model.model.{module}.{part}.weight"
+            if dora:
+                out[f"blocks.{i}.{path}.{MAGNITUDE}"] = f"base_model.model.{module}.{MAGNITUDE}"
     return out
 
 
-def adapter_parameters(m: Any, targets: list[str], rank: int) -> int:
+def expert_peft_names(m: Any, kinds: tuple[str, ...]) -> dict[str, str]:
+    """``{meshtrain expert adapter stack: peft's name in a saved adapter}`` of every block of ``m`` for the expert
+    stacks ``kinds`` (:func:`targeted_experts`): ``blocks.0.mlp.experts.lora_A.gate_up`` ->
+    ``base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight``. peft wraps ``transformers`` 5's experts
+    module once per targeted parameter, in ``target_parameters``' order, the first innermost: each later one adds a
+    ``base_layer.`` to the earlier ones' names. The tensors are reshaped by :func:`meshtrain.adapters.experts.to_peft`."""
+    from meshtrain.models.registry import family
+
+    if not kinds:
+        return {}
+    fused = {f"model.layers.0.{EXPERTS_PATH}.gate_up_proj"}  # transformers 5's in-memory names (peft adapts those)
+    sources = family(m.type).hf.sources(m, fused)
+    out = {}
+    for i in range(m.n_layer):
+        module = sources[f"blocks.{i}.{EXPERTS_PATH}.w_gate"].name.rsplit(".", 1)[0]  # model.layers.{i}.mlp.experts
+        for k, kind in enumerate(kinds):
+            inner = "base_layer." * (len(kinds) - 1 - k)
+            for part in ("lora_A", "lora_B"):
+                out[f"blocks.{i}.{EXPERTS_PATH}.{part}.{kind}"] = f"base_model.model.{module}.{inner}{part}.weight"
+    return out
+
+
+def adapter_parameters(m: Any, targets: list[str], rank: int, dora: bool = False) -> int:
     """How many parameters the adapters of ``m`` (a ``ModelConfig``) hold: ``r * (in + out)`` for each adapted module
-    of each block (A is r x in, B out x r; Hu et al. 2021, Sec. 4.1); 0 at rank 0."""
+    of each block (A is r x in, B out x r; Hu et al. 2021, Sec. 4.1), ``out`` more with ``dora`` (the magnitude),
+    ``r * (in + out)`` per expert for the routed experts' stacks; 0 at rank 0."""
     if rank == 0:
         return 0
     from meshtrain.models.registry import family
@@ -205,4 +286,9 @@ def adapter_parameters(m: Any, targets: list[str], rank: int) -> int:
     fmt = family(m.type).hf
     sources, shapes = fmt.sources(m, ()), fmt.shapes(m, 1, ())
     per_block = sum(sum(shapes[sources[f"blocks.0.{path}.weight"].name]) for path in targeted_paths(m, targets))
-    return rank * per_block * m.n_layer
+    magnitudes = sum(shapes[sources[f"blocks.0.{path}.weight"].name][0] for path in targeted_paths(m, targets))
+    kinds = targeted_experts(m, targets)  # per expert: gate_up r * (C + 2F), down r * (F + C)
+    if kinds:
+        C, F = m.n_embd, m.ffn_hidden_size()
+        per_block += m.num_experts * ((C + 2 * F) * (GATE_UP in kinds) + (F + C) * (DOWN in kinds))
+    return (rank * per_block + (magnitudes if dora else 0)) * m.n_layer

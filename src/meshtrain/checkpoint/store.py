@@ -32,6 +32,7 @@ import sys
 import re
 import shutil
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from meshtrain.checkpoint.schema import check_meta
 from meshtrain.config.sections import Config
 from meshtrain.errors import ConfigError
-from meshtrain.models.base import is_adapter
+from meshtrain.models.base import TIED_NAMES, is_adapter
 from meshtrain.paths import path_problem
 from meshtrain.fileio import write_json_atomic
 
@@ -59,13 +61,37 @@ PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 """Loads a model state that holds part of the model's tensors (the adapters of a frozen base)."""
 
 
-def trained_part(model_sd: dict[str, Any]) -> dict[str, Any]:
+def trained_part(model_sd: dict[str, Any], trained: Collection[str] = ()) -> dict[str, Any]:
     """What a checkpoint holds of a model's state ``model_sd``: all of it, or with LoRA adapters
-    (:mod:`meshtrain.adapters`) the adapters alone -- the frozen base is rebuilt from where it came from
-    (``model.init_from``, or ``train.seed``), so a run folder stays the adapters' size."""
+    (:mod:`meshtrain.adapters`) the adapters and the parameters ``trained`` names (the modules trained in full beside
+    them, ``adapter.modules_to_save``: :func:`optimized_names`, :func:`trainable_names`) -- the frozen base is rebuilt
+    from where it came from (``model.init_from``, or ``train.seed``), so a run folder stays the adapters' size."""
     if not any(map(is_adapter, model_sd)):
         return model_sd
-    return {name: value for name, value in model_sd.items() if is_adapter(name)}
+    return {name: value for name, value in model_sd.items() if is_adapter(name) or name in trained}
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s (a plain, unwrapped model's) parameters that train, a tied weight under each of its
+    names."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def optimized_names(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> set[str]:
+    """The parameters an optimizer's flattened state ``optim_sd`` (``param_groups.<name>.<option>`` keys, DCP's
+    names, wrappers' prefixes removed) trains, and a tied weight's other name in ``model_sd`` (the optimizer lists it
+    once, the state dict under both names, and a pipeline's head copy reads it under ``lm_head.weight``)."""
+    names = {key[len("param_groups."):].rsplit(".", 1)[0] for key in optim_sd if key.startswith("param_groups.")}
+    pair = [name for name in TIED_NAMES if name in model_sd]
+    if len(pair) == 2 and names & set(pair) and _same_storage(*(model_sd[name] for name in pair)):
+        names |= set(pair)
+    return names
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two state tensors (plain or DTensor) are views of one parameter's memory (a tied weight)."""
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
+    return a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``): each
 pipeline stage saves and loads its own parameters' entries, so the state reshards across pp sizes like the
 weights do (a nested ``param_groups`` list would be one rank's, the others' lost)."""
@@ -246,7 +272,7 @@ def check_model_tensors(ckpt: Path) -> None:
               if k.startswith("model.") and hasattr(v, "size")}
     with torch.device("meta"):
         model = described_model(meta, base=False)
-    needed = {k: tuple(v.shape) for k, v in trained_part(model.state_dict()).items()}
+    needed = {k: tuple(v.shape) for k, v in trained_part(model.state_dict(), trainable_names(model)).items()}
     problem = next((f"{name} is not in its weights" for name in needed if name not in stored), None)
     problem = problem or next((f"{name} has shape {stored[name]} in its weights, {shape} in its config"
                                for name, shape in needed.items() if stored[name] != shape), None)
@@ -282,8 +308,11 @@ def described_model(meta: dict[str, Any], base: bool = True) -> nn.Module:
             check_same_base(meta.get(BASE_KEY), base_record(m.init_from, config["train"]["seed"]), meta.get("step"))
         if base and m.init_from:
             from meshtrain.models.hf import load_hf_weights
+            from meshtrain.models.resize import GrownRows
 
-            load_hf_weights(model, m.init_from, m)
+            grown = meta["vocab_size"] > m.vocab_size > 0  # its trained embedding and head are in the checkpoint
+            load_hf_weights(model, m.init_from, m, GrownRows(m.vocab_size, meta["vocab_size"], config["train"]["seed"])
+                            if grown else None)
         adapt(model, adapter, m, quantize=base)  # QLoRA: quantized after reading it
     return model
 
@@ -350,7 +379,7 @@ def state_to_save(model: nn.Module, optimizer: Optimizer, extra: Any = None) -> 
     whose ``state_dict()`` gives more tensors named by parameter (DiLoCo's outer momentum,
     :meth:`meshtrain.parallel.diloco.DiLoCo.state_dict`), saved under ``"outer"``."""
     model_sd, optim_sd = get_state_dict(model, _as_adamw(optimizer, gather=True), options=OPTIONS)
-    state = {"model": trained_part(model_sd), "optim": optim_sd}
+    state = {"model": trained_part(model_sd, optimized_names(model_sd, optim_sd)), "optim": optim_sd}
     if extra is not None:
         state[EXTRA] = extra.state_dict()
     return state
@@ -376,7 +405,8 @@ def commit(out_dir: Path, step: int, meta: dict[str, Any], files: dict[str, dict
 
 
 def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dict[str, str] | None = None,
-         group: dist.ProcessGroup | None = None, extra: Any = None, fresh_optimizer: bool = False) -> dict[str, Any]:
+         group: dist.ProcessGroup | None = None, extra: Any = None, fresh_optimizer: bool = False,
+         started: Collection[str] = ()) -> dict[str, Any]:
     """Collectively (over ``group``, default all ranks) load a committed checkpoint into ``model`` (and
     ``optimizer``), resharding as needed.
 
@@ -385,11 +415,14 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
     that a one-stage run saved under ``tok_emb.weight``. ``extra``: what :func:`state_to_save` saved of it is
     given to its ``load_state_dict`` (the names the checkpoint holds; none from a run without it). Returns the
     checkpoint's ``meta.json`` contents. ``fresh_optimizer``: ``optimizer``'s states are left as they are
-    (``checkpoint.fresh_optimizer``: the checkpoint's may be another optimizer's).
+    (``checkpoint.fresh_optimizer``: the checkpoint's may be another optimizer's). ``started``: model tensors the
+    checkpoint lacks, which keep the values the model was built with (routing biases a resume adds,
+    :func:`meshtrain.preflight.started_tensors`; buffers, which have no optimizer state).
     """
     read_metadata(ckpt)  # a crafted or broken .metadata is one ConfigError here, not an error inside DCP's load
     if optimizer is None:
-        model_sd = trained_part(model.state_dict())
+        model_sd = trained_part(model.state_dict(), trainable_names(model))
+        model_sd = {k: v for k, v in model_sd.items() if k not in started}
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(str(ckpt)))
@@ -397,7 +430,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
     else:
         target = _as_adamw(optimizer, gather=False)
         model_sd, optim_sd = get_state_dict(model, target, options=OPTIONS)
-        model_sd = trained_part(model_sd)
+        model_sd = trained_part(model_sd, optimized_names(model_sd, optim_sd))
+        model_sd = {k: v for k, v in model_sd.items() if k not in started}
         renamed = _aliased_keys(ckpt, optim_sd, aliases or {})
         optim_sd = {renamed.get(k, k): v for k, v in optim_sd.items()}
         state = {"model": model_sd, "optim": optim_sd}
@@ -411,7 +445,8 @@ def load(ckpt: Path, model: nn.Module, optimizer: Optimizer | None, aliases: dic
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=group)
         if extra is not None:
             extra.load_state_dict({k: state[EXTRA][stored_as] for k, stored_as in wanted.items()})
-        options = OPTIONS if not any(map(is_adapter, model_sd)) else PARTIAL  # adapters: the base is not in it
+        # adapters: the base is not in it; started tensors keep their built values
+        options = PARTIAL if started or any(map(is_adapter, model_sd)) else OPTIONS
         if fresh_optimizer:
             set_model_state_dict(model, state["model"], options=options)
             return read_meta(ckpt)

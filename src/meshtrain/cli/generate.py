@@ -142,14 +142,14 @@ def chat_prompt(tokenizer, prompt: str, system: str | None) -> tuple[list[int], 
     ``<|im_end|>`` where the template writes it, and the EOS (the template's ``eos_token``, the tokenizer's).
 
     Raises:
-        ConfigError: what :func:`chat_messages` refuses; a tokenizer that is not a Hugging Face one, or has no
-            template and lacks the ChatML tokens; a template that fails on the messages.
+        ConfigError: what :func:`chat_messages` refuses; the char tokenizer, or a tokenizer file with no template
+            that lacks the ChatML tokens; a template that fails on the messages.
     """
 
     messages = chat_messages(prompt, system)
-    if tokenizer.kind != "hf":
-        raise ConfigError(f"--chat needs a Hugging Face tokenizer with a chat template; this model's is a "
-                          f"{tokenizer.kind} tokenizer: fine-tune it on data from meshtrain prepare --format chat")
+    if tokenizer.kind == "char":
+        raise ConfigError("--chat needs a tokenizer file with a chat template; this model's is the char tokenizer: "
+                          "fine-tune a model of a tokenizer file on data from meshtrain prepare --format chat")
     fmt, missing = chat_format(tokenizer, CHAT, prompt_loss=False)
     if missing:  # chat_format would extend the tokenizer with ChatML: this model was not trained on that
         raise ConfigError(f"--chat: the tokenizer '{tokenizer.path}' has no chat template (chat_template.jinja, or "
@@ -160,9 +160,8 @@ def chat_prompt(tokenizer, prompt: str, system: str | None) -> tuple[list[int], 
         ids = [i for piece, _ in pieces(text, spans) for i in tokenizer.encode_with_special(piece)]
     except ValueError as e:
         raise ConfigError(f"--prompt cannot be tokenized: {e}") from None
-    lib = tokenizer.tokenizer
     names = [CHATML_TOKENS[1]] * (CHATML_TOKENS[1] in fmt.template) + [fmt.special_tokens.get("eos_token")]
-    stop = {lib.token_to_id(name) for name in names if name} | {tokenizer.eos_id}
+    stop = {tokenizer.token_to_id(name) for name in names if name} | {tokenizer.eos_id}
     return ids, stop - {None}
 
 

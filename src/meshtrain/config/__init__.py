@@ -20,9 +20,9 @@ Sections and keys (``--section.key VALUE`` on the CLI; short flags ``--dp --tp -
                  reference_batch_size, fused
     [train]      steps, seed, eval_interval, eval_steps, log_interval, dtype, out_dir, compile, recompute, check_memory,
                  max_nonfinite_steps, collective_timeout_s, tensorboard, objective, dpo_beta, dpo_loss,
-                 dpo_label_smoothing, profile_steps
+                 dpo_label_smoothing, dpo_reference, profile_steps
     [checkpoint] interval, keep, resume, allow_batch_change, async_save
-    [adapter]    lora_rank, lora_alpha, lora_dropout, lora_targets, use_rslora, quantize_base
+    [adapter]    lora_rank, lora_alpha, lora_dropout, lora_targets, use_rslora, use_dora, modules_to_save, quantize_base
 
 Every user mistake raises :class:`meshtrain.errors.ConfigError` (a ``ValueError``) whose one-line message names
 the key, the value and what would be valid.

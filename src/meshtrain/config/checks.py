@@ -5,14 +5,15 @@ a family checks its own keys, :func:`meshtrain.models.registry.check_model`) and
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
 from meshtrain import axes
 from meshtrain.axes import (OUTER_PRECISIONS, REPLICA_AXES, STALE_POLICIES, SYNC_MODE_SECTIONS, SYNC_MODES,
                             degree_errors)
-from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, HF_TOKENIZER_FILE, LR_SCALINGS,
-                                       MUON_EXCHANGES, MUON_LR_ADJUSTS, MUON_NS_DTYPES, OBJECTIVES,
+from meshtrain.config.sections import (COMPILES, COMPUTE_DTYPES, DPO_LOSSES, DPO_REFERENCES, HF_TOKENIZER_FILE,
+                                       LR_SCALINGS, MUON_EXCHANGES, MUON_LR_ADJUSTS, MUON_NS_DTYPES, OBJECTIVES,
                                        OPTIMIZERS, PACKINGS, RECOMPUTES, Config)
 from meshtrain.adapters.spec import check_adapter
 from meshtrain.errors import ConfigError
@@ -152,6 +153,25 @@ def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     _validate_packing(cfg)
     _validate_objective(cfg)
     _validate_sync_mode(cfg)
+    _validate_mtp(cfg)
+
+
+def _validate_mtp(cfg: Config) -> None:
+    """Multi-token prediction (``model.num_nextn_predict_layers``, DeepSeek-V3) is built for whole sequences and whole
+    heads on each rank, in the language-model objective of the synchronous trainer: dp and FSDP2 only."""
+    m, p = cfg.model, cfg.parallel
+    if not m.num_nextn_predict_layers:
+        return
+    d, t = cfg.data, cfg.train
+    checks = (("parallel.tp", p.tp, p.tp == 1), ("parallel.pp", p.pp, p.pp == 1), ("parallel.sp", p.sp, p.sp == 1),
+              ("parallel.ep", p.ep, p.ep == 1), ("data.packing", d.packing, d.packing != "document"),
+              ("train.objective", t.objective, t.objective == "lm"),
+              ("parallel.sync_mode", p.sync_mode, p.sync_mode != "async"))
+    blocked = [f"{key} = {value!r}" for key, value, ok in checks if not ok]
+    _require(not blocked, f"model.num_nextn_predict_layers = {m.num_nextn_predict_layers} (multi-token prediction) is "
+                          f"not supported with {', '.join(blocked)}: it needs parallel.tp = pp = sp = ep = 1, "
+                          f"train.objective = 'lm', data.packing other than 'document' and a synchronous sync_mode (or "
+                          f"model.num_nextn_predict_layers = 0)")
 
 
 def _validate_optim(cfg: Config) -> None:
@@ -216,6 +236,8 @@ def _validate_train(cfg: Config) -> None:
     _require(t.compile in COMPILES, f"train.compile = {t.compile!r} is not valid: use one of {', '.join(COMPILES)}")
     why = compile_error(m.type, p.sync_mode) if t.compile == "on" else ""
     _require(not why, f"train.compile = \"on\" cannot run here: {why}; use \"auto\" or \"off\"")
+    _require(math.isfinite(t.loss_chunk_mb) and t.loss_chunk_mb >= 0, f"train.loss_chunk_mb = {t.loss_chunk_mb} is not "
+             f"valid: use 0 (the whole loss at once) or a positive number of MiB (default 64)")
     _require(t.recompute in RECOMPUTES,
              f"train.recompute = {t.recompute!r} is not valid: use one of {', '.join(RECOMPUTES)}")
     why = recompute_error(t.recompute, m.type, p.pp, p.pp_schedule, p.sync_mode)
@@ -407,8 +429,13 @@ def _validate_objective(cfg: Config) -> None:
     _require(t.dpo_label_smoothing == 0 or t.dpo_loss == "robust", f"train.dpo_label_smoothing = "
              f"{t.dpo_label_smoothing} applies to train.dpo_loss = 'robust' only, not {t.dpo_loss!r}: set it to 0 or "
              f"use 'robust'")
+    _require(t.dpo_reference in DPO_REFERENCES, f"train.dpo_reference = {t.dpo_reference!r} is not valid: use one "
+                                                f"of {', '.join(DPO_REFERENCES)}")
     if t.objective != "dpo":
         return
+    _require(t.dpo_reference != "copy" or not cfg.adapter.lora_rank, f"train.dpo_reference = 'copy' with LoRA "
+             f"adapters (adapter.lora_rank = {cfg.adapter.lora_rank}) would copy the frozen base that the adapters "
+             f"leave as it is: use train.dpo_reference = 'precomputed'")
     _require(cfg.data.packing == "pad", f"train.objective = 'dpo' reads each pair as two padded rows: set "
                                         f"data.packing = 'pad', not {cfg.data.packing!r}")
     _require(cfg.parallel.sync_mode == "sync", f"train.objective = 'dpo' is not supported with parallel.sync_mode = "

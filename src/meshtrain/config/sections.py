@@ -33,6 +33,8 @@ OBJECTIVES = ("lm", "dpo")
 """``train.objective`` values (:mod:`meshtrain.objectives`)."""
 DPO_LOSSES = ("sigmoid", "robust", "ipo")
 """``train.dpo_loss`` values (:func:`meshtrain.objectives.dpo_loss`)."""
+DPO_REFERENCES = ("precomputed", "copy")
+"""``train.dpo_reference`` values (:mod:`meshtrain.train.reference`)."""
 """``data.packing`` values (:mod:`meshtrain.data.packing`)."""
 TOKENIZER_KINDS = ("char", "hf", "tiktoken", "sentencepiece")
 """Kinds of ``data.tokenizer`` (:mod:`meshtrain.data.tokenizers`)."""
@@ -245,6 +247,11 @@ class TrainConfig:
     (torch's per-operator selective checkpointing: GEMM, attention-kernel and tp/sp collective outputs kept,
     norms, activations, dropout and residual adds recomputed in backward); "full" (only each block's input kept,
     the whole block run again in backward). Trades step time for activation memory (docs/training.md)."""
+    loss_chunk_mb: float = 64.0
+    """fp32 MiB of logits the loss computes at once (:func:`meshtrain.cross_entropy.token_nll`): the cross-entropy runs
+    over chunks of tokens and recomputes each chunk's softmax in backward, so the (tokens x vocabulary) logits never
+    exist in fp32 all at once. 0 = ``F.cross_entropy`` on all of them (12 more bytes per logit held in backward).
+    Under tp the vocabulary-parallel loss applies instead (docs/training.md, "Memory")."""
     check_memory: bool = True
     """Before launch, refuse a run whose predicted peak memory (the planner's, all ranks of this node)
     exceeds the memory available (CPU: MemAvailable; GPU: each device's). false skips the check."""
@@ -271,6 +278,11 @@ class TrainConfig:
     names."""
     dpo_label_smoothing: float = 0.0
     """The probability eps that a pair's preference is flipped, in [0, 0.5) ("robust" only; 0 = plain DPO)."""
+    dpo_reference: str = "precomputed"
+    """DPO's reference model, the model as training starts (:mod:`meshtrain.train.reference`): "precomputed", its
+    log-probability of every train sequence computed once before step 1 (one model held; TRL's
+    ``precompute_ref_log_probs``), or "copy", a frozen copy of the starting weights sharded like the policy, run
+    forward on each micro-batch (two models held, an extra forward per step; the planner counts both). Equal."""
     profile_steps: list[int] = field(default_factory=list)
     """``[a, b]``: every rank records a ``torch.profiler`` trace of steps a..b (1 <= a <= b <= steps) with
     memory to ``OUT/profile/rank{r}.json`` (Chrome trace format; on CUDA also a memory snapshot
@@ -317,6 +329,13 @@ class AdapterConfig:
     ``q_proj`` and ``v_proj``. On the command line ``--adapter.lora_targets q_proj,v_proj``."""
     use_rslora: bool = False
     """Rank-stabilised LoRA (Kalajdzievski 2023): scale by ``alpha / sqrt(r)``."""
+    use_dora: bool = False
+    """Weight-decomposed LoRA (DoRA, Liu et al. 2024): a trained magnitude per output feature times the direction
+    ``W + (alpha / r) B A`` normalised by its rows' norms (treated as a constant, as peft does)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (peft's ``modules_to_save``), by their Hugging Face names: the
+    token embedding (``embed_tokens``) and the output head (``lm_head``); both are needed to grow the vocabulary
+    with LoRA (:mod:`meshtrain.data.growth`). On the command line ``--adapter.modules_to_save embed_tokens,lm_head``."""
     quantize_base: str = "none"
     """"nf4": QLoRA (Dettmers et al. 2023): the frozen base's linear maps in the blocks stored as 4-bit NormalFloat
     with double-quantized scales (~0.52 bytes a weight) and dequantized in the forward (bitsandbytes' code:

@@ -16,7 +16,9 @@ TRL define them:
 
 The template (:func:`find_template`): ``chat_template.jinja`` next to the tokenizer.json, else ``chat_template``
 of its ``tokenizer_config.json`` (a string, or a list of ``{name, template}`` whose "default" is taken), else
-:data:`CHATML` (the tokenizer gets ``<|im_start|>``/``<|im_end|>`` as special tokens when it lacks them).
+:data:`CHATML` (the tokenizer gets ``<|im_start|>``/``<|im_end|>`` as special tokens when it lacks them: a
+``tokenizer.json`` gets them in its added tokens, a tiktoken or sentencepiece file in the ``added_tokens_decoder`` of a
+``tokenizer_config.json`` beside a copy of it, :mod:`meshtrain.data.tokenizers`).
 
 The mask (1 = supervised): the assistant turns with their end-of-turn token (``<|im_end|>``), nothing else.
 With ``{% generation %}`` markers in the template, the spans they enclose (as transformers' ``return_assistant_
@@ -98,17 +100,15 @@ class ChatFormat:
         return cls(**d)
 
 
-def chat_format(tok, content: str, prompt_loss: bool) -> tuple[ChatFormat, dict[str, str]]:
-    """The format ``tok`` (an ``HFTokenizer``) encodes ``content`` with, and the files of an extended tokenizer to
-    write next to the shards (``{"tokenizer.json": ..., "tokenizer_config.json": ...}``; ``{}`` when ``tok`` is
-    used as it is: it has a template, or has both ChatML tokens).
+def chat_format(tok, content: str, prompt_loss: bool) -> tuple[ChatFormat, dict[str, str | bytes]]:
+    """The format ``tok`` (a file tokenizer: Hugging Face, tiktoken or sentencepiece) encodes ``content`` with, and
+    the files of an extended tokenizer to write next to the shards, the tokenizer file first
+    (``{"tokenizer.json": ..., "tokenizer_config.json": ...}``, :func:`_chatml_files`; ``{}`` when ``tok`` is used as it
+    is: it has a template, or has both ChatML tokens).
 
     Raises:
-        ConfigError: a tokenizer that is not a Hugging Face tokenizer.json, or an unreadable template entry.
+        ConfigError: an unreadable template entry.
     """
-    if tok.kind != "hf":
-        raise ConfigError(f"--format {content} needs a Hugging Face tokenizer (a tokenizer.json or a model folder "
-                          f"holding one) for now; --tokenizer '{tok.path}' is a {tok.kind} tokenizer")
     folder = tok.path if tok.path.is_dir() else tok.path.parent
     special = _special_tokens(folder, tok)
     found = find_template(folder)
@@ -159,23 +159,33 @@ def _special_tokens(folder: Path, tok) -> dict[str, str]:
                 names.setdefault(key, value)
     for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
         if key not in names and i is not None:
-            names[key] = tok.tokenizer.id_to_token(i)
+            names[key] = tok.id_to_token(i)
     return names
 
 
-def _chatml_files(tok, special: dict[str, str]) -> dict[str, str]:
-    """tokenizer.json of ``tok`` with the ChatML tokens it lacks added as special tokens, and a
-    tokenizer_config.json naming its BOS/EOS and the template; ``{}`` when it has both tokens."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFLib
-
-    lib = HFLib.from_str(tok.data[0].decode("utf-8"))
-    missing = [t for t in CHATML_TOKENS if lib.token_to_id(t) is None]
+def _chatml_files(tok, special: dict[str, str]) -> dict[str, str | bytes]:
+    """The extended tokenizer's files, the tokenizer file first: ``tok`` with the ChatML tokens it lacks added as
+    special tokens (ids after its last), and a tokenizer_config.json naming its BOS/EOS and the template; ``{}`` when
+    it has both tokens. A ``tokenizer.json`` holds them itself; a tiktoken or sentencepiece file is copied as it is
+    (``tokenizer.tiktoken`` / ``tokenizer.model``) and the config's ``added_tokens_decoder`` holds them, with any the
+    given tokenizer's config added before (:mod:`meshtrain.data.tokenizers`)."""
+    missing = [t for t in CHATML_TOKENS if tok.token_to_id(t) is None]
     if not missing:
         return {}
-    lib.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
     config = {k: special[k] for k in ("bos_token", "eos_token") if k in special} | {"chat_template": CHATML}
-    return {"tokenizer.json": lib.to_str(pretty=True), CONFIG_FILE: json.dumps(config, indent=1) + "\n"}
+    if tok.kind == "hf":
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFLib
+
+        lib = HFLib.from_str(tok.data[0].decode("utf-8"))
+        lib.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        return {"tokenizer.json": lib.to_str(pretty=True), CONFIG_FILE: json.dumps(config, indent=1) + "\n"}
+    added = {i: t for t, i in tok.added.items()} | {tok.vocab_size + k: t for k, t in enumerate(missing)}
+    decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                        "special": True} for i, t in sorted(added.items())}
+    suffix = ".tiktoken" if tok.kind == "tiktoken" else ".model"
+    return {"tokenizer" + suffix: tok.data[0], CONFIG_FILE: json.dumps({"added_tokens_decoder": decoder} | config,
+                                                                       indent=1, ensure_ascii=False) + "\n"}
 
 
 def render(fmt: ChatFormat, messages: list[dict[str, Any]], where: str,

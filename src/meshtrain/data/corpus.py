@@ -133,7 +133,7 @@ def added_tokens(meta: dict, tok: Tokenizer, where: Path) -> dict[int, str]:
     ok = isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("id"), int)
                                            and isinstance(e.get("content"), str) for e in entries)
     added = {e["id"]: e["content"] for e in entries} if ok else {}
-    lookup = getattr(getattr(tok, "tokenizer", None), "token_to_id", None)  # the tokenizers library's (hf kind)
+    lookup = getattr(tok, "token_to_id", None)  # file kinds' special tokens (char has none)
     if not ok or (added and (lookup is None or any(lookup(t) != i for i, t in added.items())
                              or sorted(added) != list(range(tok.vocab_size - len(added), tok.vocab_size)))):
         raise ConfigError(f"'{where}': 'added_tokens' = {str(entries)[:60]} are not the last ids of its tokenizer: the "

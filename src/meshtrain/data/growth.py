@@ -42,6 +42,22 @@ class VocabGrowth:
                 f"them; '{folder}' holds the first {self.old}")
 
 
+def _grown_modules(cfg: Config) -> list[str]:
+    """The ``adapter.modules_to_save`` names of the embedding and the head, whose rows a grown vocabulary adds."""
+    from meshtrain.adapters.saved import savable_modules
+
+    return list(savable_modules(cfg.model))
+
+
+def _rows_train(cfg: Config) -> bool:
+    """Whether a LoRA run trains the new rows: the embedding and the head in ``adapter.modules_to_save`` (a tied head
+    is the embedding: either name trains it, :func:`meshtrain.adapters.spec.saved_modules`)."""
+    from meshtrain.adapters.saved import tied_embeddings
+
+    named = set(cfg.adapter.modules_to_save) & set(_grown_modules(cfg))
+    return named == set(_grown_modules(cfg)) or bool(named and tied_embeddings(cfg.model))
+
+
 def vocab_growth(cfg: Config, n_tokens: int, added: dict[int, str]) -> VocabGrowth | None:
     """How the run grows ``model.init_from``'s vocabulary for a tokenizer of ``n_tokens`` ids of which ``added`` were
     added by prepare (:attr:`meshtrain.data.corpus.Corpus.added_tokens`); None without ``init_from`` or where the
@@ -49,7 +65,8 @@ def vocab_growth(cfg: Config, n_tokens: int, added: dict[int, str]) -> VocabGrow
 
     Raises:
         ConfigError: ids past the checkpoint's rows that prepare did not add (data of another tokenizer), or LoRA
-            adapters, which would leave the new rows frozen where they were initialised.
+            adapters without the embedding and the head in ``adapter.modules_to_save``, which would leave the new rows
+            frozen where they were initialised.
     """
     m = cfg.model
     if not m.init_from or n_tokens <= m.vocab_size:
@@ -65,9 +82,10 @@ def vocab_growth(cfg: Config, n_tokens: int, added: dict[int, str]) -> VocabGrow
                           f"the {n_tokens} of data.path = '{cfg.data.resolved_path()}', and only tokens prepare added "
                           f"to the model's tokenizer can grow it{own}: prepare the data with the tokenizer the model "
                           f"was trained with")
-    if cfg.adapter.lora_rank:
+    if cfg.adapter.lora_rank and not _rows_train(cfg):
         raise ConfigError(f"data.path = '{cfg.data.resolved_path()}' adds {len(extra)} token(s) to model.init_from = "
                           f"'{m.init_from}' ({m.vocab_size} rows), whose new rows LoRA would leave frozen where they "
-                          f"were initialised: fine-tune without adapters (adapter.lora_rank = 0), or use a tokenizer "
-                          f"that has the template's tokens")
+                          f"were initialised: train the embedding and the head beside the adapters "
+                          f"(adapter.modules_to_save = {_grown_modules(cfg)}), fine-tune without adapters "
+                          f"(adapter.lora_rank = 0), or use a tokenizer that has the template's tokens")
     return VocabGrowth(m.vocab_size, padded_vocab_size(n_tokens, cfg.parallel.tp), {i: added[i] for i in extra})

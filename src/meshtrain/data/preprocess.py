@@ -10,8 +10,9 @@ Each document becomes ``tokenizer.encode(text) + [eos_id]``.
 Conversations (``--format chat|prompt-completion``, :mod:`meshtrain.data.chat`): each jsonl line or parquet row
 is one record, one document: its ids only (no EOS added: the template's end-of-turn token ends it) and a loss
 mask written beside the tokens. A tokenizer without a template and without the ChatML tokens gets them: the
-extended ``tokenizer.json`` (and a ``tokenizer_config.json`` with the template) is written into the folder and is
-meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``, the ids added are ``added_tokens``: a
+extended ``tokenizer.json`` (a tiktoken or sentencepiece file: a copy of it, ``tokenizer.tiktoken`` or
+``tokenizer.model``, whose ``tokenizer_config.json`` adds the two tokens), with a ``tokenizer_config.json`` holding the
+template, is written into the folder and is meta.json's ``tokenizer`` (the one given stays as ``source_tokenizer``, the ids added are ``added_tokens``: a
 model started from the one given grows its vocabulary by them, :mod:`meshtrain.data.growth`). Every split needs a
 supervised token.
 Preference pairs (``--format preference``, :mod:`meshtrain.data.preference`): each record is two consecutive
@@ -121,7 +122,7 @@ def prepare(tokenizer: str, inputs: list[str], out: str | Path, *, text_field: s
         entry, given_vocab = recipe["tokenizer"], tok.vocab_size
         if extension:
             tok = _extend_tokenizer(tmp, extension)
-            entry = tok.to_dict() | {"path": str(out / "tokenizer.json")}  # where it lies after the rename
+            entry = tok.to_dict() | {"path": str(out / next(iter(extension)))}  # where it lies after the rename
         meta = _write(tmp, tok, chat, entry, sources, recipe, workers, progress, given_vocab)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
@@ -155,16 +156,17 @@ def _check_format(data_format: str, prompt_loss: bool) -> None:
         raise ConfigError(f"--prompt-loss applies to --format {PROMPT_COMPLETION} only, not --format {data_format}")
 
 
-def _extend_tokenizer(tmp: Path, files: dict[str, str]):
-    """Write the extended tokenizer ``files`` (:func:`meshtrain.data.chat.chat_format`) into ``tmp``; load it."""
-    from meshtrain.data.tokenizers import HFTokenizer
+def _extend_tokenizer(tmp: Path, files: dict[str, str | bytes]):
+    """Write the extended tokenizer ``files`` (:func:`meshtrain.data.chat.chat_format`: the tokenizer file first) into
+    ``tmp``; load it."""
+    from meshtrain.data.tokenizers import load_tokenizer
 
-    for name, text in files.items():
-        with open(tmp / name, "w", encoding="utf-8") as f:
-            f.write(text)
+    for name, content in files.items():
+        with open(tmp / name, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
             f.flush()
             os.fsync(f.fileno())
-    return HFTokenizer(tmp / "tokenizer.json")
+    return load_tokenizer(str(tmp / next(iter(files))))
 
 
 def _load_tokenizer(spec: str):
@@ -272,7 +274,7 @@ def _chat_meta(chat: ChatFormat, given: dict[str, Any], used: dict[str, Any], to
                               "generation_markers": chat.markers}}
     if used is not given:
         meta["source_tokenizer"] = given
-        meta["added_tokens"] = [{"id": i, "content": tok.tokenizer.id_to_token(i)}
+        meta["added_tokens"] = [{"id": i, "content": tok.id_to_token(i)}
                                 for i in range(given_vocab, tok.vocab_size)]
     return meta
 

@@ -20,12 +20,23 @@ Kinds (:func:`meshtrain.config.checks.tokenizer_kind` tells them apart from the 
   Special tokens follow Llama 3 (meta-llama/llama3 ``llama/tokenizer.py``): 256 ids after the last rank, the
   first two ``<|begin_of_text|>`` (BOS) and ``<|end_of_text|>`` (EOS); so Meta's Llama 3 file gives its ids.
 - ``sentencepiece``: a ``*.model`` of the sentencepiece library; BOS/EOS are its ``bos_id()``/``eos_id()``.
+
+Added tokens (tiktoken, sentencepiece): a ``tokenizer_config.json`` beside the file whose ``added_tokens_decoder``
+(transformers' form, ``{"id": {"content": ...}}``) names ids past the file's own (its ranks and Llama 3's 256, or its
+pieces) adds them as special tokens, ids in order from there, as transformers' tokenizers add them; the file's
+SHA-256 then covers that config too. ``meshtrain prepare --format chat`` writes such a pair for ChatML's tokens
+(:mod:`meshtrain.data.chat`). Ids the file has already (a Llama 2 folder's ``<s>``) are left as the file defines them.
+
+Every file kind also has ``token_to_id`` / ``id_to_token`` (a special token's text and id) and
+``encode_with_special``, which encodes the text of each special token as that token, as transformers'
+``apply_chat_template`` tokenizes its render.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -47,6 +58,8 @@ TIKTOKEN_SPECIAL = (["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_spe
                     + [f"<|reserved_special_token_{i}|>" for i in range(5, TIKTOKEN_NUM_SPECIAL - 5)])
 """Llama 3's 256 special tokens, in id order after the BPE ranks."""
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+ADDED_TOKENS_FILE = "tokenizer_config.json"
+"""Beside a tiktoken or sentencepiece file: its ``added_tokens_decoder`` adds special tokens past the file's ids."""
 HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 HF_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 
@@ -153,6 +166,32 @@ class FileTokenizer:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.path), "sha256": self.sha256, "vocab_size": self.vocab_size}
 
+    def _read_added(self, file: Path, first: int) -> dict[str, int]:
+        """{token: id} of the special tokens that :data:`ADDED_TOKENS_FILE` beside ``file`` adds past the file's
+        ``first`` ids (module docstring); when it adds any, its bytes join the SHA-256.
+
+        Raises:
+            ValueError: a config that is not JSON, or added ids that do not run ``first, first + 1, ...``.
+        """
+        config_file = file.parent / ADDED_TOKENS_FILE
+        if not config_file.is_file():
+            return {}
+        blob = config_file.read_bytes()
+        try:
+            decoder = json.loads(blob).get("added_tokens_decoder") or {}
+            added = {int(i): (e["content"] if isinstance(e, dict) else e) for i, e in decoder.items()}
+        except (ValueError, AttributeError, KeyError, TypeError) as e:
+            raise ValueError(f"'{config_file}' is not a tokenizer config with an added_tokens_decoder of "
+                             f"{{\"id\": {{\"content\": ...}}}} entries ({e})") from None
+        past = sorted(i for i in added if i >= first)
+        if past != list(range(first, first + len(past))) or not all(isinstance(added[i], str) for i in past):
+            raise ValueError(f"'{config_file}' adds ids {past[:4]}... that do not follow the file's {first} ids in "
+                             f"order ({first}, {first + 1}, ...)")
+        if past:
+            self.data.append(blob)
+            self.sha256 = _sha256(self.data)
+        return {added[i]: i for i in past}
+
     def _encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
@@ -188,6 +227,13 @@ class HFTokenizer(FileTokenizer):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token's text), or None."""
+        return self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str:
+        return self.tokenizer.id_to_token(i)
+
     def encode_with_special(self, text: str) -> list[int]:
         """``text`` -> ids, no special tokens added, the text of each added token (``<|im_end|>``) encoded as that
         token: what transformers' ``apply_chat_template`` does with the chat it renders (``encode`` instead keeps
@@ -203,7 +249,8 @@ class HFTokenizer(FileTokenizer):
 
 
 class TiktokenTokenizer(FileTokenizer):
-    """A tiktoken BPE file (``<base64 token> <rank>`` lines) with Llama 3's special tokens after the ranks."""
+    """A tiktoken BPE file (``<base64 token> <rank>`` lines) with Llama 3's special tokens after the ranks, then the
+    tokens a ``tokenizer_config.json`` beside it adds."""
 
     kind = "tiktoken"
 
@@ -216,6 +263,9 @@ class TiktokenTokenizer(FileTokenizer):
         ranks = load_tiktoken_bpe(str(path.absolute()), expected_hash=self.sha256)
         first = max(ranks.values(), default=-1) + 1
         special = {token: first + i for i, token in enumerate(TIKTOKEN_SPECIAL)}
+        self.added = self._read_added(path, first + len(special))
+        """{token: id} of the added tokens, ids from the ranks' and Llama 3's on."""
+        special |= self.added
         self.encoding = tiktoken.Encoding(name=path.stem, pat_str=TIKTOKEN_PAT_STR, mergeable_ranks=ranks,
                                           special_tokens=special)
         self.vocab_size = self.encoding.n_vocab
@@ -224,12 +274,28 @@ class TiktokenTokenizer(FileTokenizer):
     def _encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
+    def encode_with_special(self, text: str) -> list[int]:
+        """``text`` -> ids, each special token's text encoded as that token (tiktoken's ``allowed_special="all"``).
+        Raises ValueError: text the tokenizer cannot encode."""
+        try:
+            return self.encoding.encode(text, allowed_special="all")
+        except Exception as e:
+            raise ValueError(f"the tiktoken tokenizer '{self.path}' cannot encode it ({e})") from None
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the special token ``token``, or None."""
+        return self.encoding._special_tokens.get(token)
+
+    def id_to_token(self, i: int) -> str:
+        return self.encoding.decode_single_token_bytes(i).decode("utf-8", errors="replace")
+
     def _decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
 
 
 class SentencePieceTokenizer(FileTokenizer):
-    """A sentencepiece ``*.model`` (its BOS/EOS ids; -1, "none", becomes None)."""
+    """A sentencepiece ``*.model`` (its BOS/EOS ids; -1, "none", becomes None), then the tokens a
+    ``tokenizer_config.json`` beside it adds (the library has no added tokens: they are cut out of the text here)."""
 
     kind = "sentencepiece"
 
@@ -238,15 +304,50 @@ class SentencePieceTokenizer(FileTokenizer):
 
         super().__init__(path, [path])
         self.processor = sentencepiece.SentencePieceProcessor(model_proto=self.data[0])
-        self.vocab_size = self.processor.get_piece_size()
+        pieces = self.processor.get_piece_size()
+        self.added = self._read_added(path, pieces)
+        """{token: id} of the added tokens, ids from the model's piece count on."""
+        self.vocab_size = pieces + len(self.added)
         self.bos_id = self.processor.bos_id() if self.processor.bos_id() >= 0 else None
         self.eos_id = self.processor.eos_id() if self.processor.eos_id() >= 0 else None
+        own = [i for i in (self.processor.unk_id(), self.bos_id, self.eos_id) if i is not None and i >= 0]
+        self.special = {self.processor.id_to_piece(i): i for i in own} | self.added
+        """The texts ``encode_with_special`` encodes as one token: <unk>, BOS, EOS and the added tokens, which
+        transformers' sentencepiece tokenizers split out of a text."""
+        names = sorted(self.special, key=len, reverse=True)  # the longest first where one starts another
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
     def _encode(self, text: str) -> list[int]:
         return self.processor.encode(text, out_type=int)
 
+    def encode_with_special(self, text: str) -> list[int]:
+        """``text`` -> ids, the text of each special token (:attr:`special`) encoded as that token and each piece
+        between them by sentencepiece on its own, as transformers' ``SentencePieceBackend`` tokenizes. Raises
+        ValueError: text the tokenizer cannot encode."""
+        parts = self._split.split(text) if self._split else [text]  # odd indices: the special tokens' texts
+        return [i for k, part in enumerate(parts) if part
+                for i in ([self.special[part]] if k % 2 else self.encode(part))]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the special token ``token`` (:attr:`special`), or None."""
+        return self.special.get(token)
+
+    def id_to_token(self, i: int) -> str:
+        added = {j: t for t, j in self.added.items()}
+        return added[i] if i in added else self.processor.id_to_piece(i)
+
     def _decode(self, ids: list[int]) -> str:
-        return self.processor.decode(ids)
+        pieces = self.processor.get_piece_size()
+        out, run = [], []
+        for i in ids + [-1]:  # runs of the model's ids decoded together, an added token as its text
+            if 0 <= i < pieces:
+                run.append(i)
+                continue
+            out.append(self.processor.decode(run) if run else "")
+            run = []
+            if i >= pieces:
+                out.append(self.id_to_token(i))
+        return "".join(out)
 
 
 FILE_KINDS: dict[str, Callable[[Path], FileTokenizer]] = {

@@ -51,14 +51,21 @@ class Choice:
     speed: Speed | None = None
     """The speed factor the layouts were ranked at and its step-time range (:mod:`meshtrain.planner.stack`)."""
 
+    sequences_per_sample: int = 1
+    """2 for DPO: the layouts' micro-batches are in sequences, the config's in pairs."""
+
     def overrides(self) -> dict[str, str]:
-        """The ``section.key`` -> value overrides that run :attr:`best` (``parallel.dp`` included)."""
-        return self.best.layout.to_overrides()
+        """The ``section.key`` -> value overrides that run :attr:`best` (``parallel.dp`` included; the micro-batch
+        in the config's samples: DPO's pairs)."""
+        out = self.best.layout.to_overrides()
+        key = "batch.micro_batch_size"
+        return out | {key: str(int(out[key]) // self.sequences_per_sample)} if key in out else out
 
     def lines(self) -> list[str]:
         """The few lines the launcher prints: the choice, the runner-up, and why the one beat the other."""
         b = self.best
-        head = (f"layout auto: {b.layout.world_size} ranks, global batch {self.global_batch_size} (the config's), "
+        unit = " pairs, micro-batches below in sequences" if self.sequences_per_sample > 1 else ""
+        head = (f"layout auto: {b.layout.world_size} ranks, global batch {self.global_batch_size}{unit} (the config's), "
                 f"{self.fitting} layout(s) fit in {self.memory_per_rank_bytes / 2**30:,.2f} GiB per rank "
                 f"({self.hardware})")
         out = [head, f"  chosen:    {_summary(b)}"]
@@ -147,13 +154,16 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     from meshtrain.planner.actual import corpus_rss_bytes, hardware_for_run
     from meshtrain.planner.estimate import Job
     from meshtrain.planner.hardware import DEFAULT_PROFILE
-    from meshtrain.planner.layout import meshtrain_framework
+    from meshtrain.planner.layout import meshtrain_framework, sequences_per_sample
     from meshtrain.planner.memory import PRECISIONS
     from meshtrain.planner.model_specs import corpus_vocab_size, from_config
     from meshtrain.planner.search import search
     from meshtrain.runtime.device import compute_dtype
 
     gbs = config_global_batch(cfg, world)
+    spp = sequences_per_sample(cfg)  # DPO: the planner counts a pair's two sequences
+    if "micro_batch_size" in fixed:
+        fixed = fixed | {"micro_batch_size": fixed["micro_batch_size"] * spp}
     what, available = available_memory()
     device = "cuda" if what == "GPU" else "cpu"
     hw, description = hardware_for_run(device, DEFAULT_PROFILE, threads)
@@ -169,21 +179,18 @@ def choose_layout(cfg: Config, world: int, nproc: int, threads: int, fixed: dict
     hw = replace(hw, device=replace(hw.device, memory_bytes=per_rank))
     model = from_config(cfg, cfg.model.vocab_size or corpus_vocab_size(cfg))
     precision = PRECISIONS["bf16-autocast" if compute_dtype(cfg.train.dtype, device) == "bfloat16" else "fp32"]
-    job = Job(world, gbs, total_steps=cfg.train.steps)
+    job = Job(world, gbs * spp, total_steps=cfg.train.steps)
     fitting = search(model, hw, precision, framework, job, fixed=fixed, top=2)  # the choice and its runner-up
     if not fitting:
         unfit = search(model, hw, precision, framework, job, fixed=fixed, keep_unfit=True)
         raise _no_fit(unfit, fixed, world, gbs, per_rank)
     return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, fitting.count, gbs, per_rank, description,
-                  speed)
+                  speed, spp)
 
 
 def _check_plannable(cfg: Config) -> None:
-    """Raises ConfigError: a run ``--layout auto`` does not plan (DPO, a family without a planner model, a sync mode
-    other than "sync")."""
-    if cfg.train.objective == "dpo":
-        raise ConfigError("--layout auto does not choose layouts for train.objective = 'dpo' yet (a sample is two "
-                          "sequences): give the layout (--dp, --tp, --pp, --sp, batch sizes) and --layout config")
+    """Raises ConfigError: a run ``--layout auto`` does not plan (a family without a planner model, a sync mode other
+    than "sync")."""
     if cfg.model.family().planner is None:
         raise ConfigError(f"--layout auto plans transformers: model.type = {cfg.model.type!r} has no planner model; "
                           f"give the layout in the config")

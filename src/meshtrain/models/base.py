@@ -25,6 +25,10 @@ ADAPTER_MARK = ".lora_"
 model's own: what tells them apart in a state dict (Hugging Face weights in, adapters-only checkpoints)."""
 
 
+TIED_NAMES = ("tok_emb.weight", "lm_head.weight")
+"""The two names of a tied embedding's one weight (Press & Wolf 2017): the embedding's and the head's."""
+
+
 def is_adapter(name: str) -> bool:
     """Whether the parameter named ``name`` is an adapter's (LoRA's ``A`` or ``B``, :mod:`meshtrain.adapters.lora`),
     not the model's own."""

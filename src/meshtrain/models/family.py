@@ -87,6 +87,10 @@ class HFFormat:
     training: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """``[model]`` keys that ``config.json`` holds but training may choose (dropout, the load-balancing loss's weight)
     -> the ``config.json`` keys that hold them: the folder's value unless the run sets the key."""
+    copies: Callable[[Any], dict[str, str]] = lambda m: {}
+    """``ModelConfig`` -> {tensor name: the tensor name it repeats} of tensors a checkpoint holds twice (DeepSeek-V3's
+    multi-token prediction layer's embedding and head): :attr:`shapes` lists them, an import reads the original and
+    an export writes the copy again."""
     ignored: tuple[str, ...] = ()
     """Regular expressions (searched, as ``transformers``' ``_keys_to_ignore_on_load_unexpected``) of checkpoint
     tensors the model has no place for and ``transformers`` drops silently (GPT-2's causal-mask buffers); any other

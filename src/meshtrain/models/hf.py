@@ -168,6 +168,8 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         out[name] = (whole.t() if transposed[name] else whole).contiguous()
     for name, shape in fmt.zeros(cfg).items():
         out[name] = torch.zeros(shape, dtype=torch.float32)
+    for name, original in fmt.copies(cfg).items():  # safetensors refuses tensors that share memory
+        out[name] = out[original].clone()
     return out
 
 

@@ -32,6 +32,7 @@ package that may import every strategy.) The parameter server is a loop of its o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -43,11 +44,12 @@ from meshtrain.adapters.apply import adapt
 from meshtrain.adapters.lora import tp_split_dropouts
 from meshtrain.batch_math import global_batch_size, tokens_per_step
 from meshtrain.config.sections import Config, ParallelConfig
+from meshtrain.cross_entropy import DEFAULT_CHUNK_MB
 from meshtrain.errors import ConfigError
 from meshtrain.data.packing import document_positions, pack_documents
 from meshtrain.mesh import (BATCH_MESH, EXPERT_MESH, EXPERT_REPLICA_MESH, SP_RING_MESH, SP_ULYSSES_MESH, WORKER_MESH,
                             Axis, ParallelDims)
-from meshtrain.parallel.data_parallel import apply_dp, gradient_sync
+from meshtrain.parallel.data_parallel import apply_dp, gradient_sync, reshard
 from meshtrain.parallel.diloco import DiLoCo
 from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_gradients
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
@@ -65,7 +67,7 @@ from meshtrain.rules.support import blocks_compiled, compile_eligible
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
                 autocast: contextlib.AbstractContextManager, eos_id: int | None = None,
-                conversations: bool = False) -> ParallelModel:
+                conversations: bool = False, frozen: bool = False) -> ParallelModel:
     """Everything ``cfg`` asks of ``model`` (a whole :class:`meshtrain.models.base.LayeredLM`, built from the
     seed on this rank's device) on ``dims``' built mesh; return what the trainer runs steps with.
 
@@ -76,12 +78,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     tokenizer's end-of-document id, which ``data.packing = "document"`` splits each window at
     (:mod:`meshtrain.data.packing`); unused with "concat". ``conversations``: the data is prepared conversations
     (:mod:`meshtrain.data.conversations`): targets outside the loss, and, packed, document ids that come with each
-    micro-batch instead of being found at EOS tokens.
+    micro-batch instead of being found at EOS tokens. ``frozen``: a model that only runs forward (DPO's reference
+    copy, :mod:`meshtrain.train.reference`): no parameter requires a gradient, FSDP2 shards it as the policy's
+    (zero_stage 2 and 3) and its gathered weights are freed after each forward
+    (:attr:`~meshtrain.parallel.model.ParallelModel.after_forward_only`), DDP does not wrap it (zero_stage 0 and 1:
+    nothing to synchronise, every replica holds it whole), and no sync mode averages it.
 
     Raises:
         ConfigError: ``data.packing = "document"`` and ``eos_id`` is None (a tokenizer without EOS).
     """
     p, b = cfg.parallel, cfg.batch
+    if frozen:
+        model.requires_grad_(False)
+        p = dataclasses.replace(p, hierarchical_allreduce=False)  # no DDP to make hierarchical
     eos = _packing_eos(cfg, eos_id) if not conversations else None  # conversations: their ids come with the batch
     document_masking = eos is not None or (conversations and cfg.data.packing == "document")
     _set_balance_group(model, dims)
@@ -93,32 +102,44 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
     if dims.pp_enabled:
         tokens = tokens_per_step(global_batch_size(b.micro_batch_size, b.gradient_accumulation_steps, 1),
                                  cfg.model.block_size)  # one replica's, for balancing the chunks' costs
-        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, PipelineLoss(),
+        pipeline = parallelize_pipeline(model, dims, p, b.gradient_accumulation_steps, tokens, PipelineLoss(cfg.train.loss_chunk_mb),
                                         document_masking=document_masking, **blockwise)
         parallel: ParallelModel = PipelineModel(pipeline, dims, _sharder(dims, p, eos), autocast,
                                                 compiled=compiled, after_backward=_expert_sync([pipeline.model], dims, p))
     else:
         model = parallelize_model(model, dims, p, **blockwise)
         local_sgd = (LocalSGD(model, dims.get_mesh(BATCH_MESH).get_group(), cfg.local_sgd.steps, cfg.local_sgd.warmup)
-                     if p.sync_mode == "local-sgd" else None)
+                     if p.sync_mode == "local-sgd" and not frozen else None)
         parallel = ReplicatedModel(model, dims, _sharder(dims, p, eos), autocast, gradient_sync,
                                    compiled=compiled, local_sgd=local_sgd, after_backward=_expert_sync([model], dims, p))
     parallel.masked = conversations
+    parallel.loss_chunk_mb = cfg.train.loss_chunk_mb
+    if frozen:
+        parallel.after_forward_only = lambda: reshard(parallel.model)
+        return parallel
     if cfg.train.objective == "dpo":
         parallel.dpo = {"beta": cfg.train.dpo_beta, "loss_type": cfg.train.dpo_loss,
                         "label_smoothing": cfg.train.dpo_label_smoothing}
+    sync = _sync_mode(parallel, dims, cfg)
+    if sync is not None:
+        parallel.sync = sync
+    return parallel
+
+
+def _sync_mode(parallel: ParallelModel, dims: ParallelDims, cfg: Config):
+    """DiLoCo's outer loop around ``parallel`` (elastic when this job is one worker of several), or None."""
+    p = cfg.parallel
     replicated = p.zero_stage < 2 and dims.batch_degree > 1  # DDP (and ZeRO-1): the batch ranks' weights are equal
     replicas = dims.get_mesh(BATCH_MESH).get_group() if replicated else None
     if cfg.elastic:  # this job is one worker; the others are jobs too
         from meshtrain.parallel.diloco.elastic import ElasticDiLoCo
         from meshtrain.runtime.distributed import LOOPBACK_ENV
 
-        parallel.sync = ElasticDiLoCo(parallel.model, cfg.model.n_layer, cfg.diloco, replicas,
-                                      cfg.train.collective_timeout_s, loopback=os.environ.get(LOOPBACK_ENV) == "1")
-    elif dims.workers > 1:
-        parallel.sync = DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer, cfg.diloco,
-                               replicas)
-    return parallel
+        return ElasticDiLoCo(parallel.model, cfg.model.n_layer, cfg.diloco, replicas,
+                             cfg.train.collective_timeout_s, loopback=os.environ.get(LOOPBACK_ENV) == "1")
+    if dims.workers > 1:
+        return DiLoCo(parallel.model, dims.get_mesh(WORKER_MESH).get_group(), cfg.model.n_layer, cfg.diloco, replicas)
+    return None
 
 
 def _set_balance_group(model: nn.Module, dims: ParallelDims) -> None:
@@ -146,7 +167,10 @@ def _expert_sync(models: list[nn.Module], dims: ParallelDims, cfg: ParallelConfi
 
 
 def _data_parallel(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """dp over the batch mesh, the experts of ep left to the ``"edp"`` ranks (:func:`apply_dp`)."""
+    """dp over the batch mesh, the experts of ep left to the ``"edp"`` ranks (:func:`apply_dp`); a frozen model (no
+    parameter requires a gradient) at zero_stage 0 or 1 as it is: DDP only synchronises gradients."""
+    if cfg.zero_stage < 2 and not any(p.requires_grad for p in model.parameters()):
+        return model
     experts = expert_modules(model) if dims.ep_enabled else []
     expert_mesh = dims.get_mesh(EXPERT_REPLICA_MESH) if _expert_fsdp(dims, cfg) else None
     return apply_dp(model, dims.get_mesh(BATCH_MESH), cfg.zero_stage, cfg.fsdp_unit_mb, experts, expert_mesh)
@@ -175,6 +199,10 @@ class PipelineLoss:
     gradient, hand ``loss_parallel``'s backward a DTensor one). A copy, not ``to_local``'s view: the zero-bubble
     schedules ``detach_()`` the loss after its input-gradient pass, which a view refuses."""
 
+    def __init__(self, chunk_mb: float = DEFAULT_CHUNK_MB) -> None:
+        self.chunk_mb = chunk_mb
+        """``train.loss_chunk_mb`` (:func:`meshtrain.parallel.reduce.cross_entropy`)."""
+
     scale: float = 1.0
     model: ParallelModel | None = None
     """With DPO (its ``dpo`` set): the model whose :meth:`~meshtrain.parallel.model.ParallelModel.pair_losses` and
@@ -188,16 +216,17 @@ class PipelineLoss:
         """``[summed loss, count]`` (2,) of one micro-batch: the cross-entropy over the supervised tokens of
         ``targets`` (B, T) and their count, or with DPO the pairs' losses and the pairs."""
         if self.model is None or self.model.dpo is None:
-            summed = local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum")).clone()
+            summed = local_value(cross_entropy(logits, targets, inside_loss_parallel=True, reduction="sum",
+                                               chunk_mb=self.chunk_mb)).clone()
             return torch.stack([summed, supervised_count(targets).to(summed)])
         y, reference = targets[:, :-1], targets[:, -1].contiguous().view(torch.float64)  # (B, T'), (B,)
-        losses = self.model.pair_losses(self.rows(logits, y, self.model.sp_group), reference, y)
+        losses = self.model.pair_losses(self.rows(logits, y, self.model.sp_group, self.chunk_mb), reference, y)
         return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)])
 
     @staticmethod
-    def rows(logits: torch.Tensor, targets: torch.Tensor, sp_group) -> torch.Tensor:
+    def rows(logits: torch.Tensor, targets: torch.Tensor, sp_group, chunk_mb: float = DEFAULT_CHUNK_MB) -> torch.Tensor:
         """Each row's log-probability of its supervised ``targets`` (:func:`meshtrain.parallel.reduce.row_logps`)."""
-        return row_logps(logits, targets, sp_group, inside_loss_parallel=True)
+        return row_logps(logits, targets, sp_group, inside_loss_parallel=True, chunk_mb=chunk_mb)
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, recompute: str = "none",

@@ -90,6 +90,15 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, unit_mb: fl
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered weights FSDP2 keeps after a forward (the root's and the last unit's, and every unit's at
+    zero_stage 2, ``reshard_after_forward=False``): each rank then holds its shards alone. For a model that only runs
+    forward (DPO's frozen reference copy), after each of its forwards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def fsdp_placement(param: nn.Parameter, dp: int) -> Shard | None:
     """The dim FSDP2 shards ``param`` along over ``dp`` ranks: dim 0 (None, FSDP2's default), but dim 1 for a
     matrix that tp already splits along dim 0 unevenly for ``tp * dp`` (the 65-row vocabulary of a character

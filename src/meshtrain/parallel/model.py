@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.mesh import Axis, ParallelDims
 from meshtrain.sync_mode import SYNCHRONOUS, SyncMode
+from meshtrain.cross_entropy import DEFAULT_CHUNK_MB
 from meshtrain.objectives import dpo_loss
 from meshtrain.parallel.reduce import (clip_grad_norm_, cross_entropy, local_value, loss_scale, pair_scale, row_counts,
                                       row_logps, supervised_count)
@@ -71,6 +72,10 @@ class ParallelModel:
     """The family's auxiliary loss (a mixture of experts' load balancing) of the last step, this rank's mean over the
     micro-batches, or None: a model without one, or a pipeline (each stage holds part of it)."""
 
+    mtp_loss: torch.Tensor | None = None
+    """The multi-token prediction loss of the last step (``(lambda / D) * sum_k CE_k`` over the supervised tokens of the
+    global batch, DeepSeek-V3 report Eq. 25), this rank's share as the loss's, or None: a model without it."""
+
     masked: bool = False
     """Whether targets may be left out of the loss (prepared conversations): the step then counts the supervised
     tokens of the global batch with an all-reduce (:func:`meshtrain.parallel.reduce.loss_scale`)."""
@@ -91,12 +96,20 @@ class ParallelModel:
     pairs: int = 0
     """DPO: the pairs of the last step's global batch."""
 
+    after_forward_only: Callable[[], None] = staticmethod(lambda: None)
+    """Called after :meth:`reference_logps`: a frozen model's (DPO's reference copy) frees the weights FSDP2 gathered
+    for it (:func:`meshtrain.parallel.data_parallel.reshard`); nothing for a model that trains."""
+
     pair_metrics: torch.Tensor | None = None
     """DPO: this rank's sums over the last step's pairs of :data:`meshtrain.objectives.PAIR_METRICS`, (4,) float64
     (each sp rank of a group holds the same; zeros off a pipeline's last stage)."""
 
     vocab_parallel: bool = False
     """Whether the last forward's logits were vocab-sharded (tp): a backward then runs inside ``loss_parallel``."""
+
+    loss_chunk_mb: float = DEFAULT_CHUNK_MB
+    """``train.loss_chunk_mb``: fp32 MiB of logits the loss computes at once (:func:`meshtrain.cross_entropy.token_nll`;
+    0 = all at once). Vocab-sharded logits (tp) take ``loss_parallel`` instead."""
 
     def step_scale(self, micro_batches: Batch) -> float:
         """What each micro-batch's summed loss is multiplied by in this step, so that the step's gradient is the
@@ -156,10 +169,11 @@ class ParallelModel:
             if hasattr(module, "update_bias"):
                 module.update_bias()
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, diverged: bool = False) -> str | None:
         """Called after optimizer step ``step`` (1-based) on every rank, updated or skipped: the sync mode's
-        (DiLoCo's outer steps)."""
-        self.sync.after_step(step)
+        (DiLoCo's outer steps), with this rank's vote to stop (``diverged``); None to go on, else who diverged
+        (:meth:`meshtrain.sync_mode.SyncMode.after_step`)."""
+        return self.sync.after_step(step, diverged)
 
     def consolidate(self, step: int) -> None:
         """Make the replicas hold the same parameters before a checkpoint after step ``step`` (they always do, but
@@ -208,16 +222,30 @@ class ReplicatedModel(ParallelModel):
         """``(sum, count)``: the cross-entropy summed over this rank's supervised tokens of the micro-batch
         ``(x, y[, doc_ids])`` (mbs, T) (its sp shard of them), and their count; with DPO, the summed loss of its pairs
         and their count (the same on each sp rank)."""
+        if self.dpo is None:
+            main, mtp, count = self.lm_loss(*micro_batch)
+            return (main if mtp is None else main + mtp), count
         logits, y = self.forward(*micro_batch)
-        if self.dpo is not None:
-            losses = self.pair_losses(row_logps(logits, y, self.sp_group), micro_batch[3], y)
-            return losses.sum(), torch.tensor(losses.numel())
-        return cross_entropy(logits, y, reduction="sum"), supervised_count(y)
+        losses = self.pair_losses(row_logps(logits, y, self.sp_group, chunk_mb=self.loss_chunk_mb), micro_batch[3], y)
+        return losses.sum(), torch.tensor(losses.numel())
+
+    def lm_loss(self, *micro_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(main, mtp, count)`` of the micro-batch: the main head's cross-entropy summed over this rank's supervised
+        tokens, the model's multi-token prediction loss summed alike (None without one, and in eval:
+        :meth:`meshtrain.models.deepseek_v3.model.DeepseekV3.mtp_loss`), and the count of those tokens, which
+        normalises both (DeepSeek-V3 report, Eq. 24)."""
+        logits, y = self.forward(*micro_batch)
+        main = cross_entropy(logits, y, reduction="sum", chunk_mb=self.loss_chunk_mb)
+        extra = getattr(getattr(self.model, "module", self.model), "mtp_loss", None)  # DDP wraps the model
+        mtp = extra(y, lambda lk, yk: cross_entropy(lk, yk, reduction="sum", chunk_mb=self.loss_chunk_mb)) if extra \
+            else None
+        return main, mtp, supervised_count(y)
 
     @torch.no_grad()
     def reference_logps(self, batches: Batch) -> torch.Tensor:
         self.model.eval()
-        rows = [row_logps(*self.forward(*micro_batch), self.sp_group).double().cpu() for micro_batch in batches]
+        rows = [row_logps(*self.forward(*micro_batch), self.sp_group, chunk_mb=self.loss_chunk_mb).double().cpu()
+                for micro_batch in batches]
         self.model.train()
         return torch.cat(rows)
 
@@ -227,16 +255,21 @@ class ReplicatedModel(ParallelModel):
         scale = self.step_scale(micro_batches)
         lm = getattr(self.model, "module", self.model)  # DDP wraps the language model; FSDP2 and tp keep it
         lm.aux_grad_scale = 1.0 / n  # a family's auxiliary loss joins the backward with the loss's weight
-        aux = []
+        aux, mtps = [], []
         for i, micro_batch in enumerate(micro_batches):
             with self.gradient_sync(self.model, i == n - 1):
-                loss = self.loss(*micro_batch)[0] * scale
+                main, mtp, _ = self.lm_loss(*micro_batch) if self.dpo is None else (self.loss(*micro_batch)[0], None, 0)
+                loss = main * scale
+                objective = loss if mtp is None else loss + mtp * scale  # the same normalisation (Eq. 24)
                 with self.backward_context():
-                    (loss / n).backward()
+                    (objective / n).backward()
             total += local_value(loss).detach()
+            if mtp is not None:
+                mtps.append(local_value(mtp * scale).detach())
             if (value := lm.aux_loss()) is not None:
                 aux.append(value.detach())
         self.aux_loss = torch.stack(aux).mean() if aux else None
+        self.mtp_loss = torch.stack(mtps).mean() if mtps else None
         self.after_backward()
         return total / n
 
@@ -313,7 +346,8 @@ class PipelineModel(ParallelModel):
         self.model.eval()
         with self.autocast:
             rows = self.pipeline.forward_only([self.local(*mb[:3]) for mb in batches],
-                                              lambda logits, y: self.pipeline.loss_fn.rows(logits, y, self.sp_group))
+                                              lambda logits, y: self.pipeline.loss_fn.rows(logits, y, self.sp_group,
+                                                                                       self.loss_chunk_mb))
         self.model.train()
         rows = torch.cat(rows).double().cpu() if rows else torch.zeros(sum(len(mb[0]) for mb in batches),
                                                                      dtype=torch.float64)

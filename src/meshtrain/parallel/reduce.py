@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtrain.cross_entropy import DEFAULT_CHUNK_MB, token_nll
 from meshtrain.mesh import BATCH_MESH, WORKER_MESH, ParallelDims
 
 
@@ -30,7 +31,7 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False,
-                  reduction: str = "mean") -> torch.Tensor:
+                  reduction: str = "mean", chunk_mb: float = DEFAULT_CHUNK_MB) -> torch.Tensor:
     """Cross-entropy of logits (B, T, V) against targets (B, T) over this rank's tokens whose target is not
     :data:`IGNORE_INDEX`: their mean (``reduction = "mean"``; NaN when there is none) or their sum (``"sum"``;
     0 when there is none).
@@ -40,7 +41,15 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_paral
     scalars are all-reduced (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019, Sec. 3).
     Call ``backward`` on the result inside :func:`backward_context`. ``inside_loss_parallel``: the caller
     already entered ``loss_parallel`` (entering it again would end it on exit: it does not nest).
+
+    Plain logits go through :func:`meshtrain.cross_entropy.token_nll` in chunks of ``chunk_mb`` fp32 MiB
+    (``train.loss_chunk_mb``), which never holds them all in fp32; ``chunk_mb = 0``: ``F.cross_entropy`` on the
+    fp32 logits at once.
     """
+    if chunk_mb > 0 and not isinstance(logits, DTensor):
+        nll = token_nll(logits, targets, chunk_mb)  # (B*T,), 0 where ignored
+        summed = nll.sum()
+        return summed if reduction == "sum" else summed / supervised_count(targets)
     with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                reduction=reduction)
@@ -78,17 +87,20 @@ def loss_scale(local_count: int, micro_batches: int, dims: ParallelDims, masked:
 
 
 def row_logps(logits: torch.Tensor, targets: torch.Tensor, sp_group: dist.ProcessGroup | None = None,
-              inside_loss_parallel: bool = False) -> torch.Tensor:
+              inside_loss_parallel: bool = False, chunk_mb: float = DEFAULT_CHUNK_MB) -> torch.Tensor:
     """Each row's log-probability of its supervised targets: logits (B, T', V) (vocab-sharded under tp), targets
     (B, T') of this rank's sequence shard -> (B,) float32 nats, summed over the sp group's shards of each row.
 
     The sum over ``sp_group`` is differentiable (``torch.distributed.nn.functional.all_reduce``): its backward sums
     the gradients of the sp ranks, so each rank's tokens get sp times the gradient of a loss every rank computes
     alike; :func:`pair_scale` divides it out. Under tp, compute the loss from it and run its backward inside
-    ``loss_parallel`` (:func:`backward_context` of the logits)."""
-    with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
-        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                              reduction="none")  # (B*T',), 0 where ignored
+    ``loss_parallel`` (:func:`backward_context` of the logits). ``chunk_mb``: as :func:`cross_entropy`."""
+    if chunk_mb > 0 and not isinstance(logits, DTensor):
+        nll = token_nll(logits, targets, chunk_mb)  # (B*T',), 0 where ignored
+    else:
+        with contextlib.nullcontext() if inside_loss_parallel else backward_context(logits):
+            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="none")  # (B*T',), 0 where ignored
     rows = -local_value(nll).view(targets.shape).sum(dim=1)  # (B,)
     if sp_group is not None:
         from torch.distributed.nn.functional import all_reduce

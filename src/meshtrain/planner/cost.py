@@ -129,13 +129,15 @@ def recomputed_gemm_fraction(model: ModelSpec, selective: str) -> float:
 def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: str = "attention-core") -> float:
     """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``); ``selective``:
     ``Framework.selective`` ("op-level" recomputes no GEMM: no extra FLOPs; "op-level-alternate" the GEMMs of
-    :func:`recomputed_gemm_fraction`)."""
+    :func:`recomputed_gemm_fraction`); plus, with DPO's frozen reference copy (:attr:`ModelSpec.reference_copy`), its
+    forward: a third of the model FLOPs (which, like recomputation, MFU does not count)."""
     tokens = samples * model.seq_len
     attention_again = attention_flops_per_token(model) if selective == "attention-core" else 0.0
     attention_again += recomputed_gemm_fraction(model, selective) * dense_flops_per_token(model)
     extra = {"none": 0.0, "selective": attention_again,
              "full": dense_flops_per_token(model) + attention_flops_per_token(model)}[recompute]
-    return model_flops(model, samples) + tokens * model.layers * extra
+    copy = model_flops(model, samples) / 3 if model.reference_copy else 0.0  # DPO's frozen copy: a forward more
+    return model_flops(model, samples) + tokens * model.layers * extra + copy
 
 
 def collective_time(hw: Hardware, kind: str, n: int, nbytes: float, spans_nodes: bool,
@@ -817,10 +819,16 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
     m = layout.gradient_accumulation_steps
     tp_step = memoized(memo, ("tp step", stage_layers(model, layout), layout.tp, layout.tp_sequence_parallel),
                        _step_collectives_time, model, layout, hw, prec)
-    return StepTime(compute=m * (mb.forward + mb.backward), tp_comm=m * mb.tp + tp_step, sp_comm=m * mb.sp,
-                    pp_comm=m * mb.p2p + embedding_sync_time(model, layout, hw, prec), bubble=bubble_time(layout, mb),
-                    dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo),
-                    optimizer=optimizer_time(model, layout, hw, prec, fw, memo), ep_comm=m * mb.ep)
+    # DPO's frozen reference copy (ModelSpec.reference_copy) runs each micro-batch forward once more before the policy:
+    # the forward's compute again, and the forward's share of the tp/sp/ep collectives and p2p sends, which the
+    # forward, the backward and a full recomputation's forward each run once (the same activations or their
+    # gradients). Its ZeRO-3 gathers and a pipeline's forward-only pass's fill and drain are left out.
+    copy = 1 / (2 + (layout.recompute == "full")) if model.reference_copy else 0.0
+    return StepTime(compute=m * (mb.forward * (1 + (copy > 0)) + mb.backward),
+                    tp_comm=m * mb.tp * (1 + copy) + tp_step, sp_comm=m * mb.sp * (1 + copy),
+                    pp_comm=m * mb.p2p * (1 + copy) + embedding_sync_time(model, layout, hw, prec),
+                    bubble=bubble_time(layout, mb), dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo),
+                    optimizer=optimizer_time(model, layout, hw, prec, fw, memo), ep_comm=m * mb.ep * (1 + copy))
 
 
 def _step_collectives_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision) -> float:

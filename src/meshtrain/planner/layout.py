@@ -15,7 +15,7 @@ from typing import Any
 
 from meshtrain import axes, batch_math
 from meshtrain.config.checks import check_diloco, diloco_workers, resolve_world
-from meshtrain.config.sections import Config, DiLoCoConfig, ParallelConfig
+from meshtrain.config.sections import Config, DiLoCoConfig, ParallelConfig, TrainConfig
 from meshtrain.errors import ConfigError
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.planner.optimizer import OptimizerPlan
@@ -346,6 +346,14 @@ class Framework:
     (meshtrain, torchtitan) computes the log-softmax of a vocab-sharded DTensor from fp32 temporaries (the shifted
     logits, their exp) and its backward from ``exp(log-softmax)``: 16, measured as ``loss_backward_bytes``.
     Megatron's vocab-parallel cross-entropy is the same at every tp: 6."""
+    loss_chunk_bytes: float = 0.0
+    """The chunked cross-entropy (:func:`meshtrain.cross_entropy.token_nll`, ``train.loss_chunk_mb``): fp32 bytes of
+    logits one chunk computes at once; 0 = not chunked (``loss_backward_bytes``). Chunked, the loss keeps only the
+    logits (``e`` bytes each) for its backward, which writes their gradient (``e``) one chunk at a time: ``2e`` per
+    logit plus one chunk's fp32 softmax, and with 16-bit logits one more chunk (their fp32 upcast);
+    each micro-batch waiting for its backward holds its logits (``e``) instead of the fp32 log-softmax (4). Under tp the
+    vocabulary-parallel loss runs instead (``loss_parallel_bytes``). Measured tensor by tensor with torch's
+    ``MemTracker`` (``tests/test_chunked_loss.py``)."""
     optimizer: OptimizerPlan = OptimizerPlan()
     """The run's optimizer (``optim.name`` and Muon's keys, :class:`meshtrain.planner.optimizer.OptimizerPlan`): its
     states per parameter (memory) and its step's time (:func:`meshtrain.planner.cost.optimizer_parts`); AdamW
@@ -383,7 +391,8 @@ MESHTRAIN = Framework("meshtrain", replicates_kv_heads=False, sequence_parallel=
                       fsdp_unit_bytes=ParallelConfig.fsdp_unit_mb * 2**20,
                       hierarchical_allreduce=SUPPORTED.hierarchical_allreduce, zero1_ddp_only=SUPPORTED.zero1_ddp_only,
                       selective="op-level", repeats_kv=True, swiglu_keeps_activation=True,
-                      eager_elementwise=(218.0, 52.0, 28.0, 24.0), pp_split="balanced")
+                      eager_elementwise=(218.0, 52.0, 28.0, 24.0), pp_split="balanced",
+                      loss_chunk_bytes=TrainConfig.loss_chunk_mb * 2**20)
 """The trainer: its features are the table of :mod:`meshtrain.rules.support` (the one config validation reads),
 so ``meshtrain plan`` never ranks a layout that ``meshtrain train`` rejects."""
 
@@ -401,7 +410,7 @@ def meshtrain_framework(cfg: Config, device_type: str = "cuda") -> Framework:
     return replace(MESHTRAIN, name="meshtrain+compile" if compiled else MESHTRAIN.name,
                    fsdp_unit_bytes=p.fsdp_unit_mb * 2**20,
                    eager_elementwise=None if compiled else MESHTRAIN.eager_elementwise,
-                   optimizer=OptimizerPlan.from_config(cfg.optim))
+                   optimizer=OptimizerPlan.from_config(cfg.optim), loss_chunk_bytes=cfg.train.loss_chunk_mb * 2**20)
 
 
 FRAMEWORKS = {f.name: f for f in (

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshtrain.planner.hardware import Hardware
 from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk_ranks, split_layers
@@ -297,6 +297,42 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     return replicated / sharded_seq + sharded / t + routed
 
 
+def backward_working_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:
+    """Bytes one layer's backward allocates beyond what the layers keep, per micro-batch on one device: the larger of
+    its MLP's and its attention's gradients alive at once (the layer's own saved tensors are freed as its backward
+    goes, so they are not counted twice). ``s`` the sequence over sp, ``q`` the attention width, ``kv`` K/V's (the
+    query width where ``Framework.repeats_kv``), both over tp, ``e`` the activation bytes:
+
+    - the MLP (SwiGLU or GELU): the down projection's input gradient replaces its saved input, then the activation's
+      or product's backward writes the gradients of its two f-wide inputs before its saved ones are freed, beside the
+      h-wide gradients of the block's output and the MLP's input: ``s*b*(2f/t + 2h)*e``;
+    - the attention, by sp mode (the kernel's fused backward, :class:`meshtrain.parallel.sequence.UlyssesAttention`,
+      :class:`meshtrain.parallel.sequence.RingAttention`):
+
+      - one rank or Ulysses: the output's gradient and dq, dk, dv: ``s*b*(2q + 2kv)*e``; Ulysses' all-to-alls add
+        their send copies and receive buffers of the output's gradient and of dq, dk, dv: ``s*b*(4q + 4kv)*e`` in all;
+      - ring (USP's ring of Ulysses-gathered heads, the same per rank): in fp32, the dq accumulator, K and V stacked,
+        their gradients travelling with them, both received from the ring, and one chunk pair's dq, dk, dv (half the
+        rows): ``s*b*(q + 8kv + (q + 2kv)/2)*4`` beside the output's gradient ``s*b*q*e``.
+
+    Measured tensor by tensor with torch's ``MemTracker`` on the trainer's Llama at sp = 1, 2, 4 in every mode
+    (``tests/test_planner_memory_mechanisms.py``, docs/planner.md "Memory").
+    """
+    b, s, h, t, e = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp, precision.activation_bytes
+    q = model.q_dim / t
+    kv = q if framework.repeats_kv else model.kv_dim / t
+    f = model.active_ffn / t
+    mlp = s * b * (2 * f + 2 * h) * e
+    ring = layout.sp // layout.sp_ulysses if layout.sp_mode == "usp" else layout.sp if layout.sp_mode == "ring" else 1
+    if ring > 1:
+        attention = s * b * ((q + 8 * kv + (q + 2 * kv) / 2) * 4 + q * e)
+    elif layout.sp > 1:
+        attention = s * b * (4 * q + 4 * kv) * e
+    else:
+        attention = s * b * (2 * q + 2 * kv) * e
+    return max(mlp, attention)
+
+
 def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
     """Bytes per layer and micro-batch that meshtrain's per-operator selective recomputation keeps besides the
     block's input (:mod:`meshtrain.parallel.recompute`): the outputs of
@@ -378,13 +414,14 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
     """Peak activation bytes on the busier of two ranks, each at its own peak:
 
     - the first rank: its stored layers x in-flight micro-batches (:func:`in_flight_microbatches`) and one layer
-      being recomputed or back-propagated (its full activations);
+      being back-propagated: what recomputation brings back beyond its stored bytes, and its gradients
+      (:func:`backward_working_bytes`);
     - the rank with the loss (the same one at pp = 1 and under zbv): its stored layers x its in-flight
-      micro-batches (:func:`meshtrain.rules.pipeline.loss_rank_in_flight`), the fp32 log-softmax of
-      each waiting micro-batch (4 bytes per logit), and the larger of the loss's backward
-      (``Framework.loss_backward_bytes`` per logit, ``loss_parallel_bytes`` under tp) and one layer's backward:
-      the logits are freed before the
-      layers' backward begins, so the two never add up.
+      micro-batches (:func:`meshtrain.rules.pipeline.loss_rank_in_flight`), what each waiting micro-batch's loss
+      keeps (the fp32 log-softmax, 4 bytes per logit; chunked, the logits), and the larger of the loss's backward
+      (``Framework.loss_backward_bytes`` per logit, ``loss_parallel_bytes`` under tp, or the chunked loss's
+      ``2e`` per logit and a chunk or two, :attr:`Framework.loss_chunk_bytes`) and one layer's backward: the logits are
+      freed before the layers' backward begins, so the two never add up.
 
     Logits per micro-batch: ``b*s/sp`` tokens x ``V/t`` (vocab-parallel under tp). ``composite_norms``: as
     :func:`layer_activation_bytes` (a CPU).
@@ -393,26 +430,56 @@ def activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, fra
     return _activations(_activation_parts(model, layout, precision, framework, composite_norms), per_layer)
 
 
+class ActivationParts(NamedTuple):
+    """What :func:`activation_bytes` needs besides the stored bytes per layer (bytes; counts of layers and
+    micro-batches)."""
+
+    layers: float
+    """The loss rank's layers."""
+    whole: float
+    """One layer's activations without recomputation."""
+    working: float
+    """One layer's backward gradients (:func:`backward_working_bytes`)."""
+    waiting: float
+    """What one micro-batch waiting for its loss's backward keeps."""
+    held: float
+    """The loss rank's micro-batches in flight."""
+    loss: float
+    """The loss's backward."""
+    first: float
+    """The first rank's micro-batches in flight, or 0 when the loss is on it."""
+    first_layers: float
+    """The first rank's layers."""
+
+
 def _activation_parts(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework,
-                      composite_norms: bool) -> tuple[float, ...]:
+                      composite_norms: bool) -> ActivationParts:
     """What :func:`activation_bytes` needs besides the stored bytes per layer, which alone depend on the recompute
-    mode: (the loss rank's layers, one layer's backward, logits per micro-batch, the loss rank's micro-batches, the
-    loss's bytes per logit, the first rank's micro-batches or 0 when the loss is on it, the layers those count for).
-    The layers are those of the framework's pipeline split (:func:`_pipeline`)."""
+    mode: (the loss rank's layers, one layer's backward, the bytes one waiting micro-batch's loss keeps, the loss
+    rank's micro-batches, the loss's backward in bytes, the first rank's micro-batches or 0 when the loss is on it,
+    the layers those count for). The layers are those of the framework's pipeline split (:func:`_pipeline`)."""
     n, n_first = _pipeline(model, *_split_key(layout, framework))[2]
-    working = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
+    whole = layer_activation_bytes(model, layout, precision, framework, "none", composite_norms)
+    working = backward_working_bytes(model, layout, precision, framework)
     logits = layout.micro_batch_size * model.seq_len / layout.sp * model.vocab / layout.tp
     m, v = layout.gradient_accumulation_steps, layout.virtual_stages
     held = loss_rank_in_flight(layout.pp_schedule, layout.pp, m, v)
-    loss = framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes
+    if layout.tp == 1 and framework.loss_chunk_bytes > 0:
+        e = precision.activation_bytes
+        chunks = 1 if e == 4 else 2  # the chunk's fp32 softmax, and its fp32 upcast of 16-bit logits
+        waiting, loss = logits * e, logits * 2 * e + chunks * min(framework.loss_chunk_bytes, logits * 4)
+    else:
+        waiting = logits * 4
+        loss = logits * (framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes)
     first = 0.0 if layout.pp == 1 or layout.pp_schedule == "zbv" else in_flight_microbatches(layout)
-    return n, working, logits, held, loss, first, n_first
+    return ActivationParts(n, whole, working, waiting, held, loss, first, n_first)
 
 
-def _activations(parts: tuple[float, ...], per_layer: float) -> float:
+def _activations(parts: ActivationParts, per_layer: float) -> float:
     """:func:`activation_bytes` from :func:`_activation_parts` and the stored bytes per layer."""
-    n, working, logits, held, loss, first, n_first = parts
-    loss_rank = n * held * per_layer + logits * 4 * (held - 1) + max(working, logits * loss)
+    n, whole, transient, waiting, held, loss, first, n_first = parts
+    working = whole - per_layer + transient  # the layer in backward: recomputed beyond what it kept, and its gradients
+    loss_rank = n * held * per_layer + waiting * (held - 1) + max(working, loss)
     return loss_rank if not first else max(n_first * first * per_layer + working, loss_rank)
 
 
@@ -454,7 +521,7 @@ class ActivationMemory:
         try:
             return self.by_mode[mode]
         except KeyError:
-            per_layer = self.parts[1] if mode == "none" else layer_activation_bytes(  # parts[1]: a whole layer's
+            per_layer = self.parts.whole if mode == "none" else layer_activation_bytes(
                 self.model, self.layout, self.precision, self.framework, mode, self.composite_norms)
             value = self.by_mode[mode] = _activations(self.parts, per_layer)
             return value
@@ -527,6 +594,8 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
         weights = sharded * precision.weight_bytes + (adapters * precision.weight_bytes - q * nf4_saving) / shard
     else:
         weights = p * precision.weight_bytes + adapters * precision.weight_bytes - q * nf4_saving
+    if model.reference_copy:  # DPO's frozen reference: the weights again, sharded as the policy's at rest (ZeRO 2, 3)
+        weights += (sharded if z >= 2 else p) * precision.weight_bytes
     # torch.distributed.pipelining's stages keep FSDP2's weights and gradients unsharded from the first backward
     # to the step's end (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``)
     pipelined = layout.pp > 1

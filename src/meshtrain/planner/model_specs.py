@@ -83,6 +83,14 @@ class ModelSpec:
     nf4_layer_params: int = 0
     """QLoRA: one block's base weights stored as NF4 (:data:`NF4_BYTES` each instead of the weight dtype's bytes),
     dequantized once per forward and once per backward (and per recomputation)."""
+    sequences_per_sample: int = 1
+    """Sequences of one sample of the batch: 2 for DPO (``train.objective = "dpo"``: a preference pair, chosen and
+    rejected), else 1. Layouts count sequences (``micro_batch_size``, the global batch); a search takes micro-batches
+    of whole samples only, since a pair never splits across micro-batches or ranks."""
+    reference_copy: bool = False
+    """DPO with a frozen reference copy (``train.dpo_reference = "copy"``, :mod:`meshtrain.train.reference`): a second
+    set of the weights, sharded as the policy's (ZeRO 2 and 3: 1/(dp*sp); no gradients, no optimizer states), held
+    through the step, and one more forward per micro-batch (no backward) before the policy's."""
     expert_imbalance: float = 1.0
     """The busiest expert rank's routed rows over the mean (>= 1; 1 = every expert rank gets ``tokens*k/ep``): a
     stated factor, not predicted. Every rank waits for the busiest at each MoE layer's combine, so the routed
@@ -363,7 +371,8 @@ def _linear_weights_per_block(m: Any, targets: list[str]) -> int:
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: its family's planner numbers
     (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``) and its adapters'
-    (:func:`adapter_numbers`). ``vocab_size`` overrides the
+    (:func:`adapter_numbers`), and DPO's pairs and frozen reference copy (:attr:`ModelSpec.sequences_per_sample`,
+    :attr:`ModelSpec.reference_copy`). ``vocab_size`` overrides the
     config's; without it, the vocabulary is the trainer's (:func:`trained_vocab_size`: ``model.vocab_size``, the
     corpus's distinct characters or padded tokenizer size, or a checkpoint's grown for the tokens prepare added).
 
@@ -376,7 +385,9 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
         modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
-    return ModelSpec("config", **numbers(m, vocab_size or trained_vocab_size(cfg)), **adapter_numbers(cfg))
+    dpo = cfg.train.objective == "dpo"
+    return ModelSpec("config", **numbers(m, vocab_size or trained_vocab_size(cfg)), **adapter_numbers(cfg),
+                     sequences_per_sample=2 if dpo else 1, reference_copy=dpo and cfg.train.dpo_reference == "copy")
 
 
 def trained_vocab_size(cfg: Config) -> int:

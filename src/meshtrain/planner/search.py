@@ -123,6 +123,8 @@ def candidate_groups(model: ModelSpec, job: Job, framework: Framework, fixed: di
                 ga = gbs // (dp * mbs)
                 if (gbs // dp) % mbs or fixed.get("gradient_accumulation_steps", ga) != ga:
                     continue
+                if mbs % model.sequences_per_sample:  # a DPO pair's two sequences share a micro-batch
+                    continue
                 key = (pp, ga, dp * sp)
                 if key not in schedules:
                     schedules[key] = list(_schedules(model, pp, ga, framework.pp_schedules, dp * sp))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import axes
+from meshtrain.adapters.saved import saved_modules, tied_embeddings
 from meshtrain.adapters.spec import BASE_KEY, adapter_parameters, base_record
 from meshtrain.checkpoint import store as ckpt
 from meshtrain.checkpoint.writer import Checkpoints
@@ -42,8 +43,10 @@ from meshtrain.models.resize import GrownRows
 from meshtrain.optim.build import build_optimizer
 from meshtrain.optim.qk_clip import QKClip
 from meshtrain.parallel.compose import parallelize
+from meshtrain.parallel.model import ParallelModel
 from meshtrain.parallel.reduce import batch_mean, batch_sum, worker_mean
 from meshtrain.parallel.rng import seed_step
+from meshtrain.preflight import started_tensors
 from meshtrain.profiling import StepProfiler
 from meshtrain.resolved import ResolvedRun, config_of, for_world
 from meshtrain.runtime.device import device_and_backend
@@ -114,8 +117,11 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpoints = Checkpoints(self.out_dir, c.keep, c.async_save, cfg.train.collective_timeout_s, self.device)
         self._load_base(grown, quantized)
+        self.reference: ParallelModel | None = None
+        """``train.dpo_reference = "copy"``: the frozen copy of the starting weights (:mod:`meshtrain.train.reference`)
+        that gives each step's micro-batches their reference log-probabilities; else None."""
         if cfg.train.objective == "dpo":
-            self._set_reference()
+            self._set_reference(grown)
 
     def _qk_clip(self) -> QKClip | None:
         """``optim.qk_clip``'s observer of this rank's attention blocks, its maxima reduced over dp x sp and tp."""
@@ -126,12 +132,16 @@ class Trainer:
         return QKClip(self.model, self.cfg.optim.qk_clip, self.dims.rank_of(Axis.TP), groups)
 
     def _say_adapters(self) -> None:
-        """LoRA, on rank 0: how many adapter parameters train, and how many of the base's are frozen."""
-        a = self.cfg.adapter
+        """LoRA, on rank 0: how many adapter parameters train, how many of the modules trained beside them
+        (``adapter.modules_to_save``: V x C each, a tied pair once), and how many of the base's are frozen."""
+        a, m = self.cfg.adapter, self.cfg.model
         if a.lora_rank and self.rank == 0:
-            n = adapter_parameters(self.cfg.model, list(a.lora_targets), a.lora_rank)
-            print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}); the "
-                  f"base's {self.setup.model.num_params():,} are frozen", file=sys.stderr, flush=True)
+            n = adapter_parameters(m, list(a.lora_targets), a.lora_rank, a.use_dora)
+            saved = saved_modules(m, list(a.modules_to_save))
+            full = self.setup.vocab_size * m.n_embd * (1 if saved and tied_embeddings(m) else len(saved))
+            beside = f" and {full:,} of {', '.join(a.modules_to_save)} in full" if saved else ""
+            print(f"LoRA: {n:,} adapter parameters train (rank {a.lora_rank} on {', '.join(a.lora_targets)}){beside}; "
+                  f"the base's{' other' if saved else ''} {self.setup.model.num_params() - full:,} are frozen", file=sys.stderr, flush=True)
 
     def _build_data(self, dp: int) -> None:
         """This rank's train sampler and validation batches: its share among the ``dp`` replicas of every worker (and
@@ -163,11 +173,17 @@ class Trainer:
         if adapters and self.rank == 0:  # what a resume, export or generate checks the base against
             self.adapter_base = base_record(cfg.model.init_from, cfg.train.seed)
 
-    def _set_reference(self) -> None:
-        """DPO: the reference log-probabilities of the starting weights (:mod:`meshtrain.train.reference`) on the
-        train pairs and this rank's validation pairs: computed now, or read back when resuming."""
-        pairs, resumed = self.setup.corpus.train, ckpt.resume_checkpoint(self.cfg)
+    def _set_reference(self, grown: Any) -> None:
+        """DPO: the reference of the starting weights (:mod:`meshtrain.train.reference`): with
+        ``train.dpo_reference = "copy"`` the frozen copy (rebuilt on a resume), else the log-probabilities of the
+        train pairs, computed now or read back when resuming; and those of this rank's validation pairs."""
         seed_step(self.model, self.cfg.train.seed, 0, self.rank, self.dims.tp)  # tp's dropout regions want a seed
+        if self.cfg.train.dpo_reference == "copy":
+            self.reference = reference.reference_copy(self.cfg, self.dims, self.setup.vocab_size, self.device,
+                                                      self.setup.autocast, grown)
+            self.val = reference.with_reference(self.reference, self.val)
+            return
+        pairs, resumed = self.setup.corpus.train, ckpt.resume_checkpoint(self.cfg)
         if resumed is None:
             pairs.reference = reference.train_reference(self.parallel, pairs, self.dims, self.cfg.batch.micro_batch_size)
         else:
@@ -185,9 +201,10 @@ class Trainer:
         if path is None:
             return 0
         fresh = self.cfg.checkpoint.fresh_optimizer
+        started, said = started_tensors(self.cfg, ckpt.read_meta(path), path)  # routing biases added: at 0
         meta = ckpt.load(path, self.model, self.optimizer,
                          aliases={"lm_head.weight": "tok_emb.weight"},  # the tied weight, by its first name
-                         extra=self.parallel.sync.checkpointed(), fresh_optimizer=fresh)
+                         extra=self.parallel.sync.checkpointed(), fresh_optimizer=fresh, started=started)
         self.sampler.load_state_dict(meta["sampler"])
         if fresh:  # another optimizer's groups: the schedule continues at the checkpoint's step on this one's
             self.scheduler.last_epoch = int(meta["step"]) - 1
@@ -205,11 +222,16 @@ class Trainer:
             print(f"resumed from step {meta['step']} of {path} (saved at {saved}, global batch "
                   f"{meta.get('global_batch_size')}; now {now}, global batch "
                   f"{self.sampler.global_batch_size})", file=sys.stderr, flush=True)
+            if said:
+                print(said, file=sys.stderr, flush=True)
         return int(meta["step"])
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; return this rank's mean loss (a scalar tensor; with
-        pp > 1 the loss on the last stage and 0 on the others)."""
+        pp > 1 the loss on the last stage and 0 on the others). DPO with a frozen copy: its forward gives the
+        micro-batches' reference log-probabilities first."""
+        if self.reference is not None:
+            micro_batches = reference.with_reference(self.reference, micro_batches)
         return self.parallel.forward_backward(micro_batches)
 
     def evaluate(self) -> float:
@@ -261,7 +283,7 @@ class Trainer:
         tokens = tokens_per_step(self.sampler.global_batch_size * rows, self.cfg.model.block_size)
         step_times: list[float] = []
         val_loss = None
-        nonfinite = 0
+        self._nonfinite, self._streak = 0, None
         mark = time.perf_counter()
         try:
             for step in range(self.start_step + 1, t.steps + 1):
@@ -270,17 +292,16 @@ class Trainer:
                 # saves (every eval_interval / checkpoint.interval steps) do not.
                 t0 = mark
                 profiler.begin(step)
-                loss, grad_norm, lr = self._train_step(step)
+                loss, grad_norm, lr, stop = self._train_step(step)
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
-                nonfinite = 0 if finite else nonfinite + 1
                 dt = time.perf_counter() - t0
                 if step > self.start_step + TIMING_WARMUP_STEPS:
                     step_times.append(dt)
                 last = step == t.steps
                 logged = step % t.log_interval == 0 or last or not finite
                 log.step(step, self._record(step, loss, lr, grad_norm, dt, tokens) if logged else None)
-                if nonfinite >= t.max_nonfinite_steps:
-                    self._diverged(step, nonfinite, loss, grad_norm)
+                if stop is not None:  # train.max_nonfinite_steps, agreed by every rank
+                    self._diverged(step, stop, loss)
                 periodic = time.perf_counter()
                 profiler.end(step)  # writes the trace after the last profiled step, untimed
                 if last or (t.eval_interval and step % t.eval_interval == 0):
@@ -299,10 +320,13 @@ class Trainer:
         self.parallel.sync.close()  # elastic workers leave the quorum
         return summary
 
-    def _train_step(self, step: int) -> tuple[float, float, float]:
+    def _train_step(self, step: int) -> tuple[float, float, float, str | None]:
         """One optimizer step on every rank: forward/backward of the step's micro-batches, the clipped gradient norm,
         the update (skipped by every rank alike when the loss or the norm is not finite), the LR schedule and the
-        sync mode's hook. Returns ``(loss, grad_norm, lr)``: the global batch's mean loss, the norm, the step's LR."""
+        sync mode's hook, which takes this rank's vote to stop (``train.max_nonfinite_steps`` non-finite steps in a
+        row, now or before). Returns ``(loss, grad_norm, lr, stop)``: the global batch's mean loss, the norm, the step's
+        LR, and None, or who diverged when every rank agreed to stop now
+        (:meth:`meshtrain.sync_mode.SyncMode.after_step`)."""
         seed_step(self.model, self.cfg.train.seed, step, self.rank, self.dims.tp)
         lr = self.scheduler.get_last_lr()[0]
         enter_phase(f"step {step}: forward/backward", self.world_ranks)
@@ -318,9 +342,13 @@ class Trainer:
                 self.qk_clip.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._nonfinite = 0 if finite else self._nonfinite + 1
+        if self._nonfinite >= self.cfg.train.max_nonfinite_steps:
+            self._streak = (self._nonfinite, step, loss, grad_norm)  # the vote stays until every rank agrees
         enter_phase(f"step {step}: {self.parallel.sync.phase or 'the end of the step'}", self.world_ranks)
-        self.parallel.end_step(step)
-        return loss, grad_norm, lr
+        stop = self.parallel.end_step(step, self._streak is not None)
+        return loss, grad_norm, lr, stop
 
     def _record(self, step: int, loss: float, lr: float, grad_norm: float, dt: float, tokens: int) -> dict[str, Any]:
         """The step's line of ``metrics.jsonl`` (``dt`` seconds, ``tokens`` per step)."""
@@ -335,20 +363,30 @@ class Trainer:
             record.update(qk_max_logit=self.qk_clip.last_max, qk_clipped_heads=self.qk_clip.last_clipped)
         if self.parallel.aux_loss is not None:  # the routers' load balancing, added to the loss's gradient
             record["aux_loss"] = batch_mean(self.parallel.aux_loss, self.dims)
+        if self.parallel.mtp_loss is not None:  # DeepSeek-V3's multi-token prediction, added to the loss's gradient
+            record["mtp_loss"] = batch_mean(self.parallel.mtp_loss, self.dims)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             record["skipped"] = True  # no update: a NaN/inf loss or gradient norm
         return record
 
-    def _diverged(self, step: int, nonfinite: int, loss: float, grad_norm: float) -> None:
-        """Raise TrainingDiverged after ``nonfinite`` non-finite steps in a row (``train.max_nonfinite_steps``), once
-        the checkpoint being written is committed."""
+    def _diverged(self, step: int, who: str, loss: float) -> None:
+        """Raise TrainingDiverged once every rank agreed to stop after ``step`` (``who``: "" when every rank counted the
+        same steps, else the DiLoCo workers that diverged), once the checkpoint being written is committed."""
         enter_phase(f"step {step}: waiting for the checkpoint write", self.world_ranks)
         self.checkpoints.wait()
         kept = ckpt.list_checkpoints(self.out_dir)
+        fix = (f"Newest checkpoint: {kept[-1] if kept else 'none'}. Lower optim.lr{' or diloco.outer_lr' if who else ''}"
+               f", or check the data")
+        if self._streak is None:  # another DiLoCo worker diverged; this one had fewer non-finite steps in a row
+            raise TrainingDiverged(
+                f"{who} had train.max_nonfinite_steps = {self.cfg.train.max_nonfinite_steps} steps in a row with a "
+                f"non-finite loss or gradient norm (this worker fewer; its last loss {loss}); every worker "
+                f"stopped after step {step}, where they agreed. {fix}")
+        nonfinite, upto, bad_loss, grad_norm = self._streak
+        agreed = f" after step {step} with every worker ({who} diverged)" if who else ""
         raise TrainingDiverged(
-            f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss ({loss}) or gradient "
-            f"norm ({grad_norm}), so none of them updated the model; stopped. Newest checkpoint: "
-            f"{kept[-1] if kept else 'none'}. Lower optim.lr, or check the data")
+            f"{nonfinite} steps in a row (up to step {upto}) had a non-finite loss ({bad_loss}) or gradient "
+            f"norm ({grad_norm}), so none of them updated the model; stopped{agreed}. {fix}")
 
     def _save_due(self, step: int, last: bool) -> Path | None:
         """The checkpoint of ``step`` when one is due (every ``checkpoint.interval`` steps, and the last, whose write

@@ -1,12 +1,20 @@
-"""DPO's reference model, as log-probabilities computed once (``train.objective = "dpo"``).
+"""DPO's reference model (``train.objective = "dpo"``), one of two ways (``train.dpo_reference``).
 
 DPO compares the policy's log-probability of each sequence with a frozen reference's: the model as training starts
-(Rafailov et al. 2023, Sec. 4). Instead of holding a second, frozen copy of the model, sharded like the policy, the
-trainer computes the reference's log-probability of every train sequence once, before the first step, with the
-starting weights and the run's own layout (a forward pass over the pairs, shared out over the dp ranks; TRL's
-``precompute_ref_log_probs``): training then holds one model, and each step costs what the frozen copy's forward
-would have cost once per epoch. The table is written to ``OUT/reference_logps.json`` so that a resumed run, whose
-weights have moved, reads the starting model's values back instead of computing other ones.
+(Rafailov et al. 2023, Sec. 4).
+
+- ``"precomputed"`` (the default): the trainer computes the reference's log-probability of every train sequence once,
+  before the first step, with the starting weights and the run's own layout (a forward pass over the pairs, shared
+  out over the dp ranks; TRL's ``precompute_ref_log_probs``): training then holds one model, and each step costs what
+  the frozen copy's forward would have cost once per epoch. The table is written to ``OUT/reference_logps.json`` so
+  that a resumed run, whose weights have moved, reads the starting model's values back instead of computing others.
+- ``"copy"``: a second model, the starting weights (built from ``train.seed`` and read from ``model.init_from``
+  exactly as the policy was, the grown vocabulary's rows drawn alike), parallelized with the policy's layout but
+  frozen (:func:`reference_copy`; tp and FSDP2 shard it as they shard the policy, a pipeline cuts it alike), runs
+  forward on every micro-batch of every step before the policy (TRL's default, ``ref_model``). It needs no pass
+  before step 1 and no file, and a resume rebuilds it from the same sources; it costs a second model's parameters
+  (no gradients, no optimizer states) and a forward per step. The two give the same reference values: the same
+  weights, the same layout, the same rows.
 """
 
 from __future__ import annotations
@@ -18,10 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtrain.config.sections import Config
 from meshtrain.data.conversations import Pairs
 from meshtrain.errors import ConfigError
 from meshtrain.fileio import write_json_atomic
 from meshtrain.mesh import Axis, ParallelDims
+from meshtrain.models.build import build_model
+from meshtrain.models.hf import load_hf_weights
+from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.model import Batch, ParallelModel
 
 REFERENCE_FILE = "reference_logps.json"
@@ -45,9 +57,30 @@ def train_reference(model: ParallelModel, pairs: Pairs, dims: ParallelDims, micr
     return table
 
 
+def reference_copy(cfg: Config, dims: ParallelDims, vocab_size: int, device: torch.device, autocast,
+                   grown=None) -> ParallelModel:
+    """``train.dpo_reference = "copy"``: the starting weights as a frozen model on ``dims``' mesh, parallelized as the
+    policy (:func:`meshtrain.parallel.compose.parallelize` with ``frozen``): built from ``train.seed`` with
+    ``vocab_size`` rows as :func:`meshtrain.train.setup.set_up` builds the policy, then ``model.init_from``'s weights
+    read into this rank's slices as the policy's are (``grown``: the same
+    :class:`meshtrain.models.resize.GrownRows` draws). Its :meth:`~meshtrain.parallel.model.ParallelModel.reference_logps`
+    gives the rows' reference log-probabilities (:func:`with_reference`)."""
+    torch.manual_seed(cfg.train.seed)
+    copy = parallelize(build_model(cfg.model, vocab_size).to(device), dims, cfg, autocast, conversations=True,
+                       frozen=True)
+    if cfg.model.init_from:
+        load_hf_weights(copy.model, cfg.model.init_from, cfg.model, grown)
+    copy.model.eval()  # no dropout; tp's dropout stream only needs a start (the default stream is left alone)
+    if (tp_rng := getattr(copy.model, "tp_rng", None)) is not None:
+        tp_rng.seed(cfg.train.seed)
+    return copy
+
+
 def with_reference(model: ParallelModel, batches: Batch) -> Batch:
-    """``batches`` (this rank's validation micro-batches of pairs) with each row's reference log-probability."""
+    """``batches`` (micro-batches of pairs: this rank's validation ones, or with a frozen copy a step's) with each
+    row's reference log-probability under ``model`` (the policy before step 1, or the frozen copy)."""
     rows = model.reference_logps(batches).split([len(mb[0]) for mb in batches])
+    model.after_forward_only()
     return [(x, y, docs, reference) for (x, y, docs, _), reference in zip(batches, rows)]
 
 

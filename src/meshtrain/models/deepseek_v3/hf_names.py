@@ -10,17 +10,23 @@ selection bias ``mlp.gate.e_score_correction_bias`` (E,), the experts per expert
 (what ``save_pretrained`` writes) or fused ``mlp.experts.gate_up_proj`` (E, 2F, C) / ``down_proj`` (E, C, F) (what
 ``transformers`` keeps in memory; both are read, exports write the per-expert form), and the shared experts
 ``mlp.shared_experts.gate_proj``/``up_proj`` (S, C), ``down_proj`` (C, S). Shape legend: :mod:`.spec`.
+
+Multi-token prediction depth k (1-based) is ``model.layers.{n_layer + k - 1}`` (DeepSeek-V3's layer 61, as its
+reference checkpoint writes it; ``transformers`` has no such module and drops it): ``enorm``, ``hnorm`` (C,),
+``eh_proj`` (C, 2C), a block's tensors as any layer of that index, ``shared_head.norm`` (C,), and copies of the shared
+``embed_tokens`` and ``shared_head.head`` (V, C), which an import checks are there and an export writes again.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from meshtrain.models.deepseek_v3.keys import dense_ffn_hidden, qk_head_dim
 from meshtrain.models.family import HFFormat, Source
-from meshtrain.models.hf_io import HFFormatError, fraction, number, refuse, with_defaults
+from meshtrain.models.hf_io import HFFormatError, fraction, number, refuse, weight_map, with_defaults
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.moe import spec as moe
 
@@ -32,17 +38,18 @@ HF_DEFAULTS: dict[str, Any] = {
     "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_parameters": None,
-    "rope_theta": 10000.0, "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0}
+    "rope_theta": 10000.0, "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0,
+    "num_nextn_predict_layers": 1}
 """``DeepseekV3Config``'s defaults (``transformers`` 5.24, ``models/deepseek_v3/configuration_deepseek_v3.py``) of every
 key :func:`read` reads; ``rope_theta`` is the class's ``default_theta``. ``num_key_value_heads`` is not read: MLA
 expands one k and one v per query head from the latent whatever it says (``transformers``' SDPA attention ignores it
-where it runs; an export writes ``num_attention_heads``), and neither is ``num_nextn_predict_layers``
-(:data:`IGNORED`)."""
-ALIASES = {"num_local_experts": "n_routed_experts"}
+where it runs; an export writes ``num_attention_heads``). ``num_nextn_predict_layers`` is 1 by default, as V3's,
+but counts only where the folder holds those layers (:func:`mtp_layers`)."""
+ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 """``DeepseekV3Config.attribute_map`` (of the keys read)."""
-IGNORED = (r"model\.layers\.61.*",)
-"""DeepSeek-V3's multi-token prediction layer, which ``DeepseekV3ForCausalLM`` drops on load
-(``_keys_to_ignore_on_load_unexpected``), and so does an import (MTP is not built yet)."""
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+MTP = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("norm", "shared_head.norm"))
+"""(meshtrain's module in ``mtp.{k-1}``, the checkpoint's in ``model.layers.{n_layer + k - 1}``) beside the block."""
 
 
 def _count(hf: dict[str, Any], key: str, where: Path) -> int:
@@ -100,13 +107,37 @@ def read_rope(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     return keys
 
 
+def mtp_layers(hf: dict[str, Any], where: Path, n_layer: int) -> int:
+    """D, the multi-token prediction depths of the checkpoint whose ``config.json`` is ``where``: 0 where its weights
+    hold no layer from ``n_layer`` on (what ``save_pretrained`` of ``transformers``, which drops them, leaves, whatever
+    ``num_nextn_predict_layers`` says), else ``num_nextn_predict_layers``, which must name exactly the layers held.
+    A folder without readable weights counts 0 (the weight check says why before launch).
+
+    Raises:
+        HFFormatError: layers past the main model that are not ``n_layer .. n_layer + num_nextn_predict_layers - 1``.
+    """
+    claimed = _count(hf, "num_nextn_predict_layers", where)
+    try:
+        names = weight_map(where.parent)
+    except HFFormatError:
+        return 0
+    held = sorted({int(g[1]) for name in names if (g := LAYER.match(name)) and int(g[1]) >= n_layer})
+    if held and held != list(range(n_layer, n_layer + claimed)):
+        shown = f"{held[0]}..{held[-1]}" if len(held) > 1 else str(held[0])
+        raise HFFormatError(f"'{where.parent}' holds layers {shown} past its {n_layer} main ones but config.json's "
+                            f"num_nextn_predict_layers = {claimed} gives multi-token prediction layers "
+                            f"{n_layer}..{n_layer + claimed - 1}: fix num_nextn_predict_layers or the layers")
+    return claimed if held else 0
+
+
 def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     """``[model]`` keys of a ``DeepseekV3ForCausalLM`` ``config.json`` (a key it lacks at ``DeepseekV3Config``'s
-    default). ``num_nextn_predict_layers`` is not read: the main model is (:data:`IGNORED`).
+    default); ``num_nextn_predict_layers`` as the folder holds them (:func:`mtp_layers`).
 
     Raises:
         HFFormatError: an option meshtrain does not build (not SwiGLU, attention biases, a rope type but default
-            and YaRN), or a missing or ill-typed key.
+            and YaRN), a missing or ill-typed key, or multi-token prediction layers that do not match
+            ``num_nextn_predict_layers``.
     """
     hf = with_defaults(hf, HF_DEFAULTS, ALIASES)
     refuse(hf, "hidden_act", ("silu",), where, "SwiGLU experts")
@@ -129,11 +160,13 @@ def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     keys.update({key: number(hf, key, where, int) for key in
                  ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")})
     keys.update(read_rope(hf, where))
+    keys["num_nextn_predict_layers"] = mtp_layers(hf, where, keys["n_layer"])
     return keys
 
 
 def write(m: Any, vocab_size: int) -> dict[str, Any]:
-    """``config.json`` of ``DeepseekV3ForCausalLM`` for the model ``m`` (no multi-token prediction layer)."""
+    """``config.json`` of ``DeepseekV3ForCausalLM`` for the model ``m`` (its multi-token prediction depths included,
+    which ``transformers`` reads and does not build)."""
     rope = None
     if m.yarn_factor:
         rope = {"rope_type": "yarn", "factor": m.yarn_factor, "beta_fast": m.yarn_beta_fast,
@@ -152,7 +185,7 @@ def write(m: Any, vocab_size: int) -> dict[str, Any]:
             "hidden_act": "silu", "max_position_embeddings": m.block_size, "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta, "rope_scaling": rope, "rope_interleave": m.rope_interleave,
             "attention_bias": False, "attention_dropout": m.dropout, "tie_word_embeddings": m.tie_embeddings,
-            "num_nextn_predict_layers": 0, "output_router_logits": False, "bos_token_id": None,
+            "num_nextn_predict_layers": m.num_nextn_predict_layers, "output_router_logits": False, "bos_token_id": None,
             "eos_token_id": None, "torch_dtype": "float32"}
 
 
@@ -192,13 +225,34 @@ def sources(m: Any, present: Collection[str]) -> dict[str, Source]:
            "lm_head.weight": Source("model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")}
     fused = _fused(m, present)
     for i in range(m.n_layer):
-        layer = f"model.layers.{i}"
-        out.update({f"blocks.{i}.{ours}.weight": Source(f"{layer}.{theirs}.weight") for ours, theirs in _pairs(m, i)})
-        if i >= m.first_k_dense_replace:
-            experts = moe.expert_sources(f"{layer}.mlp", EXPERT_NAMES, f"{layer}.mlp" if fused else None,
-                                         llama.ffn_hidden(m), m.num_experts)
-            experts["mlp.expert_bias"] = Source(f"{layer}.mlp.gate.e_score_correction_bias")
-            out.update({f"blocks.{i}.{k}": v for k, v in experts.items()})
+        out.update(_block_sources(m, i, f"blocks.{i}", fused))
+    for k in range(m.num_nextn_predict_layers):
+        layer = f"model.layers.{m.n_layer + k}"
+        out.update({f"mtp.{k}.{ours}.weight": Source(f"{layer}.{theirs}.weight") for ours, theirs in MTP})
+        out.update(_block_sources(m, m.n_layer + k, f"mtp.{k}.block", fused))
+    return out
+
+
+def _block_sources(m: Any, i: int, ours: str, fused: bool) -> dict[str, Source]:
+    """The sources of block ``i`` (``model.layers.{i}``) held by meshtrain's module ``ours``."""
+    layer = f"model.layers.{i}"
+    out = {f"{ours}.{mine}.weight": Source(f"{layer}.{theirs}.weight") for mine, theirs in _pairs(m, i)}
+    if i >= m.first_k_dense_replace:
+        experts = moe.expert_sources(f"{layer}.mlp", EXPERT_NAMES, f"{layer}.mlp" if fused else None,
+                                     llama.ffn_hidden(m), m.num_experts)
+        experts["mlp.expert_bias"] = Source(f"{layer}.mlp.gate.e_score_correction_bias")
+        out.update({f"{ours}.{k}": v for k, v in experts.items()})
+    return out
+
+
+def copies(m: Any) -> dict[str, str]:
+    """{tensor: the tensor it repeats}: each multi-token prediction layer's ``embed_tokens`` and ``shared_head.head``
+    (DeepSeek-V3's checkpoint layout; the modules share the main model's)."""
+    head = "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"
+    out = {}
+    for k in range(m.num_nextn_predict_layers):
+        layer = f"model.layers.{m.n_layer + k}"
+        out.update({f"{layer}.embed_tokens.weight": "model.embed_tokens.weight", f"{layer}.shared_head.head.weight": head})
     return out
 
 
@@ -222,15 +276,20 @@ def shapes(m: Any, vocab_size: int, present: Collection[str]) -> dict[str, tuple
     if not m.tie_embeddings:
         out["lm_head.weight"] = (vocab_size, m.n_embd)
     fused = _fused(m, present)
-    for i in range(m.n_layer):
+    for i in range(m.n_layer + m.num_nextn_predict_layers):
         layer = f"model.layers.{i}"
         out.update({f"{layer}.{name}": shape for name, shape in block_shapes(m, i).items()})
         if i >= m.first_k_dense_replace:
             out.update(moe.expert_shapes(f"{layer}.mlp", EXPERT_NAMES, f"{layer}.mlp" if fused else None, m,
                                          llama.ffn_hidden(m)))
             out[f"{layer}.mlp.gate.e_score_correction_bias"] = (m.num_experts,)
+        if i >= m.n_layer:  # a multi-token prediction layer's own tensors and its copies of the shared ones
+            C = m.n_embd
+            out.update({f"{layer}.enorm.weight": (C,), f"{layer}.hnorm.weight": (C,),
+                        f"{layer}.eh_proj.weight": (C, 2 * C), f"{layer}.shared_head.norm.weight": (C,)})
+            out.update({name: (vocab_size, C) for name in copies(m) if name.startswith(f"{layer}.")})
     return out
 
 
 FORMAT = HFFormat(architectures=(ARCHITECTURE,), model_type="deepseek_v3", read=read, write=write, sources=sources,
-                  shapes=shapes, defaults=HF_DEFAULTS, aliases=ALIASES, training=llama.TRAINING, ignored=IGNORED)
+                  shapes=shapes, defaults=HF_DEFAULTS, aliases=ALIASES, training=llama.TRAINING, copies=copies)

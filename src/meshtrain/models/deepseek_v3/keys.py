@@ -59,7 +59,12 @@ class DeepseekV3Keys(moe.MoELlamaKeys):
     routed_scaling_factor: float = 2.5
     """deepseek_v3: factor on the routed experts' weights (V3: 2.5)."""
     num_nextn_predict_layers: int = 0
-    """deepseek_v3: multi-token prediction modules (V3 report, Sec. 2.2); only 0 is built yet."""
+    """deepseek_v3: multi-token prediction depths D (V3 report, Sec. 2.2; V3: 1), each a projection, one block and a
+    norm before the shared head, trained with ``mtp_loss_weight``; an import reads it from the checkpoint's layers
+    ``n_layer .. n_layer + D - 1``. Needs tp = pp = sp = ep = 1."""
+    mtp_loss_weight: float = 0.3
+    """deepseek_v3, with num_nextn_predict_layers: lambda of the multi-token prediction loss ``(lambda / D) * sum_k
+    CE_k`` added to the main loss in training (V3 report, Sec. 2.2, Eq. 25; 0.3 for its first 10T tokens, 0.1 after)."""
 
 
 def dense_ffn_hidden(m: Any) -> int:

@@ -18,9 +18,9 @@ Parameters of one block::
     MLP        3*C*D (dense layers)  or  E*C + 3*C*F*E + 3*C*S (MoE layers; E routing biases, not trained)
     norms      2*C
 
-Multi-token prediction (``num_nextn_predict_layers``, V3 report Sec. 2.2) is not built yet: a config asking for it is
-refused, and an import reads the main model only, dropping the MTP layer of a published checkpoint (``model.layers.61``)
-as ``transformers``' ``DeepseekV3ForCausalLM`` does.
+Multi-token prediction (``num_nextn_predict_layers`` = D, V3 report Sec. 2.2, Eq. 21-25) adds D modules of
+``2*C*C + 3*C`` (the projection M_k, ``enorm``, ``hnorm``, ``shared_head.norm``) plus one block of layer index
+``n_layer + k - 1`` each (:func:`mtp_params`); they share the embedding and the head.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def check_attention(m: Any) -> None:
     for key, why in (("n_kv_head", "MLA's k and v have one head per query head, from the latent"),
                      ("head_dim", "MLA's head widths are qk_nope_head_dim, qk_rope_head_dim and v_head_dim"),
                      ("shared_expert_ffn", "DeepSeek's shared experts are n_shared_experts x ffn_hidden, ungated"),
-                     ("rope_scaling_factor", "Llama 3.1's RoPE scaling; DeepSeek-V3 scales RoPE by YaRN: yarn_factor"),
-                     ("num_nextn_predict_layers", "multi-token prediction is not built yet")):
+                     ("rope_scaling_factor", "Llama 3.1's RoPE scaling; DeepSeek-V3 scales RoPE by YaRN: yarn_factor")):
         require(not getattr(m, key), f"model.{key} = {getattr(m, key)} is not supported by model.type = "
                                      f"'deepseek_v3' ({why}): use 0")
+    _positive(m, "num_nextn_predict_layers", zero=True)
+    _finite(m, "mtp_loss_weight", "the multi-token prediction loss's lambda; V3: 0.3, then 0.1")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _positive(m, key)
     _positive(m, "qk_rope_head_dim", even=True)
@@ -133,7 +134,8 @@ def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, flo
     """(embedding, block, head) FLOPs per step as :func:`meshtrain.models.llama.spec.layer_costs`: forward ``2 *``
     active matrix parameters plus ``2*T*nh*(dn+dr)`` (``Q K^T``) and ``2*T*nh*dv`` (``A V``) per token, x3 with
     backward, and the optimizer's update of every parameter. The block is the mean over the layers (dense and MoE
-    ones differ; the pipeline split sees every block alike)."""
+    ones differ; the pipeline split sees every block alike); the head includes the multi-token prediction modules
+    (each its M_k, block and a second pass through the head, V3 report Sec. 2.2)."""
     C, T, V, opt = m.n_embd, m.block_size, vocab_size, OPTIMIZER_FLOPS_PER_PARAM
     attention = attention_params(m) - m.q_lora_rank - m.kv_lora_rank  # the latent norms' scales
     scores = 2 * T * m.n_head * (qk_head_dim(m) + m.v_head_dim)
@@ -143,12 +145,22 @@ def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, flo
         params = attention_params(m) + mlp_params(m, dense) + 2 * C
         total += layers * (3 * (2 * (attention + mlp_active_params(m, dense)) + scores) * tokens + opt * params)
     head = 3 * 2 * C * V * tokens + opt * C + (0 if m.tie_embeddings else opt * V * C)
+    for k in range(m.num_nextn_predict_layers):  # each depth: M_k, its block and the shared head again
+        matrices = 2 * C * C + attention + mlp_active_params(m, m.n_layer + k < m.first_k_dense_replace) + C * V
+        head += 3 * (2 * matrices + scores) * tokens + opt * (2 * C * C + 3 * C + block_params(m, m.n_layer + k))
     return opt * V * C, total / m.n_layer, head
 
 
 def block_params(m: Any, layer: int) -> int:
     """Parameters of block ``layer`` (the module docstring's sum; routing biases are buffers)."""
     return attention_params(m) + mlp_params(m, layer < m.first_k_dense_replace) + 2 * m.n_embd
+
+
+def mtp_params(m: Any) -> int:
+    """Parameters of the D multi-token prediction modules (the module docstring; the shared embedding and head not
+    counted again)."""
+    C = m.n_embd
+    return sum(2 * C * C + 3 * C + block_params(m, m.n_layer + k) for k in range(m.num_nextn_predict_layers))
 
 
 def _family() -> Family:
@@ -159,7 +171,8 @@ def _family() -> Family:
                    model="meshtrain.models.deepseek_v3.model:DeepseekV3", kv_heads=lambda m: m.n_head,
                    head_dim=qk_head_dim, ffn_hidden=llama.ffn_hidden, planner=None, hf=hf_names.FORMAT, tp=None,
                    derived={"ffn_hidden": llama.ffn_hidden, "dense_ffn_hidden": dense_ffn_hidden}, experts=True,
-                   aux_loss=True, resume_keys=llama.RESUME_KEYS + ("num_experts", "first_k_dense_replace"),
+                   aux_loss=True,
+                   resume_keys=llama.RESUME_KEYS + ("num_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
                    qk_clip=False)
 
 

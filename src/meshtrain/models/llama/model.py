@@ -227,4 +227,10 @@ class Llama(LayeredLM):
         x = moe.attach_aux_loss(x, aux, self.aux_grad_scale)  # the routers' loss, through backward
         if self.lm_head is None:
             return x
+        return self.output(x, idx, cos, sin, mask)
+
+    def output(self, x: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: DocumentMask | None) -> torch.Tensor:
+        """The head: the last block's ``x`` (B, T, C) -> logits (B, T, V); ``idx`` (B, T) and the forward's RoPE tables
+        and mask are for a family with more heads (DeepSeek-V3's multi-token prediction)."""
         return self.lm_head(self.norm(x))  # (B, T, V)

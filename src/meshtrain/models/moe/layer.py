@@ -139,14 +139,18 @@ class GroupedExperts(nn.Module):
         :func:`meshtrain.models.attention.init_decoder_weights` fills them as the dense MLP's Linears."""
         return [(self.w_gate, False), (self.w_up, False), (self.w_down, True)]
 
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights this rank computes with: its experts of ``w_gate, w_up`` (E_local, F, C) and ``w_down``
+        (E_local, C, F) (LoRA adds its low-rank updates here, :class:`meshtrain.adapters.experts.LoRAExperts`)."""
+        return _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each expert this rank holds over its rows of ``x`` (M, C) (sorted by expert, ``counts`` (E_local,)
         rows each) -> (M, C)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dtype)
         scale = self.grad_scale  # 1 without expert parallelism: no extra pass over the stacks' gradients
-        w_gate, w_up, w_down = ((_local(w) if scale == 1.0 else _ScaleGrad.apply(_local(w), scale)).to(dtype)
-                                for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = ((w if scale == 1.0 else _ScaleGrad.apply(w, scale)).to(dtype) for w in self.stacks())
         if self.grouped:
             run = grouped_swiglu if dtype == torch.bfloat16 else _grouped_swiglu_eager
             if self.pad_rows and x.device.type == "cpu" and dtype != torch.float32:  # oneDNN: a kernel per shape

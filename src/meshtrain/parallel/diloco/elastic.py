@@ -26,6 +26,12 @@ alive and a fresh start this is exactly :class:`~meshtrain.parallel.diloco.outer
 weights and momentum stay, each worker keeps its weights, and the next outer step's pseudo-gradient carries
 both rounds.
 
+Beside the pseudo-gradient each worker sends fp32 notes, one entry per worker index: its vote to stop (a worker that
+diverged: every worker of the quorum stops at that outer step, :meth:`DiLoCo.after_step`), its claim of its index and
+its job's start time. Two jobs started together with one ``diloco.worker`` both pass the pre-launch check; the summed
+claims show the index twice to every worker alike, and the later job stops in one line
+(:meth:`ElasticDiLoCo._check_claim`).
+
 Elastic workers sync the whole model at once and apply it at once (``diloco_fragments = 1``, ``diloco_delay =
 0``, ``diloco_alpha = 0``), in fp32 or bf16, and save checkpoints at outer steps only, where each worker's
 weights are the outer weights; ``config.checks`` refuses the rest before launch.
@@ -36,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -89,6 +96,8 @@ class ElasticDiLoCo(DiLoCo):
                                hostname="127.0.0.1" if loopback else os.uname().nodename,
                                init_sync=False)  # every worker builds the same weights from train.seed
         self.manager.register_state_dict_fn(STATE_KEY, self._load_state, self._state)
+        self.lighthouse = lighthouse
+        self.ticket = _start_ticket(self.device)
         self._trainer: tuple[torch.optim.Optimizer, Any, Any] | None = None
         self.step = 0
         """The inner step of the outer step in progress (what a rejoining worker continues from)."""
@@ -116,10 +125,13 @@ class ElasticDiLoCo(DiLoCo):
                   f"state; it was at step {step})", file=sys.stderr, flush=True)
         return self.step
 
-    def after_step(self, step: int) -> None:
-        """After inner step ``step``: the outer step when ``step`` is a multiple of H."""
+    def after_step(self, step: int, diverged: bool = False) -> str | None:
+        """After inner step ``step``: the outer step when ``step`` is a multiple of H, which carries this worker's vote
+        to stop (``diverged``, :meth:`DiLoCo.after_step`); who diverged once an outer step carried a vote, else None."""
+        self.voted = self.voted or diverged
         if step % self.H == 0:
             self._sync(step)
+        return self.stopped
 
     def consolidate(self, step: int) -> None:
         """Nothing: elastic workers save at outer steps only (``config.checks``), where weights are outer."""
@@ -130,7 +142,8 @@ class ElasticDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def _sync(self, step: int) -> None:
-        """One outer step with the workers of a new quorum (see the module's docstring for the arithmetic)."""
+        """One outer step with the workers of a new quorum (see the module's docstring for the arithmetic), and the
+        workers' notes beside it (:meth:`_notes`): their votes to stop and their claims of a worker index."""
         frag = self.fragments[0]
         self.step = step
         self.manager.start_quorum()
@@ -139,19 +152,62 @@ class ElasticDiLoCo(DiLoCo):
         buffer = torch.cat([self._pseudo_gradient(frag, zero=not took), count])
         if self.precision == "bf16":
             buffer = buffer.bfloat16()  # the count (<= 256 workers) is exact in bf16
-        self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM).wait()
+        self.manager.wait_quorum()
+        counted = self.manager.is_participating()  # else torchft zeroes what this worker sends (it is behind)
+        notes = self._notes()
+        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in (buffer, notes)]
+        for work in works:
+            work.wait()
         committed = self.manager.should_commit()  # a rejoining worker's new state is loaded in here
         self.participants = self.manager.num_participants()
-        self.sent_bytes += buffer.numel() * buffer.element_size()
-        self.largest_exchange = max(self.largest_exchange, buffer.numel() * buffer.element_size())
+        sent = buffer.numel() * buffer.element_size() + notes.numel() * notes.element_size()
+        self.sent_bytes += sent
+        self.largest_exchange = max(self.largest_exchange, sent)
         if not committed:
             self.failed_commits += 1
+            return
+        n = self.shares
+        self._check_claim(notes[n:2 * n], notes[2 * n:], counted, took)
+        if self.count_votes(notes[:n]):  # a worker diverged: every worker stops here, with no outer step
             return
         frag.last_sync = self.step
         count = float(buffer[-1])
         if count == 0:
             return
         self._outer_step(frag, buffer[:-1].float() / count, alpha=0.0)
+
+    def _notes(self) -> torch.Tensor:
+        """What this worker adds beside its pseudo-gradient, fp32 (3 x ``diloco.workers``): its vote to stop, its claim
+        of index ``diloco.worker`` (1 there), and its start ticket there (:func:`_start_ticket`)."""
+        claim = torch.zeros(self.shares, device=self.device)
+        claim[self.worker] = 1.0
+        return torch.cat([self.vote_flags(self.shares, self.worker), claim, claim * self.ticket])
+
+    def _check_claim(self, claims: torch.Tensor, tickets: torch.Tensor, counted: bool, took: bool) -> None:
+        """Stop this job when another job of the quorum claims its ``diloco.worker`` (two jobs started within the same
+        few seconds both pass the pre-launch check; both would read one data share, and none the other's). The sums
+        are the same on every worker: a job behind the others (torchft zeroed its claim) stops when anyone else claims
+        its index; of two jobs level with each other, the one that started later (the larger ticket) stops; of more,
+        all do.
+
+        Raises:
+            ConfigError: one line naming the index and what to do (exit 2, said by the job's rank 0).
+        """
+        mine = float(counted)
+        others = float(claims[self.worker]) - mine
+        if others < 0.5:
+            return
+        other_ticket = float(tickets[self.worker]) - mine * self.ticket
+        if mine and others < 1.5 and other_ticket > self.ticket:
+            return  # the other job started later: it stops
+        from meshtrain.errors import ConfigError
+
+        self.manager.shutdown(wait=False)
+        raise ConfigError(f"diloco.worker = {self.worker} is taken: another job at the lighthouse {self.lighthouse} "
+                          f"runs as worker {self.worker} too ({'ahead of this one' if not mine else 'started no later than this one'}: "
+                          f"both would read one data share, and none the other's), so this job stopped "
+                          f"{'before its first step' if not took else f'at step {self.step}'}: give it another index "
+                          f"in [0, {self.shares}) (diloco.workers), or stop the other job first")
 
     def _state(self) -> dict[str, Any]:
         """What a rejoining worker takes over: the step, the outer weights and momentum (this rank's shards), and
@@ -192,6 +248,19 @@ class ElasticDiLoCo(DiLoCo):
     def close(self) -> None:
         """Leave: stop this worker's manager server (its heartbeats) and checkpoint transport."""
         self.manager.shutdown(wait=False)
+
+
+TICKET_UNIT_S = 0.01
+"""A start ticket's unit: two jobs that start within it are level (both stop, :meth:`ElasticDiLoCo._check_claim`)."""
+
+
+def _start_ticket(device: torch.device) -> float:
+    """When this job started, in :data:`TICKET_UNIT_S` since the epoch modulo 2**22 (about 11.6 hours; a sum of two is
+    exact in fp32), the same on each of its ranks (rank 0's, broadcast): the later of two jobs claiming one index is
+    the one to stop."""
+    ticket = torch.tensor([float(int(time.time() / TICKET_UNIT_S) % 2**22)], device=device)
+    dist.broadcast(ticket, src=0)
+    return float(ticket)
 
 
 def _no_flight_recorder(record: logging.LogRecord) -> bool:

@@ -29,6 +29,11 @@ mixes the result in:
   maximum / 127 and rounded, the workers' codes and fp32 scales all-gathered and averaged in fp32; error
   <= scale / 2 per value and worker).
 
+Each worker counts its own non-finite steps (its loss is its own). Every exchange also carries one fp32 flag per
+worker (beside int8's scales), 1 where that worker has had ``train.max_nonfinite_steps`` in a row: every worker
+learns of a divergence at the same step, where the exchange lands, takes no outer step on it and stops
+(:meth:`DiLoCo.after_step`), instead of waiting for the stopped one at the next exchange.
+
 With one fragment, no delay, ``alpha = 0``, outer lr 1 and no momentum, an outer step is the average of the
 workers' weights; with inner SGD and H = 1 that is synchronous data parallelism (tests/test_diloco.py).
 
@@ -150,6 +155,12 @@ class DiLoCo(SyncMode):
             momentum = {"momentum": outer_momentum, "nesterov": True} if outer_momentum > 0 else {}
             frag.optimizer = torch.optim.SGD(frag.outer, lr=outer_lr, **momentum) if frag.outer else None
             self.fragments.append(frag)
+        self.worker_index = dist.get_rank(group) if group is not None else 0
+        self.voted = False
+        """This rank's worker diverged (``train.max_nonfinite_steps`` non-finite steps in a row): its vote to stop
+        goes with every exchange from now on."""
+        self.stopped: str | None = None
+        """Who diverged, once an exchange carried a vote (the same on every rank): the run stops."""
         self.outer_steps = 0
         self.sent_bytes = 0
         """Bytes this rank put into outer exchanges (the payload: a ring all-reduce moves 2(W-1)/W of it)."""
@@ -170,9 +181,12 @@ class DiLoCo(SyncMode):
                 outer.copy_(_local(p))
         return step
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, diverged: bool = False) -> str | None:
         """After inner step ``step`` (1-based, every rank of every worker calls it): land the exchanges due now,
-        then start those of the fragments whose turn it is (applied at once when tau = 0)."""
+        then start those of the fragments whose turn it is (applied at once when tau = 0). ``diverged``: this worker's
+        vote to stop, which every exchange carries from now on (each worker counts its own non-finite steps); returns
+        who diverged once an exchange that carried a vote has landed (on every rank at the same step), else None."""
+        self.voted = self.voted or diverged
         for frag in self.fragments:
             if frag.pending is not None and frag.pending.apply_after <= step:
                 self._apply(frag, self.alpha)
@@ -181,6 +195,21 @@ class DiLoCo(SyncMode):
                 self._send(frag, step)
                 if self.delay == 0:
                     self._apply(frag, self.alpha)
+        return self.stopped
+
+    def vote_flags(self, workers: int, index: int) -> torch.Tensor:
+        """This worker's vote to stop among ``workers`` (fp32, one flag each): 1 at ``index`` if it diverged. Summed
+        with the exchange, the flags name every worker that diverged (0 and 1 are exact in bf16 too)."""
+        flags = torch.zeros(workers, device=self.device)
+        flags[index] = float(self.voted)
+        return flags
+
+    def count_votes(self, flags: torch.Tensor) -> bool:
+        """Record who diverged from the exchange's summed ``flags`` (:meth:`vote_flags`); whether anyone did."""
+        diverged = [w for w, v in enumerate(flags.tolist()) if v > 0]
+        if diverged and self.stopped is None:
+            self.stopped = f"DiLoCo worker{'s' if len(diverged) > 1 else ''} {', '.join(map(str, diverged))} of {len(flags)}"
+        return self.stopped is not None
 
     def consolidate(self, step: int) -> None:
         """Make every worker hold the outer weights after inner step ``step``: land pending exchanges, take an
@@ -198,14 +227,15 @@ class DiLoCo(SyncMode):
     @torch.no_grad()
     def _send(self, frag: Fragment, step: int) -> None:
         """Start the exchange of ``frag``'s pseudo-gradient, outer minus local (flat, fp32). A fragment with no
-        parameters on this rank (a pipeline stage without its blocks) has none on its peers either: no exchange."""
+        parameters on this rank (a pipeline stage without its blocks) has none on its peers either: its exchange is
+        the votes alone. Every exchange carries the workers' votes to stop (:meth:`vote_flags`)."""
         frag.last_sync = step
-        if not frag.params:
-            return
-        delta = self._pseudo_gradient(frag)
+        delta = self._pseudo_gradient(frag) if frag.params else torch.zeros(0, device=self.device)
+        flags = self.vote_flags(self.workers, self.worker_index)
         background = self.delay > 0
-        if self.precision == "int8":
+        if self.precision == "int8" and frag.params:
             codes, scales = quantize_int8(delta)
+            scales = torch.cat([scales, flags])  # fp32 beside the scales: row w is worker w's scales and vote
             # flat outputs (gloo's all-gather checks each worker's slice against the input's shape: a (W, n)
             # buffer's slices are (1, n)); row w is worker w's
             all_codes = torch.empty(self.workers * codes.numel(), dtype=torch.int8, device=codes.device)
@@ -215,7 +245,8 @@ class DiLoCo(SyncMode):
             buffers: tuple[torch.Tensor, ...] = (all_codes, all_scales, torch.tensor(delta.numel()))  # n: CPU
             payload = codes.numel() + 4 * scales.numel()
         else:
-            buffer = delta.bfloat16() if self.precision == "bf16" else delta
+            buffer = torch.cat([delta, flags])
+            buffer = buffer.bfloat16() if self.precision == "bf16" else buffer
             work = [dist.all_reduce(buffer, group=self.group, async_op=background)]
             buffers = (buffer,)
             payload = buffer.numel() * buffer.element_size()
@@ -231,12 +262,17 @@ class DiLoCo(SyncMode):
             return
         for work in exchange.work:
             work.wait()
-        if self.precision == "int8":
+        W = self.workers
+        if len(exchange.buffers) == 3:  # int8: every worker's codes, and its scales with its vote
             codes, scales, n = exchange.buffers
-            rows = zip(codes.view(self.workers, -1), scales.view(self.workers, -1))
-            average = sum(dequantize_int8(c, s, int(n)) for c, s in rows) / self.workers
+            rows = scales.view(W, -1)
+            votes, rows = rows[:, -W:].sum(dim=0), rows[:, :-W]
+            average = sum(dequantize_int8(c, s, int(n)) for c, s in zip(codes.view(W, -1), rows)) / W
         else:
-            average = exchange.buffers[0].float() / self.workers
+            summed = exchange.buffers[0].float()
+            votes, average = summed[-W:], summed[:-W] / W
+        if self.count_votes(votes) or not frag.params:  # a worker diverged: no outer step on its pseudo-gradient
+            return
         self._outer_step(frag, average, alpha)
 
     def _pseudo_gradient(self, frag: Fragment, zero: bool = False) -> torch.Tensor:
