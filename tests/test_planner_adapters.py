@@ -19,13 +19,18 @@ TINY = {"model.type": "llama", "model.n_layer": "2", "model.n_head": "4", "model
         "model.n_embd": "64", "model.ffn_hidden": "128", "model.vocab_size": "128"}
 ADAPTERS = {"plain": {}, "lora-qv": {"adapter.lora_rank": "8"},
             "lora-all": {"adapter.lora_rank": "4", "adapter.lora_targets": "all-linear"},
-            "qlora-all": {"adapter.lora_rank": "4", "adapter.lora_targets": "all-linear", "adapter.quantize_base": "nf4"}}
+            "qlora-all": {"adapter.lora_rank": "4", "adapter.lora_targets": "all-linear", "adapter.quantize_base": "nf4"},
+            "dora-all": {"adapter.lora_rank": "4", "adapter.lora_targets": "all-linear", "adapter.use_dora": "true"},
+            "lora-saved": {"adapter.lora_rank": "8", "adapter.modules_to_save": "embed_tokens,lm_head"},
+            "lora-saved-tied": {"adapter.lora_rank": "8", "adapter.modules_to_save": "lm_head",
+                                "model.tie_embeddings": "true"}}
 
 
 @pytest.mark.parametrize("case", ADAPTERS)
 def test_the_planner_counts_the_parameters_the_trainer_trains_and_quantizes(case):
-    """ModelSpec's adapter and NF4 counts against the built model: its parameters with ``requires_grad`` and the
-    weights it stores as NF4 (two 4-bit values a byte of ``nf4_data``)."""
+    """ModelSpec's adapter (DoRA's magnitudes included), ``modules_to_save`` and NF4 counts against the built model:
+    its parameters with ``requires_grad`` (a tied pair once) and the weights it stores as NF4 (two 4-bit values a byte
+    of ``nf4_data``)."""
     if "qlora" in case:
         pytest.importorskip("bitsandbytes")
     from meshtrain.adapters.apply import adapt
@@ -36,9 +41,10 @@ def test_the_planner_counts_the_parameters_the_trainer_trains_and_quantizes(case
     model = build_model(cfg.model, 128)
     if cfg.adapter.lora_rank:
         adapt(model, cfg.adapter, cfg.model)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # parameters() lists a tied one once
     quantized = 2 * sum(p.numel() for n, p in model.named_parameters() if n.endswith("nf4_data"))
-    assert spec.adapter_layer_params * spec.layers == (trained if cfg.adapter.lora_rank else 0)
+    assert spec.adapter_layer_params * spec.layers + spec.saved_params == (trained if cfg.adapter.lora_rank else 0)
+    assert spec.saved_params == (128 * 64 * (1 if "tied" in case else 2) if "saved" in case else 0)
     assert spec.nf4_layer_params * spec.layers == quantized
 
 
@@ -61,6 +67,20 @@ def test_only_adapters_hold_gradients_and_optimizer_states(layout):
     assert a.optimizer == pytest.approx(adapters * 8 / (shard if layout.zero_stage >= 1 else 1))
     assert a.weights == pytest.approx(f.weights + adapters * 4 / (shard if layout.zero_stage >= 3 else 1))
     assert a.total < f.total
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=1), Layout(dp=4, zero_stage=3), Layout(dp=2, tp=2)],
+                         ids=["one", "fsdp4", "tp2"])
+def test_modules_to_save_hold_gradients_and_optimizer_states_but_no_second_weight(layout):
+    """The embedding and head of ``modules_to_save`` (V x C each, split over tp) add their fp32 gradients (4 bytes)
+    and AdamW's two states (8) to the adapters', on this rank's ZeRO shard; their weights are the base's, counted once."""
+    lora = from_config(load_config(None, {**TINY, "adapter.lora_rank": "8"}))
+    saved = from_config(load_config(None, {**TINY, **ADAPTERS["lora-saved"]}))
+    a, b = _states(lora, layout), _states(saved, layout)
+    shard, per_rank = layout.dp * layout.sp, saved.saved_params / layout.tp
+    assert b.gradients - a.gradients == pytest.approx(per_rank * 4 / (shard if layout.zero_stage >= 2 else 1))
+    assert b.optimizer - a.optimizer == pytest.approx(per_rank * 8 / (shard if layout.zero_stage >= 1 else 1))
+    assert b.weights == pytest.approx(a.weights)
 
 
 def test_an_nf4_base_weighs_half_a_byte_a_weight_and_tp_is_never_ranked():

@@ -234,8 +234,8 @@ def muon_params(model: ModelSpec, layout: Layout, framework: Framework) -> tuple
     if not framework.optimizer.muon:
         return 0.0, 0.0
     shard = layout.dp * layout.sp
-    if model.adapter_layer_params:
-        t = trained_params(model, layout, framework)
+    if model.adapter_layer_params:  # modules_to_save (embedding, head) go to AdamW, as without adapters
+        t = trained_params(model, layout, framework) - saved_params(model, layout)
         return t, t / shard
     split = _split_key(layout, framework)
     mats = block_matrices(model)
@@ -589,7 +589,7 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     # frozen weights as NF4. Without adapters t = p and q = 0.
     t, q = trained_params(model, layout, framework), nf4_params(model, layout)
     nf4_saving = precision.weight_bytes - NF4_BYTES  # per quantized weight
-    adapters = t if model.adapter_layer_params else 0.0  # weights beside the base's
+    adapters = t - saved_params(model, layout) if model.adapter_layer_params else 0.0  # weights beside the base's
     if z >= 3:
         weights = sharded * precision.weight_bytes + (adapters * precision.weight_bytes - q * nf4_saving) / shard
     else:
@@ -648,7 +648,14 @@ def trained_params(model: ModelSpec, layout: Layout, framework: Framework | None
     row-parallel one, is counted split too: r/h of a block's weights, left out)."""
     if not model.adapter_layer_params:
         return stage_params(model, layout, framework)
-    return stage_layers(model, layout) * model.adapter_layer_params / layout.tp
+    return stage_layers(model, layout) * model.adapter_layer_params / layout.tp + saved_params(model, layout)
+
+
+def saved_params(model: ModelSpec, layout: Layout) -> float:
+    """LoRA's ``modules_to_save`` (``model.saved_params``, the embedding and/or head trained in full) on one device,
+    split over tp (vocab-parallel); under a pipeline counted whole on the busiest rank, which holds one of them at most
+    (an upper bound: the embedding sits on the first rank, the head on the last)."""
+    return model.saved_params / layout.tp
 
 
 def nf4_params(model: ModelSpec, layout: Layout) -> float:

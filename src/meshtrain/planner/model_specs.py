@@ -80,6 +80,10 @@ class ModelSpec:
     (:func:`meshtrain.adapters.spec.adapter_parameters` over the layers); 0 = full training. With adapters they
     alone have gradients, optimizer states and gradient traffic; every other parameter is frozen, and a frozen
     GEMM's backward computes its input's gradient only."""
+    saved_params: int = 0
+    """LoRA with ``adapter.modules_to_save`` (:mod:`meshtrain.adapters.saved`): the embedding and/or head parameters
+    trained in full beside the adapters (V*h each, a tied pair once), with gradients and optimizer states; part of the
+    base's weights, so not counted twice."""
     nf4_layer_params: int = 0
     """QLoRA: one block's base weights stored as NF4 (:data:`NF4_BYTES` each instead of the weight dtype's bytes),
     dequantized once per forward and once per backward (and per recomputation)."""
@@ -340,15 +344,19 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 2023, Sec. 3; :data:`meshtrain.adapters.nf4.BYTES_PER_WEIGHT`)."""
 
 
-def adapter_numbers(cfg: Config) -> dict[str, int]:
-    """:class:`ModelSpec`'s ``adapter_layer_params`` and ``nf4_layer_params`` of a config's ``[adapter]`` (none without
-    adapters): per block, from the family's Hugging Face shapes (:mod:`meshtrain.adapters.spec`)."""
+def adapter_numbers(cfg: Config, vocab: int) -> dict[str, int]:
+    """:class:`ModelSpec`'s ``adapter_layer_params`` (DoRA's magnitudes included), ``saved_params`` (of a ``vocab``-row
+    embedding and head) and ``nf4_layer_params`` of a config's ``[adapter]`` (none without adapters): per block, from
+    the family's Hugging Face shapes (:mod:`meshtrain.adapters.spec`)."""
     a, m = cfg.adapter, cfg.model
     if not a.lora_rank:
         return {}
+    from meshtrain.adapters.saved import saved_modules, tied_embeddings
     from meshtrain.adapters.spec import ALL_LINEAR, adapter_parameters
 
-    numbers = {"adapter_layer_params": adapter_parameters(m, list(a.lora_targets), a.lora_rank) // m.n_layer}
+    saved = saved_modules(m, list(a.modules_to_save))
+    numbers = {"adapter_layer_params": adapter_parameters(m, list(a.lora_targets), a.lora_rank, a.use_dora) // m.n_layer,
+               "saved_params": vocab * m.n_embd * (1 if saved and tied_embeddings(m) else len(saved))}
     if a.quantize_base == "nf4":  # every linear map of a block, A and B of rank 1 being in + out of each
         numbers["nf4_layer_params"] = _linear_weights_per_block(m, [ALL_LINEAR])
     return numbers
@@ -386,7 +394,8 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
     dpo = cfg.train.objective == "dpo"
-    return ModelSpec("config", **numbers(m, vocab_size or trained_vocab_size(cfg)), **adapter_numbers(cfg),
+    vocab = vocab_size or trained_vocab_size(cfg)
+    return ModelSpec("config", **numbers(m, vocab), **adapter_numbers(cfg, vocab),
                      sequences_per_sample=2 if dpo else 1, reference_copy=dpo and cfg.train.dpo_reference == "copy")
 
 
