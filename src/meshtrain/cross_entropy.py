@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-"""A target outside the loss: ``F.cross_entropy``'s default ``ignore_index`` (:data:`meshtrain.parallel.reduce.IGNORE_INDEX`)."""
+"""A target outside the loss (not supervised: a prompt's token, padding); ``F.cross_entropy``'s default, and the
+``-100`` of transformers' labels (:data:`meshtrain.data.conversations.IGNORE_INDEX`). :mod:`meshtrain.parallel.reduce`
+exports it."""
 
 DEFAULT_CHUNK_MB = 64
 """``train.loss_chunk_mb``'s default: fp32 MiB of logits one chunk computes at once."""

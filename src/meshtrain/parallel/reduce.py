@@ -21,13 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtrain.cross_entropy import DEFAULT_CHUNK_MB, token_nll
+from meshtrain.cross_entropy import DEFAULT_CHUNK_MB, IGNORE_INDEX, token_nll
 from meshtrain.mesh import BATCH_MESH, WORKER_MESH, ParallelDims
 
-
-IGNORE_INDEX = -100
-"""A target outside the loss (not supervised: a prompt's token, padding); ``F.cross_entropy``'s default, and the
-``-100`` of transformers' labels (:data:`meshtrain.data.conversations.IGNORE_INDEX`)."""
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, inside_loss_parallel: bool = False,
