@@ -20,7 +20,9 @@ a norm or bias loaded into the wrong place and leave routing to rounding):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +60,13 @@ def saved(folder: Path, fused: bool = False, **overrides) -> Path:
     config = transformers.DeepseekV3Config(**{**SHAPE, **overrides})
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config)
+    return save_hf(randomised(model), folder, fused)
+
+
+def randomised(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a ``transformers`` MoE model fresh from its config) with every norm and bias moved off its default by
+    0.1 x N(0, 1), its routers' weights N(0, 0.5) so that routing is decisive, and its selection biases 0.2 x N(0, 1):
+    a weight loaded into the wrong place then moves the logits far beyond their rounding."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -67,7 +76,7 @@ def saved(folder: Path, fused: bool = False, **overrides) -> Path:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
-    return save_hf(model, folder, fused)
+    return model
 
 
 def tolerance_width(cfg) -> int:
@@ -121,7 +130,13 @@ def test_every_token_is_routed_as_transformers_routes_it(case, tmp_path):
     """Same experts for every token of every MoE layer, and the same weights within the rounding of a sigmoid of a
     C-term dot product times the scaling factor (``2 * C * eps`` relative, C = 32); the choice margins of these seeds
     are far above the hidden states' rounding, so no near-tie decides a test run."""
-    folder = saved(tmp_path / "hf", **CASES[case])
+    assert_routing_equal(saved(tmp_path / "hf", **CASES[case]))
+
+
+def assert_routing_equal(folder: Path) -> None:
+    """meshtrain's import of ``folder`` routes every token of every MoE layer to ``transformers``' experts, with the
+    weights within the rounding of a C-term dot product through the score function, times the scaling factor
+    (``2 * C * eps`` relative)."""
     ours, cfg = load_hf_model(folder)
     x = batch(cfg.block_size)
     theirs = their_routing(reference(folder), x)
@@ -130,7 +145,7 @@ def test_every_token_is_routed_as_transformers_routes_it(case, tmp_path):
     assert sorted(theirs) == list(range(cfg.first_k_dense_replace, cfg.n_layer))
     for i, (experts, weights) in theirs.items():
         mlp = ours.blocks[str(i)].mlp
-        probs, our_weights, our_experts = mlp.route(ours_hidden(ours, x, i))
+        _, our_weights, our_experts = mlp.route(ours_hidden(ours, x, i))
         assert torch.equal(mlp.last_experts.sort(dim=-1).values, experts), f"layer {i}"
         got_experts, got_weights = by_expert(our_experts, our_weights)
         assert torch.equal(got_experts, experts)
@@ -152,8 +167,13 @@ def ours_hidden(model, x: torch.Tensor, layer: int) -> torch.Tensor:
 def test_greedy_generate_equals_transformers(case, tmp_path):
     """16 greedy tokens after a prompt: meshtrain recomputes the whole context each step, ``transformers`` runs its
     cache of the compressed latent; the argmax of logits equal within the bound above is the same token."""
-    folder = saved(tmp_path / "hf", **CASES[case])
-    ours, cfg = load_hf_model(folder)
+    assert_greedy_equal(saved(tmp_path / "hf", **CASES[case]))
+
+
+def assert_greedy_equal(folder: Path) -> None:
+    """16 greedy tokens after a 6-token prompt: meshtrain's import of ``folder`` (the whole context recomputed each
+    step) and ``transformers``' model of it (its cache) pick the same tokens."""
+    ours, _ = load_hf_model(folder)
     prompt = batch(6)[:1]
     got = ours.eval().generate(prompt, 16, temperature=0.0)
     with warnings.catch_warnings():
@@ -161,6 +181,25 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
         want = reference(folder).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
                                           do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def assert_round_trip(saved: Callable[..., Path], case: dict, tmp_path: Path) -> Any:
+    """Import -> export of the folder ``saved(folder, fused, **case)`` writes, per-expert and fused: every tensor
+    written back bit for bit under the published names, and ``transformers`` loading the export with no missing,
+    unexpected or mismatched key. Returns transformers' model of the export."""
+    folder = saved(tmp_path / "hf", **case)
+    original = tensors(folder / hf.SINGLE_FILE)
+    for name, fused in (("out", False), ("out-fused", True)):
+        source = saved(tmp_path / f"hf-{name}", fused, **case) if fused else folder
+        ours, cfg = load_hf_model(source)
+        write_hf_folder(tmp_path / name, ours.state_dict(), cfg, cfg.vocab_size, None, max_shard_bytes=2**30)
+        exported = tensors(tmp_path / name / hf.SINGLE_FILE)
+        assert exported.keys() == original.keys(), (name, exported.keys() ^ original.keys())
+        for key, t in original.items():
+            assert torch.equal(exported[key], t), (name, key)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return theirs
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -173,18 +212,7 @@ def test_import_export_round_trip_is_bit_identical(case, tmp_path):
     """Import -> export writes every tensor back bit for bit under the same names, routing biases included; an import
     of the fused form exports the same published tensors; ``transformers`` loads the export with no missing,
     unexpected or mismatched key."""
-    folder = saved(tmp_path / "hf", **CASES[case])
-    original = tensors(folder / hf.SINGLE_FILE)
-    for name, fused in (("out", False), ("out-fused", True)):
-        source = saved(tmp_path / f"hf-{name}", fused, **CASES[case]) if fused else folder
-        ours, cfg = load_hf_model(source)
-        write_hf_folder(tmp_path / name, ours.state_dict(), cfg, cfg.vocab_size, None, max_shard_bytes=2**30)
-        exported = tensors(tmp_path / name / hf.SINGLE_FILE)
-        assert exported.keys() == original.keys(), (name, exported.keys() ^ original.keys())
-        for key, t in original.items():
-            assert torch.equal(exported[key], t), (name, key)
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert_round_trip(saved, CASES[case], tmp_path)
 
 
 @pytest.mark.parametrize("model", [
@@ -249,10 +277,20 @@ BAD_KEYS = [
 
 @pytest.mark.parametrize("overrides, message", BAD_KEYS)
 def test_bad_keys_are_one_line_before_launch(overrides, message):
+    assert_bad_key("deepseek_v3", overrides, message)
+
+
+MLA_KEYS = {"model.n_embd": "32", "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "8", "model.v_head_dim": "8",
+            "model.ffn_hidden": "16"}
+"""A tiny latent-attention model's keys (deepseek_v3, deepseek_v2)."""
+
+
+def assert_bad_key(model_type: str, overrides: dict[str, str], message: str, base: dict[str, str] = MLA_KEYS) -> None:
+    """A tiny ``model_type`` model (``base``'s keys) with ``overrides``: config loading raises one line holding
+    ``message``."""
     from meshtrain.config.load import load_config
 
-    base = {"model.type": "deepseek_v3", "model.n_embd": "32", "model.kv_lora_rank": "16",
-            "model.qk_nope_head_dim": "8", "model.v_head_dim": "8", "model.ffn_hidden": "16"}
+    base = {"model.type": model_type, **base}
     with pytest.raises(ConfigError) as e:
         load_config(None, {**base, **overrides})
     assert "\n" not in str(e.value) and message in str(e.value), str(e.value)
@@ -267,19 +305,22 @@ def test_bad_keys_are_one_line_before_launch(overrides, message):
 ])
 def test_a_folder_meshtrain_cannot_build_is_one_line_before_launch(config, message, tmp_path, capsys):
     """``meshtrain plan`` (the cheapest command that reads ``model.init_from``) refuses the folder in one line."""
+    assert_folder_refused(saved, config, message, tmp_path, capsys)
+
+
+def assert_folder_refused(saved: Callable[..., Path], config: dict, message: str, tmp_path: Path, capsys) -> None:
+    """The folder ``saved`` writes, its config.json updated with ``config``: ``meshtrain plan`` (the cheapest command
+    that reads ``model.init_from``) refuses it in one line holding ``message``."""
     import json
 
     folder = saved(tmp_path / "hf")
     data = json.loads((folder / hf.CONFIG_FILE).read_text())
-    data.pop("rope_scaling", None)
+    data.pop("rope_scaling", None)  # the legacy twin of rope_parameters, which some cases set
     (folder / hf.CONFIG_FILE).write_text(json.dumps({**data, **config}))
     one_line_error(capsys, ["plan", str(FINETUNE), "--model.init_from", str(folder), "--num-gpus", "1"], message)
 
 
-def test_plan_says_the_family_is_not_modelled_yet(tmp_path, capsys):
-    folder = saved(tmp_path / "hf")
-    one_line_error(capsys, ["plan", str(FINETUNE), "--model.init_from", str(folder), "--num-gpus", "1"],
-                   "model.type = 'deepseek_v3' is not modelled by the planner yet")
+# `meshtrain plan` on this family: tests/test_planner_deepseek_v3.py (the planner models it now).
 
 
 # --- data parallelism: DDP and FSDP2 equal one process ---------------------------------------------------------

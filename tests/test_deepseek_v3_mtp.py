@@ -234,8 +234,7 @@ def test_mtp_layers_that_do_not_match_the_config_are_one_line_before_launch(clai
 
 
 @pytest.mark.parametrize("overrides, shown", [
-    ({"parallel.tp": "2"}, "parallel.tp = 2"), ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "2"}, "parallel.pp = 2"),
-    ({"parallel.sp": "2"}, "parallel.sp = 2"), ({"parallel.dp": "2", "parallel.ep": "2"}, "parallel.ep = 2"),
+    ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "2"}, "parallel.pp = 2"),
     ({"train.objective": "dpo", "data.packing": "pad"}, "train.objective = 'dpo'")])
 def test_a_layout_mtp_is_not_built_for_is_one_line(overrides, shown):
     from meshtrain.config.load import load_config

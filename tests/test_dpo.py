@@ -4,12 +4,12 @@ layout against one process.
 The pairs are cut from the plays (scripts/shakespeare_chat.py): a prompt, the real reply as chosen, a reply from far
 away in the text as rejected (the first :data:`PAIRS` of them). The reference log-probabilities are computed once
 before step 1, with the starting weights and the run's own layout (meshtrain.train.reference); the first step's loss
-is then ln 2 on every pair and the later steps' are not. Layouts, 2 gloo ranks in one launch: DDP dp2, FSDP2 dp2,
-tp2 with sequence parallelism, pp2 (1F1B), Ulysses sp2, ring sp2, ep2 on a mixture of experts and gradient
-accumulation, each against one process taking the whole batch of pairs at once: every step's loss, the step-1
-gradients, the final parameters. The other reference, a frozen copy of the starting weights sharded like the policy
-(train.dpo_reference = "copy"), against the precomputed one: on one process, at dp2 with gradient accumulation, and
-(make test-slow) under FSDP2, tp2, pp2 and ring sp2.
+is then ln 2 on every pair and the later steps' are not. Layouts, 2 gloo ranks, each against one process taking the
+whole batch of pairs at once (every step's loss, the step-1 gradients, the final parameters): in make test's launch
+DDP dp2 with gradient accumulation, tp2 with sequence parallelism, pp2 (1F1B), ep2 on a mixture of experts, IPO on
+ring sp2, and the other reference, a frozen copy of the starting weights (train.dpo_reference = "copy"), at dp2 with
+gradient accumulation; in make test-slow's launch FSDP2 dp2, Ulysses and ring sp2 with the sigmoid loss, the robust
+loss at dp2, and the frozen copy under FSDP2, tp2, pp2 and ring sp2.
 """
 
 from __future__ import annotations
@@ -36,16 +36,11 @@ MODEL = {**TINY, "model.type": "llama", "model.n_head": "2", "model.n_kv_head": 
          "train.objective": "dpo", "train.dpo_beta": "0.5", "data.packing": "pad",
          "batch.micro_batch_size": "4", "batch.gradient_accumulation_steps": "1"}
 """Global batch 4 pairs (8 rows of 128 tokens), as every layout below; beta 0.5 so that a few steps move the loss."""
-LAYOUTS = {  # name: (reference, overrides)
+LAYOUTS = {  # name: (reference, overrides); make test, one launch
     "dp2": ("dense", {"batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
-    "fsdp2-dp2": ("dense", {"batch.micro_batch_size": "2", "parallel.zero_stage": "3"}),
     "tp2-seqpar": ("dense", {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
     "pp2-1f1b": ("dense", {"parallel.pp": "2", "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "4"}),
-    "ulysses-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ulysses"}),
-    "ring-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "ep2": ("moe", {**MOE, "parallel.ep": "2", "batch.micro_batch_size": "2"}),
-    "robust-dp2-ga2": ("robust", {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1",
-                                  "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
     "ipo-ring-sp2": ("ipo", {"train.dpo_loss": "ipo", "parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "copy-dp2-ga2": ("dense", {**COPY, "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
 }
@@ -54,7 +49,13 @@ REFERENCES = {"dense": {}, "moe": MOE, "robust": {"train.dpo_loss": "robust", "t
 """IPO on ring sp2: each rank holds half of every row, so a row's token count is summed over the sp group. The frozen
 copy (``train.dpo_reference = "copy"``) is compared with the precomputed reference's one process ("dense"): the two
 references are equal."""
-COPY_LAYOUTS = {  # make test-slow: the frozen copy sharded as the policy, one launch
+SLOW_LAYOUTS = {  # make test-slow, one launch: the frozen copy sharded as the policy, and the layouts whose
+    # mechanism a make-test layout already crosses (FSDP2 and Ulysses: the SFT layouts; ring: IPO's; the robust loss: dp2)
+    "fsdp2-dp2": ("dense", {"batch.micro_batch_size": "2", "parallel.zero_stage": "3"}),
+    "ulysses-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ulysses"}),
+    "ring-sp2": ("dense", {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
+    "robust-dp2-ga2": ("robust", {"train.dpo_loss": "robust", "train.dpo_label_smoothing": "0.1",
+                                  "batch.micro_batch_size": "1", "batch.gradient_accumulation_steps": "2"}),
     "copy-fsdp2-dp2": ("dense", {**COPY, "batch.micro_batch_size": "2", "parallel.zero_stage": "3"}),
     "copy-tp2-seqpar": ("dense", {**COPY, "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
     "copy-pp2-1f1b": ("dense", {**COPY, "parallel.pp": "2", "batch.micro_batch_size": "1",
@@ -90,7 +91,7 @@ def test_losses_are_the_papers_equations(policy, reference, beta, eps):
 
 
 PAIRS = 64
-"""Pairs trained on: the first 64 of the ~180 that :func:`prepared_plays` cuts from its lines (6 of them validation).
+"""Pairs trained on: the first 64 of the ~130 that :func:`prepared_plays` cuts from its lines (6 of them validation).
 Every trainer computes the reference log-probability of every train pair before step 1 (each layout twice: for its
 step-1 gradients, then for its run), which took most of this file's time with all of them; 3 steps of 4 pairs need
 few."""
@@ -115,10 +116,22 @@ def _model(reference: str, data: Path) -> dict[str, str]:
     return {**MODEL, **REFERENCES[reference], "data.path": str(data)}
 
 
+class _References(dict):
+    """One process's run of each :data:`REFERENCES` entry, trained the first time a test asks for it (make test
+    needs fewer of them than make test-slow)."""
+
+    def __init__(self, root: Path, data: Path):
+        super().__init__()
+        self.root, self.data = root, data
+
+    def __missing__(self, name: str):
+        self[name] = reference_run(self.root / name, _model(name, self.data))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def references(pair_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo_reference")
-    return {name: reference_run(root / name, _model(name, pair_data)) for name in REFERENCES}
+    return _References(tmp_path_factory.mktemp("dpo_reference"), pair_data)
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +142,10 @@ def launched(pair_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched_copies(pair_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo_copies")
+def launched_slow(pair_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_slow")
     return launch_layouts(2, root, {name: {**_model(ref, pair_data), **overrides}
-                                    for name, (ref, overrides) in COPY_LAYOUTS.items()})
+                                    for name, (ref, overrides) in SLOW_LAYOUTS.items()})
 
 
 def dpo_loss_tolerance(overrides: dict[str, str]) -> float:
@@ -184,12 +197,13 @@ def test_a_frozen_copy_equals_the_precomputed_reference_on_one_process(reference
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", COPY_LAYOUTS)
-def test_a_frozen_copy_sharded_like_the_policy_matches_one_process(references, launched_copies, name):
-    """The frozen copy under FSDP2 (sharded and gathered as the policy), tp2 with sequence parallelism, a pipeline
-    (the copy's chunks run forward-only) and ring sp2, each against one process with the precomputed reference."""
-    reference, overrides = COPY_LAYOUTS[name]
-    assert_layout_matches(launched_copies[name], references[reference], reference, overrides)
+@pytest.mark.parametrize("name", SLOW_LAYOUTS)
+def test_slow_dpo_layout_matches_one_process(references, launched_slow, name):
+    """FSDP2 dp2, Ulysses and ring sp2 with the sigmoid loss, the robust loss at dp2 x GA2, and the frozen copy
+    under FSDP2 (sharded and gathered as the policy), tp2 with sequence parallelism, a pipeline (the copy's chunks run
+    forward-only) and ring sp2, each against one process with the precomputed reference."""
+    reference, overrides = SLOW_LAYOUTS[name]
+    assert_layout_matches(launched_slow[name], references[reference], reference, overrides)
 
 
 def test_first_step_is_ln2_and_the_records_hold_the_rewards(launched):

@@ -221,10 +221,11 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory.mktemp("llama-ref"), {**MODEL, "batch.gradient_accumulation_steps": "1"})
 
 
-SLOW = {"pp2-sp2-ring", "tp2-sp2-ring", "pp2-tp2-dp2", "fsdp2-zero3-tp2-sp2-ring"}
+SLOW = {"tp2", "sp2-ulysses", "pp2-sp2-ring", "tp2-sp2-ring", "pp2-tp2-dp2", "fsdp2-zero3-tp2-sp2-ring"}
 """Layouts in `make test-slow` (the eight-rank ones, and the 4-rank mixes with ring sp, whose launch took 31 s here
-and ~50 s on an AVX2-only 2-core machine); ring sp, tp and pp each still run on 2 ranks in `make test`, and
-pp x tp and FSDP2 x tp on 4."""
+and ~50 s on an AVX2-only 2-core machine; tp2 without sequence parallelism and Ulysses, which tp2-seqpar here and the
+sequence-parallel files' layouts cross in `make test`); ring sp, tp and pp each still run on 2 ranks in `make test`,
+and pp x tp and FSDP2 x tp on 4."""
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,10 @@ MODEL = {**TINY, "model.type": "llama", "model.n_layer": "4", "model.n_head": "4
 PIPE = {"parallel.pp": "2", "batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "4"}
 LAYOUTS = {
     "ddp-dp2": (2, {"batch.micro_batch_size": "4"}),
-    "zero1-dp2": (2, {"batch.micro_batch_size": "4", "parallel.zero_stage": "1"}),
     "fsdp2-zero3": (2, {"parallel.zero_stage": "3", "batch.micro_batch_size": "4"}),
     "tp2-seqpar": (2, {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
-    "sp2-ulysses": (2, {"parallel.sp": "2"}),
     "sp2-ring-recompute": (2, {"parallel.sp": "2", "parallel.sp_mode": "ring", "train.recompute": "selective"}),
     "pp2-1f1b": (2, PIPE),
-    "dp2-ga2-rslora": (2, {"batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "2",
-                           "adapter.use_rslora": "true"}),
 }
 MOE = {"model.type": "mixtral", "model.num_experts": "4", "model.ffn_hidden": "24",
        "adapter.lora_targets": "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj"}
@@ -72,7 +68,11 @@ def launched(tmp_path_factory):
     return layout_launcher(tmp_path_factory, MODEL, LAYOUTS, "lora")
 
 
-SLOW_LAYOUTS = {  # `make test-slow`: the other pipeline schedules, compile, and 4-rank mixes
+SLOW_LAYOUTS = {  # `make test-slow`: ZeRO-1, Ulysses, rsLoRA, the other pipeline schedules, compile, 4-rank mixes
+    "zero1-dp2": (2, {"batch.micro_batch_size": "4", "parallel.zero_stage": "1"}),
+    "sp2-ulysses": (2, {"parallel.sp": "2"}),
+    "dp2-ga2-rslora": (2, {"batch.micro_batch_size": "2", "batch.gradient_accumulation_steps": "2",
+                           "adapter.use_rslora": "true"}),
     "pp2-zbv": (2, {**PIPE, "parallel.pp_schedule": "zbv", "parallel.virtual_stages": "2"}),
     "pp2-interleaved": (2, {**PIPE, "parallel.pp_schedule": "interleaved-1f1b", "parallel.virtual_stages": "2"}),
     "ddp-compiled": (2, {"batch.micro_batch_size": "4", "train.compile": "on"}),

@@ -3,13 +3,15 @@ attention stays inside each document of a window, in one process and under tp, s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import packing_worker
 from conftest import TINY, check_layout
-from layout_worker import layout_launcher, load_result, run_in_process
+from layout_worker import launch_layouts, layout_launcher, load_result, run_in_process
 from meshtrain.config.checks import validate
 from meshtrain.config.load import load_config
 from meshtrain.config.sections import Config
@@ -111,19 +113,21 @@ PIPE = {"parallel.pp": "2", "batch.micro_batch_size": "2", "batch.gradient_accum
 LAYOUTS = {  # name: (model, overrides); 2 ranks each, global batch 8
     "gpt-dp2": (GPT, {"batch.micro_batch_size": "4"}),
     "gpt-tp2-seqpar": (GPT, {"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}),
-    "gpt-sp2-ulysses": (GPT, {"parallel.sp": "2"}),
-    "gpt-pp2": (GPT, PIPE),
-    "llama-tp2": (LLAMA, {"parallel.tp": "2"}),
     "llama-sp2-ulysses": (LLAMA, {"parallel.sp": "2"}),
     "llama-pp2": (LLAMA, PIPE),
     # ring attention slices each block's part of the document mask: documents cross its chunks, start exactly at
     # one (a chunk is 8 tokens at sp2, 4 at sp4) or fill a whole 32-token window (a line longer than it)
-    "gpt-sp2-ring": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
     "llama-sp2-ring": (LLAMA, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
     # the chunked cross-entropy (train.loss_chunk_mb) two tokens at a time, on a sequence shard and on a pipeline's last
     # stage, against the reference's F.cross_entropy over the whole micro-batch
     "gpt-sp2-ring-loss-chunks": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring", "train.loss_chunk_mb": LOSS_CHUNK}),
     "gpt-pp2-loss-chunks": (GPT, {**PIPE, "train.loss_chunk_mb": LOSS_CHUNK}),
+}
+SLOW2 = {  # name: (model, overrides); 2 ranks each, in `make test-slow`: the other model on the mechanisms above
+    "gpt-sp2-ulysses": (GPT, {"parallel.sp": "2"}),
+    "gpt-pp2": (GPT, PIPE),
+    "llama-tp2": (LLAMA, {"parallel.tp": "2"}),
+    "gpt-sp2-ring": (GPT, {"parallel.sp": "2", "parallel.sp_mode": "ring"}),
 }
 RING4 = {  # name: (model, overrides); 4 ranks each, global batch 8, in `make test-slow`
     "gpt-sp4-ring": (GPT, {"parallel.sp": "4", "parallel.sp_mode": "ring"}),
@@ -159,6 +163,23 @@ def test_document_packing_layout_matches_single_process(references, launched, na
     unmasked)."""
     model = {k: v for k, v in LAYOUTS[name][0].items() if k != "data.packing"}  # the drift bound's config: valid
     check_layout(launched(2)[name], references[name.split("-")[0]], model)
+
+
+@pytest.fixture(scope="module")
+def launched_slow(tmp_path_factory):
+    """The :data:`SLOW2` layouts in one 2-rank launch."""
+    return launch_layouts(2, tmp_path_factory.mktemp("packing-slow"),
+                          {name: {**model, **overrides} for name, (model, overrides) in SLOW2.items()},
+                          worker=Path(packing_worker.__file__))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW2))
+def test_document_packing_slow_layout_matches_single_process(references, launched_slow, name):
+    """The same as :func:`test_document_packing_layout_matches_single_process`, GPT under Ulysses, pp2 and ring,
+    the Llama under tp2."""
+    model = {k: v for k, v in SLOW2[name][0].items() if k != "data.packing"}
+    check_layout(launched_slow[name], references[name.split("-")[0]], model)
 
 
 @pytest.mark.slow

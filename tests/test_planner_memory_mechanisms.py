@@ -247,8 +247,15 @@ def test_torchtitan_policy_keeps_what_the_planner_counts(monkeypatch):
 MODELS = {"gpt": {}, "llama": {"model.type": "llama", "model.n_kv_head": "2", "model.multiple_of": "16"}}
 
 
-@pytest.mark.parametrize(("kind", "mode"), [(kind, mode) for kind in MODELS for mode in ("none", "selective", "full")])
-@pytest.mark.parametrize("chunk_mb", [0.0, 0.25])
+CHUNKED_IN_MAKE_TEST = {("gpt", "none"), ("llama", "full")}
+"""The chunked loss's (kind, mode) cases ``make test`` runs (the 0.25 MiB chunks take 2-3x the plain loss's time);
+the other four are in ``make test-slow``. Every (kind, mode) runs with the plain loss."""
+
+
+@pytest.mark.parametrize(("kind", "mode", "chunk_mb"), [
+    pytest.param(kind, mode, chunk, marks=() if chunk == 0.0 or (kind, mode) in CHUNKED_IN_MAKE_TEST
+                 else pytest.mark.slow, id=f"{chunk}-{kind}-{mode}")
+    for chunk in (0.0, 0.25) for kind in MODELS for mode in ("none", "selective", "full")])
 def test_step_peak_is_the_planned_activations(kind, mode, chunk_mb):
     """One forward + backward of the trainer's model (4 layers, fp32, vocabulary 2048 so that the loss is the
     larger term at the backward's start), its gradients allocated beforehand: the allocated peak is

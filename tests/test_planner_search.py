@@ -324,10 +324,11 @@ def test_validation_cli_on_the_shipped_runs(capsys, tmp_path):
     # Memory (nothing fitted): 17 published peaks, and whether each run fit (one ran out of memory)
     memory = result["leave_one_source_out"]["memory"]["in_sample"]
     assert memory["runs"] == 17 and memory["median_abs_error"] < 0.10
-    # llm-foundry's MPT runs without recomputation at 24k-49k tokens per GPU (7 of them) trained, though predicted out
-    # of memory by up to 9% (docs/planner.md): a regression guard on the others
-    assert result["fits"]["runs"] == 104 and result["fits"]["agree"] >= 97
-    assert {d["name"] for d in result["fits"]["disagree"]} <= later
+    # No dense run that trained is called "does not fit" (issue 57): llm-foundry's 7 MPT runs without recomputation at
+    # 24k-98k tokens per GPU were, until FSDP's fp32 shards and flash_attn's fused loss were counted (docs/planner.md);
+    # the one that ran out of memory is not called "fits"
+    assert not [d for d in result["fits"]["disagree"] if d["name"] not in moe]
+    assert result["fits"]["table"]["out of memory"]["fits"] == 0
     # The eight mixture-of-experts runs (Megatron-Core, NeMo AutoModel, meshtrain's on one H200; docs/planner.md): a
     # regression guard on their median step-time error, 38% when the first six were added (expert imbalance 1, no
     # all-to-all overlap modelled)

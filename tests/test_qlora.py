@@ -80,10 +80,16 @@ def test_a_qlora_model_computes_lora_on_the_dequantized_base():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
                 adapters[name].copy_(p)
     x = torch.randint(0, 80, (2, cfg.block_size), generator=generator)
-    got, want = models["nf4"](x), models["none"](x)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same operations on the same numbers
-    got.sum().backward()
-    want.sum().backward()
+    import meshtrain.adapters.lora as lora
+
+    lora.MERGED_FORWARD = False  # the plain base unmerged, W x + s B (A x): the NF4 layer's own operations
+    try:
+        got, want = models["nf4"](x), models["none"](x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same operations on the same numbers
+        got.sum().backward()
+        want.sum().backward()
+    finally:
+        lora.MERGED_FORWARD = True
     nf4_grads = {n: p.grad for n, p in models["nf4"].named_parameters() if p.grad is not None}
     assert nf4_grads.keys() == adapters.keys()
     for name, p in models["none"].named_parameters():

@@ -37,6 +37,11 @@ from meshtrain.adapters.spec import EXPERTS_PATH, lora_scaling, targeted_experts
 from meshtrain.models.base import is_adapter
 
 
+MERGED_FORWARD = True
+"""Whether :class:`LoRALinear` may take :class:`_MergedLoRA` (the same numbers up to rounding);
+``bench/bench_lora_steps.py`` turns it off for some steps to time the unmerged path beside it."""
+
+
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` ``W`` (out, in) with a low-rank adapter: ``lora_A`` (r, in), ``lora_B`` (out, r), both
     without bias, ``lora_dropout`` on the adapter's input and the factor ``scaling``. Made by :func:`add_lora`."""
@@ -54,9 +59,63 @@ class LoRALinear(nn.Linear):
         """``x`` (..., in) -> (..., out): ``W x + b + scaling * B A dropout(x)`` (under tp: this rank's features, or
         a partial sum the base's reduction finishes). The scaling multiplies ``B`` (out x r), not the adapter's
         output (tokens x out) as peft does: one small product instead of an activation-sized one and its backward
-        (the same value up to rounding)."""
+        (the same value up to rounding). A plain fp32 base without autocast, with no dropout on the adapter's input
+        (``lora_dropout = 0``, or eval) and a frozen ``W`` takes :class:`_MergedLoRA`, which computes the same
+        output through ``W + scaling * B A`` (fewer activation-sized operations; :meth:`_mergeable`)."""
+        if self._mergeable(x):
+            return _MergedLoRA.apply(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
         h = self.lora_A(self.lora_dropout(x))  # (..., r)
         return self.base_output(x) + F.linear(h, self.lora_B.weight * self.scaling)
+
+    def _mergeable(self, x: torch.Tensor) -> bool:
+        """Whether :class:`_MergedLoRA` computes this forward: this very class (not DoRA's, not an NF4 base), plain
+        tensors (no tp DTensors), no dropout in effect, a frozen base weight (and bias), fp32 (or fp64) throughout
+        and no autocast. A 16-bit ``W + s B A`` would round the adapter's update away (bf16 keeps 8 significant
+        bits: next to a weight in [1/32, 1/16) the spacing is 2^-12, and an update under ~1.2e-4 vanishes), so bf16
+        runs (``train.dtype = "bfloat16"``: autocast) keep the unmerged path, where ``s B A x`` is a term of its
+        own."""
+        return (MERGED_FORWARD and type(self) is LoRALinear and not isinstance(self.weight, DTensor)
+                and (isinstance(self.lora_dropout, nn.Identity) or not self.training)
+                and not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+                and self.weight.dtype == x.dtype == self.lora_A.weight.dtype
+                and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(x.device.type))
+
+
+class _MergedLoRA(torch.autograd.Function):
+    """``y = x (W + s B A)^T + b`` with ``W`` and ``b`` frozen: LoRA's output (Hu et al. 2021, Eq. 3, ``h = W0 x +
+    B A x``, scaled by ``s``) computed through the merged weight, which Sec. 4.1 of the paper uses for inference, and
+    trained through it with the adapters' own gradients (no ``out x in`` weight gradient is formed).
+
+    Shapes: ``x`` (..., in), ``W`` (out, in), ``b`` (out,) or None, ``A`` (r, in), ``B`` (out, r), ``s`` a float;
+    N the tokens of ``x``. Forward: ``h^T = A x^T`` (r, N), kept for ``B``'s gradient; ``M = W + s B A`` (out, in),
+    one (out, r) x (r, in) product; ``y = x M^T + b``. Backward, with ``g = dL/dy`` (N, out): ``dL/dB = s (h^T g)^T``,
+    ``dL/dA = s (g B)^T x``, ``dL/dx = g M`` (``M`` recomputed, not saved: it is the size of the weight). Against
+    the unmerged ``x W^T + s (x A^T) B^T`` this drops the (N, out) addition and the (N, r) x (r, out) product of the
+    forward, and the (N, in) addition and (N, r) x (r, in) product of the backward, for two (out, r) x (r, in)
+    products and two weight-sized additions; the value is the same up to the rounding of the reordered sums. ``h``
+    is kept transposed, (r, N), because ``h^T g`` (a wide (r, out) result) runs about twice as fast on this CPU's
+    BLAS as ``g^T h`` (a skinny (out, r) one) at r = 8, N = 1536 (``torch.mm`` timed alone on one thread)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling):
+        ctx.scaling = scaling
+        ht = torch.mm(a, x.reshape(-1, x.shape[-1]).t())  # (r, N): h^T
+        ctx.save_for_backward(x, ht, weight, a, b)
+        return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)  # x (W + s B A)^T + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, ht, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        grad_a = grad_b = grad_x = None
+        if ctx.needs_input_grad[3]:
+            grad_a = torch.mm(torch.mm(g, b).t(), x.reshape(-1, x.shape[-1])).mul_(s)  # (r, in)
+        if ctx.needs_input_grad[4]:
+            grad_b = torch.mm(ht, g).mul_(s).t()  # (out, r)
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ torch.addmm(weight, b, a, alpha=s)  # (..., in)
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def _placements(weight: torch.Tensor) -> tuple[tuple, tuple] | None:

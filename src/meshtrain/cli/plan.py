@@ -22,11 +22,11 @@ from meshtrain.errors import ConfigError
 from meshtrain.fileio import check_new_file
 from meshtrain.planner import report, stack
 from meshtrain.planner.actual import hardware_for_run
-from meshtrain.planner.estimate import Job
+from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import DEFAULT_PROFILE, get_hardware
 from meshtrain.planner.layout import (FRAMEWORKS, Layout, framework_errors, meshtrain_framework, parse_fix, parse_layout,
                                       pinned_model_errors, sequences_per_sample)
-from meshtrain.planner.memory import PRECISIONS
+from meshtrain.planner.memory import PRECISIONS, fits_budget
 from meshtrain.planner.model_specs import from_config, load_model
 from meshtrain.planner.report import Context
 from meshtrain.planner.search import search
@@ -49,8 +49,9 @@ def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
     p = sub.add_parser("plan", help=line,
                        description="Enumerate every valid (dp, tp, pp, sp, ep, zero_stage, micro_batch_size, "
                                    "gradient_accumulation_steps, recompute, pp_schedule) layout of a job, drop those "
-                                   "that break a divisibility rule or do not fit in memory, rank the rest by time "
-                                   "per step. Formulas and their sources: docs/planner.md.",
+                                   "that break a divisibility rule or surely do not fit in memory, rank the rest by time "
+                                   "per step (a 'tight' one, which may run out of memory, with its memory range and "
+                                   "the fastest layout that surely fits). Formulas and their sources: docs/planner.md.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="a training config (TOML): plan its model, layout and batch; any of its "
                                              f"keys can follow as --section.key VALUE (or {'/'.join(f'--{a}' for a in SHORT_FLAGS)} N), "
@@ -64,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
 
 def _add_model_options(g: argparse._ArgumentGroup) -> None:
     """``plan``'s options of the model, the devices, the precision and the software stack."""
-    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, mixtral-8x7b/8x22b, qwen3-30b-a3b) or a TOML "
+    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, mixtral-8x7b/8x22b, qwen3-30b-a3b, deepseek-v3, kimi-k2) or a TOML "
                                    "file with a [model] table")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sample (overrides the model's)")
     g.add_argument("--gpu", help="device type, e.g. H100-SXM-80GB, A100-80GB, MI300X, cpu (default: cpu for a "
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     pinned_model_errors(fixed, ctx.model)
     mine = report.config_estimate(ctx)  # ranked among all: the search predicts every layout that may be faster
     fitting = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, top=args.top,
-                     through=mine.time.total if mine is not None else None)
+                     through=mine.time.total if mine is not None else None, tight=True)  # tight layouts ranked too
     smallest = None
     if not fitting:
         unfit = search(ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, fixed=fixed, keep_unfit=True)
@@ -164,10 +165,13 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         from meshtrain.planner.plot import plot_breakdowns
         plot_breakdowns(fitting[: args.top] or [smallest], args.plot, ctx.hw.device.memory_bytes)
     if args.json:
-        print(json.dumps([r.to_dict() | estimate_ranges(r, ctx.speed) | ctx.speed.to_dict()
+        # the memory range is the estimate's own (memory.memory_range: widened on an unvalidated device)
+        print(json.dumps([r.to_dict() | {k: v for k, v in estimate_ranges(r, ctx.speed).items()
+                                         if k != "memory_range_bytes"} | ctx.speed.to_dict()
                           for r in fitting[: args.top]], indent=1))
     else:
-        report.print_search(ctx, fitting, smallest, args.top, args.plot, mine)
+        sure = surely_fitting(ctx, fixed) if fitting and fitting[0].verdict == "tight" else None
+        report.print_search(ctx, fitting, smallest, args.top, args.plot, mine, sure)
     return 0
 
 
@@ -236,6 +240,15 @@ def _config_precision(dtype: str, gpu: str) -> str:
 
         dtype = compute_dtype(dtype, "cpu") if gpu == "cpu" else "bfloat16"
     return "bf16-autocast" if dtype == "bfloat16" else "fp32"
+
+
+def surely_fitting(ctx: Context, fixed: dict) -> Estimate | None:
+    """The fastest layout whose memory verdict is "fits" (its whole range within the device), or None: a search on
+    the device shrunk to :func:`meshtrain.planner.memory.fits_budget`, estimated again on the real one."""
+    device = ctx.hw.device
+    shrunk = replace(ctx.hw, device=replace(device, memory_bytes=fits_budget(device)))
+    found = search(ctx.model, shrunk, ctx.precision, ctx.framework, ctx.job, fixed=fixed, top=1)
+    return estimate(ctx.model, found[0].layout, ctx.hw, ctx.precision, ctx.framework, ctx.job) if found else None
 
 
 def _raise_for_unavailable(framework, fixed: dict, model) -> None:
@@ -365,7 +378,7 @@ def _calibrated(ctx, args: argparse.Namespace, stack_name: str):
             raise ConfigError(f"--measured {args.measured!r}: no valid layout of {ctx.model.name} on "
                               f"{ctx.job.num_devices} devices with global_batch_size {ctx.job.global_batch_size} "
                               f"has those fields")
-        best = ([e for e in found if e.fits] or found)[0]
+        best = ([e for e in found if e.fits] or found)[0]  # a measured run trained: the layout that surely fits
         factor, seconds = stack.measured_speed(key, value, best, ctx.model, ctx.hw, ctx.precision, ctx.framework)
         speed = stack.calibrated_speed(factor, f"{best.layout.label()} at {seconds:.4g} s/step", ctx.hw.device.name)
     else:

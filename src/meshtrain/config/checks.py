@@ -154,23 +154,47 @@ def _validate_layout(cfg: Config, schedule: bool = True) -> None:
     _validate_objective(cfg)
     _validate_sync_mode(cfg)
     _validate_mtp(cfg)
+    _validate_seq_aux_loss(cfg)
+    _validate_tp_widths(cfg)
+
+
+def _validate_seq_aux_loss(cfg: Config) -> None:
+    """DeepSeek-V3's sequence-wise balance loss (``model.seq_aux_loss_alpha``) counts each sequence's tokens per
+    expert in one forward: the whole sequence on one rank, sp = 1."""
+    alpha, sp = cfg.model.seq_aux_loss_alpha, cfg.parallel.sp
+    _require(not alpha or sp == 1, f"model.seq_aux_loss_alpha = {alpha} (the sequence-wise balance loss) is not "
+                                   f"supported with parallel.sp = {sp}: it counts each sequence's tokens on one rank; "
+                                   f"use parallel.sp = 1 or model.seq_aux_loss_alpha = 0")
+
+
+def _validate_tp_widths(cfg: Config) -> None:
+    """tp gives each rank an equal slice of each width the family splits beyond the heads and the dense MLP
+    (:attr:`meshtrain.models.family.Family.tp_widths`: DeepSeek-V3's dense layers and shared experts)."""
+    tp = cfg.parallel.tp
+    for what, width in family(cfg.model.type).tp_widths(cfg.model).items() if tp > 1 else ():
+        _require(width % tp == 0, f"{what} = {width} is not divisible by parallel.tp = {tp}: tensor parallelism gives "
+                                  f"each tp rank an equal slice of it; use a tp that divides {width}")
 
 
 def _validate_mtp(cfg: Config) -> None:
-    """Multi-token prediction (``model.num_nextn_predict_layers``, DeepSeek-V3) is built for whole sequences and whole
-    heads on each rank, in the language-model objective of the synchronous trainer: dp and FSDP2 only."""
+    """Multi-token prediction (``model.num_nextn_predict_layers``, DeepSeek-V3) is built with the embedding beside the
+    head (a pipeline puts them on its first and last stages) and takes the main model's whole, replicated hidden
+    state (not tp's sequence-parallel shards), in the language-model objective of the synchronous trainer: dp,
+    FSDP2, tp, sp and ep, not pp nor ``tp_sequence_parallel``."""
     m, p = cfg.model, cfg.parallel
     if not m.num_nextn_predict_layers:
         return
     d, t = cfg.data, cfg.train
-    checks = (("parallel.tp", p.tp, p.tp == 1), ("parallel.pp", p.pp, p.pp == 1), ("parallel.sp", p.sp, p.sp == 1),
-              ("parallel.ep", p.ep, p.ep == 1), ("data.packing", d.packing, d.packing != "document"),
+    checks = (("parallel.pp", p.pp, p.pp == 1), ("parallel.tp_sequence_parallel", p.tp_sequence_parallel,
+                                                   not p.tp_sequence_parallel),
+              ("data.packing", d.packing, d.packing != "document"),
               ("train.objective", t.objective, t.objective == "lm"),
               ("parallel.sync_mode", p.sync_mode, p.sync_mode != "async"))
     blocked = [f"{key} = {value!r}" for key, value, ok in checks if not ok]
     _require(not blocked, f"model.num_nextn_predict_layers = {m.num_nextn_predict_layers} (multi-token prediction) is "
-                          f"not supported with {', '.join(blocked)}: it needs parallel.tp = pp = sp = ep = 1, "
-                          f"train.objective = 'lm', data.packing other than 'document' and a synchronous sync_mode (or "
+                          f"not supported with {', '.join(blocked)}: it needs parallel.pp = 1 and "
+                          f"tp_sequence_parallel = false (dp, FSDP2, tp, sp and ep work), train.objective = 'lm', "
+                          f"data.packing other than 'document' and a synchronous sync_mode (or "
                           f"model.num_nextn_predict_layers = 0)")
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.models.base import LayeredLM
+from meshtrain.models.deepseek_v2.model import DeepseekV2
 from meshtrain.models.deepseek_v3.model import DeepseekV3
+from meshtrain.models.glm4_moe.model import Glm4Moe
 from meshtrain.models.gpt.model import GPT
 from meshtrain.models.llama.model import Llama
 from meshtrain.models.mixtral.model import Mixtral
@@ -24,7 +26,7 @@ from meshtrain.models.rnn.model import RNNLM
 
 MODELS: dict[str, type[LayeredLM]] = {f"{c.__module__}:{c.__qualname__}": c
                                       for c in (GPT, Llama, Qwen2, Qwen3, Mixtral, Qwen3MoE, Qwen2MoE, DeepseekV3,
-                                                RNNLM)}
+                                                Glm4Moe, DeepseekV2, RNNLM)}
 """A family's :attr:`~meshtrain.models.family.Family.model` (``"meshtrain.models.gpt.model:GPT"``) -> its class."""
 
 

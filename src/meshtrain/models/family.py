@@ -108,6 +108,15 @@ class TPNames:
     head_norms: tuple[str, ...] = ()
     extra_inputs: int = 0
     """Plain tensors a block and its attention take after the residual stream (RoPE's ``cos, sin``: 2)."""
+    plain_inputs: bool = False
+    """Whether a block's ``attn`` and ``mlp`` take the replicated residual stream as a plain tensor, each
+    column-parallel module then all-reducing its own input's gradient (Megatron's ``f`` per module), instead of one
+    ``DTensor`` shared by all of them: for modules that also run replicated layers on that input (MLA's
+    down-projections and latent norms, DeepSeekMoE's router and routed experts beside its split shared experts)."""
+    experts_sequence_parallel: bool = False
+    """Whether ``tp_sequence_parallel`` works with the family's experts: its model's ``tp_plan`` all-gathers the
+    sequence before each mixture of experts (replicated over tp) and cuts its output back to this rank's tokens
+    (DeepSeek-V3); otherwise :mod:`meshtrain.rules.layout` refuses the two together."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,10 @@ class Family:
     experts: bool = False
     """Whether its MLPs are mixtures of experts (:mod:`meshtrain.models.moe`), which expert parallelism
     (``parallel.ep``) splits."""
+    tp_widths: Callable[[Any], dict[str, int]] = lambda m: {}
+    """``ModelConfig`` -> {what (the keys it comes from): width} of the widths tensor parallelism splits beyond the
+    heads and the dense MLP's ``ffn_hidden`` (:mod:`meshtrain.rules.layout`): DeepSeek-V3's dense layers and shared
+    experts. Config validation refuses a tp that does not divide one, in one line."""
     qk_clip: bool = True
     """Whether QK-clip (``optim.qk_clip``, :mod:`meshtrain.optim.qk_clip`) can bound its attention logits by scaling
     each head's ``attn.q`` and ``attn.k`` rows: not where q and k are normalised per head (Qwen3's RMSNorm, whose

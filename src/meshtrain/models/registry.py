@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import ConfigError, require
+from meshtrain.models.deepseek_v2 import spec as deepseek_v2
 from meshtrain.models.deepseek_v3 import spec as deepseek_v3
 from meshtrain.models.family import Family
+from meshtrain.models.glm4_moe import spec as glm4_moe
 from meshtrain.models.gpt import spec as gpt
 from meshtrain.models.hf_io import HFFormatError, check_weights, max_positions, with_defaults
 from meshtrain.models.llama import spec as llama
@@ -38,6 +40,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3_moe.FAMILY,
     qwen2_moe.FAMILY,
     deepseek_v3.FAMILY,
+    glm4_moe.FAMILY,
+    deepseek_v2.FAMILY,
     rnn.LSTM,
     rnn.GRU,
 )}
@@ -51,7 +55,7 @@ class ModelKeys:
     type: str = "gpt"
     """Model family, one of :data:`FAMILIES`: "gpt" (GPT-2-style decoder), "llama" (RMSNorm, RoPE, SwiGLU,
     grouped-query attention), "qwen2", "qwen3", the mixtures of experts "mixtral", "qwen3_moe", "qwen2_moe" and
-    "deepseek_v3" (multi-head latent attention),
+    "deepseek_v3" (multi-head latent attention), "glm4_moe" (GLM-4.5) and "deepseek_v2",
     "lstm" or "gru" (recurrent); docs/models.md lists them all."""
     n_layer: int = 4
     """Number of blocks: transformer blocks, or recurrent layers."""
@@ -158,7 +162,8 @@ def families_with(predicate: Any) -> list[str]:
 
 
 def expert_families() -> str:
-    """"mixtral and qwen3_moe and qwen2_moe and deepseek_v3": the families whose MLPs are mixtures of experts."""
+    """"mixtral and qwen3_moe and qwen2_moe and deepseek_v3 and glm4_moe and deepseek_v2": the families whose MLPs are
+    mixtures of experts."""
     return " and ".join(families_with(lambda f: f.experts))
 
 

@@ -44,6 +44,9 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool, nam
     ``names.head_norms`` (Qwen3's q and k norms) act on (B, T, heads/tp, hd), this rank's heads: their weight is
     replicated and its gradient, a partial sum over each rank's heads, is all-reduced (``SequenceParallel`` over
     the head dim).
+    ``names.plain_inputs`` (DeepSeek-V3): ``attn`` and ``mlp`` get the replicated stream as a plain tensor, so that
+    replicated layers inside them (MLA's down-projections, a router) run on it whole; each column-parallel module
+    then all-reduces its own input's gradient (one ``f`` operator per module, not one per block).
     """
     extra = (None,) * names.extra_inputs
     layers = list(layers)
@@ -70,7 +73,7 @@ def tp_plan(layers: Iterable[str], sequence_parallel: bool, embedding: bool, nam
             # single all-reduce (reduce-scatter with sequence parallelism), Megatron's f operator,
             # instead of one collective per matrix.
             plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(seq, *more), desired_input_layouts=(Replicate(), *more),
-                                                     use_local_output=False)
+                                                     use_local_output=names.plain_inputs)
         plan.update({f"{b}.{name}": ColwiseParallel() for name in names.colwise})
         plan.update({f"{b}.{name}": RowwiseParallel(output_layouts=seq) for name in names.rowwise})
         plan.update({f"{b}.{name}": SequenceParallel(sequence_dim=2, use_local_output=True) for name in names.head_norms})

@@ -211,12 +211,22 @@ class ReplicatedModel(ParallelModel):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, targets)`` of this rank's shard of the micro-batch ``x, y`` (mbs, T): (mbs, T/sp, V), a
         vocab-sharded DTensor under tp, and (mbs, T/sp)."""
+        self._shard_mtp(x, y)
         x, y, positions, doc_ids = self.local(x, y, doc_ids)  # (mbs, T/sp) each, positions (T/sp,) or (mbs, T/sp)
         documents = {} if doc_ids is None else {"doc_ids": doc_ids}  # (mbs, T): document packing
         with self.autocast:
             logits = self.model(x, positions, **documents)
         self.vocab_parallel = isinstance(logits, DTensor)
         return logits, y
+
+    def _shard_mtp(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Under sp, a training model with multi-token prediction (DeepSeek-V3's ``mtp_sequences``) gets its depths'
+        next tokens and targets made on the whole window ``x, y`` (mbs, T) and cut as ``x, y`` are: their shift
+        crosses the sp shards."""
+        core = getattr(self.model, "module", self.model)  # DDP wraps the model
+        depths = getattr(core.cfg, "num_nextn_predict_layers", 0) if hasattr(core, "mtp_sequences") else 0
+        if self.dims.sp > 1 and depths and core.training and self.dpo is None:
+            core.mtp_shards = [self.local(a, t)[:2] for a, t in core.mtp_sequences(x, y, depths)]  # (mbs, T/sp) each
 
     def loss(self, *micro_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)``: the cross-entropy summed over this rank's supervised tokens of the micro-batch
@@ -326,8 +336,10 @@ class PipelineModel(ParallelModel):
         finally:
             for part in parts:
                 part.aux_history = None
-        # this rank's chunks' share of the mean over micro-batches: the metrics' batch_mean sums it over the stages
-        self.aux_loss = torch.stack(history).sum() / n if history else None
+        # this rank's chunks' share of the mean over micro-batches: the metrics' batch_mean sums it over the stages;
+        # a stage with no router (DeepSeek-V3's dense first layers) shares 0, so that every stage joins that sum
+        routers = any(getattr(part, "MOE", False) for part in parts)
+        self.aux_loss = torch.stack(history).sum() / n if history else torch.zeros(()) if routers else None
         self.after_backward()
         return loss
 

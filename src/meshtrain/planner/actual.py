@@ -26,9 +26,9 @@ from meshtrain.fileio import write_json_atomic
 from meshtrain.planner.cost import step_time
 from meshtrain.planner.hardware import DEFAULT_PROFILE, Hardware, get_hardware
 from meshtrain.planner.layout import Layout, meshtrain_framework
-from meshtrain.planner.memory import PRECISIONS, memory_breakdown
+from meshtrain.planner.memory import PRECISIONS, memory_breakdown, memory_range
 from meshtrain.planner.model_specs import from_config
-from meshtrain.planner.stack import memory_range, nulls, speed_for
+from meshtrain.planner.stack import nulls, speed_for
 
 CORPUS_BYTES_PER_CHAR = 18.0
 """RSS the trainer's corpus loading adds per character when no profile measured it: the text (1 byte),
@@ -110,7 +110,7 @@ def predict_for_run(cfg: Config, world_size: int, vocab_size: int, device: str,
     time = step_time(model, layout, hw, precision, framework)
     peak = memory.total + (corpus_rss_bytes(cfg, profile) if device == "cpu" else 0.0)
     speed = speed_for(framework.name, hw.device.name, peak_source=hw.device.peak_source)
-    ranges = {"step_time_s": nulls(speed.step_time_range(time.total)), "peak_memory_bytes": list(memory_range(peak))}
+    ranges = {"step_time_s": nulls(speed.step_time_range(time.total)), "peak_memory_bytes": list(memory_range(peak, hw.device))}
     return {"step_time_s": time.total, "peak_memory_bytes": int(peak), "device": device, "profile": description,
             "ranges": ranges, "range_basis": speed.basis,
             "threads_per_rank": threads, "layout": layout.label(),

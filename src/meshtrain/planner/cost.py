@@ -30,6 +30,8 @@ outgrows what backward hides.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
@@ -41,7 +43,7 @@ from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, most
                                      nf4_params, stage_layers, stage_loads, stage_params, torchtitan_gemms,
                                      trained_params)
 from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token,
-                                           dense_flops_per_token)
+                                           dense_flops_per_token, head_flops_per_token)
 from meshtrain.planner.optimizer import OptimizerPlan, muon_work
 
 
@@ -51,15 +53,21 @@ def expert_flops_per_token(model: ModelSpec) -> float:
     return routed_flops_per_token(model) + (2.0 * (model.router_params + model.shared_params) if model.experts else 0.0)
 
 
+def moe_share(model: ModelSpec) -> float:
+    """The share of the layers with experts, by which the per-layer (mean) expert terms are scaled: 1 unless the
+    model has dense first layers (:attr:`ModelSpec.dense_layers`)."""
+    return model.moe_fraction if model.dense_layers else 1.0
+
+
 def routed_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs per token of the k routed experts alone, ``2*m*h*k*f`` (0 for a dense model): the work that
     :attr:`ModelSpec.expert_imbalance` makes the busiest rank wait for."""
-    return 2.0 * model.mlp_matrices * model.hidden * model.active_ffn if model.experts else 0.0
+    return 2.0 * model.mlp_matrices * model.hidden * model.active_ffn * moe_share(model) if model.experts else 0.0
 
 
 def expert_gemm_traffic_bytes(model: ModelSpec, tokens: float, ep: int, element_bytes: int) -> float:
     """HBM bytes of one MoE layer's routed-expert GEMMs forward on the busiest rank (:func:`gemm_traffic_bytes`'
-    roofline, per expert): its ``rows = tokens * k * expert_imbalance`` token copies read and the outputs written
+    roofline, per expert): its ``rows = tokens * k * imbalance`` (:func:`expert_imbalance`) token copies read and the outputs written
     once over all its experts, and each of its ``E/ep`` experts' weights read once: ``e*(rows*(2h + m*f) + (E/ep)*m*h*f)``
     (up: rows x h in, rows x (m-1)f out; down: rows x f in, rows x h out). Unlike one dense MLP of width k*f, the weights read are those of E/ep experts,
     not k: for fine-grained experts (Qwen3-30B-A3B: E/k = 16) at a few thousand tokens per rank the weight traffic
@@ -67,10 +75,96 @@ def expert_gemm_traffic_bytes(model: ModelSpec, tokens: float, ep: int, element_
     if not model.experts:
         return 0.0
     h, f, m = model.hidden, model.ffn_hidden, model.mlp_matrices
-    rows, local = tokens * model.experts_per_token * model.expert_imbalance, model.experts / ep
+    rows, local = tokens * model.experts_per_token * expert_imbalance(model, tokens, ep), model.experts / ep
     up = rows * h + local * h * (m - 1) * f + rows * (m - 1) * f  # gate and up fused for SwiGLU
     down = rows * f + local * f * h + rows * h
-    return element_bytes * (up + down)
+    return element_bytes * (up + down) * moe_share(model)
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_standard_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals], ``integral x * n*phi(x)*Phi(x)^(n-1) dx`` (the density of the
+    maximum, order statistics: David and Nagaraja 2003, "Order Statistics", Eq. 2.1.1), by the trapezoid rule on
+    [-12, 12] in steps of 1/1000 (the tails beyond hold under 1e-30 of the mass): 0 for n = 1, ``1/sqrt(pi)`` for 2,
+    1.4236 for 8, 2.0697 for 32."""
+    if n <= 1:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-12000, 12001):
+        x = i * step
+        pdf = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * math.erfc(-x / math.sqrt(2))
+        total += (0.5 if abs(i) == 12000 else 1.0) * x * n * pdf * cdf ** (n - 1)
+    return total * step
+
+
+def predicted_expert_imbalance(model: ModelSpec, tokens: float, ep: int) -> float:
+    """The expected busiest expert rank's routed rows over the mean, for balanced routing: each of the ``n = tokens*ep``
+    tokens an ep group routes per micro-batch and MoE layer picks ``k`` of the E experts uniformly without replacement,
+    the E experts sitting E/ep on each rank. A rank's load is a sum of n hypergeometric counts (k draws from E, E/ep of
+    them its own): mean ``n*k/ep``, variance ``n*k*(1/ep)*(1 - 1/ep)*(E - k)/(E - 1)``; the ep loads sum to ``n*k``, so
+    any two correlate at ``-1/(ep - 1)`` (the multivariate hypergeometric's covariance). For many tokens they are
+    jointly normal (central limit theorem), and the maximum of ep equicorrelated normals of correlation rho is
+    ``mean + sigma*sqrt(1 - rho)*m_ep`` (m_ep = :func:`expected_max_standard_normal`; Owen and Steck 1962, the
+    equicorrelated case), so ``1 + sigma*sqrt(ep/(ep - 1))*m_ep/mean``.
+
+    This is the floor that sampling alone sets, what a router balanced in expectation (an auxiliary loss, GShard,
+    Lepikhin et al. 2020, Sec. 2.2, or DeepSeek's auxiliary-loss-free bias, Wang et al. 2024, arXiv:2408.15664) still
+    shows per micro-batch: a trained router's own skew comes on top (Wang et al. report MaxVio, the busiest expert's
+    load over the mean minus 1, per batch, of 0.04-0.7 for single experts), which only a run's statement gives
+    (:attr:`ModelSpec.expert_imbalance`). Units: ``tokens`` the tokens one rank routes per micro-batch (a count).
+    Takeaway: small for the published runs' shapes: Qwen3-235B at ep 32 with 2,048 tokens per rank 1.016, at ep 8
+    with 1,024 1.015; Qwen3-30B-A3B at ep 8 with 16k 1.004."""
+    E, k = model.experts, model.experts_per_token
+    n = tokens * ep
+    if not E or ep <= 1 or k >= E or n <= 0:
+        return 1.0
+    p = 1.0 / ep
+    mean, var = n * k * p, n * k * p * (1 - p) * (E - k) / (E - 1)
+    return 1.0 + math.sqrt(var * ep / (ep - 1)) * expected_max_standard_normal(ep) / mean
+
+
+def expert_imbalance(model: ModelSpec, tokens: float, ep: int) -> float:
+    """The busiest expert rank's rows over the mean that the time model charges: the stated
+    :attr:`ModelSpec.expert_imbalance` (a published or measured one), else :func:`predicted_expert_imbalance`."""
+    return model.expert_imbalance or predicted_expert_imbalance(model, tokens, ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def binomial_tile_waste(n: int, p: float, tile: int) -> float:
+    """E[tile*ceil(X/tile) - X] for X ~ Binomial(n, p): the idle rows of the last tile of one expert's grouped GEMM
+    (:data:`meshtrain.planner.hardware.GROUPED_GEMM_TILE_ROWS`). Summed over the binomial's probabilities within 12
+    standard deviations of its mean; once the standard deviation reaches a tile, X mod tile is uniform to within
+    ``exp(-2*pi^2*sd^2/tile^2)`` < 3e-9 (Poisson summation of the normal density), so ``(tile - 1)/2``. 0 for tile <= 1."""
+    if tile <= 1 or n <= 0 or p <= 0:
+        return 0.0
+    mean, sd = n * p, math.sqrt(n * p * (1 - p))
+    if sd >= tile:
+        return (tile - 1) / 2
+    lo, hi = max(0, math.floor(mean - 12 * sd)), min(n, math.ceil(mean + 12 * sd))
+    log_c = math.lgamma(n + 1)
+    mass = waste = 0.0
+    for x in range(lo, hi + 1):
+        pmf = math.exp(log_c - math.lgamma(x + 1) - math.lgamma(n - x + 1) + x * math.log(p)
+                       + ((n - x) * math.log1p(-p) if p < 1 else 0.0)) if p < 1 or x == n else 0.0
+        mass += pmf
+        waste += pmf * (-x % tile)
+    return waste / mass
+
+
+def grouped_gemm_padding_rows(model: ModelSpec, tokens: float, ep: int, tile: int) -> float:
+    """Expected rows a rank's grouped expert GEMM runs beyond its routed ones, per micro-batch and MoE layer: each of
+    its E/ep experts gets ``X ~ Binomial(tokens*ep, k/E)`` rows (every token of the ep group picks it with
+    probability k/E) and runs ``ceil(X/tile)`` whole tiles, so ``E/ep * E[tile*ceil(X/tile) - X]``
+    (:func:`binomial_tile_waste`; the M-occupancy ``(M/B_M)/ceil(M/B_M)`` of DeepGEMM issue #211, taken in
+    expectation over the routing). Computed at the balanced mean (the waste is under a tile per expert whatever its
+    rows). 0 for a dense model or ``tile`` <= 1. Units: ``tokens`` the tokens one rank routes per micro-batch; returns
+    rows. Takeaway: at the Qwen3-235B tp4 row's 512 rows per expert (sd 22 < 128) the waste is 62 rows, 12% of them; at
+    thousands of rows per expert (sd >= 128) 63.5 rows, 1-2%."""
+    E, k = model.experts, model.experts_per_token
+    if not E or tile <= 1:
+        return 0.0
+    return E / ep * binomial_tile_waste(round(tokens * ep), k / E, tile)
 
 
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
@@ -80,6 +174,11 @@ def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], .
     shared expert (whole: tp replicates them); the routed experts' GEMMs are :func:`expert_gemm_traffic_bytes`'."""
     h, kv, f, t, q = model.hidden, model.kv_dim, model.active_ffn, tp, model.q_dim
     attention = ((h, (q + 2 * kv) / t), (q / t, h))
+    if model.kv_lora_rank:  # MLA: the down-projections (q's, kv's and the shared RoPE key, replicated), the up-projections
+        rq, rkv, dr, a = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim, model.heads
+        up_q = ((rq, q / t),) if rq else ((h, q / t),)
+        attention = ((h, rq + rkv + dr), *up_q, (rkv, a * (model.head_dim - dr + model.v_head_dim) / t),
+                     (model.v_dim / t, h))
     if model.experts:
         shared = ((h, (model.mlp_matrices - 1) * model.shared_ffn), (model.shared_ffn, h)) if model.shared_ffn else ()
         return (*attention, (h, model.experts), *shared)
@@ -110,7 +209,7 @@ def model_flops(model: ModelSpec, samples: int) -> float:
     three times; with LoRA adapters the weight GEMMs' twice (a frozen GEMM's backward computes its input's gradient
     only; the adapters' own r/h of the GEMMs left out) and attention's three times (both its operands are
     activations), so that MFU counts the work a LoRA step needs."""
-    weights = model.layers * dense_flops_per_token(model) + 2.0 * model.hidden * model.vocab
+    weights = model.layers * dense_flops_per_token(model) + head_flops_per_token(model)
     passes = 2.0 if model.adapter_layer_params else 3.0
     return samples * model.seq_len * (passes * weights + 3.0 * model.layers * attention_flops_per_token(model))
 
@@ -255,7 +354,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     dev, t, dtype = hw.device, layout.tp, prec.compute_dtype  # one block; micro_batch counts the rank's
     tokens = layout.micro_batch_size * model.seq_len / layout.sp
     k = max(1, model.hidden // t)
-    rate, bw, e = dev.matmul_flops(dtype, k), dev.bandwidth(), prec.activation_bytes
+    rate, bw = dev.matmul_flops(dtype, k), dev.bandwidth()
     # Ring attention over R ranks (R = sp; USP's sp/sp_ulysses, on 1/sp_ulysses of the heads: sp_degrees) runs one
     # (c x c) chunk pair at a time (c = s/(2R)), only the pairs not entirely in the future: (2R+1)/(4R) of all, each
     # without a causal half except the diagonal ones (counted in that fraction). Each pair is the fused attention
@@ -266,14 +365,7 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * ring_ranks + 1) / (4 * ring_ranks) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
-    # A mixture of experts' MLP is not split by tp in meshtrain: every tp rank runs it on the same tokens (folded into
-    # tp, each tp rank routes its own tokens/tp: Framework.expert_folding); the busiest expert rank's routed rows are
-    # expert_imbalance times the mean
-    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), fw.expert_fold(t)
-    layer_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
-                                        + expert_gemm_traffic_bytes(model, tokens / fold, layout.ep, e))
-    per_token = (dense_flops_per_token(model) - moe) / t + (moe + (model.expert_imbalance - 1) * routed) / fold
-    dense = tokens * per_token / rate + layer_io
+    dense = _weight_gemms_forward(model, layout, hw, prec, fw, tokens, rate)
     attn_flops = executed * tokens * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
                                                            fw.eager_elementwise if model.norm == "rmsnorm" else None)
@@ -286,16 +378,15 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
         length = model.seq_len // (2 * ring_ranks) if ring_fused else model.seq_len
         attn = attn_flops / dev.attention_flops(prec.compute_dtype, length, k, fw.attention)
     elementwise = tokens * layer_bytes / bw
-    # logits GEMM, and a third of the cross-entropy traffic (the rest is backward)
-    head_io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
-    head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
-    head += head_io
+    head = _head_forward(model, layout, hw, prec, fw, tokens, rate)
     ops = _layer_host_s(dev, layout) / 3  # host time of forward + backward, a third here
     block = dense + attn + core + elementwise + ops
     gemms_again = recomputed_gemm_fraction(model, fw.selective) * dense  # torchtitan's every second GEMM
     selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.per_operator_selective
                  else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
+    if fw.mla_up_proj_recompute and model.kv_lora_rank and layout.recompute != "full":  # q, k, v from the latents again
+        recompute += tokens * mla_up_proj_flops_per_token(model) / t / rate
     passes = recompute_passes(layout)
     gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
     dequant, not_in_backward = _adapter_costs(model, layout, dense, bw)
@@ -303,6 +394,46 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     if layout.recompute == "full":  # selective recomputation runs no GEMM again here
         recompute += dequant
     return block, recompute, head, dev.microstep_host_s / 3, gemm, not_in_backward
+
+
+def _weight_gemms_forward(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework,
+                          tokens: float, rate: float) -> float:
+    """Seconds of one block's weight GEMMs forward for ``tokens`` tokens of one micro-batch at the GEMM ``rate``
+    (FLOP/s), with their operand traffic (:func:`gemm_traffic_bytes`). A mixture of experts' MLP is not split by tp in
+    meshtrain: every tp rank runs it on the same tokens (folded into tp, each tp rank routes its own tokens/tp:
+    ``Framework.expert_folding``); the busiest expert rank's routed rows are :func:`expert_imbalance` times the mean
+    (stated or predicted), and each expert's rows run in whole tiles of the grouped GEMM
+    (:func:`grouped_gemm_padding_rows`)."""
+    dev, dtype, t, e = hw.device, prec.compute_dtype, layout.tp, prec.activation_bytes
+    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), fw.expert_fold(t)
+    io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
+                                  + expert_gemm_traffic_bytes(model, tokens / fold, layout.ep, e))
+    imbalance = expert_imbalance(model, tokens / fold, layout.ep)
+    per_token = (dense_flops_per_token(model) - moe) / t + (moe + (imbalance - 1) * routed) / fold
+    padding = grouped_gemm_padding_rows(model, tokens / fold, layout.ep, dev.grouped_gemm_tile_rows(dtype))
+    padded = padding * routed / max(1, model.experts_per_token)  # routed is k experts' FLOPs per token
+    return (tokens * per_token + padded) / rate + io
+
+
+def _head_forward(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, fw: Framework, tokens: float,
+                  rate: float) -> float:
+    """Seconds of the head's forward for ``tokens`` tokens of one micro-batch at the GEMM ``rate`` (FLOP/s): the logits
+    GEMM with its operand traffic and a third of the cross-entropy's traffic (``Framework.cross_entropy_bytes`` per
+    logit; the rest is backward), scaled by the multi-token prediction depths' share (:func:`head_flops_per_token`)."""
+    t, e, bw = layout.tp, prec.activation_bytes, hw.device.bandwidth()
+    io = hw.device.gemm_traffic_seconds(prec.compute_dtype,
+                                        gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
+    head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
+    return (head + io) * head_flops_per_token(model) / (2.0 * model.hidden * model.vocab)
+
+
+def mla_up_proj_flops_per_token(model: ModelSpec) -> float:
+    """FLOPs per token of MLA's up-projections (DeepSeek-V2 report, arXiv:2405.04434, Eq. 10-13), which
+    recomputation from the kept latents runs again (V3 report Sec. 3.2.3): ``q_b`` (``q_lora_rank`` ->
+    heads x (dn + dr); none without a q latent) and ``kv_b`` (``kv_lora_rank`` -> heads x (dn + dv)), 2 FLOPs a MAC."""
+    up = model.q_lora_rank * model.q_dim + model.kv_lora_rank * (model.q_dim - model.heads * model.qk_rope_head_dim
+                                                                 + model.v_dim)
+    return 2.0 * up
 
 
 def _adapter_costs(model: ModelSpec, layout: Layout, dense: float, bandwidth: float) -> tuple[float, float]:
@@ -411,14 +542,62 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     for c in layer_collectives(model, layout, prec, fw.expert_fold(layout.tp)):
         if c.axis == "ep":  # an all-to-all: the peers on this rank's node over the node's link, the rest by NIC
             local = ep_ranks_per_node(layout, fw, net.devices_per_node)
-            comm[c.axis] += c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, local < layout.ep, local)
+            comm[c.axis] += c.count * dispatch_time(hw, model, c.ranks, c.nbytes, local, fw.ep_dispatch)
             continue
         spans = layout.spans_nodes(c.axis, net.devices_per_node)
         comm[c.axis] += c.count * collective_time(hw, c.kind, c.ranks, c.nbytes, spans)
-    tp, sp = comm["tp"], comm["sp"]
+    tp, sp, ep = comm["tp"], comm["sp"], comm["ep"]
     if fw.tp_comm_overlap:  # per block: overlapped() scales with the blocks, so a stage's is blocks times a block's
         tp = overlapped(tp, gemm, hw.device.overlap_slowdown)
-    return block, recompute, head, host, tp, sp, comm["ep"], frozen
+    if fw.ep_comm_overlap:  # beside another micro-batch's block, forward and backward (and any recomputation)
+        ep = overlapped(ep, 3 * block + recompute_passes(layout) * recompute, hw.device.overlap_slowdown)
+    return block, recompute, head, host, tp, sp, ep, frozen
+
+
+def dispatch_nodes(model: ModelSpec, ep: int, ranks_per_node: int) -> float:
+    """Expected number of distinct nodes (its own among them) that hold the experts of one token, for experts spread
+    evenly over the ``ceil(ep / ranks_per_node)`` nodes of an ep group (E/N on each) and chosen uniformly, k of E
+    without replacement: ``N * (1 - C(E - E/N, k) / C(E, k))`` (the chance that a node holds none of the k is the
+    hypergeometric ``C(E - E/N, k) / C(E, k)``). Group-limited routing (:attr:`ModelSpec.expert_groups` G = N, one group
+    per node, DeepSeek-V3's ``n_group = 8`` for its 8 nodes of ep 64, V3 report Sec. 2.1.2) picks M =
+    ``expert_topk_groups`` groups first and the k experts inside their ``M*E/G``: ``M * (1 - C((M-1)*E/G, k) /
+    C(M*E/G, k))``, at most M. Uniform routing is an assumption (a trained router is not uniform; expert imbalance
+    is :attr:`ModelSpec.expert_imbalance`'s). Takeaway: Qwen3-235B (128 experts, k = 8) at ep 32 over 4 nodes reaches
+    3.6 nodes per token where an all-to-all sends 8 copies, 6 of them off the node."""
+    nodes = max(1, math.ceil(ep / max(1, ranks_per_node)))
+    E, k = model.experts, model.experts_per_token
+    if nodes == 1 or not E:
+        return 1.0
+    G, M = model.expert_groups, model.expert_topk_groups
+    if G > 1 and G == nodes:
+        per = E // G
+        return M * (1 - math.comb((M - 1) * per, k) / math.comb(M * per, k))
+    return nodes * (1 - math.comb(E - E // nodes, k) / math.comb(E, k))
+
+
+def dispatch_time(hw: Hardware, model: ModelSpec, ep: int, nbytes: float, ranks_per_node: int,
+                  mode: str = "all-to-all") -> float:
+    """Seconds of one dispatch (or combine) of a rank's ``nbytes`` (its k copies of its tokens' hidden states) over an ep
+    group of ``ep`` ranks, ``ranks_per_node`` of them on each node.
+
+    "all-to-all": :func:`collective_time`'s all-to-all (every copy to its expert's rank; across nodes the copies to
+    other nodes through the rank's NIC). "node-limited" (DeepEP; DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.2:
+    "each token ... transmitted via IB to the GPUs with the same in-node index on its target nodes ... instantly
+    forwarded via NVLink"): a token crosses once to each remote node holding one of its experts, ``(N-1)/N`` of
+    :func:`dispatch_nodes`' D nodes, then its copies go to their GPUs inside the node, ``(r-1)/r`` of the k over NVLink;
+    both links work at once: ``max(D*(N-1)/N * S/k / B_nic + (N-1)*alpha_nic, k*(r-1)/r * S/k / B_node + (r-1)*alpha_node)``
+    with S = ``nbytes``, r = ``ranks_per_node``, N = ``ceil(ep / r)`` nodes. Inside one node both modes are the
+    all-to-all. Takeaway: over 4 nodes of H100s Qwen3-235B's dispatch falls from 6 copies per token on the NIC to 2.7."""
+    if mode != "node-limited" or ranks_per_node >= ep or not model.experts:
+        return collective_time(hw, "all-to-all", ep, nbytes, ranks_per_node < ep, ranks_per_node)
+    r, k = ranks_per_node, model.experts_per_token
+    nodes = math.ceil(ep / r)
+    per_token = nbytes / k
+    node_bw, node_lat = hw.network.link(False, "all-to-all")
+    nic_bw, nic_lat = hw.network.link(True, "all-to-all", 1)
+    remote = dispatch_nodes(model, ep, r) * (nodes - 1) / nodes
+    return max(remote * per_token / nic_bw + (nodes - 1) * nic_lat,
+               k * (r - 1) / r * per_token / node_bw + (r - 1) * node_lat)
 
 
 @dataclass(frozen=True)
@@ -480,7 +659,7 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
         out += [Collective("sp", "all-to-all", ulysses, width * per_token, 2 + full)
                 for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
     if layout.ep > 1 and model.experts:  # the busiest rank receives expert_imbalance times the mean
-        rows = model.experts_per_token * model.expert_imbalance / expert_fold
+        rows = model.experts_per_token * expert_imbalance(model, tokens / expert_fold, layout.ep) / expert_fold
         out.append(Collective("ep", "all-to-all", layout.ep, act * rows, 2 * (2 + full)))
     return out
 

@@ -10,7 +10,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.planner.cost import StepTime, hardware_flops, model_flops, step_time
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
-from meshtrain.planner.memory import MemoryBreakdown, Precision, memoized, memory_breakdown
+from meshtrain.planner.memory import (MemoryBreakdown, Precision, memoized, memory_breakdown, memory_range,
+                                     memory_verdict)
 from meshtrain.planner.model_specs import ModelSpec
 
 
@@ -66,6 +67,11 @@ class Estimate:
     peak_flops: float
     """One device's peak FLOP/s in the compute dtype (MFU's denominator)."""
     total_steps: int | None
+    verdict: str = "fits"
+    """The memory verdict, "fits", "tight" or "does not fit" (:func:`meshtrain.planner.memory.memory_verdict`: the
+    predicted peak's range against the device's memory); ``fits`` is the predicted peak alone against it."""
+    memory_range: tuple[float, float] = (0.0, 0.0)
+    """Bytes the measured peak should lie in (:func:`meshtrain.planner.memory.memory_range`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,6 +101,7 @@ class Estimate:
         return {**b.to_dict(), "world_size": b.world_size, "global_batch_size": b.global_batch_size,
                 "tokens_per_step": self.tokens_per_step,
                 "memory_per_device_bytes": int(self.memory.total), "fits": self.fits,
+                "memory_verdict": self.verdict, "memory_range_bytes": [int(v) for v in self.memory_range],
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "model_tflops_per_device": self.model_tflops_per_device,
                 "hardware_tflops_per_device": self.hardware_tflops_per_device,
@@ -127,7 +134,8 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
                                              samples, layout.recompute, framework.selective, job)
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
                     tokens_per_step=tokens, model_flops_per_step=mflops, hardware_flops_per_step=hflops,
-                    peak_flops=hw.device.peak(precision.compute_dtype), total_steps=steps)
+                    peak_flops=hw.device.peak(precision.compute_dtype), total_steps=steps,
+                    verdict=memory_verdict(mem.total, hw.device), memory_range=memory_range(mem.total, hw.device))
 
 
 def _step_work(model: ModelSpec, samples: int, recompute: str, selective: str,

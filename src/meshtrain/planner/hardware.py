@@ -20,7 +20,9 @@ Users add devices in TOML (``[[device]]`` and ``[network]`` tables, see :func:`l
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import tomllib
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +35,17 @@ DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "meshtr
 """Where ``plan --calibrate`` saves this machine's profile and where ``--gpu cpu`` looks for it:
 ``$XDG_CACHE_HOME/meshtrain/hardware_profile.toml``, ``~/.cache/meshtrain/hardware_profile.toml`` when
 ``XDG_CACHE_HOME`` is unset or empty (the XDG Base Directory Specification's user cache folder)."""
+
+
+GROUPED_GEMM_TILE_ROWS = 128
+"""M-height of a grouped GEMM's tile on Hopper-class GPUs: each expert's rows run in ``ceil(rows / 128)`` whole tiles,
+the last one partly idle (tile quantization, NVIDIA's "Matrix Multiplication Background" user guide). 128 is the tile
+M of ``torch._grouped_mm`` on sm90 (pytorch ``aten/src/ATen/native/cuda/GroupMM.cu``,
+``dispatch_bf16_grouped_kernel_on_tile_size``: CUTLASS tiles of 128 x 256 x 64 unless the mean rows per group or N
+are <= 128, then 64 x 128 x 128) and the row alignment DeepGEMM's grouped GEMM requires of every expert's segment
+(deepseek-ai/DeepGEMM, ``get_m_alignment_for_contiguous_layout()`` = 128); DeepGEMM issue #211 states the resulting
+"M-occupancy" ``(M / B_M) / ceil(M / B_M)`` per expert.
+Used by :func:`meshtrain.planner.cost.grouped_gemm_padding_rows`."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,10 @@ class Device:
     abstract: the GEMMs' rate)."""
     framework_overhead_bytes: float = 3 * GiB
     """Memory the runtime takes before any tensor: CUDA context, NCCL buffers, allocator slack."""
+    validated: bool = True
+    """Whether a published run on this device type was ever predicted (``planner/data/published_runs.toml``,
+    :func:`validated_devices`); False for a catalog device that never was (B200, MI300X, ...): ``meshtrain plan``
+    says "unvalidated" and widens its memory range (:func:`meshtrain.planner.memory.memory_range`)."""
     layer_host_s: float = 0.0
     """Host time per layer and micro-step (forward + backward operator dispatch, autograd) that is not
     hidden behind kernels: measured on CPU, 0 on GPUs, whose host runs ahead of the kernels."""
@@ -95,6 +112,9 @@ class Device:
     compute and communication in GPT and Llama training on A100s, H100s, MI250s and MI210s (arXiv 2507.03114,
     abstract and Sec. 5: mean 18.9%, at most 40%). A collective of ``c`` seconds hidden behind compute so costs
     ``c * overlap_slowdown / (1 + overlap_slowdown)`` (:func:`meshtrain.planner.cost.overlapped`)."""
+    grouped_gemm_tile: int = GROUPED_GEMM_TILE_ROWS
+    """Rows of a grouped GEMM's output tile (:data:`GROUPED_GEMM_TILE_ROWS`, where its source is); 0: no tiles (an
+    ideal device, or one whose grouped GEMM pads nothing)."""
     matmul_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """Measured FLOP/s of a Linear forward + backward by inner size k, per dtype (``--calibrate``);
     overrides ``peak * matmul_efficiency``."""
@@ -143,6 +163,13 @@ class Device:
         roofline of :func:`meshtrain.planner.cost.gemm_traffic_bytes`): ``nbytes / bandwidth()``; 0 with a
         measured ``matmul_table`` for ``dtype``, whose rates already include it."""
         return 0.0 if self.matmul_table.get(dtype) else nbytes / self.bandwidth()
+
+    def grouped_gemm_tile_rows(self, dtype: str) -> int:
+        """Rows of one output tile of a grouped GEMM (one expert's rows are run in whole tiles of this many):
+        ``grouped_gemm_tile`` (:data:`GROUPED_GEMM_TILE_ROWS` on a GPU); 0 (no padding charged) with a measured
+        ``matmul_table`` for ``dtype``, a CPU profile, whose grouped GEMM loops over the experts' matrices without tiles
+        of fixed height."""
+        return 0 if self.matmul_table.get(dtype) else self.grouped_gemm_tile
 
 
 def _interpolate(table: list[tuple[int, float]], x: int) -> float:
@@ -269,11 +296,29 @@ def cpu_reference() -> dict[str, Hardware]:
     return _CPU_REFERENCE
 
 
+PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
+"""Measured runs from papers and framework tables (``meshtrain plan --validate``'s default file)."""
+
+
+@functools.lru_cache(maxsize=1)
+def validated_devices() -> frozenset[str]:
+    """The catalog's device types that at least one run of :data:`PUBLISHED_RUNS` ran on (its ``gpu``, aliases
+    resolved): the devices whose constants (``matmul_efficiency``, the memory model's range) were checked against a
+    measurement. A device that shares another's fitted efficiency (:data:`EFFICIENCY_FROM`) but has no run of its own
+    is not among them."""
+    with PUBLISHED_RUNS.open("rb") as f:
+        runs = tomllib.load(f).get("run", [])
+    names = {str(r.get("gpu", "")) for r in runs}
+    return frozenset(ALIASES.get(n, n) for n in names if ALIASES.get(n, n) in _CATALOG)
+
+
 def catalog() -> dict[str, Hardware]:
     """Every built-in device type with its default node network (``cpu`` and ``cpu-2threads``: the uncalibrated
-    reference, :func:`cpu_reference`)."""
+    reference, :func:`cpu_reference`); a GPU without a published run is marked ``validated = False``."""
+    checked = validated_devices()
     out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32}, mem, bw, eff,
-                                 flash2_efficiency=FLASH2_HOPPER if name in HOPPER else None), net)
+                                 flash2_efficiency=FLASH2_HOPPER if name in HOPPER else None,
+                                 validated=name in checked), net)
            for name, (bf16, fp32, mem, bw, eff, net) in _CATALOG.items()}
     out.update(cpu_reference())
     return out
@@ -423,3 +468,13 @@ def load_hardware_file(path: Path, what: str = "hardware file") -> dict[str, Har
     net = _network_from_table(data["network"], "network")
     return {d.name: Hardware(d, net) for d in
             (_device_from_table(t, f"device[{i}]") for i, t in enumerate(data["device"]))}
+
+
+# H800 SXM (the export H100: the same Hopper die, FLOP/s and HBM3, NVLink cut to 400 GB/s bidirectional; DeepSeek-V3
+# trained on 2,048 of them, 8 per node with an 8 x 400 Gb/s InfiniBand NIC per GPU: V3 report, arXiv:2412.19437,
+# Sec. 3.1). Its matmul efficiency is the H100's (the same chip).
+_DGX_H800 = Network(8, 200e9, 50e9)   # NVLink 400 GB/s bidirectional; 8x NDR 400 Gb/s per node
+_CATALOG["H800-SXM-80GB"] = (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.56, _DGX_H800)
+HOPPER = (*HOPPER, "H800-SXM-80GB")
+EFFICIENCY_FROM["H800-SXM-80GB"] = "H100-SXM-80GB"
+ALIASES["H800"] = "H800-SXM-80GB"

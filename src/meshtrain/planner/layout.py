@@ -290,6 +290,19 @@ class Framework:
     Sec. 3): the ep group is folded into the tp x dp x sp ranks, each tp rank routes its own s/tp tokens (sequence
     parallelism) to whole experts, so the routed work, its activations and its all-to-all rows are 1/tp per rank and the
     experts' ZeRO-sharded states are spread over tp x dp x sp ranks; ep must divide tp*dp*sp."""
+    ep_dispatch: str = "all-to-all"
+    """How a mixture of experts' tokens reach the experts of other ranks: "all-to-all" (one copy per chosen expert
+    through an all-to-all: GShard; meshtrain, Megatron's alltoall dispatcher) or "node-limited" (DeepEP, the dispatch
+    DeepSeek-V3 trained with, V3 report arXiv:2412.19437, Sec. 3.2.2: a token crosses to each destination node once,
+    over its NIC, and is forwarded inside the node over NVLink: :func:`meshtrain.planner.cost.dispatch_time`)."""
+    ep_comm_overlap: bool = False
+    """Whether expert parallelism's dispatch and combine run beside other micro-batches' compute (Megatron-Core's
+    ``--overlap-moe-expert-parallel-comm``, a forward's all-to-all beside another's backward in 1F1B; DeepSeek's
+    DualPipe, V3 report Sec. 3.2.1): exposed only beyond a block's compute (:func:`meshtrain.planner.cost.overlapped`)."""
+    mla_up_proj_recompute: bool = False
+    """Whether multi-head latent attention's up-projections (and latent norms) run again in backward, so that a layer
+    keeps the latents instead of every head's q, k and v (DeepSeek-V3 report, Sec. 3.2.3; Megatron-Core's
+    ``--recompute-modules mla_up_proj``): :func:`meshtrain.planner.model_specs.mla_saved_widths`."""
     selective: str = "attention-core"
     """What ``recompute = "selective"`` recomputes: "attention-core", Korthikanti et al. 2022, Sec. 5 (the
     attention scores' QK^T, softmax, dropout and AV; Megatron-LM), "op-level", meshtrain's per-operator
@@ -354,6 +367,12 @@ class Framework:
     each micro-batch waiting for its backward holds its logits (``e``) instead of the fp32 log-softmax (4). Under tp the
     vocabulary-parallel loss runs instead (``loss_parallel_bytes``). Measured tensor by tensor with torch's
     ``MemTracker`` (``tests/test_chunked_loss.py``)."""
+    master_shards: bool = False
+    """ZeRO-3's shards are the fp32 master weights, cast to 16 bits only when gathered: PyTorch FSDP's
+    ``MixedPrecision(param_dtype=bfloat16)`` (FSDP1, ``_FlatParameter`` kept in the model's fp32) and FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16)`` (the sharded DTensor stays fp32; torchtitan, OLMo-core, Composer's
+    ``mixed_precision: PURE``). A trained parameter then costs 4 (shard) + 4 (fp32 gradient shard) + 8 (Adam) bytes
+    at rest, not 2 + 4 + 12 with a separate 16-bit copy (:func:`meshtrain.planner.memory.shard_bytes`)."""
     optimizer: OptimizerPlan = OptimizerPlan()
     """The run's optimizer (``optim.name`` and Muon's keys, :class:`meshtrain.planner.optimizer.OptimizerPlan`): its
     states per parameter (memory) and its step's time (:func:`meshtrain.planner.cost.optimizer_parts`); AdamW
@@ -436,25 +455,29 @@ FRAMEWORKS = {f.name: f for f in (
               cross_entropy_bytes=MEGATRON_CE_BYTES, loss_backward_bytes=6.0, loss_parallel_bytes=6.0),
     # llm-foundry's MPT benchmarks (Composer's FSDP) of 2023: scripts/train/benchmarking/submit_benchmarks.py at
     # 061f2c7c (the tables' commit) sets attn_impl 'triton' by default, MPT's FlashAttention in Triton
+    # Its loss is flash_attn's fused cross-entropy (llmfoundry/models/mpt/modeling_mpt.py at 061f2c7c: loss_fn
+    # 'fused_crossentropy' by default, flash_attn.losses.cross_entropy.CrossEntropyLoss): it saves the 16-bit logits
+    # and a per-row fp32 log-sum-exp, and its backward (xentropy_cuda_lib, inplace_backward=False) writes a 16-bit
+    # gradient: 2 + 2 bytes per logit
     Framework("fsdp", attention="flash-triton", zero_stages=(0, 2, 3), pp_schedules=("1f1b",),
-              grad_sync_every_microstep=True),
+              grad_sync_every_microstep=True, master_shards=True, loss_backward_bytes=4.0),
     # torchtitan (pytorch/torchtitan, FSDP2 one unit per block, docs/fsdp.md): its "selective op" activation
     # checkpointing saves every other matmul's, the attention kernel's and the reduce-scatters' outputs and
     # recomputes the rest (op-level-alternate); context parallelism is ring attention.
     Framework("torchtitan", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",), ring_fused=True,
-              repeats_kv=True,
+              repeats_kv=True, master_shards=True,
               swiglu_keeps_activation=True, eager_elementwise=(358.0, 44.0, 28.0, 16.0)),
     # the same under torch.compile (train.compile / --training.compile), whose fused element-wise kernels are
     # what the default count models
     Framework("torchtitan-compile", zero_stages=(0, 3), selective="op-level-alternate", sp_modes=("ring",),
-              ring_fused=True, repeats_kv=True, swiglu_keeps_activation=True),
+              ring_fused=True, repeats_kv=True, swiglu_keeps_activation=True, master_shards=True),
     # OLMo-core (allenai/OLMo-core at e27ba74, 2024-11): FSDP2 one unit per block (Transformer.apply_fsdp), compiled
     # blocks, K/V repeated to the query heads (nn/attention.py), gradients reduce-scattered after every micro-batch
     # (train/trainer.py skips the sync of non-final micro-batches only under DDP), and a compiled loss
     # (compile_loss = True), which holds only the 16-bit gradient of the logits for backward (measured:
     # tests/test_planner_memory_mechanisms.py)
     Framework("olmo-core", zero_stages=(0, 3), repeats_kv=True, swiglu_keeps_activation=True,
-              grad_sync_every_microstep=True, loss_backward_bytes=2.0),
+              grad_sync_every_microstep=True, loss_backward_bytes=2.0, master_shards=True),
 )}
 
 

@@ -34,11 +34,13 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.hardware import Device, Hardware
+from meshtrain.planner.stacks_table import load_stacks
 from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk_ranks, split_layers
 from meshtrain.rules.pipeline import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token
+from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token,
+                                           mla_saved_widths)
 from meshtrain.planner.optimizer import MuonGroup, OptimizerPlan, block_matrices, muon_groups, muon_work
 from meshtrain.rules.support import fsdp_units
 
@@ -291,6 +293,9 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     mlp_hidden = (swiglu if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input
     kv = h if framework.repeats_kv else model.kv_dim
     sharded = s * b * e * (2 * h + 2 * kv + mlp_hidden)  # Q, K, V, out-proj input + MLP
+    if model.kv_lora_rank:  # MLA: its latents and its heads' q, k, v, output (model_specs.mla_saved_widths)
+        latents, heads = mla_saved_widths(model, framework.mla_up_proj_recompute)
+        sharded = s * b * e * (heads + mlp_hidden) + s * b * e * latents * t
     if framework.attention == "materialized" and recompute == "none":
         per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
         sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
@@ -590,8 +595,9 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     t, q = trained_params(model, layout, framework), nf4_params(model, layout)
     nf4_saving = precision.weight_bytes - NF4_BYTES  # per quantized weight
     adapters = t - saved_params(model, layout) if model.adapter_layer_params else 0.0  # weights beside the base's
+    shard_weight, optimizer_bytes = shard_bytes(precision, framework, z)
     if z >= 3:
-        weights = sharded * precision.weight_bytes + (adapters * precision.weight_bytes - q * nf4_saving) / shard
+        weights = sharded * shard_weight + (adapters * precision.weight_bytes - q * nf4_saving) / shard
     else:
         weights = p * precision.weight_bytes + adapters * precision.weight_bytes - q * nf4_saving
     if model.reference_copy:  # DPO's frozen reference: the weights again, sharded as the policy's at rest (ZeRO 2, 3)
@@ -605,7 +611,7 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     grads = (trained if grads_sharded else t) * precision.grad_bytes
     taken = muon_params(model, layout, framework)[1 if z >= 1 else 0]  # Muon's of them (0 for another optimizer)
     updated = trained if z >= 1 else t
-    optimizer = framework.optimizer.state_bytes(updated, taken, precision.optimizer_bytes)
+    optimizer = framework.optimizer.state_bytes(updated, taken, optimizer_bytes)
     block = model.layer_params() / layout.tp
     gathered = 0.0
     if z >= 2:
@@ -639,6 +645,22 @@ def _optimizer_peak(model: ModelSpec, layout: Layout, hw: Hardware, framework: F
     blocks = _busiest_rank(model, layout.tp, layout.ep, *_split_key(layout, framework))[1]
     work = muon_work(muon_groups_of(model, layout, blocks, framework), framework.optimizer, hw.device)
     return max(adamw, work.temporaries)
+
+
+def shard_bytes(precision: Precision, framework: Framework | None, zero_stage: int) -> tuple[int, int]:
+    """(weight, optimizer) bytes per parameter at rest, the optimizer's including any fp32 master copy.
+
+    The precision's own (``precision.weight_bytes``, ``precision.optimizer_bytes``: a 16-bit weight beside a 4-byte
+    master in the optimizer, Rajbhandari et al. 2020, Sec. 3.1), except under ZeRO-3 with a framework whose shards
+    *are* the fp32 masters (``Framework.master_shards``: PyTorch FSDP with a 16-bit ``param_dtype``, which casts at
+    the all-gather): 4 bytes of shard and the optimizer's bytes less its master's 4. For bf16 AdamW that is 4 + 8 = 12
+    bytes instead of 2 + 12 = 14 (the 16-bit copy exists only gathered, counted with the buffers). Takeaway: a
+    pure-FSDP run holds 2 bytes per sharded parameter less than ZeRO's mixed-precision count says."""
+    master = precision.optimizer_bytes - 8  # Adam's m and v are 4 bytes each; what is left is the master copy
+    if zero_stage >= 3 and framework is not None and framework.master_shards and precision.weight_bytes == 2 \
+            and master == 4:
+        return 4, precision.optimizer_bytes - 4
+    return precision.weight_bytes, precision.optimizer_bytes
 
 
 def trained_params(model: ModelSpec, layout: Layout, framework: Framework | None = None) -> float:
@@ -732,3 +754,57 @@ def _parameter_server_memory(model: ModelSpec, layout: Layout, hw: Hardware, pre
                              activations=0.0,
                              buffers=(1 + layout.dp) * 4 * p / S, overhead=one.overhead)
     return max(worker, server, key=lambda m: m.total)
+
+
+@lru_cache(maxsize=1)
+def memory_error_range() -> tuple[float, float]:
+    """The lowest and highest signed error ``(predicted - measured) / measured`` of the predicted peak memory on the
+    published runs that report one: the ``[memory]`` table of ``planner/data/stacks.toml``, which
+    ``python -m meshtrain.planner.refit`` writes from them (:func:`meshtrain.planner.validate.fit_stacks`; a test
+    checks the shipped table is that fit; docs/planner.md "Memory", the memory table). Nothing in the memory model is
+    fitted to them, so it is the model's spread as it stands, not a fit's residual. (0, 0) without the table."""
+    m = load_stacks().get("memory", {})
+    return float(m.get("low", 0.0)), float(m.get("high", 0.0))
+
+
+VERDICTS = ("fits", "tight", "does not fit")
+"""The fit verdicts of a predicted peak against a device's memory (:func:`memory_verdict`)."""
+
+
+def memory_range(total: float, device: Device) -> tuple[float, float]:
+    """(low, high) bytes the measured peak of a layout predicted at ``total`` bytes should lie in on ``device`` (a
+    :class:`~meshtrain.planner.hardware.Device`): a measured peak ``M`` with a predicted ``P`` has
+    ``P / M - 1`` in :func:`memory_error_range` = ``[lo, hi]`` on the published runs, so ``M`` in
+    ``[P / (1 + hi), P / (1 + lo)]``. A device never validated on a published run (``device.validated`` False:
+    B200, MI300X, ...) widens it by its ``framework_overhead_bytes`` on each side: that runtime term (context,
+    communication buffers, allocator) is the device's own, assumed there and never measured, so it may be anywhere
+    from none to twice the catalog's."""
+    lo, hi = memory_error_range()
+    low, high = total / (1 + hi), total / (1 + lo)
+    if not device.validated:
+        low, high = max(0.0, low - device.framework_overhead_bytes), high + device.framework_overhead_bytes
+    return low, high
+
+
+def memory_verdict(total: float, device: Device) -> str:
+    """"fits" (the whole :func:`memory_range` is within ``device.memory_bytes``), "does not fit" (all of it above) or
+    "tight" (the capacity inside the range: it may train or run out of memory; the range says by how much).
+    Takeaway: on an 80 GiB device a predicted peak above ~68 GiB may not fit, and one above ~88 GiB will not."""
+    low, high = memory_range(total, device)
+    if high <= device.memory_bytes:
+        return "fits"
+    return "does not fit" if low > device.memory_bytes else "tight"
+
+
+def fits_budget(device: Device) -> float:
+    """The largest predicted peak whose :func:`memory_verdict` is "fits" on ``device`` (bytes): the inverse of
+    :func:`memory_range`'s high end, ``(capacity - widening) * (1 + lo)``."""
+    widen = 0.0 if device.validated else device.framework_overhead_bytes
+    return max(0.0, device.memory_bytes - widen) * (1 + memory_error_range()[0])
+
+
+def tight_budget(device: Device) -> float:
+    """The largest predicted peak whose :func:`memory_verdict` is not "does not fit" on ``device`` (bytes): the
+    inverse of :func:`memory_range`'s low end, ``(capacity + widening) * (1 + hi)``."""
+    widen = 0.0 if device.validated else device.framework_overhead_bytes
+    return (device.memory_bytes + widen) * (1 + memory_error_range()[1])

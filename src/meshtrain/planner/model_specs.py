@@ -95,12 +95,45 @@ class ModelSpec:
     """DPO with a frozen reference copy (``train.dpo_reference = "copy"``, :mod:`meshtrain.train.reference`): a second
     set of the weights, sharded as the policy's (ZeRO 2 and 3: 1/(dp*sp); no gradients, no optimizer states), held
     through the step, and one more forward per micro-batch (no backward) before the policy's."""
-    expert_imbalance: float = 1.0
-    """The busiest expert rank's routed rows over the mean (>= 1; 1 = every expert rank gets ``tokens*k/ep``): a
-    stated factor, not predicted. Every rank waits for the busiest at each MoE layer's combine, so the routed
-    experts' GEMM time and the dispatch all-to-alls are multiplied by it. A capacity factor c (GShard, Lepikhin et
-    al. 2020, Sec. 2.2) bounds it at c by dropping; for a dropless router it is whatever the routing does, which
-    no published run below states (docs/planner.md, "Validation against published runs")."""
+    expert_imbalance: float = 0.0
+    """The busiest expert rank's routed rows over the mean (>= 1; 1 = every expert rank gets ``tokens*k/ep``), as a
+    run states it (a published or measured imbalance); 0 (the default) = predicted: the expected maximum of the
+    ranks' loads under balanced routing (:func:`meshtrain.planner.cost.predicted_expert_imbalance`). Every rank waits
+    for the busiest at each MoE layer's combine, so the routed experts' GEMM time and the dispatch all-to-alls are
+    multiplied by it. A capacity factor c (GShard, Lepikhin et al. 2020, Sec. 2.2) bounds it at c by dropping; for a
+    dropless router it is whatever the routing does, which no published run below states (docs/planner.md,
+    "Mixtures of experts as the frameworks dispatch them")."""
+
+    shared_gate: bool = True
+    """Whether the shared expert has Qwen2-MoE's (1, h) sigmoid gate (h weights); DeepSeek's shared experts have none."""
+    expert_groups: int = 0
+    """Groups the routed experts are split into for group-limited routing (DeepSeek-V3's ``n_group``: 8, one per node
+    of its ep 64); 0 or 1 = no limit. A token's experts come from its ``expert_topk_groups`` best groups (V3 report,
+    arXiv:2412.19437, Sec. 2.1.2, "node-limited routing"), which caps the nodes a node-limited dispatch sends it to
+    (:func:`meshtrain.planner.cost.dispatch_nodes`)."""
+    expert_topk_groups: int = 0
+    """Groups a token's experts may come from (V3's ``topk_group``: 4); with ``expert_groups``."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (MLA, DeepSeek-V2 report, arXiv:2405.04434, Sec. 2.1): rank of q's low-rank path
+    ``W_UQ(RMSNorm(W_DQ x))`` (V3: 1,536); 0 = q projected from h directly. Only with ``kv_lora_rank``."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent c_KV (V2 report, Eq. 9; V3: 512); 0 = not MLA. With it
+    ``head_dim`` is q's and k's width per head, ``qk_nope + qk_rope_head_dim`` (V3: 128 + 64)."""
+    qk_rope_head_dim: int = 0
+    """MLA: the decoupled RoPE part of ``head_dim`` (V3: 64), its key ``W_KR x`` shared by all heads (V2 report,
+    Eq. 14-19)."""
+    v_head_dim: int = 0
+    """MLA: v's width per head (V3: 128); 0 = ``head_dim``."""
+    dense_layers: int = 0
+    """The first layers whose MLP is one dense SwiGLU of width ``dense_ffn`` instead of experts (DeepSeek-V3's
+    ``first_k_dense_replace``: 3). Per-layer sizes (:meth:`layer_params`, FLOPs) are then the mean over ``layers``
+    (the pipeline split sees every block alike)."""
+    dense_ffn: int = 0
+    """Width of the ``dense_layers``' SwiGLU (V3: 18,432)."""
+    mtp_layers: int = 0
+    """Multi-token prediction depths D (V3 report, Sec. 2.2): each a projection ``M_k`` of ``2h -> h``, norms and one
+    block, counted among ``layers`` (so ``layers`` = the main blocks + D), and one more pass through the shared head
+    per token (:func:`head_flops_per_token`)."""
 
     @property
     def norm(self) -> str:
@@ -113,6 +146,8 @@ class ModelSpec:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.kv_lora_rank and not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.head_dim == 0 and self.heads >= 1:
             if self.hidden % self.heads:
                 raise ConfigError(f"model hidden = {self.hidden} must be divisible by heads = {self.heads}")
@@ -127,10 +162,21 @@ class ModelSpec:
                               f"{self.experts}]")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model activation = {self.activation!r} is not valid: use one of {', '.join(ACTIVATIONS)}")
+        if self.kv_lora_rank and (not self.head_dim or self.kv_heads != self.heads
+                                  or not 0 <= self.qk_rope_head_dim < self.head_dim):
+            raise ConfigError(f"model kv_lora_rank = {self.kv_lora_rank} (MLA) needs head_dim > qk_rope_head_dim = "
+                              f"{self.qk_rope_head_dim} >= 0 and kv_heads = heads")
+        if not 0 <= self.dense_layers < self.layers - self.mtp_layers or (self.dense_layers and self.dense_ffn < 1):
+            raise ConfigError(f"model dense_layers = {self.dense_layers} must be in [0, layers - mtp_layers) and come "
+                              f"with dense_ffn >= 1")
+        if self.expert_groups > 1 and not (self.experts % self.expert_groups == 0
+                                           and 1 <= self.expert_topk_groups <= self.expert_groups):
+            raise ConfigError(f"model expert_groups = {self.expert_groups} must divide experts = {self.experts}, with "
+                              f"expert_topk_groups in [1, expert_groups]")
         if isinstance(self.expert_imbalance, bool) or not isinstance(self.expert_imbalance, int | float) or not (
-                1.0 <= self.expert_imbalance < float("inf")):
+                1.0 <= self.expert_imbalance < float("inf") or self.expert_imbalance == 0):
             raise ConfigError(f"model expert_imbalance = {self.expert_imbalance!r} must be a number >= 1 (the busiest "
-                              f"expert rank's rows over the mean; 1 = balanced)")
+                              f"expert rank's rows over the mean; 1 = balanced), or 0 to predict it")
 
     def __hash__(self) -> int:
         return self._hash
@@ -140,7 +186,8 @@ class ModelSpec:
         """The sizes' hash (equal specs have equal sizes; ints hash alike in every process, so a pickled copy keeps a
         true one), computed once: the planner's caches hash a spec ~10^5 times per search."""
         return hash((self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.ffn_hidden, self.kv_heads,
-                     self.head_dim, self.experts, self.experts_per_token, self.expert_imbalance))
+                     self.head_dim, self.experts, self.experts_per_token, self.expert_imbalance, self.kv_lora_rank,
+                     self.dense_layers, self.mtp_layers))
 
     # Derived sizes are cached_property (kept in the instance's __dict__, beside the fields; a frozen spec never
     # changes them): the planner's search asks each ~10^5 times.
@@ -151,8 +198,45 @@ class ModelSpec:
 
     @cached_property
     def kv_dim(self) -> int:
-        """Width of K (and of V): kv_heads * head_dim."""
+        """Width of K (and of V): kv_heads * head_dim; with MLA the mean of K's ``heads*head_dim`` and V's
+        ``heads*v_head_dim`` (the full K and V the attention kernel takes, up-projected from the latent)."""
+        if self.kv_lora_rank:
+            return self.heads * (self.head_dim + self.v_head_dim) // 2
         return self.kv_heads * self.head_dim
+
+    @cached_property
+    def v_dim(self) -> int:
+        """Width of the attention's output (A V): heads * v_head_dim with MLA, else :attr:`q_dim`."""
+        return self.heads * self.v_head_dim if self.kv_lora_rank else self.q_dim
+
+    @cached_property
+    def moe_fraction(self) -> float:
+        """Share of the layers whose MLP has experts: ``(layers - dense_layers) / layers`` (1 without dense layers;
+        0 without experts)."""
+        return (self.layers - self.dense_layers) / self.layers if self.experts else 0.0
+
+    @cached_property
+    def attention_params(self) -> int:
+        """One layer's attention weights (no norms): ``h*(q + 2kv) + q*h``; with MLA (V2 report, Sec. 2.1, Eq. 9-18)
+        ``rq*(h + a*dqk)`` (or ``h*a*dqk`` without rq) ``+ h*(rkv + dr) + rkv*a*(dn + dv) + a*dv*h`` plus the two
+        latent norms' ``rq + rkv`` scales (dqk = ``head_dim`` = dn + dr)."""
+        h, q = self.hidden, self.q_dim
+        if not self.kv_lora_rank:
+            return h * (q + 2 * self.kv_dim) + q * h
+        rq, rkv, dr, a = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.heads
+        dn = self.head_dim - dr
+        qp = rq * (h + 1 + q) if rq else h * q
+        return qp + h * (rkv + dr) + rkv + rkv * a * (dn + self.v_head_dim) + self.v_dim * h
+
+    @cached_property
+    def attention_gemm_params(self) -> int:
+        """:attr:`attention_params` less the latent norms' scales: the weights the GEMMs multiply."""
+        return self.attention_params - (self.q_lora_rank + self.kv_lora_rank if self.kv_lora_rank else 0)
+
+    @cached_property
+    def dense_mlp_params(self) -> float:
+        """The dense layers' SwiGLU weights ``m*h*dense_ffn``, as a mean over the layers (0 without dense layers)."""
+        return self.dense_layers * self.mlp_matrices * self.hidden * self.dense_ffn / self.layers
 
     @cached_property
     def active_ffn(self) -> int:
@@ -162,14 +246,18 @@ class ModelSpec:
         return self.ffn_hidden * (self.experts_per_token if self.experts else 1)
 
     @cached_property
-    def router_params(self) -> int:
-        """The router's E*h weights per layer (0 without experts)."""
-        return self.experts * self.hidden
+    def router_params(self) -> float:
+        """The router's E*h weights per layer (0 without experts; a mean over the layers with ``dense_layers``)."""
+        return self.experts * self.hidden * (self.moe_fraction if self.dense_layers else 1)
 
     @cached_property
-    def shared_params(self) -> int:
-        """The shared expert's ``mlp_matrices*h*S`` weights and its gate's h per layer (0 without one)."""
-        return self.mlp_matrices * self.hidden * self.shared_ffn + self.hidden if self.shared_ffn else 0
+    def shared_params(self) -> float:
+        """The shared expert's ``mlp_matrices*h*S`` weights and its gate's h per layer (0 without one; no gate without
+        ``shared_gate``; a mean over the layers with ``dense_layers``)."""
+        if not self.shared_ffn:
+            return 0
+        n = self.mlp_matrices * self.hidden * self.shared_ffn + (self.hidden if self.shared_gate else 0)
+        return n * (self.moe_fraction if self.dense_layers else 1)
 
     @cached_property
     def mlp_matrices(self) -> int:
@@ -183,8 +271,8 @@ class ModelSpec:
     @cached_property
     def _layer_params(self) -> int:
         h, f, kv, q = self.hidden, self.ffn_hidden, self.kv_dim, self.q_dim
-        n = (h * (q + 2 * kv) + q * h + max(self.experts, 1) * self.mlp_matrices * h * f + self.router_params
-             + self.shared_params)
+        routed = max(self.experts, 1) * self.mlp_matrices * h * f * (self.moe_fraction if self.dense_layers else 1)
+        n = self.attention_params + routed + self.router_params + self.shared_params + self.dense_mlp_params
         n += 4 * h if self.biases else 2 * h  # two norms: scale (+ shift)
         if self.biases:
             n += (q + 2 * kv) + h + (f * (self.mlp_matrices - 1)) + h
@@ -195,7 +283,8 @@ class ModelSpec:
     def expert_params(self) -> int:
         """Parameters of one block's routed experts, ``E * mlp_matrices * h * f`` (0 without experts): what expert
         parallelism splits over ``ep``."""
-        return self.experts * self.mlp_matrices * self.hidden * self.ffn_hidden
+        n = self.experts * self.mlp_matrices * self.hidden * self.ffn_hidden
+        return n * self.moe_fraction if self.dense_layers else n
 
     def param_tensors(self) -> int:
         """Number of parameter tensors (fused qkv counted as one), which sets per-tensor optimizer work."""
@@ -203,7 +292,8 @@ class ModelSpec:
 
     @cached_property
     def _param_tensors(self) -> int:
-        per_layer = (2 + self.mlp_matrices + 2 + 2 * self.qk_norm + bool(self.experts)  # + the router
+        mla = (3 + 2 * bool(self.q_lora_rank)) if self.kv_lora_rank else 0  # q_a, q_a_norm, kv_a, kv_a_norm, kv_b
+        per_layer = (2 + mla + self.mlp_matrices + 2 + 2 * self.qk_norm + bool(self.experts)  # + the router
                      + (self.mlp_matrices + 1 if self.shared_ffn else 0))  # + the shared expert and its gate
         if self.biases:
             per_layer += 2 + self.mlp_matrices + 2
@@ -220,17 +310,19 @@ class ModelSpec:
     def head_params(self) -> int:
         """Output layer: final norm plus the V*h head if it is not tied to the embedding."""
         norm = (2 if self.biases else 1) * self.hidden if self.final_norm else 0
-        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
+        mtp = self.mtp_layers * (2 * self.hidden * self.hidden + 3 * self.hidden)  # M_k, enorm, hnorm, head norm
+        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden) + mtp
 
     def num_params(self) -> int:
         """Total parameters N (the tied head counted once)."""
-        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+        return round(self.layers * self.layer_params() + self.embedding_params() + self.head_params())
 
     def active_params(self) -> int:
         """Parameters one token runs through: :meth:`num_params` less each block's ``E - k`` unchosen routed experts
         (= ``num_params`` for a dense model). Mixtral 8x7B: 46.7 B in all, 12.9 B active (Jiang et al. 2024, Sec. 2)."""
         idle = max(self.experts - self.experts_per_token, 0) * self.mlp_matrices * self.hidden * self.ffn_hidden
-        return self.num_params() - self.layers * idle if self.experts else self.num_params()
+        moe_layers = self.layers - self.dense_layers
+        return self.num_params() - moe_layers * idle if self.experts else self.num_params()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -263,6 +355,22 @@ def _moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: in
                      qk_norm=qk_norm, experts=experts, experts_per_token=k)
 
 
+def _deepseek_v3(name: str, experts: int, vocab: int, dense_layers: int, mtp: int, groups: int, topk_groups: int,
+                 heads: int) -> ModelSpec:
+    """The DeepSeek-V3 architecture (``DeepseekV3ForCausalLM``) at 4,096 tokens: 61 main layers of h = 7,168, MLA with
+    q_lora_rank 1,536, kv_lora_rank 512, 128 + 64 q/k features per head (decoupled RoPE part 64) and 128 v features,
+    experts of width 2,048 (8 per token) beside one shared expert of 2,048, dense first layers of width 18,432.
+    DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 4.2 and its ``config.json``): 256 experts, 8 groups of which
+    4 per token, 3 dense layers, one MTP depth, V = 129,280, 128 heads; 671B parameters without the MTP module's 14B
+    (Sec. 4.2; 685B on the hub). Kimi K2 (Moonshot AI 2025, arXiv:2507.20534, Table 2, and its ``config.json``):
+    384 experts, no group limit, 1 dense layer, no MTP, V = 163,840, 64 heads; 1.04T parameters."""
+    return ModelSpec(name, 61 + mtp, 7168, heads, vocab=vocab, seq_len=4096, ffn_hidden=2048, kv_heads=heads,
+                     activation="swiglu", tied_embeddings=False, learned_positions=False, head_dim=192,
+                     experts=experts, experts_per_token=8, shared_ffn=2048, shared_gate=False, expert_groups=groups,
+                     expert_topk_groups=topk_groups, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                     v_head_dim=128, dense_layers=dense_layers, dense_ffn=18432, mtp_layers=mtp)
+
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _gpt2("gpt2-small", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -275,6 +383,7 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _megatron("megatron-529.6b", 105, 20480, 128), _megatron("megatron-1t", 128, 25600, 160),
     _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 8, 2), _moe("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 8, 2),
     _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, 128, 8, head_dim=128, qk_norm=True),
+    _deepseek_v3("deepseek-v3", 256, 129280, 3, 1, 8, 4, 128), _deepseek_v3("kimi-k2", 384, 163840, 1, 0, 0, 0, 64),
 )}
 
 
@@ -294,7 +403,9 @@ def preset(name: str) -> ModelSpec:
 
 PLANNER_KEYS = {"name", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "activation",
                 "tied_embeddings", "learned_positions", "biases", "dropout", "final_norm", "experts",
-                "experts_per_token", "shared_ffn", "expert_imbalance", "head_dim", "qk_norm", "qkv_bias"}
+                "experts_per_token", "shared_ffn", "expert_imbalance", "head_dim", "qk_norm", "qkv_bias",
+                "shared_gate", "expert_groups", "expert_topk_groups", "q_lora_rank", "kv_lora_rank",
+                "qk_rope_head_dim", "v_head_dim", "dense_layers", "dense_ffn", "mtp_layers"}
 
 
 def from_table(table: dict[str, Any], name: str = "custom") -> ModelSpec:
@@ -376,6 +487,10 @@ def _linear_weights_per_block(m: Any, targets: list[str]) -> int:
     return total
 
 
+PLANNED_HERE = ("deepseek_v3",)
+"""Families whose :class:`ModelSpec` is built here rather than from ``Family.planner`` (:func:`deepseek_v3_spec`)."""
+
+
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: its family's planner numbers
     (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``) and its adapters'
@@ -389,14 +504,42 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """
     m = cfg.model
     numbers = m.family().planner
+    if numbers is None and m.type == "deepseek_v3":  # its numbers are more than a Llama's: deepseek_v3_spec
+        dpo = cfg.train.objective == "dpo"
+        vocab = vocab_size or trained_vocab_size(cfg)
+        return replace(deepseek_v3_spec(m, vocab), **adapter_numbers(cfg, vocab), sequences_per_sample=2 if dpo else 1,
+                       reference_copy=dpo and cfg.train.dpo_reference == "copy")
     if numbers is None:
-        modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
+        modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None or f.name in PLANNED_HERE))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
     dpo = cfg.train.objective == "dpo"
     vocab = vocab_size or trained_vocab_size(cfg)
     return ModelSpec("config", **numbers(m, vocab), **adapter_numbers(cfg, vocab),
                      sequences_per_sample=2 if dpo else 1, reference_copy=dpo and cfg.train.dpo_reference == "copy")
+
+
+def deepseek_v3_spec(m: Any, vocab: int, name: str = "config") -> ModelSpec:
+    """The :class:`ModelSpec` of a ``deepseek_v3`` ``[model]`` table (:class:`meshtrain.models.deepseek_v3.keys.
+    DeepseekV3Keys`) with ``vocab`` rows: MLA's widths, the routed and shared experts (ungated), the dense first layers
+    and the multi-token prediction blocks counted among ``layers`` (``n_layer + num_nextn_predict_layers``; each MTP
+    block is a MoE block, its layer index being past ``first_k_dense_replace``). ``tests/test_planner_deepseek_v3.py``
+    counts its parameters and FLOPs against the built model; :func:`from_config` uses it for a ``deepseek_v3`` config,
+    and the ``deepseek-v3`` and ``kimi-k2`` presets are it at their published shapes."""
+    from meshtrain.models.deepseek_v3.keys import dense_ffn_hidden, qk_head_dim
+    from meshtrain.models.llama import spec as llama
+
+    f = llama.ffn_hidden(m)
+    return ModelSpec(name, m.n_layer + m.num_nextn_predict_layers, m.n_embd, m.n_head, vocab=vocab,
+                     seq_len=m.block_size, ffn_hidden=f, kv_heads=m.n_head, activation="swiglu",
+                     tied_embeddings=m.tie_embeddings, learned_positions=False, head_dim=qk_head_dim(m),
+                     experts=m.num_experts, experts_per_token=m.num_experts_per_tok, shared_ffn=m.n_shared_experts * f,
+                     shared_gate=False, expert_groups=m.n_group if m.n_group > 1 else 0,
+                     expert_topk_groups=m.topk_group if m.n_group > 1 else 0, q_lora_rank=m.q_lora_rank,
+                     kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                     dense_layers=m.first_k_dense_replace,
+                     dense_ffn=dense_ffn_hidden(m) if m.first_k_dense_replace else 0,
+                     mtp_layers=m.num_nextn_predict_layers)
 
 
 def trained_vocab_size(cfg: Config) -> int:
@@ -452,11 +595,44 @@ def model_from_toml(path: Path) -> ModelSpec:
 def dense_flops_per_token(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight GEMMs per token: ``2*(h*(q+2kv) + q*h + m*h*f)``, f the active MLP width
     (k experts of width f: k*f) plus a router's ``E*h`` and a shared expert's (Fedus et al. 2021, Sec. 2: FLOPs per
-    token follow the experts a token runs, not their number)."""
-    h, kv, f, q = model.hidden, model.kv_dim, model.active_ffn, model.q_dim
-    return 2.0 * (h * (q + 2 * kv) + q * h + model.mlp_matrices * h * f + model.router_params + model.shared_params)
+    token follow the experts a token runs, not their number). With MLA the attention term is twice its GEMM weights
+    (:attr:`ModelSpec.attention_gemm_params`: the q and kv down- and up-projections, the shared RoPE key's ``h*dr``
+    and the output); with ``dense_layers`` the MLP term is the mean over the layers of the dense SwiGLU's ``m*h*D``
+    and the MoE layers' (DeepSeek-V3: ``2 * active matrix parameters`` per layer, V3 report Table 1's 37B active)."""
+    h, f = model.hidden, model.active_ffn
+    routed = model.mlp_matrices * h * f * (model.moe_fraction if model.dense_layers else 1)
+    return 2.0 * (model.attention_gemm_params + routed + model.router_params + model.shared_params
+                  + model.dense_mlp_params)
 
 
 def attention_flops_per_token(model: ModelSpec, causal: bool = False) -> float:
-    """Forward FLOPs of one layer's QK^T and AV per token: ``4*s*q`` (non-causal), half if causal."""
-    return 4.0 * model.seq_len * model.q_dim * (0.5 if causal else 1.0)
+    """Forward FLOPs of one layer's QK^T and AV per token: ``2*s*q + 2*s*v`` = ``4*s*q`` (non-causal), half if causal;
+    with MLA q's and k's ``heads*head_dim`` (dn + dr) and v's ``heads*v_head_dim`` differ (V3: 192 and 128)."""
+    return 2.0 * model.seq_len * (model.q_dim + model.v_dim) * (0.5 if causal else 1.0)
+
+
+def mla_saved_widths(model: ModelSpec, up_projections_recomputed: bool) -> tuple[float, float]:
+    """(tp-replicated, tp-sharded) elements per token that one MLA layer's attention keeps for backward, in place of
+    the "Q, K, V and out-projection input" of a Llama's (Korthikanti et al. 2022, Sec. 4.1); with sequence parallelism
+    the replicated part is still whole (the down-projections run on the all-gathered input).
+
+    Replicated: the latents the up-projections read, ``c_Q`` (rq) and ``c_KV`` (rkv) after their norms and before
+    (for the norms' backward), and the RoPE key ``k_R`` (dr): ``2*(rq + rkv) + dr``. Sharded by head: the attention
+    kernel's q and k (``a*dqk`` each), v and the output (``a*dv`` each; the output is also the out-projection's
+    input). ``up_projections_recomputed`` (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.3, "Recomputation of RMSNorm
+    and MLA Up-Projection"; Megatron-Core's ``--recompute-modules mla_up_proj``): q, k and v are recomputed from the
+    latents in backward and the norms too, so only the pre-norm latents, ``k_R`` and the output are kept:
+    ``(rq + rkv + dr, a*dv)``. DeepSeek-V3 (a = 128, dqk = 192, dv = 128): 65,536 + 16,384 per token at full width,
+    against 2,112 + 16,384 with the up-projections recomputed."""
+    rq, rkv, dr = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+    if up_projections_recomputed:
+        return float(rq + rkv + dr), float(model.v_dim)
+    return float(2 * (rq + rkv) + dr), float(2 * model.q_dim + 2 * model.v_dim)
+
+
+def head_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs of the output head per token: the logits' ``2*h*V``, and per multi-token prediction depth
+    (:attr:`ModelSpec.mtp_layers`; its block is one of ``layers``) the projection ``M_k`` of the concatenated
+    ``2h -> h`` and the shared head again (V3 report, Sec. 2.2, Eq. 21-23): ``2*h*V*(1 + D) + D*4*h^2``."""
+    h, d = model.hidden, model.mtp_layers
+    return 2.0 * h * model.vocab * (1 + d) + d * 4.0 * h * h

@@ -17,7 +17,7 @@ from meshtrain.planner.cost import optimizer_parts
 from meshtrain.planner.estimate import Estimate, Job, estimate
 from meshtrain.planner.hardware import GiB, Hardware
 from meshtrain.planner.layout import Framework, Layout, divisibility_errors, framework_errors
-from meshtrain.planner.memory import Precision
+from meshtrain.planner.memory import VERDICTS, Precision, memory_error_range
 from meshtrain.planner.model_specs import ModelSpec
 from meshtrain.planner.search import Ranked
 from meshtrain.planner.stack import Speed, estimate_ranges
@@ -39,8 +39,9 @@ class Context:
     def headline(self) -> str:
         m, d = self.model, self.hw.device
         active = f" ({param_count(m.active_params())} active)" if m.experts else ""
+        unvalidated = "" if d.validated else ", unvalidated: no published run"
         return (f"{m.name}: {param_count(m.num_params())} params{active}, {m.layers} layers, seq_len {m.seq_len} | "
-                f"{self.job.num_devices} x {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
+                f"{self.job.num_devices} x {d.name} ({d.memory_bytes / GiB:.0f} GiB{unvalidated}, "
                 f"{d.peak(self.precision.compute_dtype) / 1e12:.4g} TFLOP/s {self.precision.compute_dtype}), "
                 f"{self.hw.network.devices_per_node}/node | {self.precision.name}, {self.framework.name} | "
                 f"global_batch_size {self.job.global_batch_size}")
@@ -98,17 +99,39 @@ def _row(rank: str, e: Estimate, shown: list[str], speed: Speed) -> list[str]:
     sched = "-" if b.pp == 1 else b.pp_schedule + (f"x{b.virtual_stages}" if b.virtual_stages > 1 else "")
     low, high = speed.step_time_range(e.time.total)
     return [rank, *(_axis_cell(b, axis) for axis in shown), str(b.zero_stage), str(b.micro_batch_size), str(b.gradient_accumulation_steps), b.recompute, sched,
-            f"{e.memory.total / GiB:.1f}", f"{e.time.total:.4g}", "-" if math.isnan(low) else f"{low:.3g}-{high:.3g}",
+            f"{e.memory.total / GiB:.1f}", fit_cell(e), f"{e.time.total:.4g}", "-" if math.isnan(low) else f"{low:.3g}-{high:.3g}",
             f"{e.tokens_per_s:,.0f}",
             f"{e.mfu:.1%}", duration(e.total_time_s)]
 
 
 def _table(mfu: str, shown: list[str]) -> Table:
     t = Table()
-    for name in ("#", *shown, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev",
+    for name in ("#", *shown, "zero", "mbs", "GA", "recompute", "pp_schedule", "GiB/dev", "memory",
                  "s/step", "range", "tokens/s", mfu, "total"):
-        t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule") else "left")
+        t.add_column(name, justify="right" if name not in ("recompute", "pp_schedule", "memory") else "left")
     return t
+
+
+def fit_cell(e: Estimate) -> str:
+    """The memory verdict of ``e`` with the range of its measured peak: "fits", "tight 62-81" (GiB), "does not fit"."""
+    if e.verdict == "fits":
+        return "fits"
+    low, high = (v / GiB for v in e.memory_range)
+    return f"{e.verdict} {low:.0f}-{high:.0f}"
+
+
+def memory_range_line(ctx: Context) -> str:
+    """What the memory column's verdicts mean on ``ctx``'s device: the range's basis, and "unvalidated" where the
+    device has no published run."""
+    lo, hi = memory_error_range()
+    d = ctx.hw.device
+    line = (f"Memory: \"tight\" = the measured peak should lie in the range shown (GiB), which holds the "
+            f"{d.memory_bytes / GiB:.0f} GiB capacity: it may train or run out of memory (the predicted peaks of the "
+            f"published runs err {lo:+.1%} to {hi:+.1%}; docs/planner.md, \"Memory\")")
+    if not d.validated:
+        line += (f"; {d.name} is unvalidated (no published run was predicted on it): the range is widened by its "
+                 f"assumed {d.framework_overhead_bytes / GiB:.0f} GiB runtime overhead on each side")
+    return line + "."
 
 
 def _dominant(e: Estimate) -> str:
@@ -130,10 +153,22 @@ def optimizer_line(ctx: Context, e: Estimate) -> str:
     return line + f"; states {e.memory.optimizer / GiB:.2f} GiB/device."
 
 
+def _tight_best_line(ctx: Context, best: Estimate, sure: Estimate | None) -> str:
+    """When the fastest layout is tight: its range, and the fastest layout that surely fits (``sure``: its whole
+    range within the device), with what it costs."""
+    low, high = (v / GiB for v in best.memory_range)
+    head = f"Best is tight: its measured peak should lie in {low:.0f}-{high:.0f} GiB on {ctx.hw.device.memory_bytes / GiB:.0f} GiB"
+    if sure is None:
+        return head + "; no layout surely fits (more devices would leave room)."
+    return (head + f"; the fastest that surely fits is {sure.layout.label()} -> {sure.time.total:.4g} s/step "
+            f"({sure.time.total / best.time.total - 1:+.1%}), {sure.memory.total / GiB:.1f} GiB.")
+
+
 def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: int, plot: Path | None,
-                 mine: Estimate | None = None) -> None:
+                 mine: Estimate | None = None, sure: Estimate | None = None) -> None:
     """Print the ranked table of fitting layouts (a :func:`meshtrain.planner.search.search` result) and the takeaways
-    (``smallest``: the least-memory layout when none fits; ``mine``: :func:`config_estimate`, ranked among them)."""
+    (``smallest``: the least-memory layout when none fits; ``mine``: :func:`config_estimate`, ranked among them;
+    ``sure``: the fastest layout that surely fits, named when the fastest is tight)."""
     out = console()
     out.print(ctx.headline(), soft_wrap=True)
     shown = _shown_axes(ctx.model)
@@ -144,13 +179,17 @@ def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: 
         table.add_row(*_row("config", mine, shown, ctx.speed), style="bold")
     out.print(table)
     count = fitting.count  # a search's top leaves out layouts that fit
-    lines = [f"{count} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device "
-             "(each with the cheapest recompute mode that fits)."]
+    tight = sum(e.verdict == "tight" for e in fitting)
+    lines = [f"{count} layouts fit in {ctx.hw.device.memory_bytes / GiB:.0f} GiB per device or are tight "
+             "(each with the cheapest recompute mode predicted within it, and a faster one that is tight if any)"
+             + (f"; {tight} of those ranked are tight." if tight else "."), memory_range_line(ctx)]
     if fitting:
         best = fitting[0]
         b = best.layout
         lines.append(f"Best: {b.label()} -> {best.time.total:.4g} s/step, {best.tokens_per_s:,.0f} tokens/s, "
                      f"{ctx.hw.device.mfu_label()} {best.mfu:.1%}; {_dominant(best)}.")
+        if best.verdict == "tight":
+            lines.append(_tight_best_line(ctx, best, sure))
         lines.append(f"Batch: global_batch_size = micro_batch_size * gradient_accumulation_steps * dp = "
                      f"{b.micro_batch_size} * {b.gradient_accumulation_steps} * {b.dp} = {b.global_batch_size} "
                      f"samples = {tokens_per_step(b.global_batch_size, ctx.model.seq_len):,} tokens per step.")
@@ -168,9 +207,9 @@ def print_search(ctx: Context, fitting: Ranked, smallest: Estimate | None, top: 
                      f"({smallest.layout.label()}); add devices, a device with more memory, or a smaller batch.")
     if mine is not None:
         rank = next((i for i, r in enumerate(fitting, 1) if r.layout == mine.layout), None)
-        where = f"rank {rank} of {count}" if rank else ("does not fit" if not mine.fits else "not ranked")
+        where = f"rank {rank} of {count}" if rank else (mine.verdict if mine.verdict == "does not fit" else "not ranked")
         lines.append(f"Your config's layout: {mine.layout.label()} -> {mine.time.total:.4g} s/step, "
-                     f"{mine.memory.total / GiB:.2f} GiB/device ({where}).")
+                     f"{mine.memory.total / GiB:.2f} GiB/device, {fit_cell(mine)} ({where}).")
     if plot is not None:
         lines.append(f"Wrote {plot}.")
     for line in lines:
@@ -241,7 +280,11 @@ def explain(ctx: Context, layout: Layout, as_json: bool = False) -> int:
         table.add_row(mk, f"{mv:.2f}", tk, "" if tv is None else f"{tv:.4g}")
     out.print(table)
     capacity = ctx.hw.device.memory_bytes / GiB
-    verdict = "fits" if e.fits else f"does NOT fit: {e.memory.total / GiB:.1f} > {capacity:.0f} GiB"
+    low, high = (v / GiB for v in e.memory_range)
+    verdict = {"fits": "fits", "tight": "tight", "does not fit": "does NOT fit"}[e.verdict] + (
+        f": {e.memory.total / GiB:.1f} GiB predicted, the measured peak should lie in {low:.1f}-{high:.1f} GiB "
+        f"(capacity {capacity:.0f} GiB" + (")" if ctx.hw.device.validated else
+                                           f"; {ctx.hw.device.name} unvalidated: range widened)"))
     out.print(f"{layout.label()} {verdict}; {e.tokens_per_s:,.0f} tokens/s, {ctx.hw.device.mfu_label()} {e.mfu:.1%}, "
                   f"{e.hardware_tflops_per_device:.4g} hardware TFLOP/s per device; {_dominant(e)}.", soft_wrap=True)
     out.print(optimizer_line(ctx, e), soft_wrap=True)
@@ -290,7 +333,8 @@ def _memory_line(result: dict) -> str | None:
     if not memory or not memory["runs"]:
         return None
     return (f"peak memory per GPU ({memory['runs']} runs report it): median |error| {_pct(memory['median_abs_error'])}, "
-            f"mean {_pct(memory['mean_abs_error'])}; nothing in the memory model is fitted, so held out = in sample")
+            f"mean {_pct(memory['mean_abs_error'])}, max {_pct(memory.get('max_abs_error'))}; nothing in the memory "
+            f"model is fitted, so held out = in sample")
 
 
 def _fits_line(result: dict) -> str | None:
@@ -299,8 +343,13 @@ def _fits_line(result: dict) -> str | None:
     if not fits:
         return None
     wrong = "; ".join(f"{d['name']} predicted {d['predicted']}, {d['measured']} measured" for d in fits["disagree"])
+    table = "; ".join(f"{outcome}: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+                      for outcome, counts in fits.get("table", {}).items())
+    lo, hi = memory_error_range()
     return (f"fits in memory: the planner's verdict agrees for {fits['agree']} of {fits['runs']} runs (a run that "
-            f"measured something fit; one the source reports out of memory did not)" + (f"; disagrees: {wrong}" if wrong else ""))
+            f"measured something fit; one the source reports out of memory did not; \"tight\", the capacity inside the "
+            f"range the errors {lo:+.1%} to {hi:+.1%} give, agrees with either)" + (f"; by outcome: {table}" if table else "")
+            + (f"; disagrees: {wrong}" if wrong else ""))
 
 
 SOURCE_COLUMNS = ("source held out", "runs", "step time |error| in sample (median / mean)",
@@ -360,14 +409,31 @@ def validation_markdown(result: dict) -> str:
         memory = _memory_line(result)
         if memory:
             lines += ["", "P" + memory[1:].replace("|error|", "\\|error\\|") + "."]
+            lines += ["", *memory_table_markdown(result)]
         if loso["not_held_out"]:
             lines += ["", f"Not held out (no other source on their device): {', '.join(loso['not_held_out'])}."]
     fits = _fits_line(result)
     if fits:
         lines += ["", "F" + fits[1:] + "."]
+        if "table" in result["fits"]:
+            lines += ["", "| measured | " + " | ".join(VERDICTS) + " |", "|---|" + "---:|" * len(VERDICTS)]
+            lines += [f"| {outcome} | " + " | ".join(str(counts[v]) for v in VERDICTS) + " |"
+                      for outcome, counts in result["fits"]["table"].items()]
     if "calibrated" in result:
         lines += ["", _calibrated_line(result["calibrated"]).replace("|error|", "\\|error\\|")]
     return "\n".join(lines)
+
+
+def memory_table_markdown(result: dict) -> list[str]:
+    """The memory table: every run that reports its peak memory per GPU, with its source, layout, measured and
+    predicted peak (GiB), error, and the verdict against its device (:func:`meshtrain.planner.memory.memory_verdict`)."""
+    lines = ["| run | source | layout | measured GiB | predicted GiB | error | verdict |", "|---|---|---|---:|---:|---:|---|"]
+    for r in result["runs"]:
+        if "peak_memory_gib" in r["measured"]:
+            lines.append(f"| {r['name']} | {r['source']} | {r['layout']} | {r['measured']['peak_memory_gib']:.4g} | "
+                         f"{r['predicted']['peak_memory_gib']:.4g} | {r['relative_error']['peak_memory_gib']:+.1%} | "
+                         f"{r.get('verdict', '-')} |")
+    return lines
 
 
 def _calibrated_line(cal: dict) -> str:

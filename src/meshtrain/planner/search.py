@@ -34,7 +34,7 @@ from meshtrain.rules.support import zero_stage_error
 from meshtrain.planner.layout import (RECOMPUTE, Framework, Layout, divisibility_errors, framework_errors,
                                      recompute_modes)
 from meshtrain.planner.memory import (ActivationMemory, MemoryBreakdown, Precision, RecomputeMemory, composite_norms,
-                                     stage_params_floor)
+                                     shard_bytes, stage_params_floor, tight_budget)
 from meshtrain.planner.model_specs import NF4_BYTES, ModelSpec
 
 
@@ -192,11 +192,15 @@ class Ranked(list):
 
 def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
            fixed: dict[str, Any] | None = None, keep_unfit: bool = False, top: int | None = None,
-           through: float | None = None) -> Ranked:
+           through: float | None = None, tight: bool = False) -> Ranked:
     """Predict every candidate; return them fastest first (fitting ones first when ``keep_unfit``).
 
     For each candidate the first recompute mode that fits is kept (later ones are slower by
-    construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged. Degrees and
+    construction); with ``keep_unfit`` and none fitting, the least-memory one is kept, flagged. With ``tight``
+    (``meshtrain plan``), "fits" reads the memory range (:func:`meshtrain.planner.memory.memory_verdict`): the first
+    mode whose verdict is not "does not fit" is kept too, its ``verdict`` "tight" (it may run out of memory), beside
+    the first that surely fits when that one is slower; they rank by step time, whatever their verdict. Without it
+    (``--layout auto``, which launches) only what fits the predicted peak. Degrees and
     zero stages whose model states alone exceed the memory (:func:`states_lower_bound`) are not generated
     (unless ``keep_unfit``), and each fitting layout's memory is predicted once.
 
@@ -207,7 +211,7 @@ def search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fram
     the dp, optimizer and per-step terms (:func:`lower_bound`) -- is below those. ``count`` is every fitting layout.
     """
     with _gc_paused():
-        return _search(model, hw, precision, framework, job, fixed, keep_unfit, top, through)
+        return _search(model, hw, precision, framework, job, fixed, keep_unfit, top, through, tight)
 
 
 @contextmanager
@@ -224,12 +228,14 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Framework, job: Job,
-            fixed: dict[str, Any] | None, keep_unfit: bool, top: int | None, through: float | None) -> Ranked:
+            fixed: dict[str, Any] | None, keep_unfit: bool, top: int | None, through: float | None,
+            tight: bool = False) -> Ranked:
     """:func:`search`, the garbage collector paused."""
     budget = hw.device.memory_bytes
+    loose = max(budget, tight_budget(hw.device)) if tight else budget  # the largest peak not "does not fit"
 
     def states_fit(tp: int, pp: int, shard: int, zero: int) -> bool:
-        return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision, framework) <= budget
+        return keep_unfit or states_lower_bound(model, tp, pp, shard, zero, hw, precision, framework) <= loose
 
     fits, unfit = [], []  # (layout, its memory breakdown)
     norms, memo = composite_norms(hw), {}  # memo: the model states that many layouts share, then the cost model's parts
@@ -239,13 +245,14 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
         for base in group:  # zero stages in increasing order
             memory_of = RecomputeMemory(model, base, hw, precision, framework, activations, memo)
             chosen = memory_of.cheapest_fitting(tried, budget) if tried else None
+            risky = memory_of.cheapest_fitting(tried, loose) if tried and tight else chosen  # tight: a faster mode
             if base.zero_stage == 2 and chosen is not None:  # ZeRO-3 (next): only in the modes faster than this one
                 tried = modes[:modes.index(chosen)]
-            elif base.zero_stage == 3 and chosen is None and tried is not modes:
+            elif base.zero_stage == 3 and chosen is None and risky is None and tried is not modes:
                 continue  # it fits only where ZeRO-2 fits, which is faster there
-            if chosen is not None:
-                fits.append((base if chosen == base.recompute else _with(base, recompute=chosen), memory_of(chosen)))
-            elif keep_unfit:
+            for mode in dict.fromkeys(m for m in (risky, chosen) if m is not None):
+                fits.append((base if mode == base.recompute else _with(base, recompute=mode), memory_of(mode)))
+            if chosen is None and risky is None and keep_unfit:
                 unfit.append((base if modes[-1] == base.recompute else _with(base, recompute=modes[-1]),
                               memory_of(modes[-1])))
     if top is not None and not keep_unfit:
@@ -253,7 +260,7 @@ def _search(model: ModelSpec, hw: Hardware, precision: Precision, framework: Fra
     else:
         out = Ranked(estimate(model, layout, hw, precision, framework, job, memory, checked=True, memo=memo)
                      for layout, memory in fits + unfit)
-    out.sort(key=lambda e: (not e.fits, e.time.total))
+    out.sort(key=lambda e: (e.verdict == "does not fit" if tight else not e.fits, e.time.total))
     out.count = len(fits)
     return out
 
@@ -314,11 +321,11 @@ def states_lower_bound(model: ModelSpec, tp: int, pp: int, shard: int, zero: int
     experts is counted at the largest ep these ranks allow (each ep rank holds E/ep experts). The optimizer's states
     (``framework.optimizer``, AdamW without one) are counted at its fewest per parameter (Muon: all at its own one)."""
     ep = math.gcd(model.experts, shard) if model.experts else 1
-    optimizer_bytes = precision.optimizer_bytes
+    weight_bytes, optimizer_bytes = shard_bytes(precision, framework, zero)  # FSDP's fp32 shards: the masters
     if framework is not None and framework.optimizer.name != "adamw":
         optimizer_bytes = framework.optimizer.fewest_state_bytes(optimizer_bytes)
     p = stage_params_floor(model, tp, pp, ep)  # whatever split and schedule the layouts of these degrees run
-    t, weights = p, p * precision.weight_bytes
+    t, weights = p, p * weight_bytes
     if model.adapter_layer_params:  # LoRA: the average rank's adapters train; QLoRA: at most its busiest rank's NF4
         t = model.layers / pp * model.adapter_layer_params / tp
         weights += t * precision.weight_bytes - (math.ceil(model.layers / pp) * model.nf4_layer_params / tp

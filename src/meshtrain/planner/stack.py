@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -31,9 +30,8 @@ from typing import Any, Callable
 from meshtrain.errors import ConfigError
 from meshtrain.planner.hardware import EFFICIENCY_FROM, HOST_KEYS, Hardware
 from meshtrain.planner.layout import FRAMEWORKS, Framework
+from meshtrain.planner.stacks_table import STACKS_FILE, load_stacks  # noqa: F401 (STACKS_FILE: refit's)
 
-STACKS_FILE = Path(__file__).parent / "data" / "stacks.toml"
-"""Fitted speed factors and step-time ranges per stack (written by ``python -m meshtrain.planner.refit``)."""
 STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "compile": {"eager_elementwise": None},
     "flash": {"attention": "flash"},
@@ -43,13 +41,19 @@ STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "tp-comm-overlap": {"tp_comm_overlap": True},
     "no-tp-comm-overlap": {"tp_comm_overlap": False},
     "fused-ce": {"cross_entropy_bytes": 24.0},
+    "deepep": {"ep_dispatch": "node-limited"},
+    "ep-a2a-overlap": {"ep_comm_overlap": True},
+    "mla-up-proj-recompute": {"mla_up_proj_recompute": True},
 }
 """Options a stack adds to its framework, and what each changes in :class:`~meshtrain.planner.layout.Framework`:
 ``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``flash2``/``flash-triton``/``materialized`` the
 attention kernel (``flash2``: FlashAttention-2, below the GEMM rate on Hopper,
 :data:`~meshtrain.planner.hardware.FLASH2_HOPPER`; ``flash-triton`` slower still),
 ``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
-fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`)."""
+fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`), ``deepep`` the node-limited
+dispatch of a mixture of experts (each token once per destination node, ``Framework.ep_dispatch``), ``ep-a2a-overlap``
+its dispatch and combine beside other micro-batches' compute (``Framework.ep_comm_overlap``),
+``mla-up-proj-recompute`` MLA's latents kept instead of its heads' q, k, v (``Framework.mla_up_proj_recompute``)."""
 RUN_RECORD = "plan_vs_actual.json"
 """The record of a finished run ``--calibrate-from RUN_DIR`` reads (:func:`meshtrain.planner.actual.write_plan_vs_actual`)."""
 SPEED_BOUNDS = (1 / 20, 20.0)
@@ -149,15 +153,6 @@ def parse_stack(text: str) -> tuple[str, Framework]:
     return name, replace(fw, name=name) if name != base else fw
 
 
-def load_stacks(path: Path = STACKS_FILE) -> dict[str, Any]:
-    """The fitted table: ``{"stack": {name: {factor, low, high, runs, sources}}, "pooled": {...}, "calibrated": {...}}``."""
-    from meshtrain.fileio import read_text_checked
-
-    text = read_text_checked(path, "stacks table", "reinstall meshtrain (python -m meshtrain.planner.refit writes it)",
-                             missing_ok=True)
-    return {} if text is None else tomllib.loads(text)
-
-
 def speed_for(stack: str, device: str, table: dict[str, Any] | None = None, peak_source: str = "datasheet") -> Speed:
     """The fitted speed of ``stack`` on ``device`` (a device type or the one whose constants it shares,
     :data:`meshtrain.planner.hardware.EFFICIENCY_FROM`): its exact name, else without its options, else its framework's
@@ -218,14 +213,6 @@ def nulls(values: Any) -> list[float | None]:
     return [x if math.isfinite(x) else None for x in values]
 
 
-def memory_range(nbytes: float, table: dict[str, Any] | None = None) -> tuple[float, float]:
-    """Where a measured peak lies for a predicted ``nbytes`` (bytes), from the signed errors of the planner's peak
-    memory on the published runs that report one: ``(nbytes / (1 + high), nbytes / (1 + low))``."""
-    table = load_stacks() if table is None else table
-    m = table.get("memory", {"low": 0.0, "high": 0.0})
-    return nbytes / (1 + m["high"]), nbytes / (1 + m["low"])
-
-
 def layout_speed(model: Any, layout: Any, hw: Hardware, precision: Any, framework: Framework, measured_s: float) -> float:
     """:func:`fit_speed` of one layout's step time (:func:`meshtrain.planner.cost.step_time`) to ``measured_s``."""
     from meshtrain.planner.cost import step_time
@@ -233,14 +220,15 @@ def layout_speed(model: Any, layout: Any, hw: Hardware, precision: Any, framewor
     return fit_speed(lambda h: step_time(model, layout, h, precision, framework).total, hw, measured_s)
 
 
-def estimate_ranges(e: Any, speed: Speed, table: dict[str, Any] | None = None) -> dict[str, list[float]]:
+def estimate_ranges(e: Any, speed: Speed) -> dict[str, list[float]]:
     """Ranges of an :class:`~meshtrain.planner.estimate.Estimate`'s step time, tokens/s, MFU, total time (seconds)
-    and peak memory per device (bytes), from ``speed``'s step-time errors and the published memory errors: each
+    and peak memory per device (bytes), from ``speed``'s step-time errors and the estimate's own memory range
+    (:func:`meshtrain.planner.memory.memory_range`, which widens it on a device never validated): each
     ``[low, high]`` where the measured value would lie if this prediction errs as the held-out ones did."""
     lo, hi = speed.step_time_range(e.time.total)
     out = {"step_time_range_s": [lo, hi], "tokens_per_s_range": [e.tokens_per_step / hi, e.tokens_per_step / lo],
            "mfu_range": [e.mfu * e.time.total / hi, e.mfu * e.time.total / lo],
-           "memory_range_bytes": memory_range(e.memory.total, table)}
+           "memory_range_bytes": list(e.memory_range)}
     if e.total_steps:
         out["total_time_range_s"] = [e.total_steps * lo, e.total_steps * hi]
     return {k: nulls(v) for k, v in out.items()}

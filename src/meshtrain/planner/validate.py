@@ -39,15 +39,14 @@ from meshtrain.config.load import read_toml
 from meshtrain.errors import ConfigError
 from meshtrain.planner.estimate import Estimate, Job
 from meshtrain.planner.hardware import EFFICIENCY_FROM, GiB, Hardware, get_hardware, network_with
+from meshtrain.planner.hardware import PUBLISHED_RUNS as PUBLISHED_RUNS  # shipped runs: re-exported, read here
 from meshtrain.planner.layout import ATTENTION_KERNELS, FRAMEWORKS, PP_SPLITS, Framework
 from meshtrain.axes import SHORT_FLAGS
-from meshtrain.planner.memory import PRECISIONS, Precision
+from meshtrain.planner.memory import PRECISIONS, VERDICTS, Precision
 from meshtrain.planner.model_specs import ModelSpec, from_table
 from meshtrain.planner.search import search
 from meshtrain.planner.stack import layout_speed, nulls, parse_stack, scaled
 
-PUBLISHED_RUNS = Path(__file__).parent / "data" / "published_runs.toml"
-"""Measured runs from papers and framework tables, with their sources, shipped inside the package."""
 SOURCE_FRAMEWORKS = (("torchtitan", "torchtitan"), ("megatron-core", "megatron-core"), ("narayanan", "megatron-2021"),
                      ("korthikanti", "megatron-2022"), ("llm-foundry", "fsdp"), ("fsdp", "fsdp"))
 """(keyword of a run's source, framework), first match wins: "torchtitan ... (FSDP)" is torchtitan."""
@@ -75,14 +74,22 @@ class RunResult:
     name: str
     source: str
     layout: str
-    fits: bool
+    verdict: str
+    """The memory verdict of the predicted layout: "fits", "tight" or "does not fit"
+    (:func:`meshtrain.planner.memory.memory_verdict`)."""
     predicted: dict[str, float]
     measured: dict[str, float]
     relative_error: dict[str, float]
 
+    @property
+    def fits(self) -> bool:
+        """Whether the verdict lets the run train: "fits" or "tight"."""
+        return self.verdict != "does not fit"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "layout": self.layout, "fits": self.fits, "predicted": self.predicted,
-                "measured": self.measured, "relative_error": self.relative_error}
+        return {"name": self.name, "source": self.source, "layout": self.layout, "fits": self.fits,
+                "verdict": self.verdict, "predicted": self.predicted, "measured": self.measured,
+                "relative_error": self.relative_error}
 
 
 def framework_for(run: dict[str, Any]) -> Framework:
@@ -201,10 +208,10 @@ def predict_run(run: dict[str, Any], profile: Path | None = None,
     ctx = run_context(run, profile, matmul_efficiency, speed)
     model, hw, prec, fw, job, fixed = ctx.model, ctx.hw, ctx.precision, ctx.framework, ctx.job, ctx.fixed
     measured = measured_fields(run)
-    ranked = search(model, hw, prec, fw, job, fixed=fixed, keep_unfit=True)
+    ranked = search(model, hw, prec, fw, job, fixed=fixed, keep_unfit=True, tight=True)  # as `meshtrain plan` ranks
     if not ranked:
         raise ConfigError(f"run {run['name']!r}: no valid layout matches its stated fields {fixed}")
-    fitting = [r for r in ranked if r.fits]
+    fitting = [r for r in ranked if r.verdict != "does not fit"]
     best = (fitting or ranked)[0]
     kind = run["measured"].get("tflops_per_gpu_kind", "model")
     tflops = best.hardware_tflops_per_device if kind == "hardware" else best.model_tflops_per_device
@@ -284,10 +291,11 @@ def _run_step_error(errors: dict[str, float]) -> float | None:
 
 
 def _abs_stats(errors: list[float]) -> dict[str, float | int | None]:
-    """Median and mean of absolute errors (fractions), and how many there were."""
+    """Median, mean and max of absolute errors (fractions), and how many there were."""
     values = [abs(e) for e in errors]
     return {"runs": len(values), "median_abs_error": statistics.median(values) if values else None,
-            "mean_abs_error": statistics.mean(values) if values else None}
+            "mean_abs_error": statistics.mean(values) if values else None,
+            "max_abs_error": max(values) if values else None}
 
 
 def leave_one_source_out(runs: list[dict[str, Any]], profile: Path | None = None) -> dict[str, Any]:
@@ -343,16 +351,20 @@ def _source_summary(records: list[dict[str, Any]], loso: dict[str, Any]) -> dict
 
 
 def fit_verdicts(runs: list[dict[str, Any]], results: list[RunResult]) -> dict[str, Any]:
-    """Whether the planner's fits / does-not-fit agrees with what each run did: a run that reports a measurement
-    trained, so it fit; one marked ``out_of_memory`` did not. ``{"runs", "agree", "disagree": [{"name",
-    "predicted", "measured"}]}`` with "fits" / "out of memory" as the verdicts."""
+    """Whether the planner's memory verdict agrees with what each run did: a run that reports a measurement trained,
+    so it fit; one marked ``out_of_memory`` did not. "tight" agrees with either (the range holds the capacity: it
+    says the run may or may not fit); "fits" disagrees with an out-of-memory run, "does not fit" with one that
+    trained. ``{"runs", "agree", "disagree": [{"name", "predicted", "measured"}], "table": {measured: {verdict:
+    count}}}`` with "fits" / "out of memory" as the measured outcomes."""
     disagree = []
+    table = {outcome: dict.fromkeys(VERDICTS, 0) for outcome in ("fits", "out of memory")}
     for run, result in zip(runs, results, strict=True):
-        measured = not out_of_memory(run)
-        if result.fits != measured:
-            verdict = {True: "fits", False: "out of memory"}
-            disagree.append({"name": run["name"], "predicted": verdict[result.fits], "measured": verdict[measured]})
-    return {"runs": len(results), "agree": len(results) - len(disagree), "disagree": disagree}
+        measured = "out of memory" if out_of_memory(run) else "fits"
+        table[measured][result.verdict] += 1
+        wrong = "does not fit" if measured == "fits" else "fits"
+        if result.verdict == wrong:
+            disagree.append({"name": run["name"], "predicted": result.verdict, "measured": measured})
+    return {"runs": len(results), "agree": len(results) - len(disagree), "disagree": disagree, "table": table}
 
 
 def validate_file(path: Path, profile: Path | None = None, cross: bool = True, calibrate: bool = False) -> dict[str, Any]:
@@ -378,7 +390,7 @@ def validate_file(path: Path, profile: Path | None = None, cross: bool = True, c
         best, predicted = predict_run(run, profile)
         measured = {k: float(run["measured"][k]) for k in predicted}
         errors = {k: (predicted[k] - measured[k]) / measured[k] for k in predicted}
-        results.append(RunResult(run["name"], source_key(run), best.layout.label(), best.fits, predicted, measured,
+        results.append(RunResult(run["name"], source_key(run), best.layout.label(), best.verdict, predicted, measured,
                                  errors))
     median, worst = _summary([abs(e) for r in results for k, e in r.relative_error.items() if k not in MEMORY_FIELDS])
     out = {"runs": [r.to_dict() for r in results], "median_abs_error": median, "max_abs_error": worst,

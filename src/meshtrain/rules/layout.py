@@ -19,7 +19,8 @@ sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2):
 - the sequence splits into ``sp`` chunks (``2*sp`` for ring attention and USP) and further into ``tp`` with
   ``tp_sequence_parallel``, which needs tp > 1;
 - expert parallelism splits whole experts over ranks borrowed from dp x sp; tp replicates the experts, which take
-  the whole sequence (no ``tp_sequence_parallel``); it runs with the synchronous all-reduce and zero_stage 0, 2 or 3;
+  the whole sequence (no ``tp_sequence_parallel``, unless the family's plan gathers it for them: DeepSeek-V3); it
+  runs with the synchronous all-reduce and zero_stage 0, 2 or 3;
 - a recurrence has neither a tensor-parallel plan nor a sequence split;
 - an NF4 base (QLoRA, Dettmers et al. 2023, arXiv:2305.14314) is quantized in blocks along each weight's rows: no tp.
 """
@@ -49,6 +50,9 @@ class LayoutShape:
     """Tokens of one sample (``model.block_size``)."""
     experts: int = 0
     """Routed experts per MoE layer; 0: a dense model."""
+    experts_sequence_parallel: bool = False
+    """Whether its experts take ``tp_sequence_parallel`` (the family's tp plan gathers the sequence for them:
+    :attr:`meshtrain.models.family.TPNames.experts_sequence_parallel`)."""
     nf4_base: bool = False
     """Whether the frozen base is stored in NF4 (QLoRA, ``adapter.quantize_base = "nf4"``), whose 64-weight blocks
     run along each weight's rows: no tp."""
@@ -63,7 +67,8 @@ def shape_of(cfg: Any) -> LayoutShape:
     if not f.attention:
         return LayoutShape(label, heads=0, kv_heads=0, ffn_hidden=0, seq_len=m.block_size, nf4_base=nf4)
     return LayoutShape(label, heads=m.n_head, kv_heads=f.kv_heads(m), ffn_hidden=0 if f.experts else f.ffn_hidden(m),
-                       seq_len=m.block_size, experts=m.num_experts if f.experts else 0, nf4_base=nf4)
+                       seq_len=m.block_size, experts=m.num_experts if f.experts else 0, nf4_base=nf4,
+                       experts_sequence_parallel=f.tp is not None and f.tp.experts_sequence_parallel)
 
 
 def layout_errors(shape: LayoutShape, p: Any, dp: int, sync_mode: str = "sync", replicate_kv_heads: bool = False,
@@ -182,7 +187,7 @@ def _expert_errors(shape: LayoutShape, p: Any, dp: int, sync_mode: str, folding:
     """Whole experts per ep rank, ep ranks borrowed from dp x sp (tp x dp x sp with ``folding``), experts replicated
     over tp (no ``tp_sequence_parallel``), and what the experts' own gradient reduction runs with."""
     e = []
-    if shape.experts and p.tp_sequence_parallel and not folding:
+    if shape.experts and p.tp_sequence_parallel and not (folding or shape.experts_sequence_parallel):
         e.append(f"parallel.tp_sequence_parallel = true is not supported with {shape.label} (tensor "
                  f"parallelism replicates its experts, which take every token of the sequence): use "
                  f"tp_sequence_parallel = false")

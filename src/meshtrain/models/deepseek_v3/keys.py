@@ -61,10 +61,14 @@ class DeepseekV3Keys(moe.MoELlamaKeys):
     num_nextn_predict_layers: int = 0
     """deepseek_v3: multi-token prediction depths D (V3 report, Sec. 2.2; V3: 1), each a projection, one block and a
     norm before the shared head, trained with ``mtp_loss_weight``; an import reads it from the checkpoint's layers
-    ``n_layer .. n_layer + D - 1``. Needs tp = pp = sp = ep = 1."""
+    ``n_layer .. n_layer + D - 1``. Needs pp = 1."""
     mtp_loss_weight: float = 0.3
     """deepseek_v3, with num_nextn_predict_layers: lambda of the multi-token prediction loss ``(lambda / D) * sum_k
     CE_k`` added to the main loss in training (V3 report, Sec. 2.2, Eq. 25; 0.3 for its first 10T tokens, 0.1 after)."""
+    seq_aux_loss_alpha: float = 0.0
+    """deepseek_v3: alpha of the complementary sequence-wise balance loss ``alpha * sum_i f_i P_i`` of each MoE layer,
+    per sequence, averaged over the sequences and summed over the layers (V3 report, Sec. 2.1.2, Eq. 17-20; V3:
+    0.0001), beside the selection bias; 0 = off. Needs sp = 1 (a sequence's tokens on one rank)."""
 
 
 def dense_ffn_hidden(m: Any) -> int:

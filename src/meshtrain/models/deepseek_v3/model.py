@@ -18,7 +18,10 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, RowwiseParallel
 
+from meshtrain.cross_entropy import IGNORE_INDEX
 from meshtrain.models.attention import DocumentMask, SDPAttention, init_decoder_weights
 from meshtrain.models.base import LayeredLM
 from meshtrain.models.deepseek_v3 import keys
@@ -73,6 +76,17 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def shared_by_heads(x: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """``x`` (any shape), a replicated input every head uses (MLA's shared RoPE key k_R), unchanged; under tensor
+    parallelism (``head_weight``, a column-parallel weight split by head, is a ``DTensor``) its gradient, which this
+    rank's heads only add to, is all-reduced over the tp ranks in backward: Megatron-LM's ``f`` operator (Shoeybi et
+    al. 2019, arXiv:1909.08053, Sec. 3), here as a ``DTensor`` whose gradient is a partial sum."""
+    if not isinstance(head_weight, DTensor):
+        return x
+    return DTensor.from_local(x, head_weight.device_mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 report, arXiv:2405.04434, Sec. 2.1, Eq. 9-19).
 
@@ -83,7 +97,19 @@ class MLAttention(nn.Module):
     ``1/sqrt(dn+dr)`` times YaRN's ``mscale^2`` (``keys.softmax_mscale``), which multiplies q here so that
     ``inner_attention`` keeps its plain ``1/sqrt(head size)`` (sequence parallelism swaps it unchanged). The cache of
     the latent for inference is not built: training attends with k and v expanded per head.
+
+    Tensor parallelism (``spec.TP``): ``q_b`` (or ``q``) and ``kv_b`` column-parallel by head, ``proj`` row-parallel;
+    ``q_a``, ``kv_a`` and the latent norms replicated, on the whole input; k_R through :func:`shared_by_heads`.
+    Sequence parallelism swaps ``inner_attention``: k_R, expanded to every head first, travels with the heads through
+    Ulysses' all-to-all and around the ring. v narrower than q and k (dv < dn+dr) is zero-padded to their width before
+    ``inner_attention`` and its output sliced back to dv (CPU flash attention needs equal widths; the result is the
+    same, see :meth:`forward`), so Ulysses' all-to-all carries v at dn+dr features and the ring needs no padding of its
+    own.
     """
+
+    pad_v = True
+    """Zero-pad v to q's width when narrower (:meth:`forward`); False attends with v as it is (the benchmark's
+    unpadded contender: same result, the math path of ``scaled_dot_product_attention``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -115,13 +141,44 @@ class MLAttention(nn.Module):
         latent, k_rot = self.kv_a(x).split([self.rkv, self.dr], dim=-1)  # (B, T, rkv), (B, T, dr)
         kv = self.kv_b(self.kv_norm(latent)).view(B, T, -1, self.dn + self.dv).transpose(1, 2)  # (B, nh, T, dn+dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, nh, T, dn), (B, nh, T, dv)
-        k_rot = self.rope(k_rot.unsqueeze(1), cos, sin)  # (B, 1, T, dr): one key for every head
+        k_rot = shared_by_heads(k_rot, self.kv_b.weight)  # (B, T, dr): one key for every head
+        k_rot = self.rope(k_rot.unsqueeze(1), cos, sin)  # (B, 1, T, dr)
         q = torch.cat([q_nope, self.rope(q_rot, cos, sin)], dim=-1)  # (B, nh, T, dn+dr)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # (B, nh, T, dn+dr)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        y = self.inner_attention(q, k, v.contiguous(), mask=mask)  # (B, nh, T, dv)
+        # v zero-padded to q's width dn+dr when narrower: torch's CPU flash kernel needs equal widths (unequal ones run
+        # the math path, bmm + softmax with the T x T weights kept; bench/bench_deepseek_v3.py's "v unpadded" rows
+        # measure the step without the padding: the gain grows with T). The scale stays
+        # 1/sqrt(q.size(-1)) = 1/sqrt(dn+dr) (times q_scale above): padding v changes no score. Each output feature is
+        # sum_j p_ij v_jd, so the zero features give zero outputs, sliced off, and the slice's backward gives the real
+        # features exactly their gradients: equal up to the kernel's rounding (fp32 sums in another order).
+        pad = self.dn + self.dr - self.dv if self.pad_v else 0
+        v = F.pad(v, (0, pad)) if pad > 0 else v.contiguous()  # (B, nh, T, max(dv, dn+dr))
+        y = self.inner_attention(q, k, v, mask=mask)[..., :self.dv]  # (B, nh, T, dv)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def sequence_balance_loss(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The complementary sequence-wise balance loss of the DeepSeek-V3 report (arXiv:2412.19437, Sec. 2.1.2, Eq. 17-20)
+    of one MoE layer, before its factor alpha, averaged over the B sequences (as Megatron-Core's
+    ``sequence_load_balancing_loss_func``): ``sum_i f_i P_i`` per sequence of T tokens, with
+
+    - ``f_i = E / (k T) * sum_t 1(s_{i,t} in TopK({s_{j,t}}, k))`` (Eq. 18): the top-k of the plain affinities ``s``
+      (neither the selection bias nor the group limit, as Eq. 18 writes it and Megatron-Core's
+      ``compute_routing_scores_for_aux_loss`` computes it), without gradient;
+    - ``s'_{i,t} = s_{i,t} / sum_j s_{j,t}`` (Eq. 19) and ``P_i = (1/T) sum_t s'_{i,t}`` (Eq. 20), with gradient.
+
+    ``probs`` (B, T, E) fp32: ``s'`` (:meth:`DeepseekMoE.route`'s probs; their top-k is that of ``s``, each token's
+    scores divided by one positive sum). Returns a scalar: 1 for a balanced sequence (every ``f_i = 1``, ``P_i = 1/E``),
+    up to ``E/k`` where every token of a sequence picks the same k experts with all its affinity on them."""
+    B, T, E = probs.shape
+    chosen = probs.detach().topk(top_k, dim=-1).indices.reshape(B, -1)  # (B, T*k)
+    counts = torch.zeros(B, E, dtype=probs.dtype, device=probs.device).scatter_add_(
+        1, chosen, torch.ones_like(chosen, dtype=probs.dtype))  # (B, E): tokens of each sequence on each expert
+    f = counts * (E / (top_k * T))  # (B, E), Eq. 18
+    P = probs.mean(dim=1)  # (B, E), Eq. 20
+    return (f * P).sum(dim=-1).mean()  # Eq. 17 per sequence, then the mean over the B sequences
 
 
 class DeepseekMoE(MoE):
@@ -131,7 +188,10 @@ class DeepseekMoE(MoE):
     (``shared_experts``, ungated): ``y = sum_j w_j SwiGLU_{e_j}(x) + SwiGLU_shared(x)``.
 
     The selection bias ``expert_bias`` (E,) (``e_score_correction_bias``) is always there: read from a checkpoint,
-    and moved after each step by ``router_bias_update_rate`` when that is > 0 (:meth:`MoE.update_bias`)."""
+    and moved after each step by ``router_bias_update_rate`` when that is > 0 (:meth:`MoE.update_bias`).
+
+    With ``seq_aux_loss_alpha`` > 0 each forward also sets :attr:`seq_aux_loss`, the sequence-wise balance loss
+    (:func:`sequence_balance_loss`) of its (B, T) tokens, which :meth:`DeepseekV3.aux_loss` adds."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -140,6 +200,10 @@ class DeepseekMoE(MoE):
         self.n_group, self.topk_group, self.scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         width = cfg.n_shared_experts * cfg.ffn_hidden_size()
         self.shared_experts = SharedExpert(cfg.n_embd, width) if width else None
+        self.seq_balance = cfg.seq_aux_loss_alpha > 0
+        self.seq_aux_loss: torch.Tensor | None = None
+        """The last forward's :func:`sequence_balance_loss` (a scalar with gradient, before alpha); None when off."""
+        self._probs: torch.Tensor | None = None  # route's s' (N, E), kept for forward's sequence-wise loss only
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (N, C) -> (probs (N, E), weights (N, k), experts (N, k)), in fp32.
@@ -163,11 +227,17 @@ class DeepseekMoE(MoE):
         weights = scores.gather(1, experts)  # (N, k)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores / scores.sum(dim=-1, keepdim=True), weights * self.scale, experts
+        probs = scores / scores.sum(dim=-1, keepdim=True)  # (N, E): s', Eq. 19
+        if self.seq_balance:
+            self._probs = probs
+        return probs, weights * self.scale, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, C) -> (B, T, C): the routed experts' weighted outputs plus the shared experts'."""
         y = super().forward(x)
+        if self.seq_balance:
+            self.seq_aux_loss = sequence_balance_loss(self._probs.view(*x.shape[:2], -1), self.top_k)  # (B, T, E)
+            self._probs = None
         if self.shared_experts is None:
             return y
         return y + self.shared_experts(x.reshape(-1, x.shape[-1])).reshape(x.shape)
@@ -177,10 +247,13 @@ class DeepseekBlock(nn.Module):
     """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``: MLA, and a dense SwiGLU of width ``dense_ffn_hidden`` in the
     first ``first_k_dense_replace`` layers, :class:`DeepseekMoE` after."""
 
+    ATTENTION: Callable[[ModelConfig], nn.Module] = MLAttention
+    """The attention's class, built from the config: MLA here, a subclass's own (GLM-4.5's partial-RoPE attention)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = MLAttention(cfg)
+        self.attn = self.ATTENTION(cfg)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         dense = layer < cfg.first_k_dense_replace
         self.mlp = SwiGLU(replace(cfg, ffn_hidden=keys.dense_ffn_hidden(cfg))) if dense else DeepseekMoE(cfg)
@@ -223,6 +296,11 @@ class DeepseekV3(Llama):
 
     MOE = True
     SHARED_ATTRS = Llama.SHARED_ATTRS + ("rope_scale",)
+    mtp_shards: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Under sequence parallelism, set before a training forward (:class:`meshtrain.parallel.model.ReplicatedModel`)
+    and cleared by :meth:`mtp_loss`: depth k's ``(ahead, targets)`` of :meth:`mtp_sequences`, cut to this rank's
+    tokens as its ids and targets are (the shift crosses sp shards, so it is made on the whole window first, as the
+    main loss's targets are); None: the forward holds the whole window and shifts its own ids and targets."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)  # plain values: not parameters, not in checkpoints
@@ -248,12 +326,23 @@ class DeepseekV3(Llama):
         if modules is None or not self.training:
             return logits
         assert idx.dim() == 2 and self.tok_emb is not None, "multi-token prediction needs token ids and the embedding"
-        T, self.mtp_logits = idx.size(1), []
+        T, self.mtp_logits, shards = idx.size(1), [], self.mtp_shards
         for k, module in enumerate(modules, start=1):
-            ahead = F.pad(idx[:, k:], (0, min(k, T)))  # (B, T): t_{i+k}, token 0 past the window
+            ahead = F.pad(idx[:, k:], (0, min(k, T))) if shards is None else shards[k - 1][0]  # (B, T): t_{i+k}
             h = module(h, self.tok_emb(ahead), cos, sin, mask=mask)  # (B, T, C)
-            self.mtp_logits.append(self.lm_head(h[:, :max(T - k, 0)]))  # (B, T-k, V)
+            self.mtp_logits.append(self.lm_head(h[:, :max(T - k, 0)] if shards is None else h))  # (B, T-k or T, V)
         return logits
+
+    @staticmethod
+    def mtp_sequences(idx: torch.Tensor, targets: torch.Tensor, depths: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Depth k's ``(ahead, targets)`` for k = 1..``depths`` of a whole window ``idx``, ``targets`` (B, T), both
+        (B, T): the token ``t_{i+k}`` each position i embeds (token 0 past the window, as :meth:`output` pads) and the
+        one it predicts, ``t_{i+k+1}`` = ``targets[:, i+k]`` (the ignore index past the window, so those positions,
+        which :meth:`output` otherwise cuts off, add nothing). Causal attention keeps the padded positions out of every
+        kept one, so a sequence-parallel rank's share of these gives its share of the whole window's loss."""
+        T = idx.size(1)
+        return [(F.pad(idx[:, k:], (0, min(k, T))), F.pad(targets[:, k:], (0, min(k, T)), value=IGNORE_INDEX))
+                for k in range(1, depths + 1)]
 
     def mtp_loss(self, targets: torch.Tensor,
                  cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -265,8 +354,12 @@ class DeepseekV3(Llama):
         ``cross_entropy(logits (B, T', V), targets (B, T'))``: the summed cross-entropy the caller uses for the main
         loss (it skips ignored targets). lambda is ``model.mtp_loss_weight``."""
         logits, self.mtp_logits = getattr(self, "mtp_logits", None), None
+        shards, self.mtp_shards = self.mtp_shards, None
         if not logits:
             return None
+        if shards is not None:  # this sp rank's share (:meth:`mtp_sequences`)
+            return sum(cross_entropy(lk, shards[k][1]) for k, lk in enumerate(logits)) * (
+                self.cfg.mtp_loss_weight / self.cfg.num_nextn_predict_layers)
         total = sum(cross_entropy(lk, targets[:, k:]) for k, lk in enumerate(logits, start=1) if lk.size(1))
         return total * (self.cfg.mtp_loss_weight / self.cfg.num_nextn_predict_layers)
 
@@ -278,11 +371,36 @@ class DeepseekV3(Llama):
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos.to(dtype), sin.to(dtype)
 
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """The family's plan (:data:`meshtrain.models.deepseek_v3.spec.TP`, :func:`meshtrain.models.tp_plan.tp_plan`);
+        with ``sequence_parallel`` (Korthikanti et al. 2022, Sec. 4.2.2), each MoE layer, replicated over tp, takes the
+        whole sequence (B, T, C), all-gathered, and returns this rank's (B, T/tp, C) of its output (a slice: every
+        rank computes it whole), its shared experts' row-parallel output all-reduced to whole instead of
+        reduce-scattered. Backward: the slice's gradient all-gathered, the input's, whole on every rank (the routed
+        experts' computed whole, the shared experts' all-reduced), sliced."""
+        plan = super().tp_plan(sequence_parallel)
+        if not sequence_parallel:
+            return plan
+        for i, block in self.blocks.items():
+            if isinstance(block.mlp, MoE):
+                plan[f"blocks.{i}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+                plan[f"blocks.{i}.mlp.shared_experts.down"] = RowwiseParallel(output_layouts=Replicate())
+        return {name: style for name, style in plan.items() if self.get_submodule_or_none(name) is not None}
+
     def aux_loss(self) -> torch.Tensor | None:
         """``router_aux_loss_coef`` x the MoE layers' load-balancing losses summed / their number (the dense first
-        layers have none; :func:`meshtrain.models.moe.layer.aux_loss`)."""
+        layers have none; :func:`meshtrain.models.moe.layer.aux_loss`), plus with ``seq_aux_loss_alpha`` = alpha > 0
+        alpha x the sum of the layers' sequence-wise balance losses (V3 report, Eq. 17: each MoE layer's own loss,
+        weighted alpha, as Megatron-Core adds one per layer): a pipeline stage adds those of its layers."""
         layers = [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
-        return moe.aux_loss(layers, self.cfg.router_aux_loss_coef, self.cfg.n_layer - self.cfg.first_k_dense_replace)
+        loss = moe.aux_loss(layers, self.cfg.router_aux_loss_coef, self.cfg.n_layer - self.cfg.first_k_dense_replace)
+        seq = [m.seq_aux_loss for m in layers if getattr(m, "seq_aux_loss", None) is not None]
+        if not seq:
+            return loss
+        seq_loss = self.cfg.seq_aux_loss_alpha * torch.stack(seq).sum()
+        return seq_loss if loss is None else loss + seq_loss
 
     @torch.no_grad()
     def init_weights(self) -> None:

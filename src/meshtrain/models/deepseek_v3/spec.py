@@ -32,7 +32,7 @@ from typing import Any
 from meshtrain.errors import require
 from meshtrain.models.deepseek_v3 import hf_names
 from meshtrain.models.deepseek_v3.keys import DeepseekV3Keys, dense_ffn_hidden, qk_head_dim
-from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family
+from meshtrain.models.family import OPTIMIZER_FLOPS_PER_PARAM, Family, TPNames
 from meshtrain.models.llama import spec as llama
 from meshtrain.models.moe import spec as moe
 
@@ -63,6 +63,7 @@ def check_attention(m: Any) -> None:
                                      f"'deepseek_v3' ({why}): use 0")
     _positive(m, "num_nextn_predict_layers", zero=True)
     _finite(m, "mtp_loss_weight", "the multi-token prediction loss's lambda; V3: 0.3, then 0.1")
+    _finite(m, "seq_aux_loss_alpha", "the sequence-wise balance loss's alpha; V3: 0.0001; 0 = off")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _positive(m, key)
     _positive(m, "qk_rope_head_dim", even=True)
@@ -163,19 +164,43 @@ def mtp_params(m: Any) -> int:
     return sum(2 * C * C + 3 * C + block_params(m, m.n_layer + k) for k in range(m.num_nextn_predict_layers))
 
 
+TP = TPNames(colwise=("attn.q", "attn.q_b", "attn.kv_b", "mlp.gate", "mlp.up", "mlp.shared_experts.gate",
+                      "mlp.shared_experts.up"),
+             rowwise=("attn.proj", "mlp.down", "mlp.shared_experts.down"), extra_inputs=2, plain_inputs=True,
+             experts_sequence_parallel=True)
+"""MLA's heads split (DeepSeek-V2 report, Sec. 2.1, under Megatron's layout, Shoeybi et al. 2019, Sec. 3): the
+up-projections of q (``q_b``, or ``q`` without ``q_lora_rank``) and of k_nope and v (``kv_b``) column-parallel by head
+(nh/tp whole heads each), the output ``proj`` row-parallel. The down-projections ``q_a`` and ``kv_a`` and the latent
+norms are replicated: every tp rank computes the latents whole from the whole (all-gathered) input, their gradients
+whole from the all-reduced gradients of the column-parallel inputs, and the shared RoPE key k_R's gradient, which each
+rank's heads add to, all-reduced (:class:`meshtrain.models.deepseek_v3.model.MLAttention`). The dense layers' SwiGLU and
+the shared experts as the Llama's MLP (gate and up column-, down row-parallel); the router and the routed experts
+replicated, as in the other MoE families; with ``tp_sequence_parallel`` each MoE layer takes the whole sequence
+(all-gathered) and returns this rank's part of it (:meth:`meshtrain.models.deepseek_v3.model.DeepseekV3.tp_plan`). The
+multi-token prediction modules are replicated whole (without ``tp_sequence_parallel``)."""
+
+
+def tp_widths(m: Any) -> dict[str, int]:
+    """The SwiGLU widths :data:`TP` splits: the dense layers' (if any) and the shared experts' (if any)."""
+    widths = {"the dense layers' SwiGLU width (model.dense_ffn_hidden, or (n_shared_experts + num_experts_per_tok) * "
+              "ffn_hidden)": dense_ffn_hidden(m) if m.first_k_dense_replace else 0,
+              "the shared experts' width model.n_shared_experts * model.ffn_hidden":
+                  m.n_shared_experts * llama.ffn_hidden(m)}
+    return {what: width for what, width in widths.items() if width}
+
+
 def _family() -> Family:
     base = llama.FAMILY
     return replace(base, name="deepseek_v3", keys=DeepseekV3Keys, check=check, layer_costs=layer_costs,
                    summary="DeepSeek-V3 (multi-head latent attention, shared and group-limited sigmoid-routed experts, "
                            "dense first layers)",
                    model="meshtrain.models.deepseek_v3.model:DeepseekV3", kv_heads=lambda m: m.n_head,
-                   head_dim=qk_head_dim, ffn_hidden=llama.ffn_hidden, planner=None, hf=hf_names.FORMAT, tp=None,
+                   head_dim=qk_head_dim, ffn_hidden=llama.ffn_hidden, planner=None, hf=hf_names.FORMAT, tp=TP,
                    derived={"ffn_hidden": llama.ffn_hidden, "dense_ffn_hidden": dense_ffn_hidden}, experts=True,
                    aux_loss=True,
                    resume_keys=llama.RESUME_KEYS + ("num_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
-                   qk_clip=False)
+                   qk_clip=False, tp_widths=tp_widths)
 
 
 FAMILY = _family()
-"""No tensor parallelism yet (tp = 1: the plan of MLA's projections is to come) and no planner numbers (``meshtrain
-plan`` says so in one line)."""
+"""Tensor parallelism by :data:`TP`; no planner numbers (``meshtrain plan`` says so in one line)."""

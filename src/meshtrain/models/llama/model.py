@@ -99,8 +99,13 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = self.v(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hd)
-        y = self.inner_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, mask=mask)  # (B, nh, T, hd)
+        y = self.inner_attention(self.rope(q, cos, sin), self.rope(k, cos, sin), v, mask=mask)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of q or k ``t`` (B, h, T, hd) over every feature: :func:`rotate` (a family that rotates fewer, GLM-4.5,
+        overrides it)."""
+        return rotate(t, cos, sin)
 
 
 class SwiGLU(nn.Module):

@@ -115,11 +115,21 @@ class TimedStage(PipelineStage):
         schedule arms the reducer itself before the last one only). Two backwards in a row (1F1B with
         ``gradient_accumulation_steps <= pp``, GPipe, interleaved) then record every gradient twice and step 2
         stops in DDP's bucket rebuild ("rebuilt parameter indices size ... 18 versus 36"). Run it in
-        ``no_sync`` as the schedule runs the others."""
-        if isinstance(module, DistributedDataParallel):
-            with module.no_sync():
-                return super()._compute_outputs(*args, module=module, **kwargs)
-        return super()._compute_outputs(*args, module=module, **kwargs)
+        ``no_sync`` as the schedule runs the others.
+
+        A router that counts its experts' tokens for auxiliary-loss-free balancing (``step_counts``,
+        :meth:`meshtrain.models.moe.layer.MoE.update_bias`) would count this forward too, on a later stage's made-up
+        inputs: its counts are put back afterwards, so the first step's biases move by the step's real tokens only."""
+        routers = [m for m in module.modules() if hasattr(m, "step_counts")]
+        counts = [m.step_counts for m in routers]
+        try:
+            if isinstance(module, DistributedDataParallel):
+                with module.no_sync():
+                    return super()._compute_outputs(*args, module=module, **kwargs)
+            return super()._compute_outputs(*args, module=module, **kwargs)
+        finally:
+            for m, c in zip(routers, counts):
+                m.step_counts = c
 
 
 def measured_bubble(per_rank: list[list[StepRecord]]) -> list[float]:

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -24,7 +25,9 @@ class RingAttention(nn.Module):
 
     forward(q, k, v): each (B, nh, T/sp, hs), tokens in the "ring" layout of
     :func:`~meshtrain.parallel.sequence.shard.shard_sequence` (this rank's two chunks of length
-    c = T/(2sp)) -> (B, nh, T/sp, hs).
+    c = T/(2sp)) -> (B, nh, T/sp, hs). v may be narrower or wider than q and k (latent attention, DeepSeek-V2
+    report Sec. 2.1: q and k of dn+dr features, v of dv): the narrower side is zero-padded to the wider width, which
+    changes no score ``q.k`` nor any kept output feature, and the scale stays ``1/sqrt(q's own width)``.
 
     K and V, stacked into one (2, B, nh, T/sp, hs) tensor, travel around the sp ring: at step s
     this rank holds the K/V of group rank (rank - s) mod sp. Each local query chunk attends to each
@@ -67,16 +70,22 @@ class RingAttention(nn.Module):
         # accumulate in fp32 under bf16 autocast); the output returns in the input's dtype
         dtype = torch.promote_types(q.dtype, torch.float32)
         k, v = repeat_kv(q, k), repeat_kv(q, v)  # grouped-query kv (B, nkv, T/sp, hs) -> (B, nh, T/sp, hs)
-        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group, mask)  # (B, nh, T/sp, hs)
-        return out.to(q.dtype)
+        scale = 1.0 / math.sqrt(q.size(-1))  # of the real q width, before any padding below
+        hs, hv = q.size(-1), v.size(-1)  # unequal in latent attention (MLA's dn+dr and dv)
+        if hv < hs:  # zero features of v give zero output features, cut off after
+            v = F.pad(v, (0, hs - hv))  # (B, nh, T/sp, hs)
+        elif hv > hs:  # zero features of q and k leave every score q.k unchanged
+            q, k = F.pad(q, (0, hv - hs)), F.pad(k, (0, hv - hs))  # (B, nh, T/sp, hv)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), self.group, mask, scale)  # (B, nh, T/sp, .)
+        return out[..., :hv].to(q.dtype)  # (B, nh, T/sp, hv)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None,
-                mask: torch.Tensor | DocumentMask | None = None) -> torch.Tensor:
+                mask: torch.Tensor | DocumentMask | None = None, scale: float | None = None) -> torch.Tensor:
         sp, rank = dist.get_world_size(group), dist.get_rank(group)
-        scale = 1.0 / math.sqrt(q.size(-1))
+        scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, hs)
         lses: list[torch.Tensor | None] = [None, None]  # per query chunk: (B, nh, c, 1)
         kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
@@ -88,7 +97,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring_pass(kv, group)  # (2, B, nh, T/sp, hs) of group rank (rank - step - 1)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, nh, T/sp, hs), (B, nh, T/sp, 1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.mask = group, mask
+        ctx.group, ctx.mask, ctx.scale = group, mask, scale
         return out
 
     @staticmethod
@@ -96,7 +105,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         sp, rank = dist.get_world_size(group), dist.get_rank(group)
-        scale = 1.0 / math.sqrt(q.size(-1))
+        scale = ctx.scale
         delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, T/sp, 1): rowsum(dO * O)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])  # (2, B, nh, T/sp, hs)
@@ -113,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
             if step < sp - 1:
                 kv = ring_pass(kv, group)
             dkv = ring_pass(dkv, group)  # after sp passes the gradients are back with their K/V's owner
-        return dq, dkv[0], dkv[1], None, None
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 def _block_pairs(q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, sp: int,

@@ -1,0 +1,152 @@
+"""GLM-4.5's Hugging Face format without torch: ``transformers``' ``Glm4MoeForCausalLM`` ``config.json`` and tensor
+names (``transformers`` 5.24, ``models/glm4_moe/modeling_glm4_moe.py``).
+
+Block ``i`` is ``model.layers.{i}``: the Llama's attention tensors (``self_attn.q_proj``/``k_proj``/``v_proj``, their
+biases with ``attention_bias``, ``q_norm``/``k_norm`` (hd,) with ``use_qk_norm``, ``o_proj``) and DeepSeek-V3's MLP
+tensors (:mod:`meshtrain.models.deepseek_v3.hf_names`): a dense layer's ``mlp.gate_proj``/``up_proj``/``down_proj``, a
+MoE layer's router ``mlp.gate.weight`` (E, C) and selection bias ``mlp.gate.e_score_correction_bias`` (E,), its
+experts per expert (``save_pretrained``) or fused (``transformers``' memory), and ``mlp.shared_experts.*``.
+
+Multi-token prediction layers (``num_nextn_predict_layers``, GLM-4.5's layer 92, GLM-4.5-Air's 46) are dropped on
+import, as ``transformers`` drops them (``_keys_to_ignore_on_load_unexpected``); an export writes none and
+``num_nextn_predict_layers = 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from meshtrain.models.deepseek_v3 import hf_names as deepseek
+from meshtrain.models.deepseek_v3.keys import dense_ffn_hidden
+from meshtrain.models.family import HFFormat, Source
+from meshtrain.models.hf_io import Derived, HFFormatError, number, refuse, with_defaults
+from meshtrain.models.llama import spec as llama
+from meshtrain.models.moe import spec as moe
+
+ARCHITECTURE = "Glm4MoeForCausalLM"
+PARTIAL = Derived(lambda c: (c.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5),
+                  "rope_parameters' partial_rotary_factor, else 0.5")
+"""``partial_rotary_factor``: ``transformers`` 5 keeps it in ``rope_parameters`` (``Glm4MoeConfig.__post_init__`` sets
+0.5 where absent) and writes a top-level null; a GLM-4.5 ``config.json`` has it at the top level."""
+ROPE = Derived(lambda c: {"rope_type": "default", "rope_theta": c.get("rope_theta") or 10000.0,
+                          "partial_rotary_factor": c.get("partial_rotary_factor") or 0.5},
+               "default RoPE of the top-level rope_theta and partial_rotary_factor")
+"""``rope_parameters``, which ``transformers`` 5 builds from the top-level keys where a file lacks it."""
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": llama.HEAD_DIM, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "rope_parameters": ROPE,
+    "rope_theta": 10000.0, "partial_rotary_factor": PARTIAL, "attention_bias": False, "attention_dropout": 0.0,
+    "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "use_qk_norm": False}
+"""``Glm4MoeConfig``'s defaults (``transformers`` 5.24, ``models/glm4_moe/configuration_glm4_moe.py``) of every key
+:func:`read` reads: ``rope_theta`` is the class's ``default_theta``, ``partial_rotary_factor`` its
+``__post_init__``'s (:data:`PARTIAL`); ``head_dim`` as the
+attention derives it where absent."""
+ALIASES = {"num_local_experts": "n_routed_experts"}
+"""``Glm4MoeConfig.attribute_map`` (of the keys read)."""
+IGNORED = (r"model\.layers\.92\.", r"model\.layers\.46\.")
+"""GLM-4.5's and GLM-4.5-Air's multi-token prediction layers, which ``transformers`` drops on load."""
+
+
+def read(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    """``[model]`` keys of a ``Glm4MoeForCausalLM`` ``config.json`` (a key it lacks at ``Glm4MoeConfig``'s default).
+
+    Raises:
+        HFFormatError: an option meshtrain does not build (not SwiGLU, a rope type but "default"), or a missing or
+            ill-typed key.
+    """
+    hf = with_defaults(hf, HF_DEFAULTS, ALIASES)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(key) or {}
+        if isinstance(rope, dict):
+            refuse({"rope_type": rope.get("rope_type", rope.get("type", "default"))}, "rope_type", ("default",), where,
+                   "GLM-4.5's plain partial RoPE")
+    keys = llama.read(hf, where, kind="glm4_moe")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = 0.5 if partial is None else partial
+    flags = {}
+    for theirs, ours in (("norm_topk_prob", "norm_topk_prob"), ("attention_bias", "attention_bias"),
+                         ("use_qk_norm", "qk_norm")):
+        if not isinstance(hf.get(theirs), bool):
+            raise HFFormatError(f"'{where}': {theirs} = {hf.get(theirs)!r} must be true or false")
+        flags[ours] = hf[theirs]
+    keys.update(flags, ffn_hidden=number(hf, "moe_intermediate_size", where, int),
+                dense_ffn_hidden=number(hf, "intermediate_size", where, int),
+                num_experts=number(hf, "n_routed_experts", where, int),
+                num_experts_per_tok=number(hf, "num_experts_per_tok", where, int),
+                partial_rotary_factor=float(number({"partial_rotary_factor": partial}, "partial_rotary_factor", where,
+                                                   (int, float))),
+                routed_scaling_factor=float(number(hf, "routed_scaling_factor", where, (int, float))),
+                n_shared_experts=deepseek._count(hf, "n_shared_experts", where),
+                first_k_dense_replace=deepseek._count(hf, "first_k_dense_replace", where),
+                n_group=number(hf, "n_group", where, int), topk_group=number(hf, "topk_group", where, int))
+    return keys
+
+
+def write(m: Any, vocab_size: int) -> dict[str, Any]:
+    """``config.json`` of ``Glm4MoeForCausalLM`` for the model ``m`` (no multi-token prediction layers)."""
+    config = llama.write(m, vocab_size, ARCHITECTURE, "glm4_moe")
+    del config["mlp_bias"], config["rope_scaling"], config["rope_theta"]
+    config.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta,
+                                   "partial_rotary_factor": m.partial_rotary_factor},
+                  intermediate_size=dense_ffn_hidden(m), moe_intermediate_size=llama.ffn_hidden(m),
+                  attention_bias=m.attention_bias, use_qk_norm=m.qk_norm, n_shared_experts=m.n_shared_experts,
+                  n_routed_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                  routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group, topk_group=m.topk_group,
+                  first_k_dense_replace=m.first_k_dense_replace, norm_topk_prob=m.norm_topk_prob,
+                  num_nextn_predict_layers=0, output_router_logits=False)
+    return config
+
+
+def _attention(m: Any, present: Collection[str]) -> dict[str, Source]:
+    """The Llama's sources without its MLPs (the embedding, the head and each block's norms and attention)."""
+    out = llama.sources(m, present, qkv_bias=m.attention_bias, qk_norm=m.qk_norm)
+    return {k: v for k, v in out.items() if ".mlp." not in k}
+
+
+def sources(m: Any, present: Collection[str]) -> dict[str, Source]:
+    """Every parameter and the routing biases (:class:`meshtrain.models.family.Source`); a tied head reads the
+    embedding."""
+    out = _attention(m, present)
+    fused = deepseek._fused(m, present)
+    for i in range(m.n_layer):
+        layer = f"model.layers.{i}"
+        if i < m.first_k_dense_replace:
+            pairs = deepseek.DENSE
+        else:
+            pairs = deepseek.SHARED if m.n_shared_experts else ()
+            experts = moe.expert_sources(f"{layer}.mlp", deepseek.EXPERT_NAMES, f"{layer}.mlp" if fused else None,
+                                         llama.ffn_hidden(m), m.num_experts)
+            experts["mlp.expert_bias"] = Source(f"{layer}.mlp.gate.e_score_correction_bias")
+            out.update({f"blocks.{i}.{k}": v for k, v in experts.items()})
+        out.update({f"blocks.{i}.{ours}.weight": Source(f"{layer}.{theirs}.weight") for ours, theirs in pairs})
+    return out
+
+
+def shapes(m: Any, vocab_size: int, present: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of :func:`sources`' tensors (a tied head not listed: ``transformers`` saves it once)."""
+    out = {k: v for k, v in llama.shapes(m, vocab_size, present, qkv_bias=m.attention_bias, qk_norm=m.qk_norm).items()
+           if ".mlp." not in k}
+    fused = deepseek._fused(m, present)
+    C, D, S = m.n_embd, dense_ffn_hidden(m), m.n_shared_experts * llama.ffn_hidden(m)
+    for i in range(m.n_layer):
+        layer = f"model.layers.{i}.mlp"
+        if i < m.first_k_dense_replace:
+            out.update({f"{layer}.gate_proj.weight": (D, C), f"{layer}.up_proj.weight": (D, C),
+                        f"{layer}.down_proj.weight": (C, D)})
+            continue
+        out.update(moe.expert_shapes(layer, deepseek.EXPERT_NAMES, layer if fused else None, m, llama.ffn_hidden(m)))
+        out[f"{layer}.gate.e_score_correction_bias"] = (m.num_experts,)
+        if S:
+            out.update({f"{layer}.shared_experts.gate_proj.weight": (S, C), f"{layer}.shared_experts.up_proj.weight":
+                        (S, C), f"{layer}.shared_experts.down_proj.weight": (C, S)})
+    return out
+
+
+FORMAT = HFFormat(architectures=(ARCHITECTURE,), model_type="glm4_moe", read=read, write=write, sources=sources,
+                  shapes=shapes, defaults=HF_DEFAULTS, aliases=ALIASES, training=llama.TRAINING, ignored=IGNORED)
