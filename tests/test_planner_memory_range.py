@@ -200,3 +200,23 @@ def test_catalog_devices_without_a_published_run_are_unvalidated(capsys):
     assert main(["plan", "--model", "llama3-8b", "--gpu", "H100", "--num-gpus", "8", "--global-batch-size", "16",
                  "--top", "2", "--profile", "/nonexistent/profile.toml"]) == 0
     assert "unvalidated" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
+def test_every_memory_part_of_a_sharded_mixture_of_experts_is_non_negative(name):
+    """FSDP's gathered buffers are one block on this device (E/ep of its experts) times the units held: counted with
+    a whole block's experts instead, a unit outweighed the rank's parameters and the buffers went negative (Mixtral
+    8x7B at ep8, ZeRO-3: -132 GiB, a 172 GiB layout predicted at 37 GiB). Every part of every ep and zero stage is
+    >= 0, and the buffers hold at least one block's weights."""
+    from meshtrain.planner.layout import Layout
+    from meshtrain.planner.memory import _param_parts, memory_breakdown
+
+    model, hw = preset(name), get_hardware("H100")
+    bf16 = PRECISIONS["bf16"]
+    for ep in (1, 2, 8):
+        for zero in (2, 3):
+            layout = Layout(dp=64, ep=ep, zero_stage=zero, micro_batch_size=1)
+            m = memory_breakdown(model, layout, hw, bf16, FRAMEWORKS["meshtrain"])
+            parts = m.to_dict()
+            assert all(v >= 0 for v in parts.values()), (ep, zero, parts)
+            assert m.buffers >= _param_parts(model, 1, ep, 1)[0] * bf16.weight_bytes, (ep, zero)

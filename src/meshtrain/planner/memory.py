@@ -612,7 +612,7 @@ def _state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Pre
     taken = muon_params(model, layout, framework)[1 if z >= 1 else 0]  # Muon's of them (0 for another optimizer)
     updated = trained if z >= 1 else t
     optimizer = framework.optimizer.state_bytes(updated, taken, optimizer_bytes)
-    block = model.layer_params() / layout.tp
+    block = _param_parts(model, layout.tp, layout.ep, layout.pp)[0]  # one block on this device (E/ep experts)
     gathered = 0.0
     if z >= 2:
         units, per_unit = fsdp_unit_shape(model, layout, framework)
