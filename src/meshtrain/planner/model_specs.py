@@ -487,10 +487,6 @@ def _linear_weights_per_block(m: Any, targets: list[str]) -> int:
     return total
 
 
-PLANNED_HERE = ("deepseek_v3",)
-"""Families whose :class:`ModelSpec` is built here rather than from ``Family.planner`` (:func:`deepseek_v3_spec`)."""
-
-
 def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """The spec of the trainer's model for a training config: its family's planner numbers
     (:attr:`meshtrain.models.family.Family.planner`, ``models/<family>/spec.py``) and its adapters'
@@ -504,13 +500,8 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
     """
     m = cfg.model
     numbers = m.family().planner
-    if numbers is None and m.type == "deepseek_v3":  # its numbers are more than a Llama's: deepseek_v3_spec
-        dpo = cfg.train.objective == "dpo"
-        vocab = vocab_size or trained_vocab_size(cfg)
-        return replace(deepseek_v3_spec(m, vocab), **adapter_numbers(cfg, vocab), sequences_per_sample=2 if dpo else 1,
-                       reference_copy=dpo and cfg.train.dpo_reference == "copy")
     if numbers is None:
-        modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None or f.name in PLANNED_HERE))
+        modelled = ", ".join(repr(t) for t in families_with(lambda f: f.planner is not None))
         raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner yet (it models transformers, "
                           f"model.type = {modelled}); train it without a plan")
     dpo = cfg.train.objective == "dpo"
@@ -521,25 +512,11 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
 
 def deepseek_v3_spec(m: Any, vocab: int, name: str = "config") -> ModelSpec:
     """The :class:`ModelSpec` of a ``deepseek_v3`` ``[model]`` table (:class:`meshtrain.models.deepseek_v3.keys.
-    DeepseekV3Keys`) with ``vocab`` rows: MLA's widths, the routed and shared experts (ungated), the dense first layers
-    and the multi-token prediction blocks counted among ``layers`` (``n_layer + num_nextn_predict_layers``; each MTP
-    block is a MoE block, its layer index being past ``first_k_dense_replace``). ``tests/test_planner_deepseek_v3.py``
-    counts its parameters and FLOPs against the built model; :func:`from_config` uses it for a ``deepseek_v3`` config,
-    and the ``deepseek-v3`` and ``kimi-k2`` presets are it at their published shapes."""
-    from meshtrain.models.deepseek_v3.keys import dense_ffn_hidden, qk_head_dim
-    from meshtrain.models.llama import spec as llama
+    DeepseekV3Keys`) with ``vocab`` rows: its family's planner numbers (:func:`meshtrain.models.deepseek_v3.spec.
+    planner`), for the ``deepseek-v3`` and ``kimi-k2`` presets and the tests."""
+    from meshtrain.models.deepseek_v3 import spec
 
-    f = llama.ffn_hidden(m)
-    return ModelSpec(name, m.n_layer + m.num_nextn_predict_layers, m.n_embd, m.n_head, vocab=vocab,
-                     seq_len=m.block_size, ffn_hidden=f, kv_heads=m.n_head, activation="swiglu",
-                     tied_embeddings=m.tie_embeddings, learned_positions=False, head_dim=qk_head_dim(m),
-                     experts=m.num_experts, experts_per_token=m.num_experts_per_tok, shared_ffn=m.n_shared_experts * f,
-                     shared_gate=False, expert_groups=m.n_group if m.n_group > 1 else 0,
-                     expert_topk_groups=m.topk_group if m.n_group > 1 else 0, q_lora_rank=m.q_lora_rank,
-                     kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                     dense_layers=m.first_k_dense_replace,
-                     dense_ffn=dense_ffn_hidden(m) if m.first_k_dense_replace else 0,
-                     mtp_layers=m.num_nextn_predict_layers)
+    return ModelSpec(name, **spec.planner(m, vocab))
 
 
 def trained_vocab_size(cfg: Config) -> int:

@@ -41,5 +41,5 @@ def check(m: Any) -> None:
 FAMILY = replace(v3.FAMILY, name="deepseek_v2", keys=DeepseekV2Keys, check=check,
                  summary="DeepSeek-V2 (multi-head latent attention, shared and softmax-routed experts, greedy or "
                          "group-limited)",
-                 model="meshtrain.models.deepseek_v2.model:DeepseekV2", hf=hf_names.FORMAT)
+                 model="meshtrain.models.deepseek_v2.model:DeepseekV2", hf=hf_names.FORMAT, planner=None)
 """DeepSeek-V3's family with V2's router and format; no planner numbers (``meshtrain plan`` says so in one line)."""

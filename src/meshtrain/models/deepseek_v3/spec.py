@@ -189,13 +189,31 @@ def tp_widths(m: Any) -> dict[str, int]:
     return {what: width for what, width in widths.items() if width}
 
 
+def planner(m: Any, vocab_size: int) -> dict[str, Any]:
+    """The planner's numbers (``ModelSpec``'s fields) of a ``deepseek_v3`` ``[model]`` table with ``vocab_size`` rows:
+    MLA's widths, the routed and shared experts (ungated), the dense first layers and the multi-token prediction
+    blocks counted among ``layers`` (``n_layer + num_nextn_predict_layers``; each MTP block is a MoE block, its layer
+    index being past ``first_k_dense_replace``). ``tests/test_planner_deepseek_v3.py`` counts their parameters and FLOPs
+    against the built model; the ``deepseek-v3`` and ``kimi-k2`` presets are them at their published shapes."""
+    f = llama.ffn_hidden(m)
+    return dict(layers=m.n_layer + m.num_nextn_predict_layers, hidden=m.n_embd, heads=m.n_head, vocab=vocab_size,
+                seq_len=m.block_size, ffn_hidden=f, kv_heads=m.n_head, activation="swiglu",
+                tied_embeddings=m.tie_embeddings, learned_positions=False, head_dim=qk_head_dim(m),
+                experts=m.num_experts, experts_per_token=m.num_experts_per_tok, shared_ffn=m.n_shared_experts * f,
+                shared_gate=False, expert_groups=m.n_group if m.n_group > 1 else 0,
+                expert_topk_groups=m.topk_group if m.n_group > 1 else 0, q_lora_rank=m.q_lora_rank,
+                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                dense_layers=m.first_k_dense_replace, dense_ffn=dense_ffn_hidden(m) if m.first_k_dense_replace else 0,
+                mtp_layers=m.num_nextn_predict_layers)
+
+
 def _family() -> Family:
     base = llama.FAMILY
     return replace(base, name="deepseek_v3", keys=DeepseekV3Keys, check=check, layer_costs=layer_costs,
                    summary="DeepSeek-V3 (multi-head latent attention, shared and group-limited sigmoid-routed experts, "
                            "dense first layers)",
                    model="meshtrain.models.deepseek_v3.model:DeepseekV3", kv_heads=lambda m: m.n_head,
-                   head_dim=qk_head_dim, ffn_hidden=llama.ffn_hidden, planner=None, hf=hf_names.FORMAT, tp=TP,
+                   head_dim=qk_head_dim, ffn_hidden=llama.ffn_hidden, planner=planner, hf=hf_names.FORMAT, tp=TP,
                    derived={"ffn_hidden": llama.ffn_hidden, "dense_ffn_hidden": dense_ffn_hidden}, experts=True,
                    aux_loss=True,
                    resume_keys=llama.RESUME_KEYS + ("num_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
