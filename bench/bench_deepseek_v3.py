@@ -56,23 +56,56 @@ def shakespeare() -> torch.Tensor:
     return load_corpus(cfg.data.resolved_path(), cfg.data.val_fraction, MODEL["block_size"]).train
 
 
-def versus_transformers(rounds: int, T: int) -> list[list]:
-    """Tokens/s of meshtrain's and ``transformers``' training step, same weights and batches (module docstring);
-    a third contender, meshtrain with v unpadded (``MLAttention.pad_v = False``: the math path of
-    ``scaled_dot_product_attention``, as before v was padded), shows what the padding gains."""
+CONTENDERS = (("meshtrain", "meshtrain DeepseekV3"), ("unpadded", "meshtrain DeepseekV3, v unpadded"),
+              ("compiled", "meshtrain DeepseekV3, train.compile = on"))
+"""meshtrain's rows of part 1 (key, label), each timed against ``transformers``."""
+
+
+def contenders(cfg, V: int, dtype: str, warmup: list[torch.Tensor]) -> dict:
+    """{name: model} of part 1 from the same weights: meshtrain's model; the same with v unpadded
+    (``MLAttention.pad_v = False``: the math path of ``scaled_dot_product_attention``, as before v was padded); the same
+    with its blocks compiled as ``train.compile = "on"`` compiles them (:func:`meshtrain.parallel.recompute.
+    compile_blocks`), compiled here by forward + backward passes on the ``warmup`` batches, under ``dtype``'s autocast,
+    without an optimizer step (the weights stay the others'); and ``transformers``' model of meshtrain's export."""
     import transformers
 
     from meshtrain.models.build import build_model
     from meshtrain.models.deepseek_v3.model import MLAttention
     from meshtrain.models.hf import write_hf_folder
+    from meshtrain.parallel.recompute import compile_blocks
+
+    torch.manual_seed(0)
+    models = {name: build_model(cfg, V) for name, _ in CONTENDERS}
+    for name in ("unpadded", "compiled"):
+        models[name].load_state_dict(models["meshtrain"].state_dict())
+    for module in models["unpadded"].modules():
+        if isinstance(module, MLAttention):
+            module.pad_v = False
+    compile_blocks(models["compiled"].blocks)
+    for b in warmup:  # each new shape of the experts' rows compiles once; none is timed
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = models["compiled"](b[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), b[:, 1:].flatten()).backward()
+        models["compiled"].zero_grad(set_to_none=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_folder(Path(tmp) / "m", models["meshtrain"].state_dict(), cfg, V, None, max_shard_bytes=2**30)
+        models["transformers"] = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m",
+                                                                                   dtype=torch.float32)
+    return {name: m.train() for name, m in models.items()}
+
+
+def versus_transformers(rounds: int, T: int) -> list[list]:
+    """Tokens/s of meshtrain's and ``transformers``' training step, same weights and batches (module docstring),
+    meshtrain's three ways (:func:`contenders`)."""
     from meshtrain.models.registry import ModelConfig
     from meshtrain.runtime.device import compute_dtype
 
     cfg, V = ModelConfig(**{**MODEL, "block_size": T}), 65
     data = shakespeare()
     gen = torch.Generator().manual_seed(0)
-    starts = torch.randint(len(data) - T - 1, (rounds * STEPS_PER_ROUND, BATCH), generator=gen)
+    starts = torch.randint(len(data) - T - 1, ((rounds + 1) * STEPS_PER_ROUND, BATCH), generator=gen)
     batches = [torch.stack([data[i:i + T + 1] for i in row.tolist()]) for row in starts]  # each (B, T+1)
+    warmup, batches = batches[-STEPS_PER_ROUND:], batches[:-STEPS_PER_ROUND]
 
     def step_ours(model, b):
         logits = model(b[:, :-1])
@@ -83,23 +116,12 @@ def versus_transformers(rounds: int, T: int) -> list[list]:
 
     rows = []
     for dtype in sorted({"float32", compute_dtype("auto", "cpu")}, reverse=True):  # fp32, then the default
-        torch.manual_seed(0)
-        ours = build_model(cfg, V)
-        unpadded = build_model(cfg, V)
-        unpadded.load_state_dict(ours.state_dict())
-        for module in unpadded.modules():
-            if isinstance(module, MLAttention):
-                module.pad_v = False
-        with tempfile.TemporaryDirectory() as tmp:
-            write_hf_folder(Path(tmp) / "m", ours.state_dict(), cfg, V, None, max_shard_bytes=2**30)
-            theirs = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32)
-        ours.train(), unpadded.train(), theirs.train()
-        runners = {"meshtrain": (ours, step_ours), "unpadded": (unpadded, step_ours),
-                   "transformers": (theirs, step_theirs)}
-        opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, (m, _) in runners.items()}
-        times, losses = {name: [] for name in runners}, {name: [] for name in runners}
+        models = contenders(cfg, V, dtype, warmup)
+        opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+        times, losses = {name: [] for name in models}, {name: [] for name in models}
         for r in range(rounds):
-            for name, (model, step) in runners.items():  # interleaved: a round each, the same batches
+            for name, model in models.items():  # interleaved: a round each, the same batches
+                step = step_theirs if name == "transformers" else step_ours
                 t0 = time.perf_counter()
                 for b in batches[r * STEPS_PER_ROUND:(r + 1) * STEPS_PER_ROUND]:
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
@@ -109,16 +131,36 @@ def versus_transformers(rounds: int, T: int) -> list[list]:
                     opts[name].zero_grad()
                     losses[name].append(float(loss.detach()))
                 times[name].append(STEPS_PER_ROUND * BATCH * T / (time.perf_counter() - t0))
-        b = statistics.median(times["transformers"])
-        for name, label in (("meshtrain", "meshtrain DeepseekV3"), ("unpadded", "meshtrain DeepseekV3, v unpadded")):
-            a, ratios = statistics.median(times[name]), [x / y for x, y in zip(times[name], times["transformers"])]
-            rows.append([f"{label}, {dtype}, T = {T}", f"{a:,.0f}", spread(times[name]),
-                         f"{a / b:.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
-                         f"{losses[name][0]:.4f} -> {losses[name][-1]:.4f}"])
-        rows += [[f"transformers DeepseekV3ForCausalLM ({theirs.config._experts_implementation} experts), {dtype}, T = {T}",
-                  f"{b:,.0f}", spread(times["transformers"]), "1.00x",
-                  f"{losses['transformers'][0]:.4f} -> {losses['transformers'][-1]:.4f}"]]
+        rows += step_rows(times, losses, f"{dtype}, T = {T}",
+                          models["transformers"].config._experts_implementation)
     return rows
+
+
+def part_one(rounds: int, blocks: list[int], previous: dict) -> tuple[list[list], dict, str | None]:
+    """Part 1's rows at each T of ``blocks``, then those of the last run (``previous``, the results' json) at any other
+    T, kept with their date -> (rows, facts for the json, the note saying what was kept, or None)."""
+    rows = [row for T in blocks for row in versus_transformers(rounds, T)]
+    old = [row for row in previous.get("versus_transformers", []) if int(row[0].rsplit("= ", 1)[1]) not in blocks]
+    if not old:
+        return rows, {}, None
+    date = previous.get("versus_transformers_kept_from", previous["machine"]["date"])
+    shown = ", ".join(sorted({row[0].rsplit("= ", 1)[1] for row in old}))
+    note = f"one training step at T = {shown}: from the run of {date}"
+    return rows + old, {"versus_transformers_kept_from": date}, note
+
+
+def step_rows(times: dict[str, list[float]], losses: dict[str, list[float]], what: str, experts: str) -> list[list]:
+    """Part 1's rows of one dtype and T: each contender's median tokens/s, spread, ratio to ``transformers`` (of the
+    medians, and per round) and its losses."""
+    b, rows = statistics.median(times["transformers"]), []
+    for name, label in CONTENDERS:
+        a, ratios = statistics.median(times[name]), [x / y for x, y in zip(times[name], times["transformers"])]
+        rows.append([f"{label}, {what}", f"{a:,.0f}", spread(times[name]),
+                     f"{a / b:.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
+                     f"{losses[name][0]:.4f} -> {losses[name][-1]:.4f}"])
+    return rows + [[f"transformers DeepseekV3ForCausalLM ({experts} experts), {what}", f"{b:,.0f}",
+                    spread(times["transformers"]), "1.00x",
+                    f"{losses['transformers'][0]:.4f} -> {losses['transformers'][-1]:.4f}"]]
 
 
 ATTN = dict(n_embd=256, n_head=8, block_size=256)
@@ -234,7 +276,9 @@ def main() -> int:
     previous = json.loads(old.read_text()) if old.exists() else {}
     kept = []
     if 1 in parts:
-        vs = [row for T in map(int, args.blocks.split(",")) for row in versus_transformers(args.rounds, T)]
+        vs, facts, note = part_one(args.rounds, [int(T) for T in args.blocks.split(",")], previous)
+        data.update(facts)
+        kept += [note] if note else []
         rows += [["**one training step**", "tokens/s (median)", "rounds min..max", "vs transformers (per round)",
                   f"loss, first -> last of {args.rounds * STEPS_PER_ROUND} steps"]] + vs
         data["versus_transformers"] = vs
@@ -276,7 +320,10 @@ def main() -> int:
              "the 'v unpadded' rows (the same meshtrain model with `MLAttention.pad_v = False`). The gain grows with "
              "T, the attention's share of the step. At short T the attention is a small share and the rest of the "
              "step runs the same kernels on both sides (transformers 5 runs its experts as grouped_mm too, its "
-             "default), so there the step stays near transformers'.",
+             "default), so there the step stays near transformers'. 'train.compile = on' rows: the same model with "
+             "each block compiled as that option compiles it (torch.compile, inductor's C++ kernels on the CPU: "
+             "norms, RoPE, SwiGLU and the routing's small ops fused), compiled before the timing by forward + "
+             "backward passes on other batches without an optimizer step; the CPU default ('auto') leaves it off.",
              f"Attention layer: C = {ATTN['n_embd']}, 8 query heads, batch 4 x {ATTN['block_size']} tokens, fp32, "
              "forward + backward of mean(y^2), 5 a round; peak activations: every tensor allocated during one forward "
              "+ backward (torch's MemTracker), the weights and their gradients not counted. MLA trains with k and v "

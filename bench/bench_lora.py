@@ -17,7 +17,7 @@ and the peft loop draws its windows from meshtrain's own sampler (``ShardedSampl
 of both LoRA runs trains on the same (x, y). The same start: the peft adapters are set (``set_peft_model_state_dict``)
 to the initial A (B = 0) meshtrain draws for its run (rebuilt from the run's checkpoint by
 ``described_model``, exported in peft's format by ``write_peft_folder``), so the two LoRA loss curves must agree up to
-float rounding -- the "equal loss" check. Both: fp32, one process, OMP_NUM_THREADS = every core, fused AdamW, the
+float rounding -- the "equal loss" check. Both: fp32 (``--dtype bfloat16``: bf16 autocast), one process, OMP_NUM_THREADS = every core, fused AdamW, the
 same constant lr, betas, eps, no weight decay, grad clip 1.0, batch, block and steps.
 
 tokens/s = batch x block over the median step time, and over the fastest step's (a step from the end of the previous
@@ -27,11 +27,13 @@ both sides: meshtrain's logged ``peak_memory_bytes`` (which is ``ru_maxrss`` on 
 ``getrusage``. The rounds interleave the three runs; each run waits for idle cores and is retried when disturbed
 (``plan_vs_actual.run_alone``), since other people's jobs share this machine's cores.
 
-    python bench/bench_lora.py [--steps 60] [--rounds 3] [--batch 12] [--block 128]   # ~9 min on 2 idle cores
+    python bench/bench_lora.py [--steps 60] [--rounds 3] [--batch 12] [--block 128] [--dtype float32|bfloat16]
+    # 3-9 min on 2 idle cores
 
 (longer while other people's jobs hold the cores: 48 minutes once on 2026-11-29, waiting for them).
 
-Writes ``bench/results/lora.{md,json}``.
+Writes ``bench/results/lora.{md,json}`` (``--dtype bfloat16``: ``lora_bf16.{md,json}``, both sides' forward in bf16
+autocast over fp32 weights).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def meshtrain_argv(model: Path, out: Path, rank: int, steps: int, batch: int, block: int) -> list:
+def meshtrain_argv(model: Path, out: Path, rank: int, steps: int, batch: int, block: int,
+                   dtype: str = "float32") -> list:
     adapter = ["--adapter.lora_rank", rank]
     if rank:
         adapter += ["--adapter.lora_alpha", ALPHA, "--adapter.lora_targets", "all-linear"]
@@ -85,13 +88,13 @@ def meshtrain_argv(model: Path, out: Path, rank: int, steps: int, batch: int, bl
             "--model.init_from", model, "--model.block_size", block, *adapter, "--data.val_fraction", VAL_FRACTION,
             "--batch.micro_batch_size", batch, "--batch.gradient_accumulation_steps", "1", "--optim.lr", LR,
             "--optim.min_lr", LR, "--optim.warmup_steps", "0", "--optim.weight_decay", "0", "--optim.grad_clip",
-            CLIP, "--optim.beta1", BETAS[0], "--optim.beta2", BETAS[1], "--train.dtype", "float32",
+            CLIP, "--optim.beta1", BETAS[0], "--optim.beta2", BETAS[1], "--train.dtype", dtype,
             "--train.seed", SEED, "--steps", steps, "--train.log_interval", "1", "--train.eval_interval", "0",
             "--train.eval_steps", "1", "--checkpoint.interval", "0", "--checkpoint.keep", "1", "--out", out]
 
 
-def run_meshtrain(rank: int, work: Path, out: Path, steps: int, batch: int, block: int) -> dict:
-    i, quiet = run_quietly(lambda i: meshtrain_argv(work / "model", out / f"try{i}", rank, steps, batch, block))
+def run_meshtrain(rank: int, work: Path, out: Path, steps: int, batch: int, block: int, dtype: str) -> dict:
+    i, quiet = run_quietly(lambda i: meshtrain_argv(work / "model", out / f"try{i}", rank, steps, batch, block, dtype))
     out = out / f"try{i}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "step_time_s" in r]
@@ -117,10 +120,10 @@ def initial_adapters(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def run_peft(init: Path, work: Path, out: Path, steps: int, batch: int, block: int) -> dict:
+def run_peft(init: Path, work: Path, out: Path, steps: int, batch: int, block: int, dtype: str) -> dict:
     i, quiet = run_quietly(lambda i: [sys.executable, __file__, "--peft-worker", "--work", work, "--init", init,
                                       "--out", out / f"try{i}.json", "--steps", steps, "--batch", batch,
-                                      "--block", block])
+                                      "--block", block, "--dtype", dtype])
     return {**json.loads((out / f"try{i}.json").read_text()), **quiet}
 
 
@@ -130,8 +133,12 @@ def rss_now() -> int:
     return int(line.split()[1]) * 1024
 
 
-def peft_worker(work: Path, init: Path, out: Path, steps: int, batch: int, block: int) -> None:
-    """One peft run in its own process: per-step loss and time, its RSS high-water mark and adapter size to ``out``."""
+def peft_worker(work: Path, init: Path, out: Path, steps: int, batch: int, block: int, dtype: str) -> None:
+    """One peft run in its own process: per-step loss and time, its RSS high-water mark and adapter size to ``out``.
+    ``dtype = "bfloat16"``: the forward under ``torch.autocast`` over the fp32 weights, backward outside it (what
+    ``transformers.Trainer`` does with ``bf16 = True``; meshtrain's ``train.dtype = "bfloat16"`` is the same)."""
+    import contextlib
+
     import torch
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -151,10 +158,13 @@ def peft_worker(work: Path, init: Path, out: Path, steps: int, batch: int, block
     sampler = ShardedSampler(load_corpus(CORPUS, VAL_FRACTION, block).train, block, batch, 1, 1, 0, SEED)
     rss_start = rss_now()
     losses, times = [], []
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
+                else contextlib.nullcontext())
     mark = time.perf_counter()
     for _ in range(steps):
         x, y = sampler.next_step()[0]  # (batch, block) each: meshtrain's windows of this step
-        loss = model(input_ids=x, labels=x, shift_labels=y.contiguous()).loss  # targets y: x shifted drops one
+        with autocast:
+            loss = model(input_ids=x, labels=x, shift_labels=y.contiguous()).loss  # targets y: x shifted drops one
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
@@ -171,6 +181,10 @@ def peft_worker(work: Path, init: Path, out: Path, steps: int, batch: int, block
 
 
 RUNS = ["meshtrain LoRA", "peft LoRA", "meshtrain full"]
+PRECISION = {"float32": "fp32",
+             "bfloat16": "bf16 autocast over fp32 weights (meshtrain's train.dtype = \"bfloat16\"; the peft loop's "
+                         "forward under torch.autocast, as transformers.Trainer with bf16 = True)"}
+RESULTS = {"float32": "lora", "bfloat16": "lora_bf16"}  # bench/results/<name>.{md,json}
 PEFT = ("meshtrain LoRA", "peft LoRA")
 PEAK_IS = {"meshtrain LoRA": "meshtrain's peak_memory_bytes (ru_maxrss)", "peft LoRA": "worker's ru_maxrss",
            "meshtrain full": "meshtrain's peak_memory_bytes (ru_maxrss)"}
@@ -237,7 +251,7 @@ def report(rounds: dict, args, params: dict) -> Path:
         f"LoRA: rank {RANK}, alpha {ALPHA:g} (scaling {ALPHA / RANK:g}), no dropout, all-linear = q, k, v, o, gate, "
         "up, down of every block (the head is not adapted on either side); both LoRA runs start from the same A "
         "(meshtrain's, set into peft) and B = 0.",
-        f"Settings, all runs: fp32, 1 process, {os.cpu_count()} threads, {args.steps} steps of {args.batch} x "
+        f"Settings, all runs: {PRECISION[args.dtype]}, 1 process, {os.cpu_count()} threads, {args.steps} steps of {args.batch} x "
         f"{args.block} tokens (Tiny Shakespeare by characters, meshtrain's sampler at seed {SEED}: the same windows "
         f"on every side), fused AdamW lr {LR:g} constant, betas {BETAS}, eps {EPS:g}, weight decay 0, grad clip "
         f"{CLIP:g}. {args.rounds} rounds, the three runs interleaved in each.",
@@ -262,7 +276,7 @@ def report(rounds: dict, args, params: dict) -> Path:
     ]
     data = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "cpu": cpu_line(),
             "params": params, "stats": stats, "rounds": rounds, "max_lora_loss_gap": gap}
-    return write_results("lora", "meshtrain LoRA against peft + transformers and against full fine-tuning", columns,
+    return write_results(RESULTS[args.dtype], "meshtrain LoRA against peft + transformers and against full fine-tuning", columns,
                          rows, notes, data)
 
 
@@ -292,12 +306,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=12, help="windows per step (llama_tiny's micro_batch_size)")
     parser.add_argument("--block", type=int, default=128, help="tokens per window (llama_tiny's block_size)")
     parser.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--dtype", choices=sorted(PRECISION), default="float32",
+                        help="both sides' compute dtype (bfloat16: autocast; writes bench/results/lora_bf16.*)")
     parser.add_argument("--peft-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--init", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peft_worker:
-        return peft_worker(args.work, args.init, args.out, args.steps, args.batch, args.block)
+        return peft_worker(args.work, args.init, args.out, args.steps, args.batch, args.block, args.dtype)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-lora-") as tmp:
         work = args.work or Path(tmp)
@@ -310,10 +326,10 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
                 out = work / f"{r}-{name.replace(' ', '_')}"
                 if name == "peft LoRA":
-                    result = run_peft(init, work, out, args.steps, args.batch, args.block)
+                    result = run_peft(init, work, out, args.steps, args.batch, args.block, args.dtype)
                 else:
                     result = run_meshtrain(RANK if "LoRA" in name else 0, work, out, args.steps, args.batch,
-                                           args.block)
+                                           args.block, args.dtype)
                 if init is None and name == "meshtrain LoRA":
                     init = initial_adapters(Path(result["checkpoint"]), work / "initial_adapters")
                 rounds[name].append(result)

@@ -17,6 +17,7 @@ training steps, start-up excluded. The planner's prediction for the same config 
 --json`` at the run's own layout (its weights, gradients, optimizer states and activations, no runtime overhead).
 
     python bench/bench_lora_memory.py [--steps 3] [--batch 4] [--block 128] [--rounds 2]   # ~12 min a round, loaded
+    python bench/bench_lora_memory.py --rounds 2 --append   # two more rounds after those already written
 
 Writes ``bench/results/lora_memory.{md,json}``.
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttraining import cpu_line  # noqa: E402
-from common import REPO, meshtrain_command, write_results  # noqa: E402
+from common import REPO, RESULTS_DIR, machine, meshtrain_command, write_results  # noqa: E402
 
 VOCAB, SEED, RANK, ALPHA = 65, 1337, 8, 16.0
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rounds of the results already written (same --steps, --batch, --block) first")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -125,12 +128,14 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    results: dict[str, list[dict]] = {run: [] for run in RUNS}
+    results = earlier_rounds(args) if args.append else {run: [] for run in RUNS}
     plans = {}
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-lora-memory-") as tmp:
         work = Path(tmp)
         torch.manual_seed(SEED)
         LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **MODEL)).save_pretrained(work / "model")
+        here = machine()
+        measured = f"{here['date']}, git {here['git']}"
         for r in range(args.rounds):
             for i, run in enumerate(RUNS):
                 out, result = work / f"run{r}-{i}", work / f"result{r}-{i}.json"
@@ -141,10 +146,21 @@ def main() -> None:
                                       capture_output=True, text=True, env=ENV, cwd=REPO)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{run} failed:\n{proc.stderr[-3000:]}")
-                results[run].append(json.loads(result.read_text()))
+                results[run].append({**json.loads(result.read_text()), "measured": measured})
         for i, run in enumerate(RUNS):
             plans[run] = planned(work / "model", work / f"plan{i}", run, args.batch, args.block, args.steps)
     report(args, results, plans)
+
+
+def earlier_rounds(args) -> dict[str, list[dict]]:
+    """The rounds ``bench/results/lora_memory.json`` holds, each marked with the date and git revision it was measured
+    at; refused (one line) if they were run with other ``--steps``, ``--batch`` or ``--block``."""
+    old = json.loads((RESULTS_DIR / "lora_memory.json").read_text())
+    for key in ("steps", "batch", "block"):
+        if old["args"][key] != getattr(args, key):
+            raise SystemExit(f"--append: the written rounds ran with --{key} {old['args'][key]}, not {getattr(args, key)}")
+    return {run: [{**r, "measured": r.get("measured", f"{old['machine']['date']}, git {old['machine']['git']}")}
+                  for r in old["results"][run]] for run in RUNS}
 
 
 def plan_cells(plan) -> list[str]:
@@ -167,6 +183,7 @@ def report(args, results: dict, plans: dict) -> None:
                f"peak RSS, steps 2..{args.steps + 1} MiB", "peak - imports MiB", "peak per round MiB",
                "tokens/s (1 thread)", f"loss step 1 / {args.steps + 1}",
                "planned: weights", "gradients", "optimizer", "activations", "sum MiB"]
+    rounds = [r.get("measured", "?") for r in next(iter(results.values()))]
     rows = []
     for run, rs in results.items():
         m = med[run]
@@ -180,7 +197,12 @@ def report(args, results: dict, plans: dict) -> None:
              f"Model: LlamaForCausalLM {MODEL['num_hidden_layers']} x {MODEL['hidden_size']}, SwiGLU "
              f"{MODEL['intermediate_size']}, {MODEL['num_attention_heads']} / {MODEL['num_key_value_heads']} heads, "
              f"vocab {VOCAB}; LoRA rank {RANK}, alpha {ALPHA:g}, all-linear; fp32; micro-batch {args.batch} x "
-             f"{args.block} tokens; {args.rounds} rounds, the three runs interleaved.",
+             f"{args.block} tokens; {len(rounds)} rounds, the three runs interleaved in each (measured: "
+             + "; ".join(f"{', '.join(str(i + 1) for i, m in enumerate(rounds) if m == when)} at {when}"
+                         for when in dict.fromkeys(rounds)) + ").",
+             "Spread of the peak between rounds (max - min): " + ", ".join(
+                 f"{run} {(max(r['peak'] for r in rs) - min(r['peak'] for r in rs)) / MIB:.0f} MiB"
+                 for run, rs in results.items()) + ".",
              "RSS with MALLOC_MMAP_THRESHOLD_=65536 (freed tensors leave the RSS); the peak is VmHWM after a reset "
              "following step 1, so start-up (reading the base; QLoRA's fp32 copy before quantizing) is excluded.",
              "planned: meshtrain plan CONFIG --json at the run's own layout, MiB, no runtime overhead."]

@@ -66,6 +66,40 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+def cli_here(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``meshtrain ARGS`` in this process (``meshtrain.cli.main.main``), answered as :func:`run_cli` answers: exit code,
+    stdout, stderr. For commands that start no rank (``generate``, ``export``, ``prepare``, ``plan``, ``batch``, and
+    ``train`` refused before launch): a fresh interpreter costs ~2 s of torch's import each, more than most such
+    commands. torchrun's engine is a trap here (:func:`artefacts.run_cli_here`): a command that launches, hangs past
+    ``timeout`` or raises is exit code 1 with ``Traceback`` and the reason on stderr, as a fresh process would fail."""
+    from artefacts import run_cli_here
+
+    code, stderr, stdout = run_cli_here(list(args), limit=timeout)
+    if not isinstance(code, int):
+        code, stderr = 1, f"{stderr}\nTraceback (in this process): {code}\n"
+    return subprocess.CompletedProcess(["meshtrain", *args], code, stdout, stderr)
+
+
+def launch_here(*args: str) -> int:
+    """``meshtrain ARGS`` in this process with torchrun's engine for real: the ranks are this process's children (their
+    output goes to its file descriptors, not to the value returned); returns the exit code. Saves the launcher's
+    process (~2 s of torch's import) of a run whose exit code and files are what a test reads. The signal handlers
+    torchrun's engine installs and the environment the launcher sets for its ranks are put back afterwards."""
+    import signal
+
+    from meshtrain.cli.main import main
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    handlers, environ = {s: signal.getsignal(s) for s in signals}, dict(os.environ)
+    try:
+        return main(list(args))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def train_cli(out: Path, nproc: int, **overrides: str) -> list[dict]:
     """Train through ``meshtrain train`` on ``nproc`` gloo ranks; return the metrics records."""
     args = {**TINY, **overrides, "train.out_dir": str(out)}
@@ -81,6 +115,17 @@ def train_here(out: Path, **overrides: str) -> list[dict]:
 
     train(load_config(CONFIG, {**TINY, **overrides, "train.out_dir": str(out)}))
     return read_records(out)
+
+
+def train_config_here(config: Path, **overrides: str) -> list[dict]:
+    """Train ``config`` with ``overrides`` (``train.out_dir`` among them; nothing of :data:`TINY` added) in this process
+    (a 1-rank group, no launcher), as :func:`train_here` does; return the metrics records. For a run that is a test's
+    starting point, not its subject: a ``meshtrain train --nproc 1`` costs a launcher and a rank seconds of imports."""
+    from meshtrain.config.load import load_config
+    from meshtrain.train.entry import train
+
+    train(load_config(config, overrides))
+    return read_records(Path(overrides["train.out_dir"]))
 
 
 def read_records(out: Path) -> list[dict]:

@@ -4,6 +4,10 @@ A planted ``.metadata`` whose unpickling calls ``os.system`` (proved live: plain
 it creates a marker file) is refused by ``meshtrain generate`` and ``meshtrain train --resume`` with
 one line and exit 2, and the marker never appears. A real checkpoint's metadata passes the same
 reader (every global it names is on the allow-list), and a truncated one is one line too.
+
+Commands that start no rank run in this process (``conftest.cli_here``: a fresh interpreter costs seconds of imports
+a command); the resume that falls back to an older checkpoint is a real launch (from this process: its rank is a
+fresh one).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import CONFIG, TINY, override_args, run_cli, train_here
+from conftest import CONFIG, TINY, cli_here, launch_here, override_args, train_here
 
 
 class _Payload:
@@ -74,7 +78,7 @@ def test_planted_pickle_is_refused_and_runs_nothing(run, tmp_path):
     for args in (["generate", "--checkpoint", str(evil), "--max-new-tokens", "5"],
                  ["train", str(CONFIG), "--nproc", "1", "--out", str(evil), "--resume", "--steps", "4",
                   *override_args(TINY | {"train.steps": "4"})]):
-        proc = run_cli(*args)
+        proc = cli_here(*args)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "was not loaded: its .metadata names posix.system" in lines[0], proc.stderr
@@ -91,7 +95,7 @@ def test_truncated_metadata_is_one_line(run, tmp_path):
     path = _checkpoint(broken) / ".metadata"
     path.write_bytes(path.read_bytes()[:40])
     _rerecord(_checkpoint(broken))  # past the digest check: the reader itself must say it in one line
-    proc = run_cli("generate", "--checkpoint", str(broken), "--max-new-tokens", "5")
+    proc = cli_here("generate", "--checkpoint", str(broken), "--max-new-tokens", "5")
     assert proc.returncode == 2 and "is missing or unreadable" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -109,7 +113,7 @@ def test_export_holds_the_checkpoints_weights_and_samples_the_same_text(run, tmp
     from meshtrain.models.build import build_model
 
     out = tmp_path / "model.safetensors"
-    proc = run_cli("export", "--checkpoint", str(run), "--out", str(out))
+    proc = cli_here("export", "--checkpoint", str(run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     exported, info = load_export(out)
     meta = ckpt.read_meta(_checkpoint(run))
@@ -118,17 +122,17 @@ def test_export_holds_the_checkpoints_weights_and_samples_the_same_text(run, tmp
     for (name, a), (_, b) in zip(model.state_dict().items(), exported.state_dict().items()):
         assert torch.equal(a, b), name
     assert info["tokenizer"] == meta["tokenizer"] and json.loads(out.with_suffix(".json").read_text()) == info
-    texts = [run_cli("generate", "--checkpoint", str(src), "--prompt", "ROMEO:", "--max-new-tokens", "30").stdout
+    texts = [cli_here("generate", "--checkpoint", str(src), "--prompt", "ROMEO:", "--max-new-tokens", "30").stdout
              for src in (run, out)]
     assert texts[0] == texts[1] and texts[0].startswith("ROMEO:")
-    again = run_cli("export", "--checkpoint", str(run), "--out", str(out))
+    again = cli_here("export", "--checkpoint", str(run), "--out", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
 @pytest.mark.parametrize("out, message", [("model.pt", "must end in .safetensors"),
                                            ("missing/model.safetensors", "does not exist")])
 def test_export_refuses_bad_outputs(run, tmp_path, out, message):
-    proc = run_cli("export", "--checkpoint", str(run), "--out", str(tmp_path / out))
+    proc = cli_here("export", "--checkpoint", str(run), "--out", str(tmp_path / out))
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
@@ -157,12 +161,14 @@ def test_a_damaged_shard_is_refused_before_sampling(run, tmp_path, damage, messa
         shard.write_bytes(bytes(data[: len(data) // 2]))
     else:
         shard.unlink()
-    proc = run_cli("generate", "--checkpoint", str(_checkpoint(broken)), "--max-new-tokens", "5")
+    proc = cli_here("generate", "--checkpoint", str(_checkpoint(broken)), "--max-new-tokens", "5")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capfd):
+    """The launcher and its rank (a real launch from this process, ``conftest.launch_here``; ``capfd`` reads both, as
+    a terminal would show them) say it once, and the run resumes from the older checkpoint."""
     from meshtrain.checkpoint import store as ckpt
 
     run = tmp_path / "run"
@@ -170,12 +176,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     older, newest = ckpt.list_checkpoints(run)
     shard = _shard(newest)
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(run), "--resume",
-                   *override_args({**TINY, "train.steps": "3"}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warning = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: warning:")]
+    capfd.readouterr()
+    code = launch_here("train", str(CONFIG), "--nproc", "1", "--out", str(run), "--resume",
+                       *override_args({**TINY, "train.steps": "3"}))
+    stderr = capfd.readouterr().err
+    assert code == 0, stderr[-3000:]
+    warning = [line for line in stderr.splitlines() if line.startswith("meshtrain: warning:")]
     assert len(warning) == 1 and str(newest) in warning[0] and f"using {older} instead" in warning[0]
-    assert "resumed from step 1 of" in proc.stderr
+    assert "resumed from step 1 of" in stderr
 
 
 # meta.json's schema (meshtrain.checkpoint.schema): each required key missing, of a wrong type, out of range
@@ -246,7 +254,7 @@ def test_a_checkpoint_without_its_files_manifest_is_refused_in_one_line(run, tmp
     meta = json.loads((copy / "meta.json").read_text())
     del meta["files"]
     (copy / "meta.json").write_text(json.dumps(meta))
-    proc = run_cli("generate", "--checkpoint", str(copy), "--max-new-tokens", "5")
+    proc = cli_here("generate", "--checkpoint", str(copy), "--max-new-tokens", "5")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"meshtrain generate: error: checkpoint file {copy / 'meta.json'} has no key 'files': the checkpoint is "

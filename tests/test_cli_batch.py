@@ -1,4 +1,6 @@
-"""``meshtrain batch`` through the installed console script, as a user runs it."""
+"""``meshtrain batch`` as a user runs it: through the installed console script in a fresh process for a plan and a
+refusal (:data:`SCRIPTED`), the other cases through the same entry point in this process (``conftest.cli_here``: a
+process start costs more than the command)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_here
+
 SCRIPT = Path(sys.executable).with_name("meshtrain")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "meshtrain.cli"]
 
 
-def meshtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=60)
+def meshtrain(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+    """``meshtrain ARGS``: the console script in a fresh process (``script``), else in this process."""
+    if script:
+        return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=60)
+    return cli_here(*args)
 
 
-def batch_json(*args: str) -> dict:
-    result = meshtrain("batch", *args, "--json")
+def batch_json(*args: str, script: bool = False) -> dict:
+    result = meshtrain("batch", *args, "--json", script=script)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -27,7 +34,7 @@ def test_json_has_the_whole_plan():
     # 16 ranks, tp 2, sp 2 -> dp 4; 4 * 3 * 2 = 24 samples/step; 1000 samples -> ceil(1000/24) = 42 steps.
     out = batch_json("--world-size", "16", "--tp", "2", "--sp", "2", "--micro-batch-size", "3",
                      "--grad-accum", "2", "--seq-len", "64", "--num-samples", "1000", "--epochs", "2",
-                     "--time-per-step", "0.5")
+                     "--time-per-step", "0.5", script=True)
     assert out["dp"] == 4
     assert out["global_batch_size"] == 24
     assert out["tokens_per_step"] == 24 * 64
@@ -96,7 +103,7 @@ def test_table_with_loader_batch_size_explains_the_open_sora_log():
     assert "one loader step makes 8 optimizer step(s) of global batch 2" in text
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_LAYOUTS = [
     (["--world-size", "6", "--sp", "4", "--micro-batch-size", "1"], "world_size = 6 is not divisible"),
     (["--world-size", "4", "--micro-batch-size", "0"], "micro_batch_size = 0"),
     (["--world-size", "4", "--micro-batch-size", "1", "--epochs", "2"], "epochs needs num_samples"),
@@ -109,10 +116,15 @@ def test_table_with_loader_batch_size_explains_the_open_sora_log():
     (["--world-size", "4", "--micro-batch-size", "1", "--lr", "1e-3", "--lr-scaling", "sqrt"],
      "optim.reference_batch_size = 0 both >= 1"),
     (["--world-size", "4", "--micro-batch-size", "1", "--lr", "-1"], "argument --lr: -1 must be a finite number > 0"),
-])
+]
+SCRIPTED = (BAD_LAYOUTS[0][0], False)
+"""The refusal (arguments, --json) that also runs through the console script in a fresh process."""
+
+
+@pytest.mark.parametrize("args, message", BAD_LAYOUTS)
 @pytest.mark.parametrize("as_json", [False, True])
 def test_bad_layout_exits_2_with_one_line(args, message, as_json):
-    result = meshtrain("batch", *args, *(["--json"] if as_json else []))
+    result = meshtrain("batch", *args, *(["--json"] if as_json else []), script=(args, as_json) == SCRIPTED)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

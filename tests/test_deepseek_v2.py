@@ -22,7 +22,7 @@ from meshtrain.cli.export import load_hf_model
 from meshtrain.models.hf import write_hf_folder
 from test_deepseek_v3 import (assert_bad_key, assert_folder_refused, assert_greedy_equal, assert_round_trip,
                               assert_routing_equal, randomised, tolerance_width)
-from test_hf import FINETUNE, V, logits_tolerance, one_line_error, reference
+from test_hf import FINETUNE, V, logits_tolerance, reference
 from test_moe import save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -141,11 +141,16 @@ def test_a_folder_meshtrain_cannot_build_is_one_line_before_launch(config, messa
     assert_folder_refused(saved, config, message, tmp_path, capsys)
 
 
-def test_the_planner_refuses_the_family_in_one_line(capsys):
-    """``meshtrain plan`` does not model deepseek_v2 yet and says so in one line (training runs without a plan)."""
+def test_the_planner_plans_the_family(capsys):
+    """``meshtrain plan`` models deepseek_v2 with DeepSeek-V3's numbers (MLA, shared experts; its parameters and FLOPs
+    against the built model: ``tests/test_planner_glm_v2.py``) and ranks layouts for it."""
+    import json
+
+    from meshtrain.cli.main import main as cli_main
+
     config = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.toml"
-    one_line_error(capsys, ["plan", str(config), "--model.type", "deepseek_v2", "--num-gpus", "1"],
-                   "model.type = 'deepseek_v2' is not modelled by the planner yet")
+    assert cli_main(["plan", str(config), "--model.type", "deepseek_v2", "--num-gpus", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)  # at least one layout ranked
 
 # --- layouts: one launch of two 2-rank runs, each against one process ----------------------------------------
 

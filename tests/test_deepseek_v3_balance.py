@@ -6,7 +6,7 @@ Sec. 2.1.2, Eq. 17-20), checked against the equations computed here token by tok
   a loss counted over the routed experts would differ);
 - the model's auxiliary loss is alpha x the sum of its MoE layers' losses (the dense first layer has none); off, none;
 - DDP dp2 and ep2 x dp2 equal one process (the contract of ``conftest.check_layout``) with alpha = 1, so a loss
-  averaged over the wrong sequences or counted over the wrong ranks would show (one 2-rank launch);
+  averaged over the wrong sequences or counted over the wrong ranks would show (one 2-rank launch, make test-slow);
 - sequence parallelism is refused before launch in one line, and so is a folder whose architecture meshtrain does not
   build (a DeepSeek-V3.2 folder).
 """
@@ -174,6 +174,8 @@ def launched(tmp_path_factory):
     return results, reference
 
 
+@pytest.mark.slow  # one 2-rank launch, ~18 s: make test stays under 15 minutes (the loss is per sequence, local to a
+# rank; the equations, the model's sum and the gradient path run in make test above)
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_equals_one_process(launched, name):
     """DDP dp2 (and ep2 over it) with 2 sequences per rank vs one process with all 4: each rank's mean over its

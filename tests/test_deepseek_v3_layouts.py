@@ -22,8 +22,8 @@ same counts.
 - a sabotage (:data:`SABOTAGES`: tp2 without the all-reduce of the shared RoPE key's gradient) fails the comparison,
   so the tolerances catch a wrong reduction.
 
-``make test`` runs :data:`FAST` in one 2-rank launch; the rest is ``make test-slow``. Multi-token prediction under pp
-is refused before launch in one line (``config/checks.py``).
+``make test`` runs :data:`FAST` in one 2-rank launch; the rest is ``make test-slow``. Multi-token prediction under pp:
+``tests/test_deepseek_v3_mtp_pp.py``.
 """
 
 from __future__ import annotations
@@ -268,8 +268,6 @@ def test_slow_checkpoint_reshards_across_ep_and_tp(slow, name):
     ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true", **MTP},
      "model.num_nextn_predict_layers = 1 (multi-token prediction) is not supported with "
      "parallel.tp_sequence_parallel = True"),
-    ({"parallel.pp": "2", **PIPE, **MTP}, "model.num_nextn_predict_layers = 1 (multi-token prediction) is not supported "
-                                           "with parallel.pp = 2"),
     ({"parallel.tp": "2", "model.dense_ffn_hidden": "33"}, "the dense layers' SwiGLU width (model.dense_ffn_hidden, or "
                                                             "(n_shared_experts + num_experts_per_tok) * ffn_hidden) = 33 "
                                                             "is not divisible by parallel.tp = 2"),

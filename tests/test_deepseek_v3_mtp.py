@@ -234,7 +234,7 @@ def test_mtp_layers_that_do_not_match_the_config_are_one_line_before_launch(clai
 
 
 @pytest.mark.parametrize("overrides, shown", [
-    ({"parallel.pp": "2", "batch.gradient_accumulation_steps": "2"}, "parallel.pp = 2"),
+    ({"parallel.tp": "2", "parallel.tp_sequence_parallel": "true"}, "parallel.tp_sequence_parallel = True"),
     ({"train.objective": "dpo", "data.packing": "pad"}, "train.objective = 'dpo'")])
 def test_a_layout_mtp_is_not_built_for_is_one_line(overrides, shown):
     from meshtrain.config.load import load_config
@@ -248,3 +248,60 @@ def test_a_layout_mtp_is_not_built_for_is_one_line(overrides, shown):
     assert "\n" not in text and "model.num_nextn_predict_layers = 1 (multi-token prediction) is not supported with " \
         f"{shown}" in text, text
 
+
+
+def pipeline_halves(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, list]:
+    """``net`` cut as a 2-stage pipeline cuts it (:func:`meshtrain.parallel.pipeline.split.split_model`'s steps on
+    each rank's copy of the whole model): (first chunk, last chunk, [first rank's pruned model, last rank's])."""
+    import copy
+
+    first, last = copy.deepcopy(net), copy.deepcopy(net)
+    for model in (first, last):
+        model.untie_weights()
+    first.keep_only({0}, True, False)
+    last.keep_only({1}, False, True)
+    return first.pipeline_chunk(range(0, 1), True, False), last.pipeline_chunk(range(1, 2), False, True), [first, last]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_pipelines_last_chunk_computes_the_whole_models_mtp_loss_and_gradients(tied):
+    """A 2-stage split (no process group: the two chunks called in turn, the last one given the depths' sequences as a
+    pipeline step gives them): the MTP loss equals the whole model's, and the embedding's gradient is the sum of the
+    first stage's and the last stage's copy (the untied model's ``tok_emb`` kept there, the tied one's head copy), as
+    the pipeline's embedding group sums them. The same operators on the same values (the last chunk pads instead of
+    cutting, adding only ignored positions), so equal within a few fp32 roundings of values of order 1: 1e-5."""
+    net = built(D=2, **({"tie_embeddings": True} if tied else {})).train()
+    first, last, (pruned_first, pruned_last) = pipeline_halves(net)
+    assert pruned_first.mtp is None and getattr(first, "mtp", None) is None and last.mtp is pruned_last.mtp is not None
+    assert (pruned_last.tok_emb is None) == tied
+    assert getattr(last, "mtp_embedding", None) is (None if tied else pruned_last.tok_emb)
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, V, (2, 13), generator=g)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    ce = lambda lk, yk: F.cross_entropy(lk.flatten(0, 1), yk.flatten(), reduction="sum")  # noqa: E731
+    want = ce(net(tokens), targets) + net.mtp_loss(targets, ce)
+    want.backward()
+    pairs = net.mtp_sequences(tokens, targets, 2)
+    mtp = torch.stack([a for a, _ in pairs] + [t for _, t in pairs], dim=1)  # (B, 2D, T)
+    got = ce(last(first(tokens), mtp=mtp), targets) + last.mtp_loss(targets, ce)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    copy = pruned_last.lm_head.weight if tied else pruned_last.tok_emb.weight
+    torch.testing.assert_close(pruned_first.tok_emb.weight.grad + copy.grad, net.tok_emb.weight.grad,
+                               rtol=0, atol=1e-5 * float(net.tok_emb.weight.grad.abs().max()))
+    assert float(pruned_first.tok_emb.weight.grad.abs().sum()) > 0 and float(copy.grad.abs().sum()) > 0
+
+
+def test_the_v_placements_last_chunk_embeds_with_a_copy_of_its_own():
+    """Where one rank holds the first and the last chunk (zbv), the last one's MTP embedding is a parameter of its own,
+    equal to ``tok_emb`` (two chunks sharing a parameter would each divide its gradient by the micro-batches), and not
+    a parameter of the rank's pruned model (neither optimised nor saved: the pipeline refreshes it every step)."""
+    import copy
+
+    model = copy.deepcopy(built(D=1))
+    model.untie_weights()
+    model.keep_only({0, 1}, True, True)
+    last = model.pipeline_chunk(range(1, 2), False, True)
+    own = last.mtp_embedding.weight
+    assert own is not model.tok_emb.weight and torch.equal(own, model.tok_emb.weight) and own.requires_grad
+    assert all(p is not own for p in model.parameters())

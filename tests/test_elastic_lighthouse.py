@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import pytest
 
-from conftest import CONFIG, TINY, free_port, override_args, run_cli
+from conftest import CONFIG, TINY, cli_here, free_port, override_args
 from elastic_jobs import Lighthouse
 
 ELASTIC = {**TINY, "parallel.sync_mode": "diloco", "diloco.group": "1", "diloco.inner_steps": "2",
@@ -44,9 +44,9 @@ def refused(url: str, tmp_path, worker: int = 0) -> tuple[str, float]:
     """``meshtrain train`` as worker ``worker`` of 2 at lighthouse ``url``: its one stderr line, and its duration."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = run_cli("train", str(CONFIG), "--nproc", "1",
-                   *override_args({**ELASTIC, "diloco.lighthouse": url, "diloco.worker": str(worker),
-                                   "train.out_dir": str(out)}), timeout=120)
+    proc = cli_here("train", str(CONFIG), "--nproc", "1",
+                    *override_args({**ELASTIC, "diloco.lighthouse": url, "diloco.worker": str(worker),
+                                    "train.out_dir": str(out)}), timeout=120)
     took = time.monotonic() - start
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

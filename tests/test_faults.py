@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CONFIG, TINY, override_args, read_records, run_cli, train_cli
+from conftest import CONFIG, TINY, cli_here, launch_here, override_args, read_records, run_cli, train_cli
 
 
 def _params(run):
@@ -28,10 +28,9 @@ def _params(run):
 
 def test_nonfinite_steps_are_skipped_and_the_weights_stay_finite(tmp_path):
     run = tmp_path / "run"
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(run),
-                   *override_args({**TINY, "optim.lr": "1e30", "optim.warmup_steps": "0", "train.steps": "6",
-                                   "train.max_nonfinite_steps": "100", "train.log_interval": "1"}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert launch_here("train", str(CONFIG), "--nproc", "2", "--out", str(run),
+                       *override_args({**TINY, "optim.lr": "1e30", "optim.warmup_steps": "0", "train.steps": "6",
+                                       "train.max_nonfinite_steps": "100", "train.log_interval": "1"})) == 0
     records = [r for r in read_records(run) if "loss" in r]
     assert math.isfinite(records[0]["loss"]) and not records[0].get("skipped")
     skipped = [r for r in records if r.get("skipped")]
@@ -110,8 +109,8 @@ def test_a_rendezvous_port_held_by_another_program_is_refused_not_waited_on(tmp_
     port, pid = held_port
     out = tmp_path / "run"
     extra = ["--node-rank", "0"] if static else []
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   *extra, *override_args(TINY), timeout=60)
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    *extra, *override_args(TINY))
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1, line

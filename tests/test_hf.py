@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from conftest import (ROOT, TINY, assert_close_grads, assert_close_losses, assert_resumed_losses, damaged_json_copy,
-                      override_args, run_cli)
+                      launch_here, train_config_here)
 from layout_worker import launch_layouts, reference_run
 from meshtrain.models import hf_io as hf
 from meshtrain.cli.export import export_hf
@@ -419,8 +419,8 @@ def test_init_from_resumes_only_the_run_it_started(sharded, tmp_path, capsys):
     own = tmp_path / "own"
     args = ["train", str(FINETUNE), "--model.init_from", str(sharded), "--out", str(own), "--nproc", "1",
             *[t for k, v in model_overrides(sharded).items() if k != "model.init_from" for t in (f"--{k}", v)]]
-    assert cli_main([*args, "--steps", "1"]) == 0
-    assert cli_main([*args, "--steps", "2", "--resume"]) == 0
+    train_config_here(FINETUNE, **{**model_overrides(sharded), "train.steps": "1", "train.out_dir": str(own)})
+    assert launch_here(*args, "--steps", "2", "--resume") == 0  # the run this process started: a real launch
     capsys.readouterr()
 
 
@@ -508,8 +508,7 @@ def test_an_export_carries_the_source_config_keys_training_does_not_change(tmp_p
     source = llama(tmp_path / "src", bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
     out = tmp_path / "run"
     args = {**model_overrides(source), "model.block_size": "16", "train.steps": "2", "train.out_dir": str(out)}
-    proc = run_cli("train", str(FINETUNE), "--nproc", "1", *override_args(args))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_config_here(FINETUNE, **args)  # the fine-tuning is the export's source here: trained in this process
     files = export_hf(out, tmp_path / "export")
     config = json.loads((tmp_path / "export" / hf.CONFIG_FILE).read_text())
     want = json.loads((source / hf.CONFIG_FILE).read_text())

@@ -221,11 +221,14 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory.mktemp("llama-ref"), {**MODEL, "batch.gradient_accumulation_steps": "1"})
 
 
-SLOW = {"tp2", "sp2-ulysses", "pp2-sp2-ring", "tp2-sp2-ring", "pp2-tp2-dp2", "fsdp2-zero3-tp2-sp2-ring"}
+SLOW = {"tp2", "sp2-ulysses", "pp2-sp2-ring", "tp2-sp2-ring", "pp2-tp2-dp2", "fsdp2-zero3-tp2-sp2-ring", "pp2-tp2",
+        "fsdp2-zero2-tp2"}
 """Layouts in `make test-slow` (the eight-rank ones, and the 4-rank mixes with ring sp, whose launch took 31 s here
 and ~50 s on an AVX2-only 2-core machine; tp2 without sequence parallelism and Ulysses, which tp2-seqpar here and the
-sequence-parallel files' layouts cross in `make test`); ring sp, tp and pp each still run on 2 ranks in `make test`,
-and pp x tp and FSDP2 x tp on 4."""
+sequence-parallel files' layouts cross in `make test`); ring sp, tp and pp each still run on 2 ranks in `make test`.
+pp x tp and FSDP2 x tp on 4 ranks run in `make test` inside tests/test_train_parallel.py's 4-rank launch
+(``test_llama_four_rank_layout_matches_single_process``, this model on that file's text): a 4-rank launch of their
+own cost ~20 s of its ranks' imports."""
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +243,7 @@ def launched_slow(tmp_path_factory):
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in SLOW])
 def test_llama_layout_matches_single_process(reference, launched, name):
-    """One torchrun launch per world size (2 and 4) trains all of its layouts (~25 s each here)."""
+    """One torchrun launch (2 ranks) trains all of its layouts (~25 s here)."""
     check_layout(launched(LAYOUTS[name][0])[name], reference, MODEL)
 
 

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, check_layout, run_cli
+from conftest import TINY, check_layout, cli_here
 from layout_worker import layout_launcher, reference_run
 
 MODEL = {**TINY, "model.type": "llama", "model.n_layer": "4", "model.n_head": "4", "model.n_kv_head": "2",
@@ -350,7 +350,7 @@ def test_peft_loads_the_adapter_export_and_computes_the_same_logits(imported_run
     from test_hf import V, logits_tolerance
 
     folder, run = imported_run
-    proc = run_cli("export", "--checkpoint", str(run), "--format", "peft", "--out", str(tmp_path / "peft"))
+    proc = cli_here("export", "--checkpoint", str(run), "--format", "peft", "--out", str(tmp_path / "peft"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder)
     ours = _checkpoint_model(run)
@@ -439,7 +439,7 @@ def test_another_base_is_refused_by_resume_export_and_generate(imported_run, tmp
         "generate": ["generate", "--checkpoint", str(moved), "--prompt", "a", "--max-new-tokens", "2"],
     }
     for command, args in commands.items():
-        proc = run_cli(*args, timeout=120)
+        proc = cli_here(*args, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (command, proc.stderr[-2000:])
         assert "holds LoRA adapters trained on the base" in lines[0] and str(changed) in lines[0], lines[0]
@@ -482,11 +482,12 @@ def test_bad_adapter_settings_are_one_line_before_launch(case, tmp_path):
 
 
 def assert_refused_before_launch(overrides: dict[str, str], named: str, tmp_path) -> None:
-    """``meshtrain train`` through the real CLI at 2 ranks: exit 2, one line that holds ``named``, no run folder."""
+    """``meshtrain train`` at 2 ranks, in this process (``conftest.cli_here``: torchrun's engine a trap, so a command
+    that got past the checks fails): exit 2, one line that holds ``named``, no run folder."""
     from conftest import CONFIG, override_args
 
     out = tmp_path / "run"
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out), *override_args(overrides), timeout=60)
+    proc = cli_here("train", str(CONFIG), "--nproc", "2", "--out", str(out), *override_args(overrides))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr[-1500:]
     assert not out.exists()

@@ -461,8 +461,9 @@ def test_moe_presets_are_the_model_the_trainer_builds(name):
     from meshtrain.models.build import build_model
     from meshtrain.planner.model_specs import PRESETS, from_config, preset
 
-    # the DeepSeek-V3 family's presets (multi-head latent attention): tests/test_planner_deepseek_v3.py
-    assert {n for n, m in PRESETS.items() if m.experts and not m.kv_lora_rank} == set(MOE_PRESETS)
+    # the DeepSeek-V3 family's presets (latent attention; GLM-4.5's dense first layers): tests/test_planner_deepseek_v3.py
+    # and tests/test_planner_glm_v2.py
+    assert {n for n, m in PRESETS.items() if m.experts and not m.kv_lora_rank and not m.dense_layers} == set(MOE_PRESETS)
     spec = preset(name)
     cfg = load_config(None, {**MOE_PRESETS[name], "model.block_size": str(spec.seq_len)})
     with torch.device("meta"):
@@ -614,7 +615,8 @@ def test_megatron_folds_expert_parallelism_into_tp():
 def test_the_planner_plans_experts(capsys):
     """``meshtrain plan`` on a Mixtral config: every expert's parameters in the states, the k active ones in the
     FLOPs (a token costs the dense model of width k*F plus the router); tp > 1 layouts replicate the experts (their
-    parameters and FLOPs are not divided by tp) and offer no Megatron sequence parallelism."""
+    parameters and FLOPs are not divided by tp), the routers and the norms (the final one too) and offer no Megatron
+    sequence parallelism."""
     import json
 
     from meshtrain.cli.main import main as cli_main
@@ -639,7 +641,7 @@ def test_the_planner_plans_experts(capsys):
 
     tp2 = stage_params(spec, Layout(tp=2))
     assert stage_params(spec, Layout()) - tp2 == pytest.approx((spec.num_params() - spec.layers * (
-        spec.expert_params() + spec.router_params)) / 2)  # all but the routers and experts halved
+        spec.expert_params() + spec.tp_replicated_params) - spec.hidden) / 2)  # all but experts, routers, norms halved
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -868,3 +870,14 @@ def test_a_capacity_factor_drops_each_experts_assignments_past_its_capacity_in_t
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(capped.aux_loss, dropless.aux_loss, rtol=0, atol=0)
     assert (dropped > 0) == (factor < 1.25), dropped  # the cases reach both sides of the rule
+
+
+@pytest.mark.parametrize("experts, shape", [(1, (5, 1)), (3, (7, 2)), (8, (33, 2)), (64, (16, 8)), (8, (0, 2))])
+def test_expert_counts_equal_bincount(experts, shape):
+    """The static-shape count the MoE layer and its load-balancing loss use equals ``torch.bincount(minlength=E)``
+    exactly (integers), experts never chosen included."""
+    from meshtrain.models.moe.layer import expert_counts
+
+    torch.manual_seed(experts)
+    chosen = torch.randint(0, experts, shape)
+    assert torch.equal(expert_counts(chosen, experts), torch.bincount(chosen.reshape(-1), minlength=experts))

@@ -165,11 +165,12 @@ def test_another_optimizers_checkpoint_is_refused_unless_fresh(model, uninterrup
     """A Muon checkpoint resumed as AdamW: one line and exit code 2 before any rank starts; with
     ``checkpoint.fresh_optimizer`` the weights load (step 6's loss, computed before any update, is the Muon run's
     bit for bit) and AdamW starts from zero states."""
-    from conftest import losses, override_args, run_cli, train_here
+    from conftest import cli_here, losses, override_args, train_here
 
     full, want, _ = uninterrupted
     resume = {**model, **SAVE5, "checkpoint.resume": str(full / "checkpoints" / "step_000005"), "optim.name": "adamw"}
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", *override_args({**resume, "train.out_dir": str(tmp_path / "a")}))
+    proc = cli_here("train", str(CONFIG), "--nproc", "1",
+                    *override_args({**resume, "train.out_dir": str(tmp_path / "a")}))
     assert proc.returncode == 2 and "optim.name = 'muon'" in proc.stderr and "fresh_optimizer" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "a" / "metrics.jsonl").exists()
     got = losses(train_here(tmp_path / "b", **{**resume, "checkpoint.fresh_optimizer": "true"}))

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import CONFIG, TINY, check_layout, override_args, run_cli
+from conftest import CONFIG, TINY, check_layout, cli_here, override_args, run_cli
 from layout_worker import layout_launcher, reference_run
 
 # 8 layers so that pp=4 with 2 chunks per rank has a block per chunk; 4 micro-batches so that every
@@ -51,8 +51,9 @@ SLOW = {"pp4-naive", "pp4-gpipe", "pp4-zero-bubble", "pp4-interleaved-1f1b", "pp
         "pp4-1f1b", "pp4-zbv", "pp2-dp2-fsdp2", "pp2-tp2-seqpar", "pp2-sp2-ring"}
 """Layouts in `make test-slow`: every 4-rank one (a 4-rank launch of the first twelve took 92 s here, 143 s on an
 AVX2-only 2-core machine; the last five, moved later, 43-55 s): each schedule still runs at pp = 2 in `make test`,
-and the pipeline meets tp, sp and FSDP2 there in ``tests/test_llama.py`` (pp2-tp2), ``tests/test_recompute.py``
-and ``tests/test_planned_layouts.py``; at pp = 4 and pp x dp/tp/sp only in `make test-slow`."""
+and the pipeline meets tp, sp and FSDP2 there in ``tests/test_train_parallel.py`` (the Llama's pp2-tp2),
+``tests/test_recompute.py`` and ``tests/test_planned_layouts.py``; at pp = 4 and pp x dp/tp/sp only in
+`make test-slow`."""
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +141,8 @@ def test_bad_pipeline_configs_are_rejected_before_launch(tmp_path, overrides, ne
     """One line, exit 2, no rank started (no output folder created)."""
     overrides = dict(overrides)
     nproc = overrides.pop("--nproc", "2")
-    proc = run_cli("train", str(CONFIG), "--nproc", nproc, "--out", str(tmp_path / "run"),
-                   *override_args({**MODEL, **overrides}), timeout=60)
+    proc = cli_here("train", str(CONFIG), "--nproc", nproc, "--out", str(tmp_path / "run"),
+                    *override_args({**MODEL, **overrides}))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()

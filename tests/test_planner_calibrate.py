@@ -12,7 +12,10 @@ from meshtrain.config.load import load_config
 from meshtrain.planner.actual import hardware_for_run, predict_for_run, write_plan_vs_actual
 from meshtrain.planner.hardware import CPU_REFERENCE, HOST_KEYS, get_hardware, load_hardware_file
 
-pytestmark = pytest.mark.serial  # calibration measures this machine: alone, not beside another pytest worker
+serial = pytest.mark.serial
+"""The tests that read :func:`profile`: calibration measures this machine, so `make test` runs them alone, not beside
+another pytest worker. The others compute from fixed numbers (or, the send-recv pattern, check values), and run with
+the parallel workers."""
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
@@ -27,6 +30,7 @@ def profile(tmp_path_factory) -> Path:
                      collective_bytes=(4096, 2**20), passes=1)
 
 
+@serial
 def test_calibration_writes_a_loadable_profile(profile):
     devices = load_hardware_file(profile)
     assert "cpu" in devices and any(name.startswith("cpu-") for name in devices)
@@ -49,6 +53,7 @@ def test_calibration_writes_a_loadable_profile(profile):
     assert get_hardware("cpu", profile=profile).device.framework_overhead_bytes == cpu.device.framework_overhead_bytes
 
 
+@serial
 def test_prediction_for_a_trainer_run_uses_the_profile(profile):
     cfg = load_config(CONFIG, {"parallel.zero_stage": "2"})
     one = predict_for_run(cfg, world_size=2, vocab_size=65, device="cpu", profile=profile, threads=1)
@@ -125,6 +130,7 @@ def test_ddp_buckets_follow_pytorch_defaults_and_each_pays_the_measured_overhead
     assert buckets == 2 and extra == pytest.approx(0.01 * buckets)
 
 
+@serial
 def test_calibration_measures_every_collective_that_dp_tp_and_sp_issue(profile):
     """all-reduce, all-gather, reduce-scatter (dp and tp), all-to-all (Ulysses), send-recv (ring attention's
     ring_pass) and p2p, each fitted to a positive bandwidth and latency."""
@@ -214,6 +220,7 @@ def _summary(**overrides) -> dict:
             "tp": 2, "sp": 2, "vocab_size": 65, "device": "cpu", "tokens_per_s": 30720.0, **overrides}
 
 
+@serial
 def test_plan_vs_actual_of_a_tp_and_sp_run(profile, tmp_path, capsys):
     """The launcher's comparison predicts the run's own layout: tp with tp_sequence_parallel and ring sp."""
     from meshtrain.planner.actual import report_run

@@ -50,11 +50,19 @@ def test_pruned_degrees_never_fit_and_pruning_changes_nothing(name, world, gbs):
     assert len(pruned) < len(everything)  # the case prunes something
 
 
+@pytest.fixture(scope="module")
+def whole_searches() -> dict:
+    """(model, world, global batch, device, framework) -> ``search`` of every layout, computed once for both ``top``
+    cases below (a Mixtral one takes ~10 s) and let go with this module; the tests only read them."""
+    return {}
+
+
 @pytest.mark.parametrize("name, world, gbs, gpu, framework", [("llama3-8b", 64, 512, "H100-SXM-80GB", "meshtrain"),
                                                                ("gpt2-xl", 16, 64, "A100-40GB", "megatron-core"),
                                                                ("mixtral-8x7b", 64, 256, "H100-SXM-80GB", "meshtrain")])
 @pytest.mark.parametrize("top", [1, 5])
-def test_a_top_search_ranks_its_first_layouts_as_the_whole_search(name, world, gbs, gpu, framework, top):
+def test_a_top_search_ranks_its_first_layouts_as_the_whole_search(whole_searches, name, world, gbs, gpu, framework,
+                                                                   top):
     """``search(top=K)`` predicts a layout in full only when its lower bound (``search.lower_bound``) could reach the
     K-th step time: its first K are the whole search's first K, number for number; every layout it leaves out is
     slower than them (the bound is at most every layout's step time); ``count`` is the whole search's length; and
@@ -63,7 +71,10 @@ def test_a_top_search_ranks_its_first_layouts_as_the_whole_search(name, world, g
 
     m, hw, fw, prec = preset(name), get_hardware(gpu), FRAMEWORKS[framework], PRECISIONS["bf16"]
     job = Job(num_devices=world, global_batch_size=gbs)
-    whole = search(m, hw, prec, fw, job)
+    key = (name, world, gbs, gpu, framework)
+    if key not in whole_searches:
+        whole_searches[key] = search(m, hw, prec, fw, job)
+    whole = whole_searches[key]
     for e in whole:
         assert lower_bound(m, e.layout, hw, prec, fw) <= e.time.total * (1 + 1e-12)
     ranked = search(m, hw, prec, fw, job, top=top)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, TINY, assert_resumed_losses, losses, read_records, run_cli, train_here
+from conftest import ROOT, TINY, assert_resumed_losses, launch_here, losses, read_records, train_here
 from meshtrain.cli.main import main as cli_main
 
 TEXT = ROOT / "src" / "meshtrain" / "assets" / "tinyshakespeare.txt"
@@ -111,8 +111,7 @@ def test_prepared_run_resumes_at_another_layout(prepared, tmp_path):
     step2 = ckpt.step_dir(tmp_path / "whole", 2)
     args = [tok for k, v in {**common, "batch.micro_batch_size": "2", "train.out_dir": str(tmp_path / "resumed"),
                              "checkpoint.resume": str(step2)}.items() for tok in (f"--{k}", v)]
-    proc = run_cli("train", str(ROOT / "configs" / "shakespeare_char.toml"), "--nproc", "2", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert launch_here("train", str(ROOT / "configs" / "shakespeare_char.toml"), "--nproc", "2", *args) == 0
     got = losses(read_records(tmp_path / "resumed"))
     assert_resumed_losses(got, {s: whole[s] for s in (3, 4)})
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (CONFIG, TINY, adamw_drift_bound, assert_close_params, assert_resumed_losses, final_params,
-                      losses, override_args, read_records, run_cli, train_cli, train_here)
+                      losses, override_args, read_records, launch_here, train_cli, train_here)
 from layout_worker import launch_layouts
 from test_train_parallel import shakespeare_prefix
 
@@ -137,8 +137,7 @@ def test_resume_into_same_folder_keeps_one_consistent_history(tmp_path):
     first = train_here(tmp_path, **GLOBAL8, **{"train.steps": "5"})
     assert max(losses(first)) == 5
     args = override_args({**TINY, **GLOBAL8, "train.steps": "7"})
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(tmp_path), "--resume", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert launch_here("train", str(CONFIG), "--nproc", "1", "--out", str(tmp_path), "--resume", *args) == 0
     assert [r["step"] for r in read_records(tmp_path) if "loss" in r] == list(range(1, 8))
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import torch
 
-from conftest import CONFIG, TINY, losses, override_args, read_records, run_cli, train_here
+from conftest import CONFIG, TINY, cli_here, losses, override_args, read_records, run_cli, train_here
 
 MOE = {"model.type": "mixtral", "model.n_kv_head": "1", "model.ffn_hidden": "48", "model.num_experts": "4",
        "train.steps": "2", "checkpoint.interval": "2"}
@@ -110,7 +110,7 @@ def test_routing_biases_added_on_resume_at_ep2(saved, unbiased_resume, tmp_path)
 
 def test_the_refusal_comes_before_launch_and_writes_nothing(saved, tmp_path):
     out = tmp_path / "out"
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--resume", str(saved / "biased"),
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--resume", str(saved / "biased"),
                    *override_args({**TINY, **MOE, "train.steps": "4"}))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

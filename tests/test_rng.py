@@ -76,19 +76,39 @@ def _worker(rank: int, port: int, out_dir: str, per_rank_seed: bool) -> None:
         torch.save(both, Path(out_dir) / f"rank{rank}.pt")
 
 
-def _replicated_streams(tmp_path: Path, per_rank_seed: bool) -> list[torch.Tensor]:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), per_rank_seed), nprocs=2)
-    return torch.load(tmp_path / "rank0.pt")
+CASES = {"shared-seed": (False, False), "per-rank-seed": (False, True), "lora": (True, False),
+         "lora-seqpar": (True, True)}
+"""The 2-rank cases, name -> (a LoRA model?, per-rank seed or tp sequence parallelism): all in one spawn
+(:func:`spawned`), each in a process group of its own."""
 
 
-def test_replicated_activations_get_the_same_mask_on_every_tp_rank(tmp_path):
-    a, b = _replicated_streams(tmp_path, per_rank_seed=False)
+def _every_case(rank: int, ports: list[int], out_dir: str) -> None:
+    for (name, (lora, flag)), port in zip(CASES.items(), ports):
+        folder = Path(out_dir) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (_lora_worker if lora else _worker)(rank, port, str(folder), flag)
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> Path:
+    """A folder holding each case of :data:`CASES` (``NAME/rank0.pt``), from one spawn of 2 processes: a spawn
+    costs both processes torch's import (seconds), the cases themselves milliseconds."""
+    root = tmp_path_factory.mktemp("rng")
+    ports: set[int] = set()
+    while len(ports) < len(CASES):  # a port for each case's group: none reuses one an earlier group just closed
+        ports.add(free_port())
+    mp.spawn(_every_case, args=(sorted(ports), str(root)), nprocs=2)
+    return root
+
+
+def test_replicated_activations_get_the_same_mask_on_every_tp_rank(spawned):
+    a, b = torch.load(spawned / "shared-seed" / "rank0.pt")
     assert torch.equal(a, b)  # the residual stream entering the final norm, on tp ranks 0 and 1
 
 
-def test_a_per_rank_seed_would_desynchronise_the_tp_replicas(tmp_path):
+def test_a_per_rank_seed_would_desynchronise_the_tp_replicas(spawned):
     """The check above can fail: seeding the default stream per rank makes the replicas differ."""
-    a, b = _replicated_streams(tmp_path, per_rank_seed=True)
+    a, b = torch.load(spawned / "per-rank-seed" / "rank0.pt")
     assert not torch.equal(a, b)
 
 
@@ -135,14 +155,13 @@ def _lora_worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) ->
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_lora_dropout_under_tp_follows_its_base(tmp_path, sequence_parallel):
+def test_lora_dropout_under_tp_follows_its_base(spawned, sequence_parallel):
     """Column-parallel bases (q, k, v, gate, up): their input is whole on both tp ranks (all-gathered from sequence
     shards with sequence parallelism), so both draw one mask, as one process would. Row-parallel bases (proj,
     down): each rank holds half of the input's features, and draws its half of the mask independently (the same
     stream on both would give both halves the same pattern). Every mask drops about half (0.5 +- 0.2: >= 32
     entries each)."""
-    mp.spawn(_lora_worker, args=(free_port(), str(tmp_path), sequence_parallel), nprocs=2)
-    masks = torch.load(tmp_path / "rank0.pt")
+    masks = torch.load(spawned / ("lora-seqpar" if sequence_parallel else "lora") / "rank0.pt")
     row_parallel = ("attn.proj.lora_dropout", "mlp.down.lora_dropout")
     assert len(masks) == 7  # all-linear: q, k, v, proj, gate, up, down
     for name, (a, b) in masks.items():

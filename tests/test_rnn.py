@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CONFIG, TINY, check_layout, run_cli, override_args
+from conftest import CONFIG, TINY, check_layout, cli_here, override_args
 from layout_worker import layout_launcher, reference_run
 from meshtrain.models.registry import FAMILIES
 
@@ -122,8 +122,8 @@ def test_stateful_generation_matches_the_whole_sequence(kind):
     ({"model.type": "rnn"}, "model.type = 'rnn' is not supported: use one of " + ", ".join(FAMILIES)),
 ])
 def test_bad_rnn_configs_are_rejected_before_launch(tmp_path, overrides, message):
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"),
-                   *override_args({**TINY, **overrides}))
+    proc = cli_here("train", str(CONFIG), "--nproc", "2", "--out", str(tmp_path / "run"),
+                    *override_args({**TINY, **overrides}))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
@@ -133,6 +133,6 @@ def test_generate_samples_from_an_lstm_checkpoint(tmp_path):
     from conftest import train_here
 
     train_here(tmp_path / "run", **{"model.type": "lstm", "train.steps": "2"})
-    proc = run_cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "40")
+    proc = cli_here("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "40")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) == len("ROMEO:") + 40 + 1  # + the final newline

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIG, ROOT, TINY, free_port, override_args, read_records, run_cli, train_here
+from conftest import CONFIG, ROOT, TINY, cli_here, free_port, override_args, read_records, train_here
 from meshtrain.errors import ConfigError
 from meshtrain.runlock import hold, holder_pid
 
@@ -83,7 +83,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_the_first_finishes_intact(t
     try:
         _wait_for_metrics(out, proc)
         holder = holder_pid(out)
-        second = run_cli("train", str(CONFIG), "--nproc", "2", *args)
+        second = cli_here("train", str(CONFIG), "--nproc", "2", *args)
         assert second.returncode == 2, second.stderr[-3000:]
         assert second.stderr.strip().splitlines() == [
             f"meshtrain train: error: train.out_dir = '{out}' is in use by another run (pid {holder}): wait for it "
@@ -125,7 +125,7 @@ def test_a_folder_with_files_meshtrain_did_not_write_is_refused_and_left_alone(t
     out.mkdir()
     (out / "notes.txt").write_text("my notes\n")
     (out / "data").mkdir()
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         f"meshtrain train: error: train.out_dir = '{out}' holds files meshtrain did not write (data and 1 more): "
@@ -150,7 +150,7 @@ def test_a_users_summary_json_is_refused_before_launch_and_left_alone(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "summary.json").write_text("mine\n")
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         f"meshtrain train: error: train.out_dir = '{out}' holds files meshtrain did not write (summary.json): "

@@ -2,7 +2,9 @@
 
 One gloo launch per world size (2 and 4, CPU) runs every multi-rank check; each rank saves its
 (got, want) tensors to ``tmp_path`` and the assertions run here. World size 4 also runs sp = 2 on
-the interleaved groups {0, 2} and {1, 3}, where group ranks differ from global ranks. Validation
+the interleaved groups {0, 2} and {1, 3}, where group ranks differ from global ranks, and on the contiguous
+groups {0, 1} and {2, 3}, as a 2-rank launch would; that launch itself (sp = 2 on the default group) is in
+``make test-slow`` (a spawn costs every rank torch's import: seconds; the checks milliseconds). Validation
 tests need no process group.
 """
 
@@ -39,6 +41,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         groups = {f"sp{world}": dist.group.WORLD if world == 2 else dist.new_group(list(range(world)))}
         if world == 4:
             groups["sp2"], _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+            groups["sp2-contiguous"], _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
         results = {name: _checks(group, SEQ_LEN[world]) for name, group in groups.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # no rank tears gloo down while a peer is still in a collective
@@ -74,7 +77,7 @@ def _checks(group, T: int) -> dict:
     return res
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.slow), 4], ids=["world2", "world4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     """Per global rank: {group name: results of :func:`_checks`}."""
     world, out = request.param, tmp_path_factory.mktemp(f"world{request.param}")

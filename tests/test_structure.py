@@ -8,6 +8,7 @@ torch. The measurements are ``scripts/structure.py``'s (the instrument of issue 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,14 @@ def module_files() -> dict[str, Path]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Edges module -> meshtrain module it imports (anywhere in the file, function-level imports included)."""
+    """Edges module -> meshtrain module it imports (anywhere in the file, function-level imports included): a fresh
+    copy, which a test may add edges to, of the graph read once (:func:`_read_import_graph`)."""
+    return {module: set(targets) for module, targets in _read_import_graph().items()}
+
+
+@functools.cache
+def _read_import_graph() -> dict[str, set[str]]:
+    """:func:`import_graph`, read from the source: each read parses every file (seconds), six tests ask for it."""
     files = module_files()
 
     def resolve(name: str) -> str | None:
@@ -140,7 +148,9 @@ def test_imported_before_torch_without_torch(module):
     assert out.stdout.strip() == "False"
 
 
+@functools.cache
 def parsed() -> tuple[dict[str, Path], dict[str, ast.Module]]:
+    """The source files and their syntax trees, parsed once for the tests below (which only read them)."""
     files = module_files()
     return files, structure.parse(files)
 

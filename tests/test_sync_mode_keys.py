@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from conftest import CONFIG, TINY, override_args, run_cli
+from conftest import CONFIG, TINY, cli_here, override_args
 
 OTHER_VALUES = {"diloco.precision": "bf16", "parameter_server.stale_policy": "wait",
                 "diloco.lighthouse": "http://127.0.0.1:29510"}
@@ -65,8 +65,8 @@ def test_every_key_at_its_default_is_accepted_under_every_mode(mode):
 
 def test_diloco_keys_with_sync_are_refused_before_launch(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli("train", str(CONFIG), "--nproc", "2", "--out", str(out),
-                   *override_args({**TINY, "parallel.diloco_inner_steps": "4", "parallel.outer_lr": "0.5"}))
+    proc = cli_here("train", str(CONFIG), "--nproc", "2", "--out", str(out),
+                    *override_args({**TINY, "parallel.diloco_inner_steps": "4", "parallel.outer_lr": "0.5"}))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[0] == ("meshtrain train: error: diloco.inner_steps = 4 applies to parallel.sync_mode = "

@@ -19,11 +19,12 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import CONFIG, ROOT, TINY, check_layout, override_args, read_records, run_cli
-from layout_worker import layout_launcher, reference_run
+from conftest import CONFIG, ROOT, TINY, check_layout, cli_here, override_args, read_records, run_cli
+from layout_worker import launch_layouts, load_result, reference_run
 
 MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
 CONVERGE = {**TINY, "train.steps": "150", "optim.warmup_steps": "10", "train.log_interval": "10",
@@ -50,21 +51,34 @@ def torchrun(nproc: int, probe: str, out, overrides: dict[str, str]) -> subproce
     return proc
 
 
-def test_local_sgd_warmup_is_synchronous_data_parallelism(tmp_path_factory):
+LOCAL_SGD = {
+    "warmup": {**MODEL, "parallel.sync_mode": "local-sgd", "local_sgd.warmup": "6", "batch.micro_batch_size": "4"},
+    "replicas": {**TINY, "train.steps": "12", "batch.micro_batch_size": "4", "parallel.sync_mode": "local-sgd",
+                 "local_sgd.steps": "3", "local_sgd.warmup": "2"},
+}
+"""The two local-SGD runs of the tests below, trained in one 2-rank launch (:func:`local_sgd_runs`)."""
+
+
+@pytest.fixture(scope="module")
+def local_sgd_runs(tmp_path_factory) -> Path:
+    """A folder holding each run of :data:`LOCAL_SGD` (``NAME/``), trained by ``tests/sync_worker.py`` with its
+    ``local-sgd`` probe on (each rank's digests in ``NAME/local_sgd_rank{R}.json``), in one torchrun launch: a
+    launch costs every rank torch's and the trainer's import (seconds), these runs a fraction of that."""
+    root = tmp_path_factory.mktemp("lsgd")
+    launch_layouts(2, root, LOCAL_SGD, worker=ROOT / "tests" / "sync_worker.py", results=False)
+    return root
+
+
+def test_local_sgd_warmup_is_synchronous_data_parallelism(local_sgd_runs, tmp_path_factory):
     """Within local_sgd_warmup the post-local-SGD hook all-reduces gradients: one process's run exactly."""
-    layouts = {"local-sgd-warmup": (2, {"parallel.sync_mode": "local-sgd", "local_sgd.warmup": "6",
-                                        "batch.micro_batch_size": "4"})}
-    got = layout_launcher(tmp_path_factory, MODEL, layouts, "lsgd")(2)["local-sgd-warmup"]
+    got = load_result(local_sgd_runs / "warmup")
     want = reference_run(tmp_path_factory.mktemp("ref"), MODEL)
     check_layout(got, want, MODEL)
 
 
-def test_local_sgd_replicas_agree_exactly_after_each_average_and_only_then(tmp_path):
-    steps = 12
-    overrides = {**TINY, "train.steps": str(steps), "batch.micro_batch_size": "4", "parallel.sync_mode": "local-sgd",
-                 "local_sgd.steps": "3", "local_sgd.warmup": "2"}
-    torchrun(2, "local-sgd", tmp_path, overrides)
-    ranks = [json.loads((tmp_path / f"local_sgd_rank{r}.json").read_text()) for r in range(2)]
+def test_local_sgd_replicas_agree_exactly_after_each_average_and_only_then(local_sgd_runs):
+    run = local_sgd_runs / "replicas"
+    ranks = [json.loads((run / f"local_sgd_rank{r}.json").read_text()) for r in range(2)]
     averaged = [r["averaged"] for r in ranks[0]]
     # PeriodicModelAverager: synchronous steps 1-2, then averages after steps 3, 6, 9, 12 (warmup + k*H + 1, 1-based)
     assert averaged == [True, True, True, False, False, True, False, False, True, False, False, True]
@@ -134,7 +148,7 @@ def test_staleness_bound_holds_with_a_slow_worker(tmp_path, policy):
      "local_sgd.steps = 0 must be >= 1"),
 ])
 def test_bad_sync_settings_are_refused_before_launch(tmp_path, args, message):
-    proc = run_cli("train", str(CONFIG), "--out", str(tmp_path / "run"), *args)
+    proc = cli_here("train", str(CONFIG), "--out", str(tmp_path / "run"), *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()

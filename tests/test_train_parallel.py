@@ -16,6 +16,8 @@ import pytest
 
 from conftest import ROOT, TINY, check_layout, read_records
 from layout_worker import layout_launcher, reference_run
+from test_llama import LAYOUTS as LLAMA_LAYOUTS
+from test_llama import MODEL as LLAMA_MODEL
 
 # 4 heads so that tp=4 and Ulysses over tp*sp=4 divide them; 6 steps (the contract asks for 5+).
 MODEL = {**TINY, "model.n_head": "4", "train.steps": "6", "batch.micro_batch_size": "8"}
@@ -54,6 +56,12 @@ GPT2 = {"model.bias": "true", "model.activation": "gelu_tanh"}
 RowwiseParallel replicates the proj biases (added once, after the partial sums), SequenceParallel the LayerNorm
 shifts (their gradients summed over the tp ranks' tokens). Trained in the 2-rank launch, against its own reference."""
 GPT2_LAYOUTS = {"gpt2-bias-gelu-tanh-tp2-seqpar": (2, {**GPT2, "parallel.tp": "2", "parallel.tp_sequence_parallel": "true"})}
+LLAMA = {k: v for k, v in LLAMA_MODEL.items() if k.startswith("model.")}
+"""tests/test_llama.py's model (grouped-query attention, SwiGLU, RoPE, an untied head), on this file's text."""
+LLAMA_FOUR_RANKS = {f"llama-{name}": (4, {**LLAMA, **LLAMA_LAYOUTS[name][1]})
+                    for name in ("pp2-tp2", "fsdp2-zero2-tp2")}
+"""The Llama's 4-rank layouts of `make test` (pp x tp, FSDP2 x tp), trained in this file's 4-rank launch: a launch of
+their own cost every one of its 4 ranks seconds of imports (tests/test_llama.py runs them again in `make test-slow`)."""
 
 
 TEXT_CHARS = 50_000
@@ -100,7 +108,7 @@ tp in mixes on 4 ranks in `make test`, FSDP2 at its default unit, and ZeRO-1 at 
 @pytest.fixture(scope="module")
 def launched(model, tmp_path_factory):
     fast = {n: v for n, v in LAYOUTS.items() if n not in SLOW}
-    return layout_launcher(tmp_path_factory, model, {**fast, **GPT2_LAYOUTS}, "world")
+    return layout_launcher(tmp_path_factory, model, {**fast, **GPT2_LAYOUTS, **LLAMA_FOUR_RANKS}, "world")
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +129,18 @@ def test_layout_matches_single_process(reference, launched, name):
 def test_gpt2_options_layout_matches_single_process(gpt2_reference, launched, name):
     """Biases and tanh GELU under tp with sequence parallelism: the contract, as for every layout."""
     _check(launched(GPT2_LAYOUTS[name][0])[name], gpt2_reference)
+
+
+@pytest.fixture(scope="module")
+def llama_reference(model, tmp_path_factory):
+    """:data:`LLAMA` in one process, micro batch 8, no accumulation."""
+    return reference_run(tmp_path_factory.mktemp("llama-ref"), {**model, **LLAMA, **REFERENCE})
+
+
+@pytest.mark.parametrize("name", list(LLAMA_FOUR_RANKS))
+def test_llama_four_rank_layout_matches_single_process(llama_reference, launched, name):
+    """The Llama under pp x tp and FSDP2 x tp on 4 ranks: the contract, as for every layout."""
+    _check(launched(4)[name], llama_reference)
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores, ~35 s, and the 4-rank SLOW ones: `make test` stays under 15 min

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import TINY, check_layout, run_cli
+from conftest import TINY, check_layout, cli_here, launch_here
 from layout_worker import launch_layouts, load_result
 from test_hf import EPS32, FINETUNE, PIPE
 from test_sft_layouts import CORPUS, _load_script
@@ -179,16 +179,19 @@ def test_every_layout_starts_from_the_same_rows_and_trains_alike(runs, name, set
     check_layout(runs[name][:3], runs["one"][:3], schedule)  # the drift bound reads the LR schedule only
 
 
-def test_start_line_and_export(setup, tmp_path):
+def test_start_line_and_export(setup, tmp_path, capfd):
     """``meshtrain train`` says at start what grew and how; the export holds the grown vocabulary and its config.json
-    says vocab_size changed; transformers loads it; the run resumes."""
+    says vocab_size changed; transformers loads it; the run resumes. The runs are real launches from this process
+    (``conftest.launch_here``; ``capfd`` reads the launcher's and the rank's lines)."""
     args = [f"--{k}={v}" for k, v in overrides(setup, **{"train.steps": "1", "train.out_dir": str(tmp_path / "run")}).items()]
-    proc = run_cli("train", str(FINETUNE), *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(line for line in proc.stderr.splitlines() if line.startswith("vocabulary grown"))
+    capfd.readouterr()
+    code = launch_here("train", str(FINETUNE), *args)
+    stderr = capfd.readouterr().err
+    assert code == 0, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if line.startswith("vocabulary grown"))
     assert (f"from {OLD} to {NEW} rows for the 2 token(s) prepare added (<|im_start|> = {OLD}, <|im_end|> = {OLD + 1})"
             f" and 2 padding row(s)") in line and "N(mean, 1e-9 * covariance)" in line and f"seed {SEED}" in line
-    proc = run_cli("export", "--checkpoint", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"))
+    proc = cli_here("export", "--checkpoint", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"config.json: vocab_size = {NEW} (the source model's was {OLD}; the run changed it)" in proc.stdout
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == NEW
@@ -198,8 +201,10 @@ def test_start_line_and_export(setup, tmp_path):
     assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [OLD, OLD + 1]
     args = [f"--{k}={v}" for k, v in overrides(setup, **{"train.steps": "2", "train.out_dir": str(tmp_path / "run"),
                                                           "checkpoint.resume": str(tmp_path / "run")}).items()]
-    proc = run_cli("train", str(FINETUNE), *args)  # the grown checkpoint resumes, model.init_from given again
-    assert proc.returncode == 0 and "resumed from step 1" in proc.stderr, proc.stderr[-3000:]
+    capfd.readouterr()
+    code = launch_here("train", str(FINETUNE), *args)  # the grown checkpoint resumes, model.init_from given again
+    stderr = capfd.readouterr().err
+    assert code == 0 and "resumed from step 1" in stderr, stderr[-3000:]
 
 
 def test_other_extra_ids_are_still_refused(setup, tmp_path):
@@ -208,7 +213,7 @@ def test_other_extra_ids_are_still_refused(setup, tmp_path):
     folder = saved(tmp_path / "small", "LlamaForCausalLM", vocab_size=OLD - 20, head_dim=8, max_position_embeddings=128)
     out = tmp_path / "run"
     args = [f"--{k}={v}" for k, v in overrides((folder, setup[1]), **{"train.out_dir": str(out)}).items()]
-    proc = run_cli("train", str(FINETUNE), *args)
+    proc = cli_here("train", str(FINETUNE), *args)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in err and "Traceback" not in err, err
     assert f"has a vocabulary of {OLD - 20} tokens, fewer than the {OLD + ADDED}" in err
@@ -265,7 +270,7 @@ def test_lora_grows_the_vocabulary_and_exports_as_peft_and_merged(setup, lora_ru
         trained = ours.get_parameter(name).detach()
         assert trained.shape[0] == NEW and not torch.equal(trained[OLD:OLD + ADDED], start[name][OLD:OLD + ADDED])
     for fmt, extra in (("peft", []), ("hf", ["--merge"])):
-        proc = run_cli("export", "--checkpoint", str(lora_run), "--format", fmt, "--out", str(tmp_path / fmt), *extra)
+        proc = cli_here("export", "--checkpoint", str(lora_run), "--format", fmt, "--out", str(tmp_path / fmt), *extra)
         assert proc.returncode == 0, proc.stderr[-2000:]
     base = transformers.AutoModelForCausalLM.from_pretrained(setup[0])
     base.resize_token_embeddings(NEW)

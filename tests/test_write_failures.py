@@ -11,12 +11,12 @@ import subprocess
 
 import pytest
 
-from conftest import CONFIG, TINY, override_args, read_records, run_cli
+from conftest import CONFIG, TINY, cli_here, override_args, read_records, run_cli, train_here
 
 
 def test_a_name_the_file_system_refuses_is_one_line_before_launch(tmp_path):
     out = tmp_path / ("x" * 300)  # NAME_MAX is 255 on Linux file systems
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY), timeout=60)
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), *override_args(TINY))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "File name too long" in lines[0]
@@ -86,10 +86,9 @@ def test_resuming_an_earlier_checkpoint_into_its_own_folder_is_refused_before_la
     """Going back to step 5 in a folder that holds step 10 would write step 10 again (torch refuses at the first
     save, after the steps were trained) and drop the metrics after step 5: refused before launch, nothing changed."""
     out = tmp_path / "run"
-    args = override_args({**TINY, "train.steps": "10", "checkpoint.interval": "5", "checkpoint.keep": "3"})
-    assert run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), *args).returncode == 0
+    train_here(out, **{"train.steps": "10", "checkpoint.interval": "5", "checkpoint.keep": "3"})  # in this process
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    proc = run_cli("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--resume",
+    proc = cli_here("train", str(CONFIG), "--nproc", "1", "--out", str(out), "--resume",
                    str(out / "checkpoints" / "step_000005"), *override_args({**TINY, "train.steps": "20",
                                                                               "checkpoint.interval": "5"}))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]

@@ -40,6 +40,11 @@ from meshtrain.models.base import is_adapter
 MERGED_FORWARD = True
 """Whether :class:`LoRALinear` may take :class:`_MergedLoRA` (the same numbers up to rounding);
 ``bench/bench_lora_steps.py`` turns it off for some steps to time the unmerged path beside it."""
+FUSED_FORWARD = True
+"""Whether :class:`LoRALinear` may take :class:`_FusedLoRA` in 16-bit compute (the same numbers up to rounding);
+``bench/bench_lora_steps.py`` turns it off for some steps to time the plain path beside it."""
+_HALF = (torch.bfloat16, torch.float16)
+"""The 16-bit compute dtypes :class:`_FusedLoRA` runs in."""
 
 
 class LoRALinear(nn.Linear):
@@ -59,26 +64,53 @@ class LoRALinear(nn.Linear):
         """``x`` (..., in) -> (..., out): ``W x + b + scaling * B A dropout(x)`` (under tp: this rank's features, or
         a partial sum the base's reduction finishes). The scaling multiplies ``B`` (out x r), not the adapter's
         output (tokens x out) as peft does: one small product instead of an activation-sized one and its backward
-        (the same value up to rounding). A plain fp32 base without autocast, with no dropout on the adapter's input
-        (``lora_dropout = 0``, or eval) and a frozen ``W`` takes :class:`_MergedLoRA`, which computes the same
-        output through ``W + scaling * B A`` (fewer activation-sized operations; :meth:`_mergeable`)."""
+        (the same value up to rounding). With no dropout on the adapter's input (``lora_dropout = 0``, or eval), a
+        frozen ``W`` and a plain base (:meth:`_plain`), an fp32 base without autocast takes :class:`_MergedLoRA`
+        (through ``W + scaling * B A``) and 16-bit compute (bf16 autocast, or 16-bit weights) :class:`_FusedLoRA`
+        (``W x`` and the adapter's term accumulated in one output); both compute the same output with fewer
+        activation-sized operations."""
         if self._mergeable(x):
             return _MergedLoRA.apply(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        if self._fusable(x):
+            dtype = _compute_dtype(x)
+            return _FusedLoRA.apply(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
+                                    dtype)
         h = self.lora_A(self.lora_dropout(x))  # (..., r)
         return self.base_output(x) + F.linear(h, self.lora_B.weight * self.scaling)
 
-    def _mergeable(self, x: torch.Tensor) -> bool:
-        """Whether :class:`_MergedLoRA` computes this forward: this very class (not DoRA's, not an NF4 base), plain
-        tensors (no tp DTensors), no dropout in effect, a frozen base weight (and bias), fp32 (or fp64) throughout
-        and no autocast. A 16-bit ``W + s B A`` would round the adapter's update away (bf16 keeps 8 significant
-        bits: next to a weight in [1/32, 1/16) the spacing is 2^-12, and an update under ~1.2e-4 vanishes), so bf16
-        runs (``train.dtype = "bfloat16"``: autocast) keep the unmerged path, where ``s B A x`` is a term of its
-        own."""
-        return (MERGED_FORWARD and type(self) is LoRALinear and not isinstance(self.weight, DTensor)
+    def _plain(self) -> bool:
+        """Whether the adapter may run inside one autograd function: this very class (not DoRA's, not an NF4 base),
+        plain tensors (no tp DTensors), no dropout in effect and a frozen base weight (and bias), whose gradient
+        neither fast path computes."""
+        return (type(self) is LoRALinear and not isinstance(self.weight, DTensor)
                 and (isinstance(self.lora_dropout, nn.Identity) or not self.training)
-                and not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-                and self.weight.dtype == x.dtype == self.lora_A.weight.dtype
+                and not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad))
+
+    def _mergeable(self, x: torch.Tensor) -> bool:
+        """Whether :class:`_MergedLoRA` computes this forward: :meth:`_plain`, fp32 (or fp64) throughout and no
+        autocast. A 16-bit ``W + s B A`` would round the adapter's update away (bf16 keeps 8 significant bits: next
+        to a weight in [1/32, 1/16) the spacing is 2^-12, and an update under ~1.2e-4 vanishes), so bf16 runs
+        (``train.dtype = "bfloat16"``: autocast) take :class:`_FusedLoRA` instead (:meth:`_fusable`), where
+        ``s B A x`` stays a term of its own."""
+        return (MERGED_FORWARD and self._plain() and self.weight.dtype == x.dtype == self.lora_A.weight.dtype
                 and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(x.device.type))
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether :class:`_FusedLoRA` computes this forward: :meth:`_plain` and 16-bit compute, either autocast to
+        bf16/fp16 (the weights fp32 masters, as ``train.dtype = "bfloat16"`` runs) or a model held in bf16/fp16
+        without autocast (``x``, ``W`` and ``A`` of that dtype)."""
+        if not (FUSED_FORWARD and self._plain()):
+            return False
+        if torch.is_autocast_enabled(x.device.type):  # autocast leaves fp64 alone: so does this
+            return x.dtype in _HALF + (torch.float32,) and _compute_dtype(x) in _HALF
+        return self.weight.dtype == x.dtype == self.lora_A.weight.dtype and x.dtype in _HALF
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear map of ``x`` computes in: autocast's on ``x``'s device where it is on, else ``x``'s own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class _MergedLoRA(torch.autograd.Function):
@@ -116,6 +148,54 @@ class _MergedLoRA(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad @ torch.addmm(weight, b, a, alpha=s)  # (..., in)
         return grad_x, None, None, grad_a, grad_b, None
+
+
+class _FusedLoRA(torch.autograd.Function):
+    """``y = x W^T + b + (x A^T)(s B)^T`` with ``W`` and ``b`` frozen, in 16-bit compute: LoRA's output (Hu et al.
+    2021, Eq. 3) unmerged, as the plain path computes it, in one autograd function whose products accumulate into
+    one output each (``torch.Tensor.addmm_``: the GEMM adds its result to the tensor it writes, with the same fp32
+    accumulator) instead of a separate activation-sized product, addition and cast per term.
+
+    Shapes: ``x`` (..., in), ``W`` (out, in), ``b`` (out,) or None, ``A`` (r, in), ``B`` (out, r), ``s`` a float,
+    ``dtype`` the compute dtype (bf16 or fp16: autocast's, or the weights' own); N the tokens of ``x``. The inputs are
+    cast to ``dtype`` as autocast casts them (``s B`` formed in ``B``'s dtype, then cast, as the plain path's
+    ``F.linear(h, B * s)``). Forward: ``h = x A^T`` (N, r), ``y = x W^T + b``, then ``y += h (s B)^T``. Backward, with
+    ``g = dL/dy`` (N, out): ``e = g (s B)`` (N, r), ``dL/dA = e^T x``, ``dL/dB = s (g^T h)``, ``dL/dx = g W`` then
+    ``+= e A``; no gradient of the frozen ``W``. Saved: ``x`` and ``W`` in ``dtype`` (what autocast's ``F.linear``
+    saves), ``h`` and the small ``A``, ``s B``. The gradients are cast back to the inputs' dtypes (fp32 masters
+    under autocast), as autocast's casts do.
+
+    Rounding against the plain path (u = 2^-8 for bf16): the plain path rounds ``x W^T + b`` and ``h (s B)^T`` to
+    ``dtype`` and their sum again; here the second product is added before its rounding, so ``y`` is rounded twice,
+    not three times. ``dL/dx``: the plain path rounds ``g W`` and ``e A`` (and, for a 16-bit ``x``, their sum);
+    here ``g W`` is rounded and then the sum. With the rounding of ``h`` (or ``e``) each path is within 3u M of the
+    exact value, M the sum of the terms' magnitudes (``tests/test_lora_more.py`` holds the two within 6u M); the
+    16-bit ``W + s B A`` that :class:`_MergedLoRA` would form, which loses small updates, is never formed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling, dtype):
+        ctx.scaling, ctx.dtypes = scaling, (x.dtype, a.dtype, b.dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
+        w, a16, bs = weight.to(dtype), a.to(dtype), (b * scaling).to(dtype)  # (out, in), (r, in), (out, r)
+        h = torch.mm(x2, a16.t())  # (N, r)
+        y = F.linear(x2, w, None if bias is None else bias.to(dtype))  # (N, out): x W^T + b
+        y.addmm_(h, bs.t())  # += h (s B)^T, in the GEMM's accumulator
+        ctx.save_for_backward(x2, w, h, a16, bs)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w, h, a16, bs = ctx.saved_tensors
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
+        g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)  # (N, out)
+        e = torch.mm(g, bs)  # (N, r): dL/dh
+        grad_a = torch.mm(e.t(), x2).to(a_dtype) if ctx.needs_input_grad[3] else None  # (r, in)
+        grad_b = torch.mm(h.t(), g).t().to(b_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(g, w).addmm_(e, a16)  # (N, in): g W + e A
+            grad_x = grad_x.view(*grad.shape[:-1], grad_x.shape[-1]).to(x_dtype)
+        return grad_x, None, None, grad_a, grad_b, None, None
 
 
 def _placements(weight: torch.Tensor) -> tuple[tuple, tuple] | None:

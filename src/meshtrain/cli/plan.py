@@ -65,8 +65,9 @@ def add_parser(sub: argparse._SubParsersAction, line: str) -> None:
 
 def _add_model_options(g: argparse._ArgumentGroup) -> None:
     """``plan``'s options of the model, the devices, the precision and the software stack."""
-    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, mixtral-8x7b/8x22b, qwen3-30b-a3b, deepseek-v3, kimi-k2) or a TOML "
-                                   "file with a [model] table")
+    g.add_argument("--model", help="preset name (gpt2-small..xl, llama3-8b/70b/405b, megatron-1.7b..1t, "
+                                   "mixtral-8x7b/8x22b, qwen3-30b-a3b, deepseek-v3, kimi-k2, deepseek-v2(-lite), "
+                                   "glm-4.5(-air)) or a TOML file with a [model] table")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sample (overrides the model's)")
     g.add_argument("--gpu", help="device type, e.g. H100-SXM-80GB, A100-80GB, MI300X, cpu (default: cpu for a "
                                  "config, else required)")

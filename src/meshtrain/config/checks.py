@@ -177,25 +177,23 @@ def _validate_tp_widths(cfg: Config) -> None:
 
 
 def _validate_mtp(cfg: Config) -> None:
-    """Multi-token prediction (``model.num_nextn_predict_layers``, DeepSeek-V3) is built with the embedding beside the
-    head (a pipeline puts them on its first and last stages) and takes the main model's whole, replicated hidden
-    state (not tp's sequence-parallel shards), in the language-model objective of the synchronous trainer: dp,
-    FSDP2, tp, sp and ep, not pp nor ``tp_sequence_parallel``."""
+    """Multi-token prediction (``model.num_nextn_predict_layers``, DeepSeek-V3) takes the main model's whole, replicated
+    hidden state (not tp's sequence-parallel shards) and each window's tokens shifted within it, in the language-model
+    objective of the synchronous trainer: dp, FSDP2, tp, sp, ep and pp (every schedule; the modules on the last stage,
+    :mod:`meshtrain.models.deepseek_v3.mtp`), not ``tp_sequence_parallel`` nor document packing."""
     m, p = cfg.model, cfg.parallel
     if not m.num_nextn_predict_layers:
         return
     d, t = cfg.data, cfg.train
-    checks = (("parallel.pp", p.pp, p.pp == 1), ("parallel.tp_sequence_parallel", p.tp_sequence_parallel,
-                                                   not p.tp_sequence_parallel),
+    checks = (("parallel.tp_sequence_parallel", p.tp_sequence_parallel, not p.tp_sequence_parallel),
               ("data.packing", d.packing, d.packing != "document"),
               ("train.objective", t.objective, t.objective == "lm"),
               ("parallel.sync_mode", p.sync_mode, p.sync_mode != "async"))
     blocked = [f"{key} = {value!r}" for key, value, ok in checks if not ok]
     _require(not blocked, f"model.num_nextn_predict_layers = {m.num_nextn_predict_layers} (multi-token prediction) is "
-                          f"not supported with {', '.join(blocked)}: it needs parallel.pp = 1 and "
-                          f"tp_sequence_parallel = false (dp, FSDP2, tp, sp and ep work), train.objective = 'lm', "
-                          f"data.packing other than 'document' and a synchronous sync_mode (or "
-                          f"model.num_nextn_predict_layers = 0)")
+                          f"not supported with {', '.join(blocked)}: it needs tp_sequence_parallel = false (dp, FSDP2, "
+                          f"tp, sp, ep and pp work), train.objective = 'lm', data.packing other than 'document' and a "
+                          f"synchronous sync_mode (or model.num_nextn_predict_layers = 0)")
 
 
 def _validate_optim(cfg: Config) -> None:

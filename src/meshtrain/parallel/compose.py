@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from meshtrain.adapters.apply import adapt
 from meshtrain.adapters.lora import tp_split_dropouts
@@ -55,7 +56,6 @@ from meshtrain.parallel.expert import apply_ep, expert_modules, sync_expert_grad
 from meshtrain.parallel.hierarchical import apply_hierarchical_allreduce
 from meshtrain.parallel.local_sgd import LocalSGD
 from meshtrain.parallel.model import LocalBatch, ParallelModel, PipelineModel, ReplicatedModel
-from meshtrain.parallel.pipeline.schedule import Pipeline
 from meshtrain.parallel.pipeline.split import embedding_group, split_model
 from meshtrain.parallel.recompute import apply_recompute, compile_blocks
 from meshtrain.parallel.rng import TPRegionRNG
@@ -63,6 +63,9 @@ from meshtrain.parallel.reduce import cross_entropy, local_value, row_logps, sup
 from meshtrain.parallel.sequence import apply_sp, sequence_positions, shard_sequence
 from meshtrain.parallel.tensor import apply_tp
 from meshtrain.rules.support import blocks_compiled, compile_eligible
+
+if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (~0.6 s a process): only pp > 1 runs need it
+    from meshtrain.parallel.pipeline.schedule import Pipeline
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config,
@@ -279,6 +282,8 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConf
         _blockwise(part, model, recompute, compiled, split_backward=cfg.pp_schedule in ("zero-bubble", "zbv"))
     parts = [_data_parallel(part, dims, cfg) for part in parts]
     _maybe_hierarchical(dims, cfg, parts)
+    from meshtrain.parallel.pipeline.schedule import Pipeline
+
     return Pipeline(model, parts, mine, len(chunks), pp_mesh.get_group(),
                     embedding_group(dims.stage_ranks(), cfg.pp_schedule), cfg.pp_schedule, n_microbatches, loss_fn,
                     next(model.parameters()).device, use_loss_parallel=dims.tp_enabled,

@@ -224,7 +224,7 @@ class ReplicatedModel(ParallelModel):
         next tokens and targets made on the whole window ``x, y`` (mbs, T) and cut as ``x, y`` are: their shift
         crosses the sp shards."""
         core = getattr(self.model, "module", self.model)  # DDP wraps the model
-        depths = getattr(core.cfg, "num_nextn_predict_layers", 0) if hasattr(core, "mtp_sequences") else 0
+        depths = getattr(core, "mtp_depths", 0)
         if self.dims.sp > 1 and depths and core.training and self.dpo is None:
             core.mtp_shards = [self.local(a, t)[:2] for a, t in core.mtp_sequences(x, y, depths)]  # (mbs, T/sp) each
 
@@ -320,8 +320,9 @@ class PipelineModel(ParallelModel):
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         loss_fn = self.pipeline.loss_fn
         loss_fn.scale = self.step_scale(micro_batches)
-        x, y, positions, doc_ids = self.local(*(torch.cat(parts) for parts in list(zip(*micro_batches))[:2]),
-                                              *self._documents(micro_batches))  # (GA*mbs, T/sp)
+        whole = [torch.cat(parts) for parts in list(zip(*micro_batches))[:2]]  # x, y (GA*mbs, T)
+        x, y, positions, doc_ids = self.local(*whole, *self._documents(micro_batches))  # (GA*mbs, T/sp)
+        mtp = {"mtp": self._mtp_sequences(*whole)} if self.pipeline.mtp_depths else {}
         if self.dpo is not None:  # each row's reference rides with its targets through the schedule's split
             loss_fn.model = self
             y = self._with_reference(y, torch.cat([mb[3] for mb in micro_batches]))
@@ -330,7 +331,7 @@ class PipelineModel(ParallelModel):
             part.aux_history = []
         try:
             with self.autocast:
-                loss = self.pipeline.step(x, y, positions, doc_ids)
+                loss = self.pipeline.step(x, y, positions, doc_ids, **mtp)
             n = self.pipeline.n_microbatches  # each chunk's last n: the first step's shape inference runs a forward too
             history = [value for part in parts for value in part.aux_history[-n:]]
         finally:
@@ -340,8 +341,17 @@ class PipelineModel(ParallelModel):
         # a stage with no router (DeepSeek-V3's dense first layers) shares 0, so that every stage joins that sum
         routers = any(getattr(part, "MOE", False) for part in parts)
         self.aux_loss = torch.stack(history).sum() / n if history else torch.zeros(()) if routers else None
+        self.mtp_loss = self.pipeline.mtp_loss  # the last stage's, zeros on the others (the metrics sum over stages)
         self.after_backward()
         return loss
+
+    def _mtp_sequences(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The step's multi-token prediction inputs for the last stage, which holds hidden states, not ids: depth k's
+        tokens ahead and targets (``mtp_sequences`` of the model) made on the whole windows ``x, y`` (GA*mbs, T) (the
+        shift crosses sp shards), cut to this rank's sp shard as ``x, y`` are, and stacked
+        ``[ahead_1..D, targets_1..D]``: (GA*mbs, 2D, T/sp) int64."""
+        pairs = [self.local(a, t)[:2] for a, t in self.model.mtp_sequences(x, y, self.pipeline.mtp_depths)]
+        return torch.stack([a for a, _ in pairs] + [t for _, t in pairs], dim=1)
 
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> torch.Tensor:

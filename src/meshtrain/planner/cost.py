@@ -36,21 +36,26 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain import axes
-from meshtrain.planner.hardware import Hardware
+from meshtrain.errors import ConfigError
+from meshtrain.planner.hardware import FP8_PEAKS, Hardware
 from meshtrain.rules.pipeline import RULES, bubble_fraction
 from meshtrain.planner.layout import Framework, Layout
-from meshtrain.planner.memory import (Precision, fsdp_unit_shape, memoized, most_blocks, muon_groups_of, muon_params,
-                                     nf4_params, stage_layers, stage_loads, stage_params, torchtitan_gemms,
-                                     trained_params)
+from meshtrain.planner.memory import (FP8_CACHED_BYTES, Precision, fsdp_unit_shape, memoized, most_blocks,
+                                     muon_groups_of, muon_params, nf4_params, stage_layers, stage_loads, stage_params,
+                                     torchtitan_gemms, trained_params)
 from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token,
                                            dense_flops_per_token, head_flops_per_token)
 from meshtrain.planner.optimizer import OptimizerPlan, muon_work
 
 
 def expert_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs per token of a mixture of experts' MLP, the k experts and the router (0 for a dense model): the part
-    of :func:`dense_flops_per_token` that tensor parallelism replicates (``meshtrain.models.moe.spec.tp_names``)."""
-    return routed_flops_per_token(model) + (2.0 * (model.router_params + model.shared_params) if model.experts else 0.0)
+    """Forward FLOPs per token of a mixture of experts' MLP that tensor parallelism replicates
+    (``meshtrain.models.moe.spec.tp_names``): the k experts, the router and a gated shared expert (0 for a dense
+    model); DeepSeek's ungated shared experts are split by tp (:attr:`ModelSpec.shared_tp_split`)."""
+    if not model.experts:
+        return 0.0
+    shared = 0.0 if model.shared_tp_split else model.shared_params
+    return routed_flops_per_token(model) + 2.0 * (model.router_params + shared)
 
 
 def moe_share(model: ModelSpec) -> float:
@@ -170,8 +175,9 @@ def grouped_gemm_padding_rows(model: ModelSpec, tokens: float, ep: int, tile: in
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
     """(K, N) of one layer's weight GEMMs on one tp rank whose rows are the layer's tokens: QKV ``h -> (q + 2kv)/t``,
     out-projection ``q/t -> h``, MLP up ``h -> (m-1)f/t`` (gate and up fused for SwiGLU), MLP down ``f/t -> h``
-    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3). A mixture of experts: the router ``h -> E`` and a
-    shared expert (whole: tp replicates them); the routed experts' GEMMs are :func:`expert_gemm_traffic_bytes`'."""
+    (column- then row-parallel, Shoeybi et al. 2019, Sec. 3). A mixture of experts: the router ``h -> E`` (whole: tp
+    replicates it) and a shared expert (whole with a gate, split without: :attr:`ModelSpec.shared_tp_split`); the
+    routed experts' GEMMs are :func:`expert_gemm_traffic_bytes`'."""
     h, kv, f, t, q = model.hidden, model.kv_dim, model.active_ffn, tp, model.q_dim
     attention = ((h, (q + 2 * kv) / t), (q / t, h))
     if model.kv_lora_rank:  # MLA: the down-projections (q's, kv's and the shared RoPE key, replicated), the up-projections
@@ -180,7 +186,8 @@ def layer_gemm_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], .
         attention = ((h, rq + rkv + dr), *up_q, (rkv, a * (model.head_dim - dr + model.v_head_dim) / t),
                      (model.v_dim / t, h))
     if model.experts:
-        shared = ((h, (model.mlp_matrices - 1) * model.shared_ffn), (model.shared_ffn, h)) if model.shared_ffn else ()
+        S = model.shared_ffn / (t if model.shared_tp_split else 1)
+        shared = ((h, (model.mlp_matrices - 1) * S), (S, h)) if model.shared_ffn else ()
         return (*attention, (h, model.experts), *shared)
     return (*attention, (h, (model.mlp_matrices - 1) * f / t), (f / t, h))
 
@@ -225,15 +232,19 @@ def recomputed_gemm_fraction(model: ModelSpec, selective: str) -> float:
     return sum(k * n for k, n in gemms[1::2]) / sum(k * n for k, n in gemms)
 
 
-def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: str = "attention-core") -> float:
+def hardware_flops(model: ModelSpec, samples: int, recompute: str, selective: str = "attention-core",
+                   mla_up_proj: bool = False) -> float:
     """Model FLOPs plus the recomputed forward (Narayanan et al. 2021, Eq. 3 for ``full``); ``selective``:
     ``Framework.selective`` ("op-level" recomputes no GEMM: no extra FLOPs; "op-level-alternate" the GEMMs of
-    :func:`recomputed_gemm_fraction`); plus, with DPO's frozen reference copy (:attr:`ModelSpec.reference_copy`), its
-    forward: a third of the model FLOPs (which, like recomputation, MFU does not count)."""
+    :func:`recomputed_gemm_fraction`); ``mla_up_proj`` (``Framework.mla_up_proj_recompute``): MLA's up-projections
+    again in every layer's backward, :func:`mla_up_proj_flops_per_token` (within the full forward under ``full``);
+    plus, with DPO's frozen reference copy (:attr:`ModelSpec.reference_copy`), its forward: a third of the model FLOPs
+    (which, like recomputation, MFU does not count)."""
     tokens = samples * model.seq_len
     attention_again = attention_flops_per_token(model) if selective == "attention-core" else 0.0
     attention_again += recomputed_gemm_fraction(model, selective) * dense_flops_per_token(model)
-    extra = {"none": 0.0, "selective": attention_again,
+    up = mla_up_proj_flops_per_token(model) if mla_up_proj and model.kv_lora_rank else 0.0
+    extra = {"none": up, "selective": attention_again + up,
              "full": dense_flops_per_token(model) + attention_flops_per_token(model)}[recompute]
     copy = model_flops(model, samples) / 3 if model.reference_copy else 0.0  # DPO's frozen copy: a forward more
     return model_flops(model, samples) + tokens * model.layers * extra + copy
@@ -365,7 +376,11 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     materialized = fw.attention == "materialized" or (ring and not ring_fused)
     executed = (2 * ring_ranks + 1) / (4 * ring_ranks) if ring else 1.0
     attn_rate = dev.matmul_flops(dtype, model.head_dim) if ring else rate
-    dense = _weight_gemms_forward(model, layout, hw, prec, fw, tokens, rate)
+    if fw.fp8 and "float8" not in dev.peak_flops:
+        raise ConfigError(f"stack option fp8 needs FP8 tensor cores, which {dev.name} lacks (FP8 devices: "
+                          f"{', '.join(FP8_PEAKS)}): drop +fp8 or pick such a --gpu")
+    linear = dev.matmul_flops("float8", k) if fw.fp8 else rate  # the Linear GEMMs' (FP8: V3 report, Sec. 3.3.1)
+    dense = _weight_gemms_forward(model, layout, hw, prec, fw, tokens, linear)
     attn_flops = executed * tokens * attention_flops_per_token(model, causal=not (materialized or ring)) / t
     layer_bytes, core_bytes = _elementwise_bytes_per_token(model, layout, prec.activation_bytes, materialized,
                                                            fw.eager_elementwise if model.norm == "rmsnorm" else None)
@@ -385,11 +400,15 @@ def _compute(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     selective = (elementwise + (core if ring else 0.0) + gemms_again if fw.per_operator_selective
                  else attn + core)
     recompute = {"none": 0.0, "selective": selective, "full": dense + attn + core + elementwise}[layout.recompute]
-    if fw.mla_up_proj_recompute and model.kv_lora_rank and layout.recompute != "full":  # q, k, v from the latents again
-        recompute += tokens * mla_up_proj_flops_per_token(model) / t / rate
     passes = recompute_passes(layout)
+    # the recompute-modules options (within "full"): their GEMMs and element-wise kernels once more in each backward,
+    # charged as a negative share of not_in_backward where recompute "none" runs no recomputation pass
+    modules = tokens * recompute_modules_work(model, layout, fw, prec.activation_bytes, linear, bw) \
+        if layout.recompute != "full" else 0.0
+    recompute += modules
     gemm = 3 * dense + passes * {"none": 0.0, "selective": gemms_again, "full": dense}[layout.recompute]
     dequant, not_in_backward = _adapter_costs(model, layout, dense, bw)
+    not_in_backward -= 0.0 if passes else modules
     block += dequant
     if layout.recompute == "full":  # selective recomputation runs no GEMM again here
         recompute += dequant
@@ -405,11 +424,13 @@ def _weight_gemms_forward(model: ModelSpec, layout: Layout, hw: Hardware, prec: 
     (stated or predicted), and each expert's rows run in whole tiles of the grouped GEMM
     (:func:`grouped_gemm_padding_rows`)."""
     dev, dtype, t, e = hw.device, prec.compute_dtype, layout.tp, prec.activation_bytes
-    moe, routed, fold = expert_flops_per_token(model), routed_flops_per_token(model), fw.expert_fold(t)
+    routed, fold = routed_flops_per_token(model), fw.expert_fold(t)
+    moe = expert_flops_per_token(model)  # replicated over tp, and MLA's down-projections (every rank's latents whole)
+    down = 2.0 * model.mla_down_params
     io = dev.gemm_traffic_seconds(dtype, gemm_traffic_bytes(tokens, layer_gemm_shapes(model, t), e)
                                   + expert_gemm_traffic_bytes(model, tokens / fold, layout.ep, e))
     imbalance = expert_imbalance(model, tokens / fold, layout.ep)
-    per_token = (dense_flops_per_token(model) - moe) / t + (moe + (imbalance - 1) * routed) / fold
+    per_token = (dense_flops_per_token(model) - moe - down) / t + down + (moe + (imbalance - 1) * routed) / fold
     padding = grouped_gemm_padding_rows(model, tokens / fold, layout.ep, dev.grouped_gemm_tile_rows(dtype))
     padded = padding * routed / max(1, model.experts_per_token)  # routed is k experts' FLOPs per token
     return (tokens * per_token + padded) / rate + io
@@ -425,6 +446,23 @@ def _head_forward(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precisio
                                         gemm_traffic_bytes(tokens, ((model.hidden, model.vocab / t),), e))
     head = tokens * (2.0 * model.hidden * model.vocab / t / rate + model.vocab / t * fw.cross_entropy_bytes / 3 / bw)
     return (head + io) * head_flops_per_token(model) / (2.0 * model.hidden * model.vocab)
+
+
+def recompute_modules_work(model: ModelSpec, layout: Layout, fw: Framework, e: float, rate: float,
+                           bandwidth: float) -> float:
+    """Seconds per token one block's backward spends running again what the framework's recompute modules dropped
+    (Megatron-Core's ``--recompute-modules``; DeepSeek-V3 report, Sec. 3.2.3 and 3.3.3): MLA's up-projections
+    (:func:`mla_up_proj_flops_per_token` at the Linear ``rate``, FLOP/s), the two RMSNorms (read and write h each)
+    and the experts' SwiGLU (read the gate's and up's outputs, write their product: 3 of the k*f + S wide rows),
+    these at the element-wise ``bandwidth`` (bytes/s; ``e`` bytes an element). Split over tp as the layer is."""
+    t, flops, nbytes = layout.tp, 0.0, 0.0
+    if fw.mla_up_proj_recompute and model.kv_lora_rank:
+        flops += mla_up_proj_flops_per_token(model) / t
+    if fw.norm_recompute:
+        nbytes += 4 * model.hidden * e / (t if layout.tp_sequence_parallel else 1)
+    if fw.moe_act_recompute and model.experts:
+        nbytes += 3 * (model.active_ffn + model.shared_ffn) * e * moe_share(model) / t
+    return flops / rate + nbytes / bandwidth
 
 
 def mla_up_proj_flops_per_token(model: ModelSpec) -> float:
@@ -539,7 +577,7 @@ def _layer_work(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision,
     # same time (not modelled otherwise); Narayanan et al. 2021, Fig. 13, measured tp = 16/32 across
     # nodes far slower than tp = 8 inside one.
     comm: dict[str, float] = defaultdict(float)  # by axis
-    for c in layer_collectives(model, layout, prec, fw.expert_fold(layout.tp)):
+    for c in layer_collectives(model, layout, prec, fw.expert_fold(layout.tp), fw.fp8):
         if c.axis == "ep":  # an all-to-all: the peers on this rank's node over the node's link, the rest by NIC
             local = ep_ranks_per_node(layout, fw, net.devices_per_node)
             comm[c.axis] += c.count * dispatch_time(hw, model, c.ranks, c.nbytes, local, fw.ep_dispatch)
@@ -613,7 +651,8 @@ class Collective:
     count: int
 
 
-def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_fold: int = 1) -> list[Collective]:
+def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_fold: int = 1,
+                      fp8_dispatch: bool = False) -> list[Collective]:
     """The tp and sp collectives of one transformer layer per micro-batch, forward + backward (+ the
     forward again under full recomputation); ``tests/test_collectives.py`` counts them in a profiler
     trace of the trainer.
@@ -639,7 +678,9 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
     counts exchanged first are E integers: latency only, left out). Dropless routing: the busiest rank receives
     ``expert_imbalance`` times the rows it sends, and every rank waits for it (:attr:`ModelSpec.expert_imbalance`).
     ``expert_fold`` = tp where the framework folds ep into tp (each tp rank sends its own tokens/tp:
-    :meth:`Framework.expert_fold`).
+    :meth:`Framework.expert_fold`). ``fp8_dispatch`` (``Framework.fp8``): the dispatch and the backward's gradient
+    to the down-projections in FP8 (:data:`~meshtrain.planner.memory.FP8_CACHED_BYTES` an element), the combines in
+    16 bits (V3 report, Sec. 3.3.3, "Low-Precision Communication"): the four calls' mean element.
     """
     full = recompute_passes(layout) if layout.recompute == "full" else 0
     ring_again = recompute_passes(layout)  # any recomputation runs ring attention's forward again
@@ -660,7 +701,8 @@ def layer_collectives(model: ModelSpec, layout: Layout, prec: Precision, expert_
                 for width in (model.hidden, model.kv_dim, model.kv_dim, model.hidden)]
     if layout.ep > 1 and model.experts:  # the busiest rank receives expert_imbalance times the mean
         rows = model.experts_per_token * expert_imbalance(model, tokens / expert_fold, layout.ep) / expert_fold
-        out.append(Collective("ep", "all-to-all", layout.ep, act * rows, 2 * (2 + full)))
+        element = (FP8_CACHED_BYTES + prec.activation_bytes) / 2 if fp8_dispatch else prec.activation_bytes
+        out.append(Collective("ep", "all-to-all", layout.ep, act * rows * element / prec.activation_bytes, 2 * (2 + full)))
     return out
 
 
@@ -674,17 +716,27 @@ def layer_step_collectives(model: ModelSpec, layout: Layout, prec: Precision) ->
     return []
 
 
-def bubble_time(layout: Layout, mb: MicroBatch) -> float:
+def bubble_time(layout: Layout, mb: MicroBatch, fw: Framework | None = None) -> float:
     """Idle time of the busiest stage per step: a bubble fraction ``f`` of the step
     (:func:`meshtrain.rules.pipeline.bubble_fraction`, the trainer's schedules) leaves ``f/(1-f)`` of the
     busy time idle. Busy time is ``m`` micro-batch times (compute, tp/sp and p2p): ``(p-1)/v`` micro-batch
     times for GPipe, 1F1B and interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), ``(p-1)/(3v)`` for
-    zero-bubble at F = I = W (Qi et al. 2024), ``(p-1) * m`` for naive model parallelism."""
+    zero-bubble at F = I = W (Qi et al. 2024), ``(p-1) * m`` for naive model parallelism.
+
+    A framework's own schedule (``fw.pp_bubble``) replaces the layout's, idle per step as DeepSeek-V3's report gives it
+    (arXiv:2412.19437, Table 2), with a micro-batch's forward F a third of its time, its backward B = 2F of which the
+    weight-gradient part W = F, and an overlapped forward-and-backward pair F&B = F + B (compute-bound): DualPipe
+    ``(p/2 - 1)(F&B + B - 3W)`` = ``(p - 2)/3`` micro-batch times, ZB1P (zero-bubble H1, Qi et al. 2024, which
+    DeepSeek-V2 trained with) ``(p - 1)(F + B - 2W)`` = ``(p - 1)/3``, against 1F1B's ``(p - 1)(F + B)`` = ``p - 1``.
+    Takeaway: DeepSeek-V3's pp 16 at 120 micro-batches idles 3.7% of the step instead of 11%."""
     if layout.pp == 1:
         return 0.0
-    m = layout.gradient_accumulation_steps
-    f = bubble_fraction(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    m, p = layout.gradient_accumulation_steps, layout.pp
     whole = mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p + mb.ep
+    if fw is not None and fw.pp_bubble:
+        F, B, W = whole / 3, 2 * whole / 3, whole / 3
+        return (p / 2 - 1) * (F + B + B - 3 * W) if fw.pp_bubble == "dualpipe" else (p - 1) * (F + B - 2 * W)
+    f = bubble_fraction(layout.pp_schedule, p, m, layout.virtual_stages)
     return f / (1.0 - f) * m * whole
 
 
@@ -1006,7 +1058,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, prec: Precision, f
     return StepTime(compute=m * (mb.forward * (1 + (copy > 0)) + mb.backward),
                     tp_comm=m * mb.tp * (1 + copy) + tp_step, sp_comm=m * mb.sp * (1 + copy),
                     pp_comm=m * mb.p2p * (1 + copy) + embedding_sync_time(model, layout, hw, prec),
-                    bubble=bubble_time(layout, mb), dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo),
+                    bubble=bubble_time(layout, mb, fw), dp_comm=dp_time(model, layout, hw, prec, fw, mb, memo),
                     optimizer=optimizer_time(model, layout, hw, prec, fw, memo), ep_comm=m * mb.ep * (1 + copy))
 
 

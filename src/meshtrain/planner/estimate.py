@@ -131,15 +131,16 @@ def estimate(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precisio
     t = step_time(model, layout, hw, precision, framework, memo)
     samples = layout.global_batch_size
     tokens, mflops, hflops, steps = memoized(memo, ("step work", samples, layout.recompute, job), _step_work, model,
-                                             samples, layout.recompute, framework.selective, job)
+                                             samples, layout.recompute, framework, job)
     return Estimate(model=model, layout=layout, memory=mem, time=t, fits=mem.total <= hw.device.memory_bytes,
                     tokens_per_step=tokens, model_flops_per_step=mflops, hardware_flops_per_step=hflops,
                     peak_flops=hw.device.peak(precision.compute_dtype), total_steps=steps,
                     verdict=memory_verdict(mem.total, hw.device), memory_range=memory_range(mem.total, hw.device))
 
 
-def _step_work(model: ModelSpec, samples: int, recompute: str, selective: str,
+def _step_work(model: ModelSpec, samples: int, recompute: str, framework: Framework,
                job: Job | None) -> tuple[int, float, float, int | None]:
     """(tokens, model FLOPs, hardware FLOPs) of a step of ``samples`` sequences and the job's optimizer steps."""
-    return (tokens_per_step(samples, model.seq_len), model_flops(model, samples),
-            hardware_flops(model, samples, recompute, selective), job.steps(model.seq_len) if job else None)
+    hflops = hardware_flops(model, samples, recompute, framework.selective, framework.mla_up_proj_recompute)
+    return (tokens_per_step(samples, model.seq_len), model_flops(model, samples), hflops,
+            job.steps(model.seq_len) if job else None)

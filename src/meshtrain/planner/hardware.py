@@ -316,12 +316,17 @@ def catalog() -> dict[str, Hardware]:
     """Every built-in device type with its default node network (``cpu`` and ``cpu-2threads``: the uncalibrated
     reference, :func:`cpu_reference`); a GPU without a published run is marked ``validated = False``."""
     checked = validated_devices()
-    out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32}, mem, bw, eff,
+    out = {name: Hardware(Device(name, {"bfloat16": bf16, "float32": fp32, **_fp8_peak(name)}, mem, bw, eff,
                                  flash2_efficiency=FLASH2_HOPPER if name in HOPPER else None,
                                  validated=name in checked), net)
            for name, (bf16, fp32, mem, bw, eff, net) in _CATALOG.items()}
     out.update(cpu_reference())
     return out
+
+
+def _fp8_peak(name: str) -> dict[str, float]:
+    """``{"float8": dense FP8 FLOP/s}`` of a catalog device that has FP8 tensor cores (:data:`FP8_PEAKS`), else {}."""
+    return {"float8": FP8_PEAKS[name]} if name in FP8_PEAKS else {}
 
 
 def get_hardware(name: str, hardware_file: Path | None = None, profile: Path | None = None,
@@ -478,3 +483,10 @@ _CATALOG["H800-SXM-80GB"] = (989 * TB, 67 * TB, 80 * GiB, 3.35 * TB, 0.56, _DGX_
 HOPPER = (*HOPPER, "H800-SXM-80GB")
 EFFICIENCY_FROM["H800-SXM-80GB"] = "H100-SXM-80GB"
 ALIASES["H800"] = "H800-SXM-80GB"
+
+FP8_PEAKS = {"H100-SXM-80GB": 1979 * TB, "H100-PCIe-80GB": 1513 * TB, "H200-SXM-141GB": 1979 * TB,
+             "H100-HBM2e-96GB": 1979 * TB, "H800-SXM-80GB": 1979 * TB}
+"""Dense FP8 tensor-core FLOP/s (half the datasheets' "with sparsity" figures): NVIDIA H100 datasheet (SXM 3,958 and
+PCIe 3,026 TFLOP/s with sparsity), H200 datasheet (3,958), H800 SXM datasheet (3,958, the H100 SXM's die): 2x the bf16
+peak. The FP8 GEMMs of ``Framework.fp8`` run at ``FP8_PEAKS * matmul_efficiency`` (the bf16 fit's efficiency, assumed
+the same: no published FP8 run fits it). Devices without FP8 tensor cores (A100) or not validated here have none."""

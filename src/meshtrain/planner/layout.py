@@ -303,6 +303,28 @@ class Framework:
     """Whether multi-head latent attention's up-projections (and latent norms) run again in backward, so that a layer
     keeps the latents instead of every head's q, k and v (DeepSeek-V3 report, Sec. 3.2.3; Megatron-Core's
     ``--recompute-modules mla_up_proj``): :func:`meshtrain.planner.model_specs.mla_saved_widths`."""
+    norm_recompute: bool = False
+    """Whether the blocks' RMSNorms run again in backward, so that a layer keeps their inputs (the residual stream) but
+    not their outputs, the inputs of the attention's and the MLP's first GEMMs (DeepSeek-V3 report, Sec. 3.2.3,
+    "Recomputation of RMSNorm"; Megatron-Core's ``--recompute-modules layernorm``):
+    :func:`meshtrain.planner.memory.layer_activation_bytes`."""
+    moe_act_recompute: bool = False
+    """Whether the experts' (routed and shared) SwiGLU output runs again in backward from its kept inputs, so that the
+    down-projection's input is not kept (DeepSeek-V3 report, Sec. 3.3.3, "Inputs of the SwiGLU operator in MoE";
+    Megatron-Core's ``--recompute-modules moe_act``)."""
+    fp8: bool = False
+    """DeepSeek-V3's FP8 mixed precision (V3 report, Sec. 3.3): the Linear operators' three GEMMs (forward, input
+    gradient, weight gradient) at the device's FP8 rate (:data:`meshtrain.planner.hardware.FP8_PEAKS`), the
+    embedding, the head, the attention kernel and the norms in 16 bits; the Linear inputs cached in FP8 with their
+    1x128 tiles' fp32 scales (:data:`meshtrain.planner.memory.FP8_CACHED_BYTES`), the attention output (the output
+    projection's input) in E5M6 (1.5 bytes); AdamW's moments in bf16 beside fp32 master weights and gradients
+    (:data:`meshtrain.planner.memory.PRECISIONS` "fp8"); the MoE dispatch in FP8 and the combine in bf16. MFU stays
+    against the bf16 peak (so an FP8 run can pass 100% of it in principle)."""
+    pp_bubble: str = ""
+    """A pipeline schedule of the framework's own whose bubble replaces the layout's schedule's: "dualpipe"
+    (DeepSeek-V3 report, Sec. 3.2.1 and Table 2: ``(PP/2 - 1)(F&B + B - 3W)`` idle per step, two copies of the
+    parameters, ``PP + 1`` micro-batches of activations: :func:`meshtrain.planner.cost.bubble_time`), "zb1p" (zero-bubble
+    H1, Qi et al. 2024, as DeepSeek-V2's HAI-LLM ran it under ZeRO-1: 1F1B's memory); "" = none."""
     selective: str = "attention-core"
     """What ``recompute = "selective"`` recomputes: "attention-core", Korthikanti et al. 2022, Sec. 5 (the
     attention scores' QK^T, softmax, dropout and AV; Megatron-LM), "op-level", meshtrain's per-operator

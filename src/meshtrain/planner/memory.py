@@ -40,7 +40,7 @@ from meshtrain.parallel.pipeline.balance import OPTIMIZER_FLOPS_PER_PARAM, chunk
 from meshtrain.rules.pipeline import RULES, loss_rank_in_flight, microbatches_in_flight
 from meshtrain.planner.layout import Framework, Layout
 from meshtrain.planner.model_specs import (NF4_BYTES, ModelSpec, attention_flops_per_token, dense_flops_per_token,
-                                           mla_saved_widths)
+                                           head_flops_per_token, mla_saved_widths)
 from meshtrain.planner.optimizer import MuonGroup, OptimizerPlan, block_matrices, muon_groups, muon_work
 from meshtrain.rules.support import fsdp_units
 
@@ -64,7 +64,14 @@ PRECISIONS = {p.name: p for p in (
     Precision("fp16", 2, 2, 12, 2, "bfloat16"),            # ZeRO's K=12 (fp16 grads); fp16 peak = bf16 peak
     Precision("fp32", 4, 4, 8, 4, "float32"),              # the trainer without autocast
     Precision("bf16-autocast", 4, 4, 8, 2, "bfloat16", 2),  # the trainer with bf16 autocast, fp32 master
+    Precision("fp8", 2, 4, 8, 2, "bfloat16"),  # DeepSeek-V3 (Sec. 3.3.3): fp32 master + grads, bf16 AdamW moments
 )}
+FP8_CACHED_BYTES = 1 + 4 / 128
+"""Bytes per activation element a Linear caches in FP8 for its backward (``Framework.fp8``): one E4M3 byte and a fp32
+scale per 1x128 tile (DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.3.2, "Fine-Grained Quantization")."""
+E5M6_BYTES = 12 / 8
+"""Bytes per element of the output projection's input under ``Framework.fp8``: the customized E5M6 format (1 sign,
+5 exponent, 6 mantissa bits) the V3 report keeps it in, since the attention's backward reads it too (Sec. 3.3.3)."""
 
 
 @dataclass
@@ -96,10 +103,13 @@ def pipeline_item_costs(model: ModelSpec, tokens: float) -> tuple[float, float, 
     trainer balances its pipeline split by (each family's ``layer_costs``, :mod:`meshtrain.parallel.pipeline.balance`):
     forward FLOPs per token x 3 for forward and backward (Narayanan et al. 2021, Eq. 3, per layer; attention counted
     non-causal, ``4 s q``), and :data:`~meshtrain.models.family.OPTIMIZER_FLOPS_PER_PARAM` per parameter each part
-    updates (the embedding's ``V h`` (+ ``s h``), a block's, the final norm and an untied head's)."""
+    updates (the embedding's ``V h`` (+ ``s h``), a block's, the final norm and an untied head's). The head carries the
+    multi-token prediction modules' projections and second pass through the head
+    (:func:`~meshtrain.planner.model_specs.head_flops_per_token`; their blocks are among the blocks), as the family's
+    ``layer_costs`` charge the last stage (DeepSeek-V3's one depth doubles the head's logits GEMM: 2 x 2hV per token)."""
     opt = OPTIMIZER_FLOPS_PER_PARAM
     block = 3 * (dense_flops_per_token(model) + attention_flops_per_token(model, causal=False)) * tokens
-    head = 3 * 2 * model.hidden * model.vocab * tokens
+    head = 3 * head_flops_per_token(model) * tokens  # the logits, and each MTP depth's M_k and second head pass
     return (opt * model.embedding_params(), block + opt * model.layer_params(), head + opt * model.head_params())
 
 
@@ -192,11 +202,11 @@ def stage_params_floor(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float
 
 def _param_parts(model: ModelSpec, tp: int, ep: int, pp: int) -> tuple[float, float, float]:
     """(one block's, the embedding's, the head's) parameters on one device."""
-    dense_moe = model.router_params + model.shared_params  # replicated over tp and ep
-    moe = model.expert_params() + dense_moe  # replicated over tp, the experts split over ep
-    layer = (model.layer_params() - moe) / tp + model.expert_params() / ep + dense_moe
+    replicated = model.tp_replicated_params  # over tp; the router and a gated shared expert over ep too
+    layer = (model.layer_params() - model.expert_params() - replicated) / tp + model.expert_params() / ep + replicated
     untied = model.vocab * model.hidden if model.tied_embeddings and pp > 1 else 0  # the head's own copy
-    return layer, model.embedding_params() / tp, (model.head_params() + untied) / tp
+    norm = (2 if model.biases else 1) * model.hidden if model.final_norm else 0  # replicated over tp
+    return layer, model.embedding_params() / tp, (model.head_params() - norm + untied) / tp + norm
 
 
 def _rank_params(model: ModelSpec, tp: int, ep: int, pp: int, virtual: int, placement: str, split: str,
@@ -265,20 +275,24 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     """Activation bytes one layer keeps for backward, per micro-batch, on one device.
 
     Korthikanti et al. 2022, Sec. 4.1 split into tp-replicated parts (norm inputs 4sbh, qkv and fc1
-    inputs 2sbh each, two dropout masks sbh each) and tp-sharded parts (Q, K, V, out-proj input, MLP
-    hidden 2x f, and with materialized attention the scores 2as^2b + softmax mask as^2b + dropout out
-    2as^2b). Element size ``precision.activation_bytes``; masks 1 byte. What the framework's eager code keeps
-    besides: K and V at the query width (``Framework.repeats_kv``), SwiGLU's fourth f-wide tensor
-    (``swiglu_keeps_activation``), and with ``composite_norms`` (torch's RMSNorm on a CPU, which has no fused
-    kernel there: ``aten._fused_rms_norm`` dispatches to CUDA only) each RMSNorm's normalised input.
+    inputs 2sbh each, two dropout masks sbh each) and tp-sharded parts (Q, K, V and the out-proj input, each at its
+    own width: :func:`_attention_saved_bytes`; the MLP's hidden tensors, :func:`_mlp_saved_bytes`; and with
+    materialized attention the scores 2as^2b + softmax mask as^2b + dropout out 2as^2b). Element size
+    ``precision.activation_bytes``; masks 1 byte; under ``Framework.fp8`` the Linear inputs
+    :data:`FP8_CACHED_BYTES`. What the framework's eager code keeps besides: K and V at the query width
+    (``Framework.repeats_kv``), SwiGLU's fourth f-wide tensor (``swiglu_keeps_activation``), and with
+    ``composite_norms`` (torch's RMSNorm on a CPU, which has no fused kernel there: ``aten._fused_rms_norm``
+    dispatches to CUDA only) each RMSNorm's normalised input; with ``Framework.norm_recompute`` the norms' outputs
+    (the qkv and fc1 inputs) are not kept.
     """
     recompute = recompute or layout.recompute
-    b, s, h, f = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, model.active_ffn
+    b, s, h = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden
     t, e = layout.tp, precision.activation_bytes
-    routed = s * b * (model.experts * 4 + model.experts_per_token * h * e) if model.experts else 0.0  # fp32 router
-    # probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe); each tp
-    # rank routes its own s/tp tokens where the framework folds ep into tp (Framework.expert_folding)
-    routed /= framework.expert_fold(t)
+    cached = FP8_CACHED_BYTES if framework.fp8 else e  # a Linear's input kept for its weight gradient
+    routed = s * b * (model.experts * 4 + model.experts_per_token * h * cached) if model.experts else 0.0  # fp32
+    # router probabilities and the k copies of each token the experts take (mixture of experts, meshtrain.models.moe);
+    # each tp rank routes its own s/tp tokens where the framework folds ep into tp (Framework.expert_folding)
+    routed *= (model.moe_fraction if model.dense_layers else 1.0) / framework.expert_fold(t)  # MoE layers only
     sharded_seq = t if layout.tp_sequence_parallel else 1
     if recompute == "full":
         return s * b * h * e / sharded_seq
@@ -287,19 +301,48 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     if recompute == "selective" and framework.selective == "op-level-alternate":
         return s * b * h * e / sharded_seq + alternate_saved_bytes(model, layout, e) + routed
     masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
-    norms = 4 + (2 if composite_norms and model.norm == "rmsnorm" else 0)  # 2 norm inputs + qkv and fc1 inputs
-    replicated = s * b * (h * e * norms + masks * h)
-    swiglu = 4 if framework.swiglu_keeps_activation else 3  # gate, (silu(gate),) up, product
-    mlp_hidden = (swiglu if model.activation == "swiglu" else 2) * f  # GELU: input + fc2 input
-    kv = h if framework.repeats_kv else model.kv_dim
-    sharded = s * b * e * (2 * h + 2 * kv + mlp_hidden)  # Q, K, V, out-proj input + MLP
-    if model.kv_lora_rank:  # MLA: its latents and its heads' q, k, v, output (model_specs.mla_saved_widths)
-        latents, heads = mla_saved_widths(model, framework.mla_up_proj_recompute)
-        sharded = s * b * e * (heads + mlp_hidden) + s * b * e * latents * t
+    norms = 2 + (2 if composite_norms and model.norm == "rmsnorm" else 0)  # the 2 norms' inputs (+ normalised)
+    first = 0 if framework.norm_recompute else 2 * cached  # the qkv and fc1 inputs: the norms' outputs
+    replicated = s * b * (h * e * norms + h * first + masks * h)
+    attention, latents = _attention_saved_bytes(model, framework, e)
+    sharded = s * b * (attention + _mlp_saved_bytes(model, framework, e, cached)) + s * b * latents * t
     if framework.attention == "materialized" and recompute == "none":
         per_score = 2 * e + 1 if model.dropout else e  # softmax out (+ mask + dropout out)
         sharded += model.heads * s * model.seq_len * b * per_score / layout.sp
     return replicated / sharded_seq + sharded / t + routed
+
+
+def _attention_saved_bytes(model: ModelSpec, framework: Framework, e: float) -> tuple[float, float]:
+    """(tp-sharded, tp-replicated) bytes per token one layer's attention keeps: Q, K, V and the output (the
+    out-projection's input), each at its own width (q = heads x head_dim, which is not h for Qwen3 or GLM-4.5; K and V
+    at the query width where ``Framework.repeats_kv``); with MLA its heads and latents
+    (:func:`~meshtrain.planner.model_specs.mla_saved_widths`, in place of Q, K, V). Under ``Framework.fp8`` the output
+    in E5M6 (:data:`E5M6_BYTES`), q, k and v in 16 bits (the attention kernel runs in bf16, V3 report Sec. 3.3.1)."""
+    out = E5M6_BYTES if framework.fp8 else e
+    if model.kv_lora_rank:
+        latents, heads = mla_saved_widths(model, framework.mla_up_proj_recompute)
+        return (heads - model.v_dim) * e + model.v_dim * out, latents * e
+    kv = model.q_dim if framework.repeats_kv else model.kv_dim
+    return (model.q_dim + 2 * kv) * e + model.v_dim * out, 0.0
+
+
+def _mlp_saved_bytes(model: ModelSpec, framework: Framework, e: float, cached: float) -> float:
+    """Bytes per token one layer's MLP keeps, tp-sharded (a mean over the layers with ``dense_layers``). GELU: fc1's
+    output and fc2's input. A SwiGLU of width w: the gate's and up's outputs (its inputs), silu's output where the
+    framework keeps it (``swiglu_keeps_activation``) and the product (down's input, ``cached`` bytes: a Linear input).
+    Routed experts (k of width f) and shared ones (S) under ``Framework.fp8`` keep the SwiGLU's inputs in FP8 too, and
+    with ``Framework.moe_act_recompute`` not its product (recomputed from them, V3 report Sec. 3.3.3); the dense first
+    layers (width D) keep the plain SwiGLU's."""
+    if model.activation != "swiglu":
+        return model.active_ffn * (e + cached)
+    silu = e if framework.swiglu_keeps_activation else 0.0
+    if not model.experts:
+        return model.ffn_hidden * (2 * e + silu + cached)
+    inputs = cached if framework.fp8 else e
+    experts = (model.active_ffn + model.shared_ffn) * (2 * inputs + silu + (0.0 if framework.moe_act_recompute
+                                                                             else cached))
+    share = model.moe_fraction if model.dense_layers else 1.0
+    return share * experts + (1 - share) * model.dense_ffn * (2 * e + silu + cached)
 
 
 def backward_working_bytes(model: ModelSpec, layout: Layout, precision: Precision, framework: Framework) -> float:
@@ -357,10 +400,10 @@ def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
     """
     b, s, h, t = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp
     kv, up = model.kv_dim, (model.mlp_matrices - 1) * model.active_ffn
-    gemms = s * b * e * ((h + 2 * kv + up) / t + 2 * h)
+    gemms = s * b * e * ((model.q_dim + 2 * kv + up) / t + 2 * h)  # q is heads x head_dim wide
     ring = layout.sp > 1 and layout.sp_mode == "ring"
     pairs = (2 * layout.sp + 1) / 2 if ring else 1.0
-    attention = pairs * s * b * (h * (4 if ring else e) + model.heads * 4) / t
+    attention = pairs * s * b * (model.v_dim * (4 if ring else e) + model.heads * 4) / t
     collectives = 0.0
     if t > 1:
         collectives += 2 * s * b * h * e * (1 + 1 / t if layout.tp_sequence_parallel else 1)
@@ -372,9 +415,9 @@ def op_level_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
 def torchtitan_gemms(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     """(K, N) of one block's weight GEMMs in the order they run in torchtitan's Llama
     (``models/llama3/model/model.py`` of pytorch/torchtitan): wq, wk, wv, wo, then w1, w3, w2 (SwiGLU) or w1, w2."""
-    h, kv, f = model.hidden, model.kv_dim, model.active_ffn
+    h, q, kv, f = model.hidden, model.q_dim, model.kv_dim, model.active_ffn
     mlp = ((h, f), (h, f), (f, h)) if model.mlp_matrices == 3 else ((h, f), (f, h))
-    return ((h, h), (h, kv), (h, kv), (h, h)) + mlp
+    return ((h, q), (h, kv), (h, kv), (q, h)) + mlp
 
 
 def torchtitan_gemm_outputs(model: ModelSpec, tp: int) -> tuple[float, ...]:
@@ -402,7 +445,7 @@ def alternate_saved_bytes(model: ModelSpec, layout: Layout, e: int) -> float:
     b, s, h, t = layout.micro_batch_size, model.seq_len / layout.sp, model.hidden, layout.tp
     outputs = torchtitan_gemm_outputs(model, t)
     gemms = s * b * e * sum(outputs[0::2])
-    attention = s * b * (h * e + model.heads * 4) / t
+    attention = s * b * (model.v_dim * e + model.heads * 4) / t
     collectives = 2 * s * b * h * e / t if t > 1 and layout.tp_sequence_parallel else 0.0
     return gemms + attention + collectives
 
@@ -477,6 +520,8 @@ def _activation_parts(model: ModelSpec, layout: Layout, precision: Precision, fr
         waiting = logits * 4
         loss = logits * (framework.loss_parallel_bytes if layout.tp > 1 else framework.loss_backward_bytes)
     first = 0.0 if layout.pp == 1 or layout.pp_schedule == "zbv" else in_flight_microbatches(layout)
+    if framework.pp_bubble == "dualpipe" and layout.pp > 1:  # PP + 1 micro-batches of a stage on rank 0 (V3 report,
+        first = float(min(m, layout.pp + 1))  # Table 2), the first stage of one direction and the last of the other
     return ActivationParts(n, whole, working, waiting, held, loss, first, n_first)
 
 
@@ -573,6 +618,10 @@ def state_memory(model: ModelSpec, layout: Layout, hw: Hardware, precision: Prec
         states = state_memory(model, inner, hw, precision, framework, memo)
         held = stage_params(model, inner, framework) / (inner.dp * inner.sp if inner.zero_stage >= 2 else 1)
         return replace(states, optimizer=states.optimizer + 8 * held)
+    if framework.pp_bubble == "dualpipe" and layout.pp > 1:  # two stages a rank (two copies of the parameters,
+        # V3 report Table 2), the first and the last together: as many blocks and ends as a pipeline of pp/2 (no memo:
+        # its key would be that pipeline's)
+        return _state_memory(model, replace(layout, pp=layout.pp // 2), hw, precision, framework)
     split = _split_key(layout, framework) if layout.pp > 1 else ()
     if split and split[4]:  # a split weighing the costs at this many tokens: what matters is the ranks' parameters
         # (and, for Muon's count and temporaries, the blocks of the rank that holds the most)

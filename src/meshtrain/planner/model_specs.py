@@ -74,7 +74,8 @@ class ModelSpec:
     """Experts each token is routed to (top-k); with ``experts``."""
     shared_ffn: int = 0
     """Width of a shared expert every token runs besides its routed ones, with a (1, h) sigmoid gate (Qwen2-MoE);
-    0 = none. Replicated over tp and ep like the router."""
+    0 = none. Replicated over ep like the router; over tp too with its gate, split by tp without one (DeepSeek:
+    :attr:`shared_tp_split`)."""
     adapter_layer_params: int = 0
     """LoRA (:mod:`meshtrain.adapters`): one block's adapter parameters, ``r * (in + out)`` per adapted linear map
     (:func:`meshtrain.adapters.spec.adapter_parameters` over the layers); 0 = full training. With adapters they
@@ -260,6 +261,34 @@ class ModelSpec:
         return n * (self.moe_fraction if self.dense_layers else 1)
 
     @cached_property
+    def shared_tp_split(self) -> bool:
+        """Whether tp splits the shared experts as a dense MLP (gate and up column-, down row-parallel): DeepSeek's and
+        GLM-4.5's ungated ones (``shared_gate`` False: the trainer's plan, :data:`meshtrain.models.deepseek_v3.spec.TP`,
+        and Megatron-Core's ``SharedExpertMLP``); a gated one (Qwen2-MoE) is replicated like the router (meshtrain's
+        plan, :func:`meshtrain.models.moe.spec.tp_names`)."""
+        return bool(self.shared_ffn) and not self.shared_gate
+
+    @cached_property
+    def mla_down_params(self) -> int:
+        """MLA's down-projection weights per layer, ``rq*h + h*(rkv + dr)`` (q's, kv's and the shared RoPE key's): every
+        tp rank computes the latents whole (0 without MLA)."""
+        if not self.kv_lora_rank:
+            return 0
+        return self.q_lora_rank * self.hidden + self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @cached_property
+    def tp_replicated_params(self) -> float:
+        """One layer's parameters that tp leaves whole on every rank (a mean over the layers with ``dense_layers``):
+        the router, a replicated shared expert (:attr:`shared_tp_split`), the norms' scales (and shifts with
+        ``biases``), the q/k norms, MLA's down-projections and latent norms (:attr:`mla_down_params`; Megatron's layout
+        and the trainer's, Shoeybi et al. 2019, Sec. 3: only the column- and row-parallel matrices are split). The
+        row-parallel biases (GPT) are left split, a few h per layer."""
+        norms = (4 if self.biases else 2) * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        latents = self.mla_down_params + (self.q_lora_rank + self.kv_lora_rank if self.kv_lora_rank else 0)
+        shared = 0 if self.shared_tp_split else self.shared_params
+        return self.router_params + shared + norms + latents
+
+    @cached_property
     def mlp_matrices(self) -> int:
         """2 for GELU (up, down), 3 for SwiGLU (gate, up, down; Shazeer 2020)."""
         return 3 if self.activation == "swiglu" else 2
@@ -371,6 +400,35 @@ def _deepseek_v3(name: str, experts: int, vocab: int, dense_layers: int, mtp: in
                      v_head_dim=128, dense_layers=dense_layers, dense_ffn=18432, mtp_layers=mtp)
 
 
+def _glm45(name: str, layers: int, hidden: int, ffn: int, dense_ffn: int, experts: int, dense_layers: int,
+           qk_norm: bool) -> ModelSpec:
+    """GLM-4.5 (``Glm4MoeForCausalLM``) at 4,096 tokens, as meshtrain builds it with ``num_nextn_predict_layers = 0``
+    (without the released checkpoints' MTP block, which 1 trains; ``from_config`` counts it then): 96 heads of 128 features (q 12,288 wide against h), 8 kv heads, q/k/v biases, 8 routed
+    experts per token beside one shared expert, V = 151,552, untied head. GLM-4.5 Team 2025 (arXiv:2508.06471, Table 1)
+    and the released ``config.json`` of zai-org/GLM-4.5 (92 layers, h = 5,120, 160 experts of width 1,536, 3 dense
+    layers of 12,288, q/k norms; 355B parameters, 32B active) and zai-org/GLM-4.5-Air (46 layers, h = 4,096, 128
+    experts of width 1,408, 1 dense layer of 10,944, no q/k norms; 106B, 12B active)."""
+    return ModelSpec(name, layers, hidden, 96, vocab=151552, seq_len=4096, ffn_hidden=ffn, kv_heads=8,
+                     activation="swiglu", tied_embeddings=False, learned_positions=False, head_dim=128, qkv_bias=True,
+                     qk_norm=qk_norm, experts=experts, experts_per_token=8, shared_ffn=ffn, shared_gate=False,
+                     dense_layers=dense_layers, dense_ffn=dense_ffn)
+
+
+def _deepseek_v2(name: str, layers: int, hidden: int, heads: int, q_lora_rank: int, ffn: int, dense_ffn: int,
+                 experts: int, groups: int, topk_groups: int) -> ModelSpec:
+    """DeepSeek-V2 (``DeepseekV2ForCausalLM``) at 4,096 tokens: MLA with kv_lora_rank 512, 128 + 64 q/k features per
+    head and 128 v features, 6 routed experts per token beside 2 shared ones, one dense first layer, V = 102,400,
+    untied head. DeepSeek-AI 2024 (arXiv:2405.04434, Sec. 3.1.2 and Appendix B.1) and the released ``config.json`` of
+    deepseek-ai/DeepSeek-V2 (60 layers, h = 5,120, 128 heads, q_lora_rank 1,536, 160 experts of width 1,536, 8 groups
+    of which 3 per token, dense width 12,288; 236B parameters, 21B active) and DeepSeek-V2-Lite (27 layers, h = 2,048,
+    16 heads, q projected directly, 64 experts of width 1,408, greedy routing, dense width 10,944; 15.7B, 2.4B)."""
+    return ModelSpec(name, layers, hidden, heads, vocab=102400, seq_len=4096, ffn_hidden=ffn, kv_heads=heads,
+                     activation="swiglu", tied_embeddings=False, learned_positions=False, head_dim=192,
+                     experts=experts, experts_per_token=6, shared_ffn=2 * ffn, shared_gate=False, expert_groups=groups,
+                     expert_topk_groups=topk_groups, q_lora_rank=q_lora_rank, kv_lora_rank=512, qk_rope_head_dim=64,
+                     v_head_dim=128, dense_layers=1, dense_ffn=dense_ffn)
+
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _gpt2("gpt2-small", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
     _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
@@ -384,6 +442,9 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 8, 2), _moe("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 8, 2),
     _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, 128, 8, head_dim=128, qk_norm=True),
     _deepseek_v3("deepseek-v3", 256, 129280, 3, 1, 8, 4, 128), _deepseek_v3("kimi-k2", 384, 163840, 1, 0, 0, 0, 64),
+    _glm45("glm-4.5", 92, 5120, 1536, 12288, 160, 3, True), _glm45("glm-4.5-air", 46, 4096, 1408, 10944, 128, 1, False),
+    _deepseek_v2("deepseek-v2", 60, 5120, 128, 1536, 1536, 12288, 160, 8, 3),
+    _deepseek_v2("deepseek-v2-lite", 27, 2048, 16, 0, 1408, 10944, 64, 0, 0),
 )}
 
 
@@ -511,12 +572,18 @@ def from_config(cfg: Config, vocab_size: int | None = None) -> ModelSpec:
 
 
 def deepseek_v3_spec(m: Any, vocab: int, name: str = "config") -> ModelSpec:
-    """The :class:`ModelSpec` of a ``deepseek_v3`` ``[model]`` table (:class:`meshtrain.models.deepseek_v3.keys.
-    DeepseekV3Keys`) with ``vocab`` rows: its family's planner numbers (:func:`meshtrain.models.deepseek_v3.spec.
-    planner`), for the ``deepseek-v3`` and ``kimi-k2`` presets and the tests."""
-    from meshtrain.models.deepseek_v3 import spec
+    """The :class:`ModelSpec` of a ``[model]`` table of a family the planner models (``deepseek_v3``, ``deepseek_v2``,
+    ``glm4_moe``, ...) with ``vocab`` rows: its family's planner numbers (e.g. :func:`meshtrain.models.deepseek_v3.spec.
+    planner`), for the presets' tests.
 
-    return ModelSpec(name, **spec.planner(m, vocab))
+    Raises:
+        ConfigError: a family the planner does not model."""
+    from meshtrain.models.registry import family
+
+    numbers = family(m.type).planner
+    if numbers is None:
+        raise ConfigError(f"model.type = {m.type!r} is not modelled by the planner")
+    return ModelSpec(name, **numbers(m, vocab))
 
 
 def trained_vocab_size(cfg: Config) -> int:

@@ -113,17 +113,33 @@ class BlockMatrices:
 
 
 def block_matrices(model: ModelSpec) -> BlockMatrices:
-    """:class:`BlockMatrices` of ``model``: attention ``q (q, h)``, ``k, v (kv, h)``, ``proj (h, q)``; a dense MLP
-    ``m - 1`` of ``(f, h)`` and ``(h, f)``; a mixture of experts the same as ``(E, ., .)`` stacks and a shared
-    expert's of width S (its one-row gate and the router stay with AdamW: :data:`meshtrain.optim.table.NOT_MUON`)."""
+    """:class:`BlockMatrices` of ``model``: attention ``q (q, h)``, ``k, v (kv, h)``, ``proj (h, q)`` (MLA:
+    :func:`_mla_matrices`); a dense MLP ``m - 1`` of ``(f, h)`` and ``(h, f)``; a mixture of experts the same as
+    ``(E, ., .)`` stacks and a shared expert's of width S, split by tp as a dense MLP where the trainer splits it
+    (DeepSeek's, :attr:`ModelSpec.shared_tp_split`), else replicated (its one-row gate and the router stay with AdamW:
+    :data:`meshtrain.optim.table.NOT_MUON`). A MoE model's block is a MoE block (dense first layers not told apart)."""
     h, q, kv, f, m = model.hidden, model.q_dim, model.kv_dim, model.ffn_hidden, model.mlp_matrices
-    attention = ((q, h), (kv, h), (kv, h), (h, q))
+    attention, whole = _mla_matrices(model) if model.kv_lora_rank else (((q, h), (kv, h), (kv, h), (h, q)), ())
     mlp = ((f, h),) * (m - 1) + ((h, f),)
     if not model.experts:
         return BlockMatrices(attention + mlp, (), ())
     s = model.shared_ffn
     shared = ((s, h),) * (m - 1) + ((h, s),) if s else ()
-    return BlockMatrices(attention, tuple((model.experts, *shape) for shape in mlp), shared)
+    stacks = tuple((model.experts, *shape) for shape in mlp)
+    if model.shared_tp_split:
+        return BlockMatrices(attention + shared, stacks, whole)
+    return BlockMatrices(attention, stacks, whole + shared)
+
+
+def _mla_matrices(model: ModelSpec) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
+    """(tp-split, tp-replicated) matrices of multi-head latent attention (DeepSeek-V2 report, Sec. 2.1; the trainer's
+    :class:`meshtrain.models.deepseek_v3.model.MLAttention`): the up-projections ``q_b (a*dqk, rq)`` (or ``q (a*dqk,
+    h)`` without a q latent) and ``kv_b (a*(dn + dv), rkv)`` and the output ``proj (h, a*dv)`` split by head; the
+    down-projections ``q_a (rq, h)`` and ``kv_a (rkv + dr, h)`` whole on every tp rank."""
+    h, q, rq, rkv, dr = model.hidden, model.q_dim, model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+    up_q = (q, rq) if rq else (q, h)
+    split = (up_q, (model.heads * (model.head_dim - dr + model.v_head_dim), rkv), (h, model.v_dim))
+    return split, (((rq, h),) if rq else ()) + ((rkv + dr, h),)
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ def lower_bound(model: ModelSpec, layout: Layout, hw: Hardware, precision: Preci
         return 0.0
     mb = micro_batch(model, layout, hw, precision, framework, memo)
     m = layout.gradient_accumulation_steps
-    return m * (mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p + mb.ep) + bubble_time(layout, mb)
+    return m * (mb.forward + mb.backward + mb.tp + mb.sp + mb.p2p + mb.ep) + bubble_time(layout, mb, framework)
 
 
 SYNC_FIELDS = ("local_sgd_steps", "diloco_group", "diloco_inner_steps", "diloco_fragments", "diloco_delay",

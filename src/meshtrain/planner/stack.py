@@ -41,19 +41,32 @@ STACK_OPTIONS: dict[str, dict[str, Any]] = {
     "tp-comm-overlap": {"tp_comm_overlap": True},
     "no-tp-comm-overlap": {"tp_comm_overlap": False},
     "fused-ce": {"cross_entropy_bytes": 24.0},
+    "bf16-ce": {"loss_backward_bytes": 6.0, "loss_parallel_bytes": 6.0},
     "deepep": {"ep_dispatch": "node-limited"},
     "ep-a2a-overlap": {"ep_comm_overlap": True},
     "mla-up-proj-recompute": {"mla_up_proj_recompute": True},
+    "norm-recompute": {"norm_recompute": True},
+    "moe-act-recompute": {"moe_act_recompute": True},
+    "fp8": {"fp8": True, "mixed_precision": "fp8"},
+    "dualpipe": {"pp_bubble": "dualpipe"},
+    "zb1p": {"pp_bubble": "zb1p"},
 }
 """Options a stack adds to its framework, and what each changes in :class:`~meshtrain.planner.layout.Framework`:
 ``compile`` fuses the element-wise kernels (torch.compile), ``flash``/``flash2``/``flash-triton``/``materialized`` the
 attention kernel (``flash2``: FlashAttention-2, below the GEMM rate on Hopper,
 :data:`~meshtrain.planner.hardware.FLASH2_HOPPER`; ``flash-triton`` slower still),
 ``tp-comm-overlap`` hides tp's collectives behind the GEMMs (Megatron-Core ``--tp-comm-overlap``), ``fused-ce`` a
-fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`), ``deepep`` the node-limited
+fused cross-entropy (24 bytes per logit, :class:`~meshtrain.planner.layout.Framework`), ``bf16-ce`` the loss on the
+16-bit logits without an fp32 copy (``F.cross_entropy`` on bf16: its log-softmax, the log-softmax's gradient and the
+logits' gradient at 2 bytes each, 6 bytes per logit held in backward, Megatron-Core's own figure), ``deepep`` the node-limited
 dispatch of a mixture of experts (each token once per destination node, ``Framework.ep_dispatch``), ``ep-a2a-overlap``
 its dispatch and combine beside other micro-batches' compute (``Framework.ep_comm_overlap``),
-``mla-up-proj-recompute`` MLA's latents kept instead of its heads' q, k, v (``Framework.mla_up_proj_recompute``)."""
+``mla-up-proj-recompute`` MLA's latents kept instead of its heads' q, k, v (``Framework.mla_up_proj_recompute``),
+``norm-recompute`` and ``moe-act-recompute`` the RMSNorms' outputs and the experts' SwiGLU outputs recomputed in
+backward (``Framework.norm_recompute``, ``Framework.moe_act_recompute``), ``fp8`` DeepSeek-V3's FP8 mixed precision
+(``Framework.fp8``) and ``dualpipe`` its pipeline schedule's bubble and memory (``Framework.pp_bubble``): together
+DeepSeek-V3's recipe (V3 report, Sec. 3.2-3.3); ``zb1p`` the zero-bubble schedule's bubble in a framework of its own
+(DeepSeek-V2's HAI-LLM: ZB-H1 under ZeRO-1, which torch's schedules do not run)."""
 RUN_RECORD = "plan_vs_actual.json"
 """The record of a finished run ``--calibrate-from RUN_DIR`` reads (:func:`meshtrain.planner.actual.write_plan_vs_actual`)."""
 SPEED_BOUNDS = (1 / 20, 20.0)

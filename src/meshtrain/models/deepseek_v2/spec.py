@@ -41,5 +41,6 @@ def check(m: Any) -> None:
 FAMILY = replace(v3.FAMILY, name="deepseek_v2", keys=DeepseekV2Keys, check=check,
                  summary="DeepSeek-V2 (multi-head latent attention, shared and softmax-routed experts, greedy or "
                          "group-limited)",
-                 model="meshtrain.models.deepseek_v2.model:DeepseekV2", hf=hf_names.FORMAT, planner=None)
-"""DeepSeek-V3's family with V2's router and format; no planner numbers (``meshtrain plan`` says so in one line)."""
+                 model="meshtrain.models.deepseek_v2.model:DeepseekV2", hf=hf_names.FORMAT)
+"""DeepSeek-V3's family with V2's router and format; DeepSeek-V3's planner numbers (:func:`meshtrain.models.deepseek_v3.
+spec.planner`: the router's kind changes no parameter, FLOP or activation the planner counts; V2 has no MTP block)."""

@@ -227,9 +227,17 @@ def sources(m: Any, present: Collection[str]) -> dict[str, Source]:
     for i in range(m.n_layer):
         out.update(_block_sources(m, i, f"blocks.{i}", fused))
     for k in range(m.num_nextn_predict_layers):
+        out.update(_block_sources(m, m.n_layer + k, f"mtp.{k}.block", fused))
+    return {**out, **mtp_sources(m)}
+
+
+def mtp_sources(m: Any) -> dict[str, Source]:
+    """The sources of each multi-token prediction depth's own tensors (:data:`MTP`: ``mtp.{k-1}.eh_proj.weight`` from
+    ``model.layers.{n_layer + k - 1}.eh_proj.weight``, ...), without its block's."""
+    out = {}
+    for k in range(m.num_nextn_predict_layers):
         layer = f"model.layers.{m.n_layer + k}"
         out.update({f"mtp.{k}.{ours}.weight": Source(f"{layer}.{theirs}.weight") for ours, theirs in MTP})
-        out.update(_block_sources(m, m.n_layer + k, f"mtp.{k}.block", fused))
     return out
 
 
@@ -283,11 +291,18 @@ def shapes(m: Any, vocab_size: int, present: Collection[str]) -> dict[str, tuple
             out.update(moe.expert_shapes(f"{layer}.mlp", EXPERT_NAMES, f"{layer}.mlp" if fused else None, m,
                                          llama.ffn_hidden(m)))
             out[f"{layer}.mlp.gate.e_score_correction_bias"] = (m.num_experts,)
-        if i >= m.n_layer:  # a multi-token prediction layer's own tensors and its copies of the shared ones
-            C = m.n_embd
-            out.update({f"{layer}.enorm.weight": (C,), f"{layer}.hnorm.weight": (C,),
-                        f"{layer}.eh_proj.weight": (C, 2 * C), f"{layer}.shared_head.norm.weight": (C,)})
-            out.update({name: (vocab_size, C) for name in copies(m) if name.startswith(f"{layer}.")})
+    return {**out, **mtp_shapes(m, vocab_size, m.num_nextn_predict_layers)}
+
+
+def mtp_shapes(m: Any, vocab_size: int, depths: int) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the own tensors of multi-token prediction layers ``model.layers.{n_layer} ..
+    {n_layer + depths - 1}`` and of their copies of the embedding and head (:func:`copies`); their blocks' tensors
+    are any layer's of that index."""
+    C, out = m.n_embd, {}
+    for layer in (f"model.layers.{i}" for i in range(m.n_layer, m.n_layer + depths)):
+        out.update({f"{layer}.enorm.weight": (C,), f"{layer}.hnorm.weight": (C,), f"{layer}.eh_proj.weight": (C, 2 * C),
+                    f"{layer}.shared_head.norm.weight": (C,), f"{layer}.embed_tokens.weight": (vocab_size, C),
+                    f"{layer}.shared_head.head.weight": (vocab_size, C)})
     return out
 
 

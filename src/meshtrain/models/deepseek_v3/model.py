@@ -6,7 +6,7 @@ dr = qk_rope_head_dim, dv = v_head_dim, rq = q_lora_rank, rkv = kv_lora_rank, E 
 G = n_group. Module names follow the Llama's (``blocks.3.attn.proj``, ``blocks.3.mlp.router``), so pipeline splits,
 checkpoints and expert parallelism (``mlp.experts``) work the same way; the Hugging Face names are in ``hf_names.py``.
 The multi-token prediction modules (V3 report, Sec. 2.2) are ``mtp.{k}`` (``mtp.0.eh_proj``, ``mtp.0.block.attn.proj``),
-beside the blocks, not among them: a pipeline never splits them.
+beside the blocks, not among them: a pipeline puts them on its last stage, with the head (``mtp.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput, RowwiseParallel
 
-from meshtrain.cross_entropy import IGNORE_INDEX
-from meshtrain.models.attention import DocumentMask, SDPAttention, init_decoder_weights
+from meshtrain.models.attention import SDPAttention, init_decoder_weights
 from meshtrain.models.base import LayeredLM
 from meshtrain.models.deepseek_v3 import keys
+from meshtrain.models.deepseek_v3.mtp import MultiTokenPrediction
 from meshtrain.models.llama.model import Llama, SwiGLU, rotate
 from meshtrain.models.moe import layer as moe
 from meshtrain.models.moe.layer import MoE, SharedExpert
@@ -265,103 +265,19 @@ class DeepseekBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class MTPModule(nn.Module):
-    """Depth ``k`` of multi-token prediction (DeepSeek-V3 report, arXiv:2412.19437, Sec. 2.2, Eq. 21-23):
-    ``h'_k = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_{k-1})]`` (``eh_proj`` (C, 2C) of ``enorm``'s embedding then
-    ``hnorm``'s hidden state: the published checkpoint's order, as vLLM and Megatron-Core read it; Eq. 21 writes the
-    two halves the other way round, which only permutes M_k's columns), then one :class:`DeepseekBlock` (Eq. 22; the
-    layer index ``n_layer + k - 1`` decides dense or MoE, as in the checkpoint), then its own RMSNorm ``norm``
-    (``shared_head.norm``) before the shared output head (Eq. 23)."""
-
-    def __init__(self, cfg: ModelConfig, depth: int) -> None:
-        super().__init__()
-        C = cfg.n_embd
-        self.enorm = nn.RMSNorm(C, eps=cfg.norm_eps)
-        self.hnorm = nn.RMSNorm(C, eps=cfg.norm_eps)
-        self.eh_proj = nn.Linear(2 * C, C, bias=False)
-        self.block = DeepseekBlock(cfg, cfg.n_layer + depth - 1)
-        self.norm = nn.RMSNorm(C, eps=cfg.norm_eps)
-
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocumentMask | None = None) -> torch.Tensor:
-        """``h`` (B, T, C): the previous depth's representation (the main model's after its final norm for k = 1);
-        ``emb`` (B, T, C): ``Emb(t_{i+k})`` at position i -> this depth's representation (B, T, C), after ``norm``."""
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # (B, T, 2C) -> (B, T, C)
-        return self.norm(self.block(x, cos, sin, mask=mask))
-
-
-class DeepseekV3(Llama):
+class DeepseekV3(MultiTokenPrediction, Llama):
     """DeepSeek-V3 decoder returning logits (B, T, V); the Llama's forward over :class:`DeepseekBlock`\\ s, its RoPE
-    tables over the ``qk_rope_head_dim`` features (YaRN-scaled, their cos and sin times YaRN's factor)."""
+    tables over the ``qk_rope_head_dim`` features (YaRN-scaled, their cos and sin times YaRN's factor); multi-token
+    prediction's head, loss and pipeline placement from :class:`meshtrain.models.deepseek_v3.mtp.MultiTokenPrediction`."""
 
     MOE = True
     SHARED_ATTRS = Llama.SHARED_ATTRS + ("rope_scale",)
-    mtp_shards: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Under sequence parallelism, set before a training forward (:class:`meshtrain.parallel.model.ReplicatedModel`)
-    and cleared by :meth:`mtp_loss`: depth k's ``(ahead, targets)`` of :meth:`mtp_sequences`, cut to this rank's
-    tokens as its ids and targets are (the shift crosses sp shards, so it is made on the whole window first, as the
-    main loss's targets are); None: the forward holds the whole window and shifts its own ids and targets."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)  # plain values: not parameters, not in checkpoints
         LayeredLM.__init__(self, cfg, vocab_size, lambda i: DeepseekBlock(cfg, i),
                            head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
-        self.mtp_logits: list[torch.Tensor] | None = None
-        """The last training forward's multi-token predictions, read (and cleared) by :meth:`mtp_loss`."""
-        if cfg.num_nextn_predict_layers:  # built after the main model, so its weights are those of a model without
-            self.mtp = nn.ModuleList(MTPModule(cfg, k) for k in range(1, cfg.num_nextn_predict_layers + 1))
-            self.init_weights()  # the same draws for the main model, then the modules'
-
-    def output(self, x: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: DocumentMask | None) -> torch.Tensor:
-        """The main head's logits (B, T, V) (all that eval, ``generate`` and export see); in training with
-        ``num_nextn_predict_layers`` = D, also runs the D modules in sequence (V3 report, Eq. 21-23) and keeps their
-        logits for :meth:`mtp_loss`: depth k's (B, T-k, V), position i predicting ``t_{i+k+1}``. The positions whose
-        ``t_{i+k}`` lies past the window embed token 0 instead; causal attention keeps them out of every kept
-        position."""
-        h = self.norm(x)  # (B, T, C): h^0, the main model's representation
-        logits = self.lm_head(h)  # (B, T, V)
-        modules = getattr(self, "mtp", None)  # a pipeline chunk has none (multi-token prediction needs pp = 1)
-        self.mtp_logits = None
-        if modules is None or not self.training:
-            return logits
-        assert idx.dim() == 2 and self.tok_emb is not None, "multi-token prediction needs token ids and the embedding"
-        T, self.mtp_logits, shards = idx.size(1), [], self.mtp_shards
-        for k, module in enumerate(modules, start=1):
-            ahead = F.pad(idx[:, k:], (0, min(k, T))) if shards is None else shards[k - 1][0]  # (B, T): t_{i+k}
-            h = module(h, self.tok_emb(ahead), cos, sin, mask=mask)  # (B, T, C)
-            self.mtp_logits.append(self.lm_head(h[:, :max(T - k, 0)] if shards is None else h))  # (B, T-k or T, V)
-        return logits
-
-    @staticmethod
-    def mtp_sequences(idx: torch.Tensor, targets: torch.Tensor, depths: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Depth k's ``(ahead, targets)`` for k = 1..``depths`` of a whole window ``idx``, ``targets`` (B, T), both
-        (B, T): the token ``t_{i+k}`` each position i embeds (token 0 past the window, as :meth:`output` pads) and the
-        one it predicts, ``t_{i+k+1}`` = ``targets[:, i+k]`` (the ignore index past the window, so those positions,
-        which :meth:`output` otherwise cuts off, add nothing). Causal attention keeps the padded positions out of every
-        kept one, so a sequence-parallel rank's share of these gives its share of the whole window's loss."""
-        T = idx.size(1)
-        return [(F.pad(idx[:, k:], (0, min(k, T))), F.pad(targets[:, k:], (0, min(k, T)), value=IGNORE_INDEX))
-                for k in range(1, depths + 1)]
-
-    def mtp_loss(self, targets: torch.Tensor,
-                 cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-        """``(lambda / D) * sum_k CE_k`` of the last training forward (V3 report, Eq. 24-25), CE_k summed (not averaged)
-        over the positions whose target k steps further on is supervised, so that the caller divides it by the
-        main loss's token count as the main loss (Eq. 24's 1/T); None without multi-token predictions (eval, D = 0).
-
-        ``targets`` (B, T): the main loss's, position i holding ``t_{i+1}``; depth k's are ``targets[:, k:]``.
-        ``cross_entropy(logits (B, T', V), targets (B, T'))``: the summed cross-entropy the caller uses for the main
-        loss (it skips ignored targets). lambda is ``model.mtp_loss_weight``."""
-        logits, self.mtp_logits = getattr(self, "mtp_logits", None), None
-        shards, self.mtp_shards = self.mtp_shards, None
-        if not logits:
-            return None
-        if shards is not None:  # this sp rank's share (:meth:`mtp_sequences`)
-            return sum(cross_entropy(lk, shards[k][1]) for k, lk in enumerate(logits)) * (
-                self.cfg.mtp_loss_weight / self.cfg.num_nextn_predict_layers)
-        total = sum(cross_entropy(lk, targets[:, k:]) for k, lk in enumerate(logits, start=1) if lk.size(1))
-        return total * (self.cfg.mtp_loss_weight / self.cfg.num_nextn_predict_layers)
+        self.add_mtp(cfg, lambda i: DeepseekBlock(cfg, i))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The Llama's ``cos, sin`` (T, dr) or (B, 1, T, dr), times YaRN's factor in fp32 before the cast (as
@@ -378,7 +294,7 @@ class DeepseekV3(Llama):
         rank computes it whole), its shared experts' row-parallel output all-reduced to whole instead of
         reduce-scattered. Backward: the slice's gradient all-gathered, the input's, whole on every rank (the routed
         experts' computed whole, the shared experts' all-reduced), sliced."""
-        plan = super().tp_plan(sequence_parallel)
+        plan = {**super().tp_plan(sequence_parallel), **self.mtp_tp_plan()}
         if not sequence_parallel:
             return plan
         for i, block in self.blocks.items():

@@ -26,6 +26,7 @@ Multi-token prediction (``num_nextn_predict_layers`` = D, V3 report Sec. 2.2, Eq
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -61,8 +62,7 @@ def check_attention(m: Any) -> None:
                      ("rope_scaling_factor", "Llama 3.1's RoPE scaling; DeepSeek-V3 scales RoPE by YaRN: yarn_factor")):
         require(not getattr(m, key), f"model.{key} = {getattr(m, key)} is not supported by model.type = "
                                      f"'deepseek_v3' ({why}): use 0")
-    _positive(m, "num_nextn_predict_layers", zero=True)
-    _finite(m, "mtp_loss_weight", "the multi-token prediction loss's lambda; V3: 0.3, then 0.1")
+    check_mtp(m)
     _finite(m, "seq_aux_loss_alpha", "the sequence-wise balance loss's alpha; V3: 0.0001; 0 = off")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _positive(m, key)
@@ -76,6 +76,12 @@ def check_attention(m: Any) -> None:
         for key in ("yarn_mscale", "yarn_mscale_all_dim"):
             _finite(m, key, "0 = absent")
         _positive(m, "rope_original_max_positions")
+
+
+def check_mtp(m: Any) -> None:
+    """Multi-token prediction's depth D >= 0 and its loss weight (DeepSeek-V3's and GLM-4.5's)."""
+    _positive(m, "num_nextn_predict_layers", zero=True)
+    _finite(m, "mtp_loss_weight", "the multi-token prediction loss's lambda; V3: 0.3, then 0.1")
 
 
 def check_experts(m: Any) -> None:
@@ -146,10 +152,21 @@ def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, flo
         params = attention_params(m) + mlp_params(m, dense) + 2 * C
         total += layers * (3 * (2 * (attention + mlp_active_params(m, dense)) + scores) * tokens + opt * params)
     head = 3 * 2 * C * V * tokens + opt * C + (0 if m.tie_embeddings else opt * V * C)
-    for k in range(m.num_nextn_predict_layers):  # each depth: M_k, its block and the shared head again
-        matrices = 2 * C * C + attention + mlp_active_params(m, m.n_layer + k < m.first_k_dense_replace) + C * V
-        head += 3 * (2 * matrices + scores) * tokens + opt * (2 * C * C + 3 * C + block_params(m, m.n_layer + k))
-    return opt * V * C, total / m.n_layer, head
+    return opt * V * C, total / m.n_layer, head + mtp_costs(m, V, tokens, attention, scores, block_params)
+
+
+def mtp_costs(m: Any, vocab_size: int, tokens: int, attention: int, scores: int,
+              block_params_of: Callable[[Any, int], int]) -> float:
+    """FLOPs per step of the D multi-token prediction modules (V3 report Sec. 2.2): each depth's M_k (C x 2C), its
+    block (``attention`` matrix parameters and ``scores`` FLOPs per token of the family's attention, the MLP of a layer
+    past the last one) and a second pass through the shared head, x3 with backward, and the optimizer's update of the
+    depth's own parameters (``block_params_of(m, layer)``, M_k and three norms)."""
+    C, opt, total = m.n_embd, OPTIMIZER_FLOPS_PER_PARAM, 0.0
+    for k in range(m.num_nextn_predict_layers):
+        layer = m.n_layer + k
+        matrices = 2 * C * C + attention + mlp_active_params(m, layer < m.first_k_dense_replace) + C * vocab_size
+        total += 3 * (2 * matrices + scores) * tokens + opt * (2 * C * C + 3 * C + block_params_of(m, layer))
+    return total
 
 
 def block_params(m: Any, layer: int) -> int:
@@ -221,4 +238,4 @@ def _family() -> Family:
 
 
 FAMILY = _family()
-"""Tensor parallelism by :data:`TP`; no planner numbers (``meshtrain plan`` says so in one line)."""
+"""Tensor parallelism by :data:`TP`; the planner's numbers by :func:`planner`."""

@@ -18,8 +18,9 @@ from meshtrain.models.llama.spec import head_dim
 from meshtrain.models.moe import spec as moe
 
 SHARED_KEYS = ("dense_ffn_hidden", "first_k_dense_replace", "n_shared_experts", "n_group", "topk_group",
-               "routed_scaling_factor")
-"""DeepSeek-V3's keys of its MoE part (dense first layers, shared experts, group-limited routing) that GLM-4.5 reads."""
+               "routed_scaling_factor", "num_nextn_predict_layers", "mtp_loss_weight")
+"""DeepSeek-V3's keys that GLM-4.5 reads: its MoE part (dense first layers, shared experts, group-limited routing) and
+multi-token prediction (GLM-4.5's and GLM-4.5-Air's one MTP layer, V3's module with GLM's block)."""
 
 
 @dataclass

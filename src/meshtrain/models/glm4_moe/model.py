@@ -56,3 +56,4 @@ class Glm4Moe(DeepseekV3):
         self.mtp_logits = None
         LayeredLM.__init__(self, cfg, vocab_size, lambda i: Glm4MoeBlock(cfg, i),
                            head={"norm": lambda: nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)})
+        self.add_mtp(cfg, lambda i: Glm4MoeBlock(cfg, i))  # DeepSeek-V3's multi-token prediction

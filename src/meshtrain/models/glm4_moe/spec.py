@@ -51,6 +51,7 @@ def check(m: Any) -> None:
             f"and >= 2: RoPE rotates pairs of features")
     require(m.dense_ffn_hidden >= 0, f"model.dense_ffn_hidden = {m.dense_ffn_hidden} must be >= 0")
     deepseek.check_experts(m)
+    deepseek.check_mtp(m)
 
 
 def block_params(m: Any, layer: int) -> int:
@@ -73,7 +74,26 @@ def layer_costs(m: Any, vocab_size: int, tokens: int) -> tuple[float, float, flo
         flops = 3 * (2 * (attention + deepseek.mlp_active_params(m, dense)) + 4 * T * nh * hd) * tokens
         total += layers * (flops + opt * params)
     embedding, _, head = llama.layer_costs(m, vocab_size, tokens)
-    return embedding, total / m.n_layer, head
+    mtp = deepseek.mtp_costs(m, vocab_size, tokens, attention, 4 * T * nh * hd, block_params)
+    return embedding, total / m.n_layer, head + mtp
+
+
+def planner(m: Any, vocab_size: int) -> dict[str, Any]:
+    """The planner's numbers (``ModelSpec``'s fields) of a ``glm4_moe`` ``[model]`` table with ``vocab_size`` rows:
+    grouped-query attention of ``head_dim``-wide heads (q is ``n_head * head_dim`` wide, not ``n_embd``), its q/k/v
+    biases and q/k norms, DeepSeek-V3's MLP (:func:`meshtrain.models.deepseek_v3.spec.planner`: routed and ungated
+    shared experts, group-limited routing, dense first layers) and the multi-token prediction blocks counted among
+    ``layers`` (``n_layer + num_nextn_predict_layers``, as DeepSeek-V3's). ``tests/test_planner_glm_v2.py`` counts
+    parameters and FLOPs against the built model; the ``glm-4.5`` and ``glm-4.5-air`` presets are them at the published shapes."""
+    f = llama.ffn_hidden(m)
+    return dict(layers=m.n_layer + m.num_nextn_predict_layers, hidden=m.n_embd, heads=m.n_head, vocab=vocab_size, seq_len=m.block_size,
+                ffn_hidden=f, kv_heads=llama.kv_heads(m), activation="swiglu", tied_embeddings=m.tie_embeddings,
+                learned_positions=False, head_dim=llama.head_dim(m), qkv_bias=m.attention_bias, qk_norm=m.qk_norm,
+                experts=m.num_experts, experts_per_token=m.num_experts_per_tok, shared_ffn=m.n_shared_experts * f,
+                shared_gate=False, expert_groups=m.n_group if m.n_group > 1 else 0,
+                expert_topk_groups=m.topk_group if m.n_group > 1 else 0, dense_layers=m.first_k_dense_replace,
+                dense_ffn=deepseek.dense_ffn_hidden(m) if m.first_k_dense_replace else 0,
+                mtp_layers=m.num_nextn_predict_layers)
 
 
 TP = TPNames(colwise=("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up", "mlp.shared_experts.gate",
@@ -90,12 +110,13 @@ def _family() -> Family:
     base = llama.family("glm4_moe", "GLM-4.5 (grouped-query attention with partial RoPE; DeepSeek-V3's shared and "
                         "group-limited sigmoid-routed experts, dense first layers)",
                         "meshtrain.models.glm4_moe.model:Glm4Moe", hf_names.FORMAT)
-    return replace(base, keys=Glm4MoeKeys, check=check, layer_costs=layer_costs, planner=None, tp=TP,
+    return replace(base, keys=Glm4MoeKeys, check=check, layer_costs=layer_costs, planner=planner, tp=TP,
                    derived={**base.derived, "dense_ffn_hidden": deepseek.dense_ffn_hidden}, experts=True,
-                   aux_loss=True, resume_keys=base.resume_keys + ("num_experts", "first_k_dense_replace"),
+                   aux_loss=True,
+                   resume_keys=base.resume_keys + ("num_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
                    qk_clip=False, tp_widths=deepseek.tp_widths)
 
 
 FAMILY = _family()
-"""Tensor parallelism by :data:`TP`; no planner numbers (``meshtrain plan`` says so in one line); QK-clip off (the
+"""Tensor parallelism by :data:`TP`; the planner's numbers by :func:`planner`; QK-clip off (the
 q/k norms and biases of the GLM attention are not what it scales)."""

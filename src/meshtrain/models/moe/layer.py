@@ -99,12 +99,20 @@ _grouped_swiglu_eager = torch.compiler.disable(grouped_swiglu)
 (which ``torch.compile`` traces with) takes bf16 only, the eager CPU kernel fp32 too."""
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64: how many of ``experts`` (any shape, ids in [0, E)) chose each expert; ``torch.bincount`` with
+    ``minlength = E`` computed as a scatter-add into E zeros, whose shape does not depend on the data (bincount's
+    does, which breaks a compiled graph there)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def aux_loss_terms(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
                    group: dist.ProcessGroup | None) -> torch.Tensor:
     """The load-balancing loss of one MoE layer, ``E * sum_i f_i * P_i`` (module docstring): ``probs`` (N, E) fp32
     router probabilities, ``experts`` (N, k) the chosen experts; ``group``: the ranks whose counts ``f`` sums
     (global-batch scope) or None (this micro-batch). Returns a scalar with the gradient of ``P``."""
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)  # (E,) assignments
+    counts = expert_counts(experts, num_experts).to(probs.dtype)  # (E,) assignments
     tokens = torch.tensor([float(probs.shape[0])], dtype=probs.dtype, device=probs.device)
     if group is not None:
         both = torch.cat([counts, tokens])
@@ -256,13 +264,16 @@ class MoE(nn.Module):
                                        self.balance_group if self.global_scope else None)
         assignment = experts.reshape(-1)  # (N*k,)
         order = torch.argsort(assignment, stable=True)  # (N*k,) pairs sorted by expert, each in token order
-        counts = torch.bincount(assignment, minlength=self.num_experts)  # (E,)
+        counts = expert_counts(assignment, self.num_experts)  # (E,)
         if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.step_counts = self.step_counts.to(counts.device) + counts  # a training forward (not a recompute)
         if self.capacity_factor:  # the router's load above counts every assignment; the experts take their capacity
             order, counts = self.within_capacity(order, counts, assignment.numel())
         token = order // self.top_k  # (M,) the token of each sorted pair
-        rows = flat[token]  # (M, C); M = N*k without a capacity
+        # (M, C); M = N*k without a capacity. index_select, not flat[token]: its backward is one index_add_, where
+        # advanced indexing's is an accumulating index_put_ (0.43 against 0.81 ms fwd+bwd fp32, 0.28 against 0.90 bf16,
+        # N = 1024, k = 2, C = 128, one thread; the same values, each token's k row gradients summed in another order)
+        rows = flat.index_select(0, token)
         out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)  # a dropped pair adds nothing
         y = torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out)  # (N, C)

@@ -9,7 +9,8 @@ without a pipeline (the schedules divide it by the number of micro-batches).
 Embedding and head: when they sit in different chunks the head gets its own copy of the tied weight
 (equal at the start), and after every backward the two gradients are summed across the ranks that
 hold them -- Megatron-LM's embedding group -- so both copies stay equal to the single tied weight of
-one process. The gradient norm counts that weight once.
+one process. The gradient norm counts that weight once. Multi-token prediction (DeepSeek-V3's) runs on the last
+stage, which keeps a copy of the embedding for it, kept equal the same way (:mod:`meshtrain.models.deepseek_v3.mtp`).
 
 Each schedule's rules (torch-free: what config validation and the planner check) are :mod:`meshtrain.rules.pipeline`.
 Modules, each imported by name (this package imports nothing, so that ``balance.py`` is read before torch loads):

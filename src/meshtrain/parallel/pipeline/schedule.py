@@ -19,6 +19,11 @@ micro-batches and ``v`` chunks per rank when every stage takes equally long:
 (:mod:`meshtrain.parallel.pipeline.trace`), runs the step's micro-batches through the schedule, and then
 sums the gradients of the embedding and the head's copy of it across the ranks that hold them
 (:func:`~meshtrain.parallel.pipeline.split.embedding_group`).
+
+Multi-token prediction (DeepSeek-V3's, :mod:`meshtrain.models.deepseek_v3.mtp`) runs on the last stage, as
+Megatron-Core places it: each micro-batch's tokens ahead and their targets go to every stage as one more step
+argument (``mtp``), the last stage adds the modules' loss to the main one in the schedule's loss function, and its
+copy of the embedding takes part in the same gradient sum as the head's copy of a tied weight.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class Pipeline:
         document_masking: steps carry per-sample positions (B, T') and document ids (B, T) (``data.packing =
             "document"``), split into micro-batches along the batch like the tokens; otherwise the positions
             (T',) are the same for every micro-batch and go whole to each.
+
+    With a model of D > 0 multi-token prediction depths (its ``mtp_depths``), :meth:`step` takes their sequences
+    and sets :attr:`mtp_loss`.
     """
 
     def __init__(self, model: nn.Module, parts: list[nn.Module], chunks: list[Chunk], n_chunks: int,
@@ -102,24 +110,41 @@ class Pipeline:
         # torch splits step kwargs into micro-batches by these specs, whose keys must be exactly the kwargs given
         kwargs_spec = ({"positions": TensorChunkSpec(0), "doc_ids": TensorChunkSpec(0)} if document_masking
                        else {"positions": _Replicate()})
+        self.mtp_depths: int = getattr(model, "mtp_depths", 0)
+        if self.mtp_depths:
+            kwargs_spec["mtp"] = TensorChunkSpec(0)  # (B, 2D, T'): split along the batch like the tokens
+        self.mtp_copy = self._own_mtp_copy()
+        self.mtp_loss: torch.Tensor | None = None
+        """The last step's multi-token prediction loss (the mean over micro-batches of each one's scaled sum, as the
+        loss): on the last stage, zeros elsewhere; None without multi-token prediction."""
+        self._mtp_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (main, mtp) of each micro-batch, detached
         self.document_masking = document_masking
-        self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=kwargs_spec)
+        self.schedule = cls(stages, n_microbatches, loss_fn=self._loss_with_mtp if self.mtp_depths else loss_fn,
+                            kwargs_chunk_spec=kwargs_spec)
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.hidden_seq_divisor = hidden_seq_divisor
         self.loss_context = loss_parallel if use_loss_parallel else nullcontext
 
     def step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor,
-             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+             doc_ids: torch.Tensor | None = None, mtp: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one step: ``x, y`` (n_microbatches * mbs, T') token ids and targets of
         this rank's sequence shard, ``positions`` (T',), or (n_microbatches * mbs, T') with the document ids
-        ``doc_ids`` (n_microbatches * mbs, T) of ``document_masking``. Returns the mean loss over the
-        micro-batches on the last stage, 0 elsewhere; gradients are left reduced over dp and the tied
-        weight's summed."""
+        ``doc_ids`` (n_microbatches * mbs, T) of ``document_masking``; with multi-token prediction ``mtp``
+        (n_microbatches * mbs, 2D, T'), its depths' tokens ahead and targets
+        (:meth:`meshtrain.models.deepseek_v3.mtp.MultiTokenPrediction.forward`). Returns the mean main loss over
+        the micro-batches on the last stage, 0 elsewhere (and sets :attr:`mtp_loss`); gradients are left reduced
+        over dp and the tied weight's summed."""
         losses: list[torch.Tensor] = []
+        self._mtp_parts = []
+        self._refresh_mtp_copy()
         with self.loss_context(), self.tracer.step():
-            self._run(x, y, positions, doc_ids, losses)
+            self._run(x, y, positions, doc_ids, losses, mtp)
         self.sync_tied_gradients()
-        return self._mean(losses)
+        if not self.mtp_depths:
+            return self._mean(losses)
+        parts = self._mtp_parts[-self.n_microbatches:]  # the first step's shape inference computes a loss too
+        self.mtp_loss = self._mean([part for _, part in parts])
+        return self._mean([main for main, _ in parts])
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -177,7 +202,7 @@ class Pipeline:
         return {"schedule": self.schedule_name, "pp": p, "virtual_stages": v, "microbatches": self.n_microbatches,
                 "bubble_measured": statistics.median(measured), "bubble_theory": theory}
 
-    def _run(self, x, y, positions, doc_ids, losses) -> None:
+    def _run(self, x, y, positions, doc_ids, losses, mtp=None) -> None:
         args = (x,) if self.is_first else ()
         # positions go to every stage (torch hands a rank's step kwargs to each of its stages): the GPT reads
         # them in its embedding, a Llama's every block rotates q and k by them; document ids likewise, every
@@ -186,6 +211,11 @@ class Pipeline:
             raise ValueError(f"document ids {'given' if doc_ids is not None else 'missing'}: this pipeline was "
                              f"built with document_masking = {self.document_masking}")
         documents = {"doc_ids": doc_ids} if self.document_masking else {}
+        if self.mtp_depths:
+            if mtp is None:
+                raise ValueError("multi-token prediction's sequences missing: this pipeline's model has "
+                                 f"{self.mtp_depths} depth(s)")
+            documents["mtp"] = mtp
         self.schedule.step(*args, target=y if self.is_last else None, losses=losses if self.is_last else None,
                            positions=positions, **documents)
 
@@ -194,16 +224,51 @@ class Pipeline:
             return torch.zeros(())
         return torch.stack([loss.detach().float().reshape(()) for loss in map(local_value, losses)]).mean()
 
+    def _head(self) -> nn.Module | None:
+        """The last chunk's model on this rank (DDP's wrapper removed), or None."""
+        part = self.parts.get(self.n_chunks - 1)
+        return getattr(part, "module", part)
+
+    def _loss_with_mtp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch with multi-token prediction: the main loss (:attr:`loss_fn`) plus the
+        last chunk's ``mtp_loss`` of the forward just run, its cross-entropies summed as the main one's
+        (``loss_fn.evaluated``) and scaled alike (DeepSeek-V3 report, Eq. 24-25: both over the main loss's supervised
+        tokens of the global batch). torch's schedules call it right after each forward of the last stage."""
+        main = self.loss_fn(logits, targets)
+        mtp = self._head().mtp_loss(targets, lambda lk, yk: self.loss_fn.evaluated(lk, yk)[0])
+        mtp = mtp * self.loss_fn.scale
+        self._mtp_parts.append((main.detach(), mtp.detach()))
+        return main + mtp
+
+    def _own_mtp_copy(self) -> nn.Parameter | None:
+        """The last chunk's own copy of the embedding weight for multi-token prediction, where this rank holds the
+        first chunk too (V placement; :mod:`meshtrain.models.deepseek_v3.mtp`): not a parameter of :attr:`model`
+        (neither optimised nor saved), refreshed from ``tok_emb`` before each step; else None."""
+        copy = getattr(self._head(), "mtp_embedding", None)
+        return None if copy is None or copy is self.model.tok_emb else copy.weight
+
+    @torch.no_grad()
+    def _refresh_mtp_copy(self) -> None:
+        """Set :attr:`mtp_copy` to ``tok_emb``'s weight (after the last optimizer step, or a checkpoint's load)."""
+        if self.mtp_copy is not None:
+            local_value(self.mtp_copy).copy_(local_value(self.model.tok_emb.weight))
+
     def tied_weights(self) -> list[nn.Parameter]:
-        """This rank's copies of the embedding/head weight that live on different ranks (0 or 1 of them,
-        or 2 when a V-shaped schedule puts the first and last chunk on this rank)."""
+        """This rank's copies of the embedding weight that live on different ranks or chunks (0 or 1 of them,
+        or 2 when a V-shaped schedule puts the first and last chunk on this rank): the embedding and the head's
+        copy of a tied weight; with multi-token prediction of an untied model, the embedding and the last stage's
+        copy of it (``tok_emb`` there, or :attr:`mtp_copy`)."""
         m = self.model
-        if m.share_embedding or not m.ties_embeddings():  # one tensor here, or two independent ones by design
+        if not m.share_embedding and m.ties_embeddings():  # a tied weight the split gave the head a copy of
+            return [mod.weight for mod in (m.tok_emb, m.lm_head) if mod is not None]
+        if m.share_embedding or not self.mtp_depths:  # one tensor here, or two independent ones by design
             return []
-        return [mod.weight for mod in (m.tok_emb, m.lm_head) if mod is not None]
+        own = [self.mtp_copy] if self.mtp_copy is not None else []
+        return ([m.tok_emb.weight] if m.tok_emb is not None else []) + own
 
     def head_copy(self) -> nn.Parameter | None:
-        """The head's copy of the tied weight, which the gradient norm leaves out (the embedding's counts)."""
+        """The last stage's copy of the embedding weight (the head's of a tied weight, or multi-token prediction's),
+        which the gradient norm leaves out (the embedding's counts)."""
         weights = self.tied_weights()
         return weights[-1] if weights and self.model.lm_head is not None else None
 
@@ -223,3 +288,5 @@ class Pipeline:
             grads[1].copy_(grads[0])
         elif len(grads) == 1 and self.embedding_group is not None:
             dist.all_reduce(grads[0], group=self.embedding_group)
+        if self.mtp_copy is not None:  # its sum is in tok_emb's now; it takes no step of its own
+            self.mtp_copy.grad = None
