@@ -22,6 +22,8 @@ by ``rate * sign(mean - count)`` of integer counts that no summation order chang
   machine: step 1 226 s, step 2 30 s, step 3 0.06 s);
 - the pipeline schedules beyond 1F1B and ZBV at pp2: gpipe, naive, zero-bubble, and interleaved 1F1B with 2 chunks
   per rank (4 layers: the dense one in the first chunk);
+- tp2 x ep2 (4 ranks: MLA's heads split over tp, the routed experts over the dp2 ranks), whose export ``transformers``
+  loads and continues a prompt greedily as meshtrain's ``generate`` does, token for token;
 - GLM-4.5 (``glm4_moe``: grouped-query attention with biases and q/k norms, DeepSeek-V3's MoE) and DeepSeek-V2
   (``deepseek_v2``: V2's group-limited softmax router, no selection bias) at pp2 1F1B and at ep2, and each one's step-2
   checkpoint of ep2 resumed at tp2 (:func:`conftest.assert_resumed_losses`).
@@ -68,6 +70,7 @@ LAYOUTS = {  # name: (world size, overrides of MODEL)
     "glm4-ep2": (2, {**GLM, **EP2, **SAVE}),
     "v2-ep2": (2, {**V2, **EP2, **SAVE}),
     "usp-sp4-mtp": (4, {"parallel.sp": "4", "parallel.sp_mode": "usp", "parallel.sp_ulysses": "2", **MTP}),
+    "tp2-ep2": (4, {"parallel.tp": "2", **EP2, **SAVE}),
 }
 """Each layout's global batch is the reference's 4 samples of 32 tokens; the pipelines' 2 micro-batches of 2 are the
 reference's (:func:`test_deepseek_v3_layouts.one_process_overrides`)."""
@@ -142,3 +145,15 @@ def test_a_checkpoint_reshards_from_ep_to_tp(launched, name):
     got = losses(read_records(root / "w2" / name))
     assert sorted(got) == [3, 4], got
     assert_resumed_losses(got, {s: want[s] for s in (3, 4)})
+
+
+@pytest.mark.slow  # the 4-rank launch above
+def test_a_tp2_ep2_run_exports_and_generates_as_transformers(launched, tmp_path):
+    """The tp2 x ep2 run exported (its tp and ep shards gathered into ``DeepseekV3ForCausalLM``'s names, the routing
+    biases it moved as ``e_score_correction_bias``): ``transformers``' greedy continuation of a prompt is meshtrain's
+    ``generate --temperature 0`` on the run and on the export, token for token."""
+    from test_qwen import generates_as_transformers
+
+    get, root = launched
+    get(4)
+    generates_as_transformers(root / "w4" / "tp2-ep2", tmp_path, "DeepseekV3ForCausalLM")
